@@ -1,0 +1,7 @@
+"""hybrid-engine: train a causal LM and generate its RL rollouts in one engine, with graph-captured decode."""
+
+from .accelerator import get_accelerator, set_accelerator
+
+__version__ = "0.1.0"
+
+__all__ = ["get_accelerator", "set_accelerator", "__version__"]

@@ -1,0 +1,240 @@
+"""Concrete accelerators and graph-API discovery by capability.
+
+Which graph API a backend uses is found by probing what exists, never by
+comparing device names: ``torch.accelerator.Graph`` when the current backend
+registers an implementation (constructing one is the probe), else the backend
+module's own graph class (``CUDAGraph``/``NPUGraph``/``XPUGraph`` with its
+``graph`` capture context). A backend with neither reports ``create_graph() is
+None`` and graph code runs eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+
+from .base import Accelerator
+from .cpu_graph import CPUGraph, capture_cpu_graph, is_cpu_graph_capturing
+
+# Backend-module attribute names of native graph classes; probed with hasattr.
+_NATIVE_GRAPH_CLASSES = ("CUDAGraph", "NPUGraph", "XPUGraph")
+
+
+@dataclass(frozen=True)
+class GraphAPI:
+    """How one backend captures and replays: the four hooks, as callables."""
+
+    name: str
+    new_graph: Callable[[], Any]
+    capture: Callable[[Any, Any, Any], ContextManager[Any]]
+    replay: Callable[[Any], None]
+    pool_of: Callable[[Any], Any]
+    is_capturing: Callable[[], bool] | None
+
+
+_capture_flag = threading.local()
+
+
+@contextlib.contextmanager
+def _flag_capturing() -> Iterator[None]:
+    """Track capture ourselves for APIs without ``is_current_stream_capturing``."""
+    prev = getattr(_capture_flag, "on", False)
+    _capture_flag.on = True
+    try:
+        yield
+    finally:
+        _capture_flag.on = prev
+
+
+def _probe_accelerator_graph(backend_name: str) -> GraphAPI | None:
+    """``torch.accelerator.Graph`` if the current backend implements it."""
+    graph_cls = getattr(getattr(torch, "accelerator", None), "Graph", None)
+    if graph_cls is None:
+        return None
+    try:
+        current = torch.accelerator.current_accelerator()
+        if current is None or current.type != backend_name:
+            return None
+        graph_cls()  # raises when the backend registers no implementation
+    except Exception:
+        return None
+
+    @contextlib.contextmanager
+    def capture(graph: Any, pool: Any, stream: Any) -> Iterator[None]:
+        if pool is not None:
+            graph.graph_pool = pool
+        stream_ctx = torch.accelerator.set_stream if stream is not None else None
+        prev = torch.accelerator.current_stream() if stream_ctx else None
+        if stream_ctx:
+            torch.accelerator.synchronize()
+            stream_ctx(stream)
+        try:
+            with _flag_capturing():
+                graph.capture_begin()
+                try:
+                    yield
+                finally:
+                    graph.capture_end()
+        finally:
+            if stream_ctx:
+                stream_ctx(prev)
+
+    return GraphAPI(
+        name="torch.accelerator.Graph",
+        new_graph=graph_cls,
+        capture=capture,
+        replay=lambda g: g.replay(),
+        pool_of=lambda g: g.pool(),
+        is_capturing=None,
+    )
+
+
+def _probe_module_graph(module: Any, module_label: str) -> GraphAPI | None:
+    """The backend module's own graph class, e.g. ``torch.cuda.CUDAGraph``."""
+    if module is None:
+        return None
+    for cls_name in _NATIVE_GRAPH_CLASSES:
+        graph_cls = getattr(module, cls_name, None)
+        graph_ctx = getattr(module, "graph", None)
+        if graph_cls is not None and callable(graph_ctx):
+            break
+    else:
+        return None
+
+    @contextlib.contextmanager
+    def capture(graph: Any, pool: Any, stream: Any) -> Iterator[None]:
+        with _flag_capturing(), graph_ctx(graph, pool=pool, stream=stream):
+            yield
+
+    native_capturing = getattr(module, "is_current_stream_capturing", None)
+    return GraphAPI(
+        name=f"{module_label}.{cls_name}",
+        new_graph=graph_cls,
+        capture=capture,
+        replay=lambda g: g.replay(),
+        pool_of=lambda g: g.pool() if hasattr(g, "pool") else None,
+        is_capturing=native_capturing if callable(native_capturing) else None,
+    )
+
+
+class TorchBackendAccelerator(Accelerator):
+    """An accelerator backed by a torch device module (``torch.cuda``, ``torch.npu``, ...).
+
+    ``module`` is injectable so stub modules can stand in for hardware in tests.
+    """
+
+    def __init__(self, name: str, module: Any, module_label: str | None = None):
+        self._name = name
+        self._module = module
+        label = module_label or f"torch.{name}"
+        api = _probe_accelerator_graph(name) or _probe_module_graph(module, label)
+        self._graph_api = api
+        self.graph_api = api.name if api else None
+        self.graph_unavailable_reason = (
+            None if api else f"neither torch.accelerator.Graph nor {label} provides a graph class for '{name}'"
+        )
+
+    def _call(self, attr: str, *args: Any, default: Any = None) -> Any:
+        fn = getattr(self._module, attr, None)
+        return fn(*args) if callable(fn) else default
+
+    def device(self) -> torch.device:
+        idx = self._call("current_device")
+        return torch.device(self._name, idx) if isinstance(idx, int) else torch.device(self._name)
+
+    def is_available(self) -> bool:
+        return bool(self._call("is_available", default=False))
+
+    def synchronize(self) -> None:
+        self._call("synchronize")
+
+    def current_stream(self) -> Any:
+        return self._call("current_stream")
+
+    def Stream(self) -> Any:  # noqa: N802
+        return self._call("Stream")
+
+    def stream(self, s: Any) -> ContextManager[Any]:
+        ctx = getattr(self._module, "stream", None)
+        return ctx(s) if callable(ctx) else contextlib.nullcontext(s)
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        self._call("manual_seed_all", seed)
+
+    def empty_cache(self) -> None:
+        self._call("empty_cache")
+
+    def memory_allocated(self) -> int:
+        return int(self._call("memory_allocated", default=0) or 0)
+
+    def max_memory_allocated(self) -> int:
+        return int(self._call("max_memory_allocated", default=0) or 0)
+
+    def reset_peak_memory_stats(self) -> None:
+        self._call("reset_peak_memory_stats")
+
+    # graph hooks ---------------------------------------------------------
+    def create_graph(self) -> Any | None:
+        return self._graph_api.new_graph() if self._graph_api else None
+
+    @contextlib.contextmanager
+    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> Iterator[None]:
+        if self._graph_api is None:
+            raise RuntimeError(f"{self._name}: graph capture unavailable ({self.graph_unavailable_reason})")
+        with self._graph_api.capture(graph, pool, stream):
+            yield
+
+    def replay_graph(self, graph: Any) -> None:
+        if self._graph_api is None:
+            raise RuntimeError(f"{self._name}: graph replay unavailable")
+        self._graph_api.replay(graph)
+
+    def graph_pool(self, graph: Any) -> Any | None:
+        return self._graph_api.pool_of(graph) if self._graph_api else None
+
+    def is_current_stream_capturing(self) -> bool:
+        api = self._graph_api
+        if api is None:
+            return False
+        if api.is_capturing is not None:
+            return bool(api.is_capturing())
+        return bool(getattr(_capture_flag, "on", False))
+
+
+class CPUAccelerator(Accelerator):
+    """The host CPU, with graph capture provided by :mod:`.cpu_graph` emulation.
+
+    ``emulate_graphs=False`` gives a CPU that cannot capture (like MPS), which is
+    how the eager-fallback paths are exercised without special-casing devices.
+    """
+
+    _name = "cpu"
+
+    def __init__(self, emulate_graphs: bool = True):
+        self._emulate = emulate_graphs
+        self.graph_api = "hybrid_engine CPU graph emulation" if emulate_graphs else None
+        self.graph_unavailable_reason = None if emulate_graphs else "CPU graph emulation is disabled"
+
+    def create_graph(self) -> CPUGraph | None:
+        return CPUGraph() if self._emulate else None
+
+    @contextlib.contextmanager
+    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> Iterator[None]:
+        if not isinstance(graph, CPUGraph):
+            raise TypeError(f"capture_to_graph: expected a CPUGraph from create_graph(), got {type(graph).__name__}")
+        with capture_cpu_graph(graph, pool=pool):
+            yield
+
+    def replay_graph(self, graph: Any) -> None:
+        graph.replay()
+
+    def graph_pool(self, graph: Any) -> Any | None:
+        return graph.pool() if isinstance(graph, CPUGraph) else None
+
+    def is_current_stream_capturing(self) -> bool:
+        return is_cpu_graph_capturing()
