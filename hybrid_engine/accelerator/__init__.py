@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .base import Accelerator
 from .backends import CPUAccelerator, GraphAPI, TorchBackendAccelerator
+from .base import Accelerator
 from .cpu_graph import CPUGraph, GraphCaptureError
 
 __all__ = [

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, ContextManager
 
 import torch
 
@@ -155,7 +156,7 @@ class TorchBackendAccelerator(Accelerator):
     def current_stream(self) -> Any:
         return self._call("current_stream")
 
-    def Stream(self) -> Any:  # noqa: N802
+    def Stream(self) -> Any:
         return self._call("Stream")
 
     def stream(self, s: Any) -> ContextManager[Any]:

@@ -11,7 +11,8 @@ would then re-read stale static outputs as if they were fresh.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterator
+from collections.abc import Iterator
+from typing import Any, ContextManager
 
 import torch
 
@@ -45,7 +46,7 @@ class Accelerator:
     def current_stream(self) -> Any:
         return None
 
-    def Stream(self) -> Any:  # noqa: N802 - mirrors torch.cuda.Stream
+    def Stream(self) -> Any:
         return None
 
     def stream(self, s: Any) -> ContextManager[Any]:

@@ -28,7 +28,8 @@ import contextlib
 import gc
 import threading
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -87,7 +88,7 @@ def _storage_key(t: torch.Tensor) -> int:
 class _Step:
     """One recorded op with its argument template, ready for replay."""
 
-    __slots__ = ("fn", "args", "kwargs", "direct", "nested", "kw_direct", "out_slots", "single_out", "free")
+    __slots__ = ("args", "direct", "fn", "free", "kw_direct", "kwargs", "nested", "out_slots", "single_out")
 
     def __init__(self, fn, args, kwargs, direct, nested, kw_direct, out_slots, single_out):
         self.fn = fn
@@ -249,7 +250,7 @@ class CPUGraph:
     def num_ops(self) -> int:
         return len(self._steps or ())
 
-    def pool(self) -> "CPUGraph":
+    def pool(self) -> CPUGraph:
         """Opaque pool handle; CPU memory needs no sharing, so it is the graph itself."""
         return self
 

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One entry point for a fresh clone: creates (or reuses) a local virtual environment,
+# installs the package with its test extras, then runs what was asked.
+#   ./run.sh demo [options]   the main job: a small RL loop with graph-captured rollouts
+#   ./run.sh test [pytest options]   the whole test suite
+#   ./run.sh <hybrid-engine subcommand> [...]   e.g. ./run.sh info, ./run.sh bench decode
+# HYBRID_ENGINE_VENV picks the venv folder (default .venv); HYBRID_ENGINE_TORCH the torch
+# requirement installed when the venv has none (default torch==2.13.0).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+venv="${HYBRID_ENGINE_VENV:-.venv}"
+python_bin="${PYTHON:-python3}"
+if [ ! -x "$venv/bin/python" ]; then
+  "$python_bin" -m venv "$venv"
+fi
+py="$venv/bin/python"
+stamp="$venv/.hybrid-engine-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  # torch first, pinned: an unpinned resolve would pull a multi-GB accelerator build.
+  if ! "$py" -c "import torch" 2>/dev/null; then
+    "$py" -m pip install -q --disable-pip-version-check "${HYBRID_ENGINE_TORCH:-torch==2.13.0}"
+  fi
+  "$py" -m pip install -q --disable-pip-version-check -e ".[dev]"
+  touch "$stamp"
+fi
+
+cmd="${1:-demo}"
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  test) exec "$py" -m pytest -q "$@" ;;
+  *) exec "$py" -m hybrid_engine "$cmd" "$@" ;;
+esac
