@@ -1,0 +1,241 @@
+"""Token sampling that is safe to capture into a device graph.
+
+Decode steps are captured once and replayed many times, so sampling runs
+*inside* the graph. Capture forbids host synchronisations and data-dependent
+shapes, and freezes every Python-side value at capture time. This module keeps
+one invariant that makes sampling correct under those rules:
+
+    All randomness is a pure function of device-resident integer counters
+    ``(seed, request_index, token_index, stream)``.
+
+There is no generator state to advance (a captured ``torch.rand`` would either
+replay the same numbers or depend on how many rows share the batch). Instead
+:func:`counter_uniform` hashes the counters with a splitmix64-style integer
+mixer built from int64 tensor ops. Because of that:
+
+* replay and eager execution draw the same numbers, token for token;
+* a request's tokens do not depend on which other requests share its batch or
+  in which row it sits;
+* the same values come out on every device (integer arithmetic is exact).
+
+The host-side knobs (temperature, top-p, top-k) are plain Python numbers and
+are frozen into a captured graph; a graph is keyed on them. Everything else is
+static-shape tensor work: a stable descending sort, masks built from positions
+and cumulative sums, and an inverse-CDF pick by counting -- no ``.item()``,
+``nonzero``, boolean-mask indexing or ``torch.multinomial``.
+
+Filtering order (shared by :func:`sample_tokens` and :func:`logprobs_of`
+through :func:`_filtered_sorted_logprobs`, so the two cannot diverge):
+temperature scaling, then top-k, then top-p on the top-k-renormalised
+distribution (keep the smallest prefix, in descending-probability order, whose
+cumulative probability reaches ``top_p``; the top token is always kept), then
+renormalisation. Ties between equal logits are broken by vocabulary index (the
+lower index ranks first) because the sort is stable.
+
+Log-probabilities:
+
+* sampling (``temperature > 0``): the log-probability under the distribution
+  actually sampled from, i.e. ``softmax(logits / T)`` restricted by top-k/top-p
+  and renormalised;
+* greedy (``temperature == 0``): the log-probability under ``softmax(logits)``
+  (temperature 1, no filtering), which is what a trainer's forward computes.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+__all__ = ["SAMPLING_STREAM", "counter_uniform", "logprobs_of", "sample_tokens", "validate_sampling"]
+
+#: ``stream`` used by :func:`sample_tokens` for its one uniform per token.
+SAMPLING_STREAM = 0
+
+_MASK64 = (1 << 64) - 1
+
+
+def _s64(c: int) -> int:
+    """A 64-bit constant as the signed value an int64 tensor holds."""
+    c &= _MASK64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN = _s64(0x9E3779B97F4A7C15)
+_MUL1 = _s64(0xBF58476D1CE4E5B9)
+_MUL2 = _s64(0x94D049BB133111EB)
+_DOMAIN = _s64(0x5851F42D4C957F2D)  # separates the seed lane from the counters
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic, so mask the sign fill)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser; int64 multiply wraps modulo 2**64, as intended."""
+    x = (x ^ _shr(x, 30)) * _MUL1
+    x = (x ^ _shr(x, 27)) * _MUL2
+    return x ^ _shr(x, 31)
+
+
+def _as_int64(x: torch.Tensor | int, like: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.int64)
+    # A Python int is a host value: inside a captured graph it is frozen.
+    return torch.tensor(int(x), dtype=torch.int64, device=None if like is None else like.device)
+
+
+def counter_uniform(
+    seed: torch.Tensor | int,
+    request_index: torch.Tensor | int,
+    token_index: torch.Tensor | int,
+    stream: int = 0,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Uniform floats in ``[0, 1)`` that are a pure function of integer counters.
+
+    ``seed``, ``request_index`` and ``token_index`` are int64 tensors (scalars or
+    any broadcastable shapes; the result has their broadcast shape). ``stream``
+    selects an independent draw for the same counters (e.g. ``stream=1`` for a
+    second uniform per token). With ``dtype=torch.float32`` the result carries
+    24 random bits (every value is exactly ``k / 2**24``); with
+    ``torch.float64`` it carries 53.
+
+    Python ints are accepted for the counters but, like any host value, are
+    frozen into a captured graph; pass tensors for anything that changes
+    between replays.
+    """
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"counter_uniform: dtype must be float32 or float64, got {dtype}")
+    if not isinstance(stream, numbers.Integral) or isinstance(stream, bool):
+        raise TypeError(f"counter_uniform: stream must be an int, got {type(stream).__name__}")
+    like = next((t for t in (seed, request_index, token_index) if isinstance(t, torch.Tensor)), None)
+    s, r, t = torch.broadcast_tensors(
+        _as_int64(seed, like), _as_int64(request_index, like), _as_int64(token_index, like)
+    )
+    # Absorb one counter per round; adding the golden gamma keeps 0 from being a fixed point.
+    h = _mix(s + _DOMAIN)
+    h = _mix(h + r + _GOLDEN)
+    h = _mix(h + t + _GOLDEN)
+    h = _mix(h + _s64((int(stream) + 1) * _GOLDEN))
+    bits = 24 if dtype == torch.float32 else 53
+    top = _shr(h, 64 - bits)
+    return top.to(dtype) * (2.0**-bits)
+
+
+def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    """Raise if the sampling knobs are invalid.
+
+    ``TypeError`` for a non-numeric value; ``ValueError`` (naming the argument)
+    for ``temperature`` negative or non-finite, ``top_p`` outside ``(0, 1]``, or
+    ``top_k`` not an integer or below ``-1``. ``top_k`` of ``-1`` or ``0``
+    disables top-k; ``top_p == 1`` disables top-p; ``temperature == 0`` is greedy.
+    """
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not (0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not isinstance(top_k, numbers.Integral):  # a number, but not a whole one: a bad value
+        raise ValueError(  # noqa: TRY004
+            f"top_k must be an integer (-1 or 0 disables it), got {top_k!r}"
+        )
+    if top_k < -1:
+        raise ValueError(f"top_k must be >= -1 (-1 or 0 disables it), got {top_k!r}")
+
+
+def _filtered_sorted_logprobs(
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampling distribution over the last dim, in descending order.
+
+    Returns ``(sorted_logprobs, sort_index)``: log-probabilities after
+    temperature, top-k and top-p (removed entries are ``-inf``, the rest are
+    renormalised), and the vocabulary index of each sorted position. Requires
+    ``temperature > 0``. Shapes are static and no value is read on the host.
+    """
+    scaled = logits.float() / temperature
+    sorted_logits, sort_index = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    vocab = sorted_logits.shape[-1]
+    neg_inf = float("-inf")
+    if 0 < top_k < vocab:
+        position = torch.arange(vocab, device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(position >= top_k, neg_inf)
+    logprobs = torch.log_softmax(sorted_logits, dim=-1)
+    if top_p < 1:
+        probs = logprobs.exp()
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # exclusive prefix sum
+        drop = mass_before >= top_p
+        drop[..., 0] = False  # the top token is always kept
+        logprobs = torch.log_softmax(logprobs.masked_fill(drop, neg_inf), dim=-1)
+    return logprobs, sort_index
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    seed: torch.Tensor | int,
+    request_index: torch.Tensor | int,
+    token_index: torch.Tensor | int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` ``[B, V]``; capture-safe.
+
+    Returns ``(tokens [B] int64, logprobs [B] float32)``. Row ``b`` uses the
+    uniform ``counter_uniform(seed, request_index, token_index)[b]`` (stream
+    :data:`SAMPLING_STREAM`) and an inverse-CDF pick over the filtered
+    distribution, so its token depends only on its own logits and counters.
+    ``temperature == 0`` is greedy: ``argmax`` (lowest index on ties) with the
+    log-probability under ``softmax(logits)``. See the module docstring for
+    the filtering rules and what the returned log-probability means.
+    """
+    validate_sampling(temperature, top_p, top_k)
+    if logits.dim() != 2:
+        raise ValueError(f"sample_tokens: logits must be [B, V], got shape {tuple(logits.shape)}")
+    if temperature == 0:
+        tokens = torch.argmax(logits, dim=-1)
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return tokens, logprobs
+    sorted_lp, sort_index = _filtered_sorted_logprobs(logits, temperature, top_p, top_k)
+    u = counter_uniform(seed, request_index, token_index, SAMPLING_STREAM)
+    u = u.expand(logits.shape[0]).unsqueeze(-1)
+    cdf = torch.cumsum(sorted_lp.exp(), dim=-1)
+    # First position whose CDF exceeds u * total (scaling by the total absorbs rounding),
+    # capped at the last kept position in case u * total rounds up to the total.
+    pos = (cdf <= u * cdf[..., -1:]).sum(dim=-1, keepdim=True)
+    kept = torch.isfinite(sorted_lp).sum(dim=-1, keepdim=True)
+    pos = torch.minimum(pos, kept - 1)
+    tokens = sort_index.gather(-1, pos).squeeze(-1)
+    logprobs = sorted_lp.gather(-1, pos).squeeze(-1)
+    return tokens, logprobs
+
+
+def logprobs_of(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = -1,
+) -> torch.Tensor:
+    """Log-probability of ``tokens`` ``[...]`` under the sampling distribution of ``logits`` ``[..., V]``.
+
+    Uses the same filtering as :func:`sample_tokens`, so a trainer can recompute
+    rollout log-probabilities from a full-sequence forward; a token that the
+    filters remove gets ``-inf``. ``temperature == 0`` gives the plain
+    ``log_softmax(logits)`` value. Returns float32 with the shape of ``tokens``.
+    """
+    validate_sampling(temperature, top_p, top_k)
+    index = tokens.long().unsqueeze(-1)
+    if temperature == 0:
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, index).squeeze(-1)
+    sorted_lp, sort_index = _filtered_sorted_logprobs(logits, temperature, top_p, top_k)
+    logprobs = torch.empty_like(sorted_lp).scatter_(-1, sort_index, sorted_lp)
+    return logprobs.gather(-1, index).squeeze(-1)
