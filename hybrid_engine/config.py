@@ -1,0 +1,379 @@
+"""DeepSpeed-style engine configuration, validated once, up front.
+
+Every config (dict, JSON file or ``EngineConfig``) goes through ``load_config``
+before the engine starts, which checks types and ranges, derives the batch-size
+triple, migrates the deprecated ``enable_cuda_graph`` alias and rejects typos.
+Graph-capture gates and the rest of the engine can then read plain, trusted
+fields instead of re-checking raw dictionaries on the hot path, and every
+mistake surfaces as one ``ValueError`` naming the dotted field and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "BF16Config",
+    "ConfigSource",
+    "EngineConfig",
+    "FP16Config",
+    "HybridEngineConfig",
+    "OptimizerConfig",
+    "ZeroConfig",
+    "graph_capture_requested",
+    "load_config",
+    "validate_graph_capture_support",
+]
+
+#: Batch sizes are derived as DeepSpeed does, for a single process.
+WORLD_SIZE = 1
+
+_DEPRECATED_ALIAS = "enable_cuda_graph"
+_ALIAS_TARGET = "enable_graph_capture"
+
+_OPTIMIZER_TYPES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+
+# Real DeepSpeed top-level keys we do not use: passed through untouched, never
+# reported as misspellings of our own keys.
+_DEEPSPEED_PASSTHROUGH = frozenset(
+    (
+        "wall_clock_breakdown",
+        "zero_allow_untested_optimizer",
+        "activation_checkpointing",
+        "gradient_predivide_factor",
+        "prescale_gradients",
+        "sparse_gradients",
+        "communication_data_type",
+        "amp",
+        "bfloat16",
+        "scheduler",
+        "zero_force_ds_cpu_optimizer",
+        "checkpoint",
+        "data_types",
+        "flops_profiler",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "comms_logger",
+        "elasticity",
+        "pipeline",
+        "compression_training",
+        "aio",
+        "autotuning",
+        "data_efficiency",
+        "curriculum_learning",
+        "sparse_attention",
+        "dump_state",
+        "memory_breakdown",
+        "disable_allgather",
+        "graph_harvesting",
+        "seq_parallel_communication_data_type",
+        "use_node_local_storage",
+        "load_universal_checkpoint",
+        "eigenvalue",
+        "progressive_layer_drop",
+        "quantize_training",
+        "weight_quantization",
+        "nebula",
+        "timers",
+    )
+)
+
+
+def _suggest(key: str, valid: list[str]) -> str | None:
+    matches = difflib.get_close_matches(key.lower(), valid, n=1, cutoff=0.8)
+    return matches[0] if matches else None
+
+
+class ZeroConfig(BaseModel):
+    """``zero_optimization``: the stage is checked, other DeepSpeed keys pass through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    stage: StrictInt = Field(default=0, ge=0, le=3)
+
+
+class FP16Config(BaseModel):
+    """``fp16``: mixed precision with loss scaling (``loss_scale=0`` means dynamic)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    enabled: StrictBool = False
+    loss_scale: StrictFloat = Field(default=0.0, ge=0)
+    initial_scale_power: StrictInt = Field(default=16, ge=0)
+
+
+class BF16Config(BaseModel):
+    """``bf16``: bfloat16 mixed precision."""
+
+    model_config = ConfigDict(extra="allow")
+
+    enabled: StrictBool = False
+
+
+class OptimizerConfig(BaseModel):
+    """``optimizer``: ``type`` is normalised to its canonical spelling."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_type(cls, value: Any) -> str:
+        valid = ", ".join(_OPTIMIZER_TYPES.values())
+        if not isinstance(value, str):
+            raise ValueError(  # noqa: TRY004 - pydantic only converts ValueError into a field error
+                f"optimizer.type must be a string, one of {valid} (got {value!r})"
+            )
+        canonical = _OPTIMIZER_TYPES.get(value.strip().lower())
+        if canonical is None:
+            raise ValueError(f"optimizer.type {value!r} is not supported; valid types are {valid}")
+        return canonical
+
+
+class HybridEngineConfig(BaseModel):
+    """``hybrid_engine``: generation settings shared by training and rollouts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: StrictBool = False
+    max_out_tokens: StrictInt = Field(default=512, gt=0)
+    inference_tp_size: StrictInt = Field(default=1, ge=1)
+    release_inference_cache: StrictBool = False
+    pin_parameters: StrictBool = True
+    tp_gather_partition_size: StrictInt = Field(default=8, gt=0)
+    enable_graph_capture: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate_and_check_keys(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data  # pydantic reports the wrong type
+        data = dict(data)
+        valid = list(cls.model_fields)
+        for key in data:
+            if key in valid or key == _DEPRECATED_ALIAS:
+                continue
+            hint = _suggest(str(key), valid)
+            fix = f"did you mean {hint!r}?" if hint else f"valid keys are {', '.join(valid)}"
+            raise ValueError(f"unknown key {key!r} in hybrid_engine; {fix}")
+        if _DEPRECATED_ALIAS in data:
+            old = data.pop(_DEPRECATED_ALIAS)
+            warnings.warn(
+                f"hybrid_engine.{_DEPRECATED_ALIAS} is deprecated; use hybrid_engine.{_ALIAS_TARGET} instead",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if _ALIAS_TARGET in data and data[_ALIAS_TARGET] != old:
+                raise ValueError(
+                    f"hybrid_engine.{_DEPRECATED_ALIAS}={old!r} conflicts with "
+                    f"hybrid_engine.{_ALIAS_TARGET}={data[_ALIAS_TARGET]!r}; "
+                    f"remove the deprecated hybrid_engine.{_DEPRECATED_ALIAS}"
+                )
+            data.setdefault(_ALIAS_TARGET, old)
+        return data
+
+    @property
+    def enable_cuda_graph(self) -> bool:
+        """Deprecated read-only alias of ``enable_graph_capture``."""
+        warnings.warn(
+            f"hybrid_engine.{_DEPRECATED_ALIAS} is deprecated; use hybrid_engine.{_ALIAS_TARGET} instead",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.enable_graph_capture
+
+
+class EngineConfig(BaseModel):
+    """The whole engine config. Unused DeepSpeed keys are kept as extras."""
+
+    model_config = ConfigDict(extra="allow")
+
+    train_batch_size: StrictInt | None = Field(default=None, gt=0)
+    train_micro_batch_size_per_gpu: StrictInt | None = Field(default=None, gt=0)
+    gradient_accumulation_steps: StrictInt = Field(default=1, gt=0)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    optimizer: OptimizerConfig | None = None
+    gradient_clipping: StrictFloat = Field(default=0.0, ge=0)
+    steps_per_print: StrictInt = Field(default=10, gt=0)
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_top_level_typos(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        known = list(cls.model_fields)
+        for key in data:
+            if not isinstance(key, str):
+                raise ValueError(f"config keys must be strings (got {key!r})")  # noqa: TRY004 - see above
+            if key in known or key in _DEEPSPEED_PASSTHROUGH:
+                continue
+            hint = _suggest(key, known)
+            if hint is not None:
+                raise ValueError(f"unknown top-level key {key!r}; did you mean {hint!r}?")
+        return data
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> EngineConfig:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+        self._derive_batch_sizes()
+        return self
+
+    def _derive_batch_sizes(self) -> None:
+        given = self.model_fields_set
+        total = self.train_batch_size
+        micro = self.train_micro_batch_size_per_gpu
+        accum = self.gradient_accumulation_steps if "gradient_accumulation_steps" in given else None
+        if total is not None and micro is not None and accum is not None:
+            if total != micro * accum * WORLD_SIZE:
+                raise ValueError(
+                    f"train_batch_size ({total}) must equal train_micro_batch_size_per_gpu ({micro}) * "
+                    f"gradient_accumulation_steps ({accum}) * world_size ({WORLD_SIZE}) = "
+                    f"{micro * accum * WORLD_SIZE}; fix one of them or omit one to have it derived"
+                )
+        elif total is not None and micro is not None:
+            if total % (micro * WORLD_SIZE):
+                raise ValueError(
+                    f"train_batch_size ({total}) is not divisible by train_micro_batch_size_per_gpu "
+                    f"({micro}) * world_size ({WORLD_SIZE}); gradient_accumulation_steps cannot be derived"
+                )
+            self.gradient_accumulation_steps = total // (micro * WORLD_SIZE)
+        elif total is not None and accum is not None:
+            if total % (accum * WORLD_SIZE):
+                raise ValueError(
+                    f"train_batch_size ({total}) is not divisible by gradient_accumulation_steps "
+                    f"({accum}) * world_size ({WORLD_SIZE}); train_micro_batch_size_per_gpu cannot be derived"
+                )
+            self.train_micro_batch_size_per_gpu = total // (accum * WORLD_SIZE)
+        elif micro is not None:
+            self.train_batch_size = micro * (accum or 1) * WORLD_SIZE
+        elif total is not None:
+            self.train_micro_batch_size_per_gpu = total // WORLD_SIZE
+        # Neither size given: both stay None and the trainer chooses.
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict of the config (unset optional fields omitted)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+ConfigSource = Union[EngineConfig, Mapping[str, Any], str, "os.PathLike[str]"]
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(part) for part in err["loc"])
+        msg = err["msg"]
+        if err["type"] == "value_error":
+            # Our own messages already name the dotted path and the fix.
+            lines.append(msg.removeprefix("Value error, "))
+            continue
+        text = f"{path}: {msg}" if path else msg
+        if err["type"] != "missing":
+            text += f" (got {err['input']!r})"
+        lines.append(text)
+    return "; ".join(lines)
+
+
+def _read_json(path: str | os.PathLike[str]) -> Any:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"config file not found: {os.fspath(path)}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"config file {os.fspath(path)} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise ValueError(f"config file {os.fspath(path)} must hold a JSON object, not {kind}")  # noqa: TRY004
+    return data
+
+
+def load_config(source: ConfigSource) -> EngineConfig:
+    """Validate ``source`` (dict, JSON file path or ``EngineConfig``) into an ``EngineConfig``.
+
+    An ``EngineConfig`` is re-validated from its dump, so a config mutated after
+    loading is checked again; the result is a new object. Every validation
+    problem is a ``ValueError`` naming the dotted field.
+    """
+    where = ""
+    if isinstance(source, EngineConfig):
+        data: Any = source.model_dump()
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    elif isinstance(source, (str, os.PathLike)):
+        data = _read_json(source)
+        where = f" in {os.fspath(source)}"
+    else:
+        raise TypeError(
+            f"load_config: argument 'source' must be a dict, a path to a JSON file or an "
+            f"EngineConfig, not {type(source).__name__}"
+        )
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"invalid engine config{where}: {_format_validation_error(exc)}") from exc
+
+
+def graph_capture_requested(config: ConfigSource) -> bool:
+    """Whether the config asks for graph-captured decode."""
+    return load_config(config).hybrid_engine.enable_graph_capture
+
+
+def validate_graph_capture_support(config: ConfigSource, accelerator: Any = None) -> str | None:
+    """``None`` when captured graphs may be used, else the reason as a sentence.
+
+    Does not look at ``enable_graph_capture`` (see ``graph_capture_requested``).
+    Never compares device names: the accelerator is asked whether it can capture.
+    """
+    cfg = load_config(config)
+    if accelerator is None:
+        from hybrid_engine.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+    can_capture = getattr(accelerator, "supports_graph_capture", None)
+    if can_capture is None:
+        can_capture = accelerator.create_graph() is not None
+    if not can_capture:
+        reason = getattr(accelerator, "graph_unavailable_reason", None)
+        detail = f" ({reason})" if reason else ""
+        return f"The accelerator cannot capture graphs{detail}, so decode must run eagerly."
+    if cfg.zero_optimization.stage == 3:
+        return (
+            "ZeRO stage 3 partitions parameters and re-gathers them every step, so a captured graph "
+            "would replay stale parameter addresses; use zero_optimization.stage 0, 1 or 2."
+        )
+    if cfg.hybrid_engine.release_inference_cache:
+        return (
+            "Setting hybrid_engine.release_inference_cache frees the inference buffers after each generation, "
+            "which a captured graph replays into; set it to false to use graph capture."
+        )
+    if cfg.hybrid_engine.inference_tp_size > 1:
+        return (
+            f"Tensor-parallel inference (hybrid_engine.inference_tp_size={cfg.hybrid_engine.inference_tp_size}) "
+            "is not graph-captured; set hybrid_engine.inference_tp_size to 1 to use graph capture."
+        )
+    return None

@@ -1,0 +1,416 @@
+"""Behaviour of ``hybrid_engine.config``: validation, alias migration, graph gates."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import warnings
+
+import pytest
+
+from hybrid_engine.accelerator import CPUAccelerator
+from hybrid_engine.config import (
+    EngineConfig,
+    HybridEngineConfig,
+    graph_capture_requested,
+    load_config,
+    validate_graph_capture_support,
+)
+
+
+def _load_recording(source):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(source)
+    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    return cfg, deprecations
+
+
+# ------------------------------------------------------------------ defaults
+
+
+def test_defaults():
+    cfg = load_config({})
+    he = cfg.hybrid_engine
+    assert isinstance(he, HybridEngineConfig)
+    assert he.enabled is False
+    assert he.max_out_tokens == 512
+    assert he.inference_tp_size == 1
+    assert he.release_inference_cache is False
+    assert he.pin_parameters is True
+    assert he.tp_gather_partition_size == 8
+    assert he.enable_graph_capture is False
+    assert cfg.train_batch_size is None
+    assert cfg.train_micro_batch_size_per_gpu is None
+    assert cfg.gradient_accumulation_steps == 1
+    assert cfg.zero_optimization.stage == 0
+    assert cfg.fp16.enabled is False
+    assert cfg.bf16.enabled is False
+    assert cfg.optimizer is None
+    assert cfg.gradient_clipping == 0.0
+
+
+# -------------------------------------------------------------------- inputs
+
+FULL = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 4,
+    "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8},
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "hysteresis": 2},
+    "optimizer": {"type": "adamw", "params": {"lr": 1e-5, "betas": [0.9, 0.95]}},
+    "gradient_clipping": 1.0,
+    "steps_per_print": 5,
+    "wall_clock_breakdown": False,
+    "zero_allow_untested_optimizer": True,
+    "activation_checkpointing": {"partition_activations": False},
+    "hybrid_engine": {"enabled": True, "max_out_tokens": 64, "enable_graph_capture": True},
+}
+
+
+def _check_full(cfg: EngineConfig) -> None:
+    assert cfg.train_batch_size == 8
+    assert cfg.zero_optimization.stage == 2
+    assert cfg.zero_optimization.model_dump()["overlap_comm"] is True
+    assert cfg.fp16.enabled and cfg.fp16.initial_scale_power == 12
+    assert cfg.optimizer is not None and cfg.optimizer.type == "AdamW"
+    assert cfg.optimizer.params["lr"] == 1e-5
+    assert cfg.gradient_clipping == 1.0
+    assert cfg.hybrid_engine.max_out_tokens == 64
+    assert cfg.hybrid_engine.enable_graph_capture is True
+    dumped = cfg.to_dict()
+    assert dumped["wall_clock_breakdown"] is False
+    assert dumped["activation_checkpointing"] == {"partition_activations": False}
+    assert dumped["fp16"]["hysteresis"] == 2
+
+
+def test_dict_input():
+    _check_full(load_config(FULL))
+
+
+def test_json_path_input_str_and_pathlike(tmp_path: pathlib.Path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(FULL))
+    _check_full(load_config(path))
+    _check_full(load_config(str(path)))
+
+
+def test_config_object_input_round_trips():
+    cfg = load_config(FULL)
+    again = load_config(cfg)
+    assert isinstance(again, EngineConfig)
+    assert again.to_dict() == cfg.to_dict()
+    # A dump is itself a valid config.
+    assert load_config(cfg.to_dict()).to_dict() == cfg.to_dict()
+    assert load_config(json.loads(cfg.model_dump_json())).to_dict() == cfg.to_dict()
+
+
+def test_mutated_object_is_revalidated():
+    cfg = load_config({})
+    cfg.hybrid_engine.max_out_tokens = -1
+    with pytest.raises(ValueError, match=r"hybrid_engine\.max_out_tokens"):
+        load_config(cfg)
+
+
+@pytest.mark.parametrize("bad", [42, None, b"{}", ["hybrid_engine"], 1.5])
+def test_bad_source_type(bad):
+    with pytest.raises(TypeError, match="source"):
+        load_config(bad)
+
+
+def test_missing_file_names_path(tmp_path: pathlib.Path):
+    path = tmp_path / "nope.json"
+    with pytest.raises((FileNotFoundError, ValueError), match="nope.json"):
+        load_config(path)
+
+
+def test_invalid_json_names_file(tmp_path: pathlib.Path):
+    path = tmp_path / "broken.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="broken.json"):
+        load_config(path)
+
+
+def test_json_non_object_is_error(tmp_path: pathlib.Path):
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="list.json"):
+        load_config(path)
+
+
+def test_validation_error_in_file_names_file_and_field(tmp_path: pathlib.Path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"hybrid_engine": {"max_out_tokens": 0}}))
+    with pytest.raises(ValueError, match=r"bad\.json.*hybrid_engine\.max_out_tokens"):
+        load_config(path)
+
+
+# -------------------------------------------------------------- alias
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_alias_migrates_with_one_warning(value):
+    cfg, deps = _load_recording({"hybrid_engine": {"enable_cuda_graph": value}})
+    assert cfg.hybrid_engine.enable_graph_capture is value
+    assert len(deps) == 1
+    assert "hybrid_engine.enable_graph_capture" in str(deps[0].message)
+
+
+def test_alias_same_value_as_new_key_is_fine():
+    cfg, deps = _load_recording({"hybrid_engine": {"enable_cuda_graph": True, "enable_graph_capture": True}})
+    assert cfg.hybrid_engine.enable_graph_capture is True
+    assert len(deps) == 1
+
+
+def test_new_key_alone_gives_no_warning():
+    cfg, deps = _load_recording({"hybrid_engine": {"enable_graph_capture": True}})
+    assert cfg.hybrid_engine.enable_graph_capture is True
+    assert deps == []
+
+
+def test_alias_conflict_is_value_error():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(ValueError, match="enable_cuda_graph") as info:
+            load_config({"hybrid_engine": {"enable_cuda_graph": True, "enable_graph_capture": False}})
+    assert "enable_graph_capture" in str(info.value)
+    assert info.value.__cause__ is not None
+
+
+def test_alias_absent_from_dumps(tmp_path: pathlib.Path):
+    path = tmp_path / "alias.json"
+    path.write_text(json.dumps({"hybrid_engine": {"enable_cuda_graph": True}}))
+    cfg, _ = _load_recording(path)
+    assert "enable_cuda_graph" not in cfg.model_dump()["hybrid_engine"]
+    assert "enable_cuda_graph" not in cfg.model_dump_json()
+    assert "enable_cuda_graph" not in json.dumps(cfg.to_dict())
+    assert cfg.to_dict()["hybrid_engine"]["enable_graph_capture"] is True
+    # Re-loading the dump emits no further deprecation.
+    _, deps = _load_recording(cfg.to_dict())
+    assert deps == []
+
+
+def test_alias_property_is_deprecated_and_read_only():
+    cfg = load_config({"hybrid_engine": {"enable_graph_capture": True}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cfg.hybrid_engine.enable_cuda_graph is True
+    assert [w.category for w in caught] == [DeprecationWarning]
+    with pytest.raises((AttributeError, ValueError, TypeError)):
+        cfg.hybrid_engine.enable_cuda_graph = False
+
+
+# ------------------------------------------------------------ unknown keys
+
+
+def test_unknown_hybrid_engine_key_suggests():
+    with pytest.raises(ValueError) as info:
+        load_config({"hybrid_engine": {"enable_graph_captur": True}})
+    msg = str(info.value)
+    assert "'enable_graph_captur'" in msg
+    assert "hybrid_engine" in msg
+    assert "did you mean 'enable_graph_capture'?" in msg
+
+
+def test_unknown_hybrid_engine_key_without_close_match_lists_valid_keys():
+    with pytest.raises(ValueError, match="'frobnicate'") as info:
+        load_config({"hybrid_engine": {"frobnicate": 1}})
+    assert "max_out_tokens" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("typo", "right"),
+    [
+        ("hybrid_engin", "hybrid_engine"),
+        ("zero_optimisation", "zero_optimization"),
+        ("gradient_cliping", "gradient_clipping"),
+        ("train_micro_batch_size_per_gp", "train_micro_batch_size_per_gpu"),
+    ],
+)
+def test_top_level_typo_suggests(typo, right):
+    with pytest.raises(ValueError, match=f"'{typo}'.*did you mean '{right}'"):
+        load_config({typo: {}})
+
+
+def test_unrelated_top_level_keys_are_kept():
+    cfg = load_config(
+        {"wall_clock_breakdown": True, "my_project_note": "x", "scheduler": {"type": "WarmupLR"}}
+    )
+    dumped = cfg.to_dict()
+    assert dumped["wall_clock_breakdown"] is True
+    assert dumped["my_project_note"] == "x"
+    assert dumped["scheduler"] == {"type": "WarmupLR"}
+
+
+def test_zero_extra_keys_pass_through():
+    cfg = load_config({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
+    assert cfg.to_dict()["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+
+
+# -------------------------------------------------------- types and ranges
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"hybrid_engine": {"max_out_tokens": 0}}, "hybrid_engine.max_out_tokens"),
+        ({"hybrid_engine": {"max_out_tokens": "lots"}}, "hybrid_engine.max_out_tokens"),
+        ({"hybrid_engine": {"inference_tp_size": 0}}, "hybrid_engine.inference_tp_size"),
+        ({"hybrid_engine": {"tp_gather_partition_size": -3}}, "hybrid_engine.tp_gather_partition_size"),
+        ({"hybrid_engine": {"enable_graph_capture": "yes"}}, "hybrid_engine.enable_graph_capture"),
+        ({"hybrid_engine": {"enabled": 1}}, "hybrid_engine.enabled"),
+        ({"hybrid_engine": True}, "hybrid_engine"),
+        ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage"),
+        ({"zero_optimization": {"stage": -1}}, "zero_optimization.stage"),
+        ({"gradient_clipping": -1.0}, "gradient_clipping"),
+        ({"gradient_clipping": "1.0"}, "gradient_clipping"),
+        ({"steps_per_print": 0}, "steps_per_print"),
+        ({"train_batch_size": 0}, "train_batch_size"),
+        ({"fp16": {"enabled": True, "initial_scale_power": -1}}, "fp16.initial_scale_power"),
+        ({"optimizer": {"params": {}}}, "optimizer.type"),
+    ],
+)
+def test_bad_values_name_the_field(config, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")) as info:
+        load_config(config)
+    assert info.value.__cause__ is not None
+
+
+def test_optimizer_type_is_case_insensitive():
+    for spelling, canonical in [("ADAM", "Adam"), ("AdamW", "AdamW"), ("sgd", "SGD")]:
+        assert load_config({"optimizer": {"type": spelling}}).optimizer.type == canonical
+
+
+def test_unknown_optimizer_lists_valid_types():
+    with pytest.raises(ValueError, match="Lion") as info:
+        load_config({"optimizer": {"type": "Lion"}})
+    for name in ("AdamW", "Adam", "SGD"):
+        assert name in str(info.value)
+
+
+def test_fp16_and_bf16_conflict():
+    with pytest.raises(ValueError, match="fp16.*bf16"):
+        load_config({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    assert load_config({"bf16": {"enabled": True}}).bf16.enabled
+
+
+# ------------------------------------------------------------ batch sizes
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, (32, 4, 8)),
+        ({"train_batch_size": 32, "gradient_accumulation_steps": 4}, (32, 8, 4)),
+        ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, (12, 4, 3)),
+        ({"train_batch_size": 16}, (16, 16, 1)),
+        ({"train_micro_batch_size_per_gpu": 2}, (2, 2, 1)),
+        (
+            {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 8},
+            (24, 3, 8),
+        ),
+    ],
+)
+def test_batch_size_derivation(given, expected):
+    cfg = load_config(given)
+    got = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps)
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4},
+        {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
+        {"train_batch_size": 30, "gradient_accumulation_steps": 4},
+    ],
+)
+def test_batch_size_inconsistency(given):
+    with pytest.raises(ValueError, match="train_batch_size") as info:
+        load_config(given)
+    msg = str(info.value)
+    assert "train_micro_batch_size_per_gpu" in msg or "gradient_accumulation_steps" in msg
+
+
+# ------------------------------------------------------- graph capture gate
+
+
+def test_graph_capture_requested():
+    assert graph_capture_requested({}) is False
+    assert graph_capture_requested({"hybrid_engine": {"enable_graph_capture": True}}) is True
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_graph_capture_allowed(stage):
+    cfg = {"zero_optimization": {"stage": stage}, "hybrid_engine": {"enable_graph_capture": True}}
+    assert validate_graph_capture_support(cfg, CPUAccelerator()) is None
+    assert validate_graph_capture_support(load_config(cfg), CPUAccelerator()) is None
+
+
+def _assert_sentence(reason):
+    assert isinstance(reason, str)
+    assert reason[0].isupper() and reason.rstrip().endswith(".")
+    return reason
+
+
+def test_refuses_when_accelerator_cannot_capture():
+    acc = CPUAccelerator(emulate_graphs=False)
+    reason = _assert_sentence(validate_graph_capture_support({}, acc))
+    assert acc.graph_unavailable_reason in reason
+
+
+def test_refuses_zero_stage_3():
+    reason = _assert_sentence(
+        validate_graph_capture_support({"zero_optimization": {"stage": 3}}, CPUAccelerator())
+    )
+    assert "ZeRO" in reason and "3" in reason
+
+
+def test_refuses_release_inference_cache():
+    cfg = {"hybrid_engine": {"release_inference_cache": True}}
+    reason = _assert_sentence(validate_graph_capture_support(cfg, CPUAccelerator()))
+    assert "release_inference_cache" in reason
+
+
+def test_refuses_tensor_parallel_inference():
+    cfg = {"hybrid_engine": {"inference_tp_size": 2}}
+    reason = _assert_sentence(validate_graph_capture_support(cfg, CPUAccelerator()))
+    assert "inference_tp_size" in reason
+
+
+def test_refusals_checked_in_order():
+    everything = {
+        "zero_optimization": {"stage": 3},
+        "hybrid_engine": {"release_inference_cache": True, "inference_tp_size": 4},
+    }
+    assert "cannot capture" in validate_graph_capture_support(
+        everything, CPUAccelerator(emulate_graphs=False)
+    )
+    assert "ZeRO" in validate_graph_capture_support(everything, CPUAccelerator())
+    everything["zero_optimization"]["stage"] = 2
+    assert "release_inference_cache" in validate_graph_capture_support(everything, CPUAccelerator())
+
+
+def test_gate_ignores_enable_flag_and_uses_process_accelerator():
+    from hybrid_engine.accelerator import get_accelerator, set_accelerator
+
+    previous = get_accelerator()
+    try:
+        set_accelerator(CPUAccelerator(emulate_graphs=False))
+        assert validate_graph_capture_support({"hybrid_engine": {"enable_graph_capture": False}}) is not None
+        set_accelerator(CPUAccelerator())
+        assert validate_graph_capture_support({"hybrid_engine": {"enable_graph_capture": False}}) is None
+    finally:
+        set_accelerator(previous)
+
+
+def test_gate_does_not_compare_device_names():
+    class Renamed(CPUAccelerator):
+        _name = "cuda"  # a name alone must not change the verdict
+
+    assert validate_graph_capture_support({}, Renamed(emulate_graphs=True)) is None
+    assert validate_graph_capture_support({}, Renamed(emulate_graphs=False)) is not None
+
+
+def test_gate_rejects_bad_config():
+    with pytest.raises(ValueError, match="hybrid_engine"):
+        validate_graph_capture_support({"hybrid_engin": {}}, CPUAccelerator())
