@@ -1,0 +1,397 @@
+"""A graph-safe static KV cache that is a transformers ``Cache``.
+
+Why this exists: decode steps are captured once into an accelerator graph and
+replayed for every later step. A capture freezes every *host* value (Python
+ints, shapes, anything read with ``.item()``) and every tensor *address*. So
+all state that changes from one decode step to the next must live in device
+tensors that are updated in place, and nothing in the step may read device
+state on the host. transformers' own caches keep host-side lengths (4.57) or a
+single shared length (5.x ``StaticLayer.cumulative_length``), which cannot
+express rows of different lengths; this cache keeps per-row state on device.
+
+Invariants
+----------
+* K/V buffers are allocated once in ``__init__`` and never reallocated or
+  swapped (``reset``/``copy_rows``/``load_rows`` write into them in place), so
+  a captured graph keeps reading the right storage. Per layer the shape is
+  ``[batch_size, num_kv_heads, capacity, head_dim]`` (``head_dim`` from the
+  config when it names one, e.g. Qwen3; otherwise hidden/heads; GPT-2/OPT have
+  no ``num_key_value_heads`` and use ``num_attention_heads``).
+* Per-row device state, all ``[batch_size]``-leading and updated in place:
+  ``write_pos`` (int64, next buffer slot each row writes), ``valid`` (bool
+  ``[B, capacity]``, which slots a query may attend), ``position`` (int64, the
+  next position id of each row; differs from ``write_pos`` under left padding).
+* :meth:`update` writes row ``b``'s new keys at ``write_pos[b] + arange(q_len)``
+  with ``scatter_`` (no host reads) and returns the full buffers, or views of
+  the first ``kv_len`` slots when the host int ``cache.kv_len`` is set (a
+  per-position graph captures with ``kv_len`` frozen). It does NOT advance
+  ``write_pos``: the step function does that once per forward, after all layers.
+* Host-side checks (bounds, dtype, batch) read device values, so they run only
+  when the current stream is not capturing
+  (``get_accelerator().is_current_stream_capturing()``).
+* :meth:`get_seq_length` / :meth:`get_query_offset` return a host ``int``
+  (``max(write_pos)``, a host read) outside capture and a 0-dim device tensor
+  while capturing (transformers' own 5.x ``StaticLayer`` also returns a tensor),
+  so model code that calls them never syncs inside a graph. With per-row lengths
+  there is no single "sequence length": callers must pass an explicit 4D mask
+  and position ids (see :mod:`hybrid_engine.model_step`).
+
+Works with transformers 4.57 (``get_mask_sizes(cache_position, layer_idx)``,
+``get_max_cache_shape``, ``max_batch_size``/``max_cache_len``) and 5.x
+(``get_mask_sizes(query_length, layer_idx)``, ``get_query_offset``,
+``get_max_length``, ``update(..., kwargs=...)``, ``is_linear``/``is_dummy``).
+Sliding-window attention is not masked here, so configs whose window is smaller
+than the capacity are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .accelerator import get_accelerator
+
+__all__ = ["StaticKVCache", "cache_geometry"]
+
+
+def _capturing() -> bool:
+    return get_accelerator().is_current_stream_capturing()
+
+
+def cache_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a decoder config."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    num_layers = int(config.num_hidden_layers)
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // num_heads
+    return num_layers, int(num_kv_heads), int(head_dim)
+
+
+def _sliding_window(config: PretrainedConfig) -> int | None:
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if any("sliding" in t or "chunked" in t for t in layer_types) else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+class _StaticKVLayer(CacheLayerMixin):
+    """One layer's view of a :class:`StaticKVCache` (what ``cache.layers[i]`` holds)."""
+
+    is_compileable = True
+    is_sliding = False
+    is_croppable = False
+    supports_early_init = True
+
+    def __init__(self, owner: "StaticKVCache", layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self._owner = owner
+        self.layer_idx = layer_idx
+        self.keys = keys
+        self.values = values
+        self.is_initialized = True
+        self.device = keys.device
+        self.max_cache_len = keys.shape[2]
+        self.max_batch_size = keys.shape[0]
+        self.batch_size = keys.shape[0]
+        self.num_heads = keys.shape[1]
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:  # buffers exist from the start
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        return self._owner.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        return self._owner.get_mask_sizes(0, self.layer_idx)
+
+    def get_seq_length(self) -> Any:
+        return self._owner.get_seq_length(self.layer_idx)
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_cache_len
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self._owner.reset()
+
+    def offload(self) -> None:
+        raise NotImplementedError("StaticKVCache buffers have fixed addresses and cannot be offloaded")
+
+    def prefetch(self) -> None:
+        return None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.keys.copy_(self.keys.index_select(0, beam_idx.to(self.device)))
+        self.values.copy_(self.values.index_select(0, beam_idx.to(self.device)))
+
+    def crop(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("StaticKVCache does not support crop(); use reset_rows()")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("StaticKVCache has a fixed batch size; use copy_rows() to replicate rows")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("StaticKVCache has a fixed batch size; use copy_rows() to compact rows")
+
+
+class StaticKVCache(Cache):
+    """Fixed-address KV cache with per-row write positions, validity and position ids (see module docstring)."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        batch_size: int,
+        capacity: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"StaticKVCache: batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"StaticKVCache: capacity must be a positive int, got {capacity!r}")
+        window = _sliding_window(config)
+        if window is not None and window < capacity:
+            raise ValueError(
+                f"StaticKVCache: the config uses sliding-window attention (window {window}) smaller than "
+                f"capacity {capacity}; sliding windows are not supported by this cache"
+            )
+        if dtype is None:
+            cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+            dtype = cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.get_default_dtype()
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        num_layers, num_kv_heads, head_dim = cache_geometry(config)
+        shape = (batch_size, num_kv_heads, capacity, head_dim)
+        layers = [
+            _StaticKVLayer(
+                self,
+                i,
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for i in range(num_layers)
+        ]
+        super().__init__(layers=layers)
+        self._batch_size = batch_size
+        self._capacity = capacity
+        self._dtype = dtype
+        self._device = device
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.write_pos = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        self.position = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
+        #: Host int set by the caller: attention spans only the first ``kv_len`` slots (None: all).
+        self.kv_len: int | None = None
+        #: Number of ``update`` calls (a probe for models that silently ignore an external cache).
+        self.num_updates = 0
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def max_cache_len(self) -> int:
+        return self._capacity
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    @property
+    def is_initialized(self) -> bool:
+        return True
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * len(self.layers)
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self.layers)
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * len(self.layers)
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def _span(self) -> int:
+        return self._capacity if self.kv_len is None else self.kv_len
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self._capacity
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self._capacity
+
+    def get_mask_sizes(self, query_length_or_cache_position: Any = None, layer_idx: int = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)``: the span attention sees (``kv_len`` or capacity), offset 0.
+
+        Accepts both the 4.57 form ``(cache_position, layer_idx)`` and the 5.x form ``(query_length, layer_idx)``.
+        """
+        return self._span(), 0
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> Any:
+        """``max(write_pos)``: a host int outside capture, a 0-dim device tensor while capturing."""
+        longest = self.write_pos.max()
+        if _capturing():
+            return longest
+        return int(longest)
+
+    def get_query_offset(self, layer_idx: int = 0) -> Any:
+        """Slot of the next query (rows written in lockstep); same type rules as :meth:`get_seq_length`."""
+        return self.get_seq_length(layer_idx)
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the K/V buffers and the per-row state."""
+        total = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
+        return total + self.write_pos.nbytes + self.position.nbytes + self.valid.nbytes
+
+    def __repr__(self) -> str:
+        return (
+            f"StaticKVCache(layers={len(self.layers)}, batch_size={self._batch_size}, capacity={self._capacity}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self._dtype}, device={self._device})"
+        )
+
+    # ----------------------------------------------------------------- update
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``[B, H, q_len, D]`` states at each row's ``write_pos``; return the (``kv_len``-sliced) buffers."""
+        layer = self.layers[layer_idx]
+        q_len = key_states.shape[2]
+        if not _capturing():
+            self._check_update(layer, key_states, value_states, q_len)
+        slots = self.write_pos[:, None] + torch.arange(q_len, device=self.write_pos.device)
+        index = slots[:, None, :, None].expand(key_states.shape)
+        layer.keys.scatter_(2, index, key_states)
+        layer.values.scatter_(2, index, value_states)
+        self.num_updates += 1
+        if self.kv_len is None:
+            return layer.keys, layer.values
+        return layer.keys[:, :, : self.kv_len], layer.values[:, :, : self.kv_len]
+
+    def _check_update(self, layer: _StaticKVLayer, key_states: torch.Tensor, value_states: torch.Tensor,
+                      q_len: int) -> None:
+        expected = (self._batch_size, self.num_kv_heads, q_len, self.head_dim)
+        if tuple(key_states.shape) != expected or tuple(value_states.shape) != expected:
+            raise ValueError(
+                f"StaticKVCache.update: key/value states of shape {tuple(key_states.shape)}/"
+                f"{tuple(value_states.shape)} do not match the cache layout {expected}"
+            )
+        if key_states.dtype != self._dtype or value_states.dtype != self._dtype:
+            raise ValueError(
+                f"StaticKVCache.update: states have dtype {key_states.dtype}, the cache holds {self._dtype}; "
+                "build the cache with dtype=model.dtype"
+            )
+        if self.kv_len is not None and not 1 <= self.kv_len <= self._capacity:
+            raise ValueError(f"StaticKVCache: kv_len={self.kv_len} is outside 1..capacity={self._capacity}")
+        end = int(self.write_pos.max()) + q_len
+        limit = self._span()
+        if end > limit:
+            what = "capacity" if self.kv_len is None else "kv_len"
+            raise ValueError(
+                f"StaticKVCache.update: writing {q_len} token(s) at write position {end - q_len} would end at "
+                f"{end}, past {what}={limit}"
+            )
+
+    # -------------------------------------------------------------- row state
+    def _tensors(self) -> list[torch.Tensor]:
+        out = [t for layer in self.layers for t in (layer.keys, layer.values)]
+        return out + [self.valid, self.write_pos, self.position]
+
+    def _rows(self, rows: torch.Tensor | Any, name: str) -> torch.Tensor:
+        rows = torch.as_tensor(rows, dtype=torch.int64, device=self._device)
+        if rows.dim() != 1:
+            raise ValueError(f"StaticKVCache: {name} must be a 1-D tensor of row indices, got shape {tuple(rows.shape)}")
+        if not _capturing() and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self._batch_size):
+            raise ValueError(f"StaticKVCache: {name} must lie in 0..{self._batch_size - 1}")
+        return rows
+
+    def reset(self) -> None:
+        """Empty every row (in place; addresses unchanged)."""
+        for t in self._tensors():
+            t.zero_()
+
+    def reset_rows(self, rows: torch.LongTensor) -> None:
+        """Empty the given rows: K/V zeroed, nothing valid, write position and position id 0."""
+        rows = self._rows(rows, "rows")
+        for t in self._tensors():
+            t.index_fill_(0, rows, 0)
+
+    def copy_rows(self, src_rows: torch.LongTensor, dst_rows: torch.LongTensor) -> None:
+        """Copy K/V, ``valid``, ``write_pos`` and ``position`` of ``src_rows[i]`` into ``dst_rows[i]``.
+
+        Sources are gathered before anything is written, so overlapping sets are fine
+        (e.g. compaction). Use it to fan one prefilled prompt out to ``n`` rows.
+        """
+        src = self._rows(src_rows, "src_rows")
+        dst = self._rows(dst_rows, "dst_rows")
+        if src.shape != dst.shape:
+            raise ValueError(f"StaticKVCache.copy_rows: src_rows has {src.numel()} rows, dst_rows {dst.numel()}")
+        for t in self._tensors():
+            t.index_copy_(0, dst, t.index_select(0, src))
+
+    def load_rows(self, rows: torch.LongTensor, other: "StaticKVCache") -> None:
+        """Copy every row of ``other`` (batch ``len(rows)``, capacity <= ours) into ``rows``.
+
+        Slots beyond ``other.capacity`` are emptied. Used by row-subset prefill.
+        """
+        rows = self._rows(rows, "rows")
+        if other.batch_size != rows.numel():
+            raise ValueError(f"StaticKVCache.load_rows: other has batch {other.batch_size}, rows has {rows.numel()}")
+        if other.capacity > self._capacity:
+            raise ValueError(
+                f"StaticKVCache.load_rows: other capacity {other.capacity} exceeds capacity {self._capacity}"
+            )
+        if (len(other.layers), other.num_kv_heads, other.head_dim) != (
+            len(self.layers), self.num_kv_heads, self.head_dim
+        ):
+            raise ValueError("StaticKVCache.load_rows: the two caches have different layer/head geometry")
+        self.reset_rows(rows)
+        n = other.capacity
+        for mine, theirs in zip(self.layers, other.layers):
+            mine.keys[:, :, :n].index_copy_(0, rows, theirs.keys.to(self._dtype))
+            mine.values[:, :, :n].index_copy_(0, rows, theirs.values.to(self._dtype))
+        self.valid[:, :n].index_copy_(0, rows, other.valid)
+        self.write_pos.index_copy_(0, rows, other.write_pos)
+        self.position.index_copy_(0, rows, other.position)
