@@ -1,0 +1,216 @@
+"""HybridEngine: one module that trains a causal LM and generates its rollouts.
+
+The engine holds the Hugging Face model once. Training is plain PyTorch (ZeRO
+stage 0): a forward under autocast when fp16/bf16 is configured, a backward
+scaled by ``1 / gradient_accumulation_steps`` (and by the fp16 loss scale), and
+an optimizer step only at accumulation boundaries. Generation goes through
+:mod:`hybrid_engine.generation`, which may replay per-position decode graphs
+(:mod:`hybrid_engine.decode_graphs`).
+
+Why the two sides can share one model safely: optimizer updates are in place,
+so captured graphs, which read weights by address, see them on the next
+replay; anything that re-allocates a parameter or buffer changes the weight
+fingerprint, and the graph store drops its graphs before the next replay.
+
+Train/eval: ``eval()`` selects the inference path, ``train()`` the training
+forward. ``generate`` called in train mode runs that one call in eval mode (no
+dropout) under ``torch.no_grad`` and restores train mode afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import ConfigSource, EngineConfig, load_config
+from .decode_graphs import GraphStats
+from .generation import Generator
+
+__all__ = ["HybridEngine", "initialize"]
+
+
+def _build_optimizer(config: EngineConfig, params: Any) -> torch.optim.Optimizer | None:
+    spec = config.optimizer
+    if spec is None:
+        return None
+    kwargs = dict(spec.params)
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}[spec.type]
+    if spec.type == "SGD" and "lr" not in kwargs:
+        kwargs["lr"] = 1e-3  # torch's SGD needs an explicit learning rate
+    try:
+        return cls(params, **kwargs)
+    except TypeError as exc:
+        raise ValueError(f"optimizer.params are not valid for {spec.type}: {exc}") from exc
+
+
+class HybridEngine(nn.Module):
+    """Wraps ``module`` (a causal LM) for training and fast rollout generation."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: EngineConfig):
+        super().__init__()
+        self.module = model
+        self.config = config
+        self.optimizer = optimizer
+        self.global_steps = 0
+        self.micro_steps = 0
+        self._device_type = self._param_device().type
+        self._amp_dtype = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
+        self._scaler = None
+        if config.fp16.enabled:
+            static = config.fp16.loss_scale > 0
+            init = config.fp16.loss_scale if static else float(2**config.fp16.initial_scale_power)
+            # A static loss scale never grows; overflowing steps are skipped (the scale halves then).
+            self._scaler = torch.amp.GradScaler(
+                self._device_type, init_scale=init, growth_interval=2**31 - 1 if static else 2000
+            )
+        self._generator = Generator(model, config)
+
+    # ---------------------------------------------------------------- helpers
+    def _param_device(self) -> torch.device:
+        p = next(self.module.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def _autocast(self):
+        if self._amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device_type, dtype=self._amp_dtype)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next ``step()`` call will update the weights."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    # --------------------------------------------------------------- training
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The training forward of ``module`` (under autocast when fp16/bf16 is on)."""
+        with self._autocast():
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss / gradient_accumulation_steps`` (loss-scaled under fp16)."""
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError("engine.backward(loss): loss must be a scalar tensor")
+        loss = loss / self.gradient_accumulation_steps
+        if self._scaler is not None:
+            loss = self._scaler.scale(loss)
+        loss.backward()
+
+    def step(self) -> None:
+        """Count a micro-step; at an accumulation boundary clip, step the optimizer and zero grads."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        if self.optimizer is None:
+            raise RuntimeError(
+                "engine.step(): no optimizer; pass optimizer= to initialize() or set config.optimizer"
+            )
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self._scaler is not None:
+            self._scaler.unscale_(self.optimizer)
+        if self.config.gradient_clipping > 0:
+            torch.nn.utils.clip_grad_norm_(params, self.config.gradient_clipping)
+        if self._scaler is not None:
+            self._scaler.step(self.optimizer)
+            self._scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            self.module.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self._scaler.get_scale()) if self._scaler is not None else 1.0
+
+    # ------------------------------------------------------------- generation
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Drop-in for transformers' ``generate`` (same arguments, same return value).
+
+        In train mode the call runs in eval mode (no dropout) and train mode is
+        restored afterwards. See :mod:`hybrid_engine.generation` for when the
+        captured per-position decode graphs are used.
+        """
+        was_training = self.module.training
+        if was_training:
+            self.module.eval()
+        try:
+            with torch.no_grad():
+                return self._generator.generate(*args, **kwargs)
+        finally:
+            if was_training:
+                self.module.train()
+
+    @property
+    def graph_stats(self) -> GraphStats:
+        return self._generator.stats()
+
+    def graph_refusal_reason(self) -> str | None:
+        """Why graphs would be refused for a pinned-length call now, or ``None``."""
+        return self._generator.gate_reason()
+
+
+def initialize(
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: ConfigSource | None = None,
+    model_parameters: Any = None,
+    **kwargs: Any,
+) -> tuple[HybridEngine, torch.optim.Optimizer | None]:
+    """Build a :class:`HybridEngine`; returns ``(engine, optimizer)`` (cf. ``deepspeed.initialize``).
+
+    ``config`` is a dict, a JSON path or an ``EngineConfig``. The optimizer is
+    ``optimizer`` if given, else one built from ``config.optimizer`` (AdamW, Adam
+    or SGD) over ``model_parameters`` (default: the model's trainable parameters),
+    else ``None`` (generation only). ZeRO stages 1-3 are not implemented yet.
+    """
+    if kwargs.get("config_params") is not None and config is None:
+        config = kwargs.pop("config_params")
+    unknown = set(kwargs) - {"config_params", "args", "training_data", "lr_scheduler", "mpu", "dist_init_required"}
+    if unknown:
+        raise TypeError(f"initialize() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
+    if kwargs.get("lr_scheduler") is not None or kwargs.get("training_data") is not None:
+        raise ValueError("initialize(): lr_scheduler and training_data are not supported; drive them yourself")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize(): model must be a torch.nn.Module, got {type(model).__name__}")
+    cfg = load_config(config if config is not None else {})
+    stage = cfg.zero_optimization.stage
+    if stage != 0:
+        raise ValueError(
+            f"zero_optimization.stage={stage} is not supported yet: the ZeRO integration is not there; "
+            "use stage 0 (or omit zero_optimization) for plain PyTorch training"
+        )
+    if cfg.hybrid_engine.inference_tp_size > 1:
+        warnings.warn(
+            f"hybrid_engine.inference_tp_size={cfg.hybrid_engine.inference_tp_size}: tensor-parallel inference "
+            "is not implemented (single process); generation runs unsharded and eagerly",
+            UserWarning,
+            stacklevel=2,
+        )
+    if optimizer is None:
+        params = model_parameters if model_parameters is not None else [
+            p for p in model.parameters() if p.requires_grad
+        ]
+        optimizer = _build_optimizer(cfg, params)
+    elif cfg.optimizer is not None:
+        warnings.warn(
+            "initialize(): both an optimizer and config.optimizer were given; using the optimizer passed in",
+            UserWarning,
+            stacklevel=2,
+        )
+    engine = HybridEngine(model, optimizer, cfg)
+    return engine, optimizer
