@@ -1,0 +1,234 @@
+"""Public value types of the rollout engine, validated on construction.
+
+Every check that can fail runs here, before the engine touches the model or
+its cache: a bad call raises a ``ValueError``/``TypeError`` naming the argument
+and the fix, and leaves captured graphs and device state exactly as they were,
+so the next valid call just works.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+import torch
+
+from hybrid_engine.sampling import validate_sampling
+
+__all__ = ["RolloutBatch", "RolloutConfig", "RolloutRequest", "SamplingConfig", "default_graph_buckets"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(owner: str, name: str, value: object, *, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not _is_int(value):
+        none = " or None" if allow_none else ""
+        raise TypeError(f"{owner}: {name} must be an int{none}, got {type(value).__name__} ({value!r})")
+    if value < minimum:  # type: ignore[operator]
+        raise ValueError(f"{owner}: {name} must be >= {minimum}, got {value!r}")
+
+
+def _check_bool(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be True or False, got {type(value).__name__} ({value!r})")
+
+
+def default_graph_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then multiples of 8, up to the first bucket that holds ``max_batch_size``."""
+    buckets = []
+    for b in (1, 2, 4, 8):
+        buckets.append(b)
+        if b >= max_batch_size:
+            return tuple(buckets)
+    b = 16
+    while True:
+        buckets.append(b)
+        if b >= max_batch_size:
+            return tuple(buckets)
+        b += 8
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How the rollout engine runs (not what it samples; see :class:`SamplingConfig`).
+
+    ``max_batch_size`` is the number of concurrently decoding slots (``None``: the
+    whole request). ``cache_capacity`` is the per-row KV length (``None``: the
+    longest prompt plus ``max_new_tokens``). ``graph_batch_sizes`` are the captured
+    bucket sizes (``None``: 1, 2, 4, 8, then multiples of 8). ``sync_interval`` is
+    the number of decode steps between two reads of the finished flags on the
+    host (the only per-step-loop host synchronisation).
+    """
+
+    use_graph_capture: bool = False
+    continuous_batching: bool = True
+    max_batch_size: int | None = None
+    cache_capacity: int | None = None
+    use_shared_prefill: bool = True
+    graph_batch_sizes: tuple[int, ...] | None = None
+    enable_profiling: bool = False
+    pad_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    sync_interval: int = 4
+
+    def __post_init__(self) -> None:
+        owner = "RolloutConfig"
+        for name in ("use_graph_capture", "continuous_batching", "use_shared_prefill", "enable_profiling"):
+            _check_bool(owner, name, getattr(self, name))
+        _check_int(owner, "max_batch_size", self.max_batch_size, minimum=1, allow_none=True)
+        _check_int(owner, "cache_capacity", self.cache_capacity, minimum=2, allow_none=True)
+        _check_int(owner, "pad_token_id", self.pad_token_id, minimum=0, allow_none=True)
+        _check_int(owner, "sync_interval", self.sync_interval, minimum=1)
+        eos = self.eos_token_id
+        if eos is not None and not _is_int(eos):
+            if not isinstance(eos, (list, tuple)) or not eos:
+                raise TypeError(f"{owner}: eos_token_id must be an int, a non-empty list of ints or None, got {eos!r}")
+            for e in eos:
+                _check_int(owner, "eos_token_id", e, minimum=0)
+            object.__setattr__(self, "eos_token_id", tuple(int(e) for e in eos))
+        elif eos is not None:
+            _check_int(owner, "eos_token_id", eos, minimum=0)
+        sizes = self.graph_batch_sizes
+        if sizes is not None:
+            if not isinstance(sizes, (list, tuple)) or not sizes:
+                raise TypeError(f"{owner}: graph_batch_sizes must be a non-empty list of ints or None, got {sizes!r}")
+            for s in sizes:
+                _check_int(owner, "graph_batch_sizes", s, minimum=1)
+            object.__setattr__(self, "graph_batch_sizes", tuple(sorted({int(s) for s in sizes})))
+            if self.max_batch_size is not None and max(sizes) < self.max_batch_size:
+                raise ValueError(
+                    f"{owner}: the largest graph_batch_sizes entry ({max(sizes)}) is below max_batch_size "
+                    f"({self.max_batch_size}); add a bucket >= max_batch_size or lower max_batch_size"
+                )
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """What to sample. ``temperature=0`` is greedy; ``top_k`` -1 or 0 and ``top_p=1`` disable those filters.
+
+    Sample ``j`` of prompt ``i`` is request ``i * n_samples_per_prompt + j``; its
+    tokens depend only on ``(seed, request, token index, logits)``.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n_samples_per_prompt: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        owner = "SamplingConfig"
+        _check_int(owner, "max_new_tokens", self.max_new_tokens, minimum=1)
+        _check_int(owner, "n_samples_per_prompt", self.n_samples_per_prompt, minimum=1)
+        _check_int(owner, "seed", self.seed, minimum=-(1 << 63))
+        if not -(1 << 63) <= self.seed < (1 << 63):
+            raise ValueError(f"{owner}: seed must fit in int64, got {self.seed!r}")
+        try:
+            validate_sampling(self.temperature, self.top_p, self.top_k)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{owner}: {exc}") from None
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "top_k", int(self.top_k))
+
+    @property
+    def sampling_key(self) -> tuple[float, float, int]:
+        """The host values a captured decode graph freezes."""
+        return (self.temperature, self.top_p, self.top_k)
+
+
+@dataclass
+class RolloutRequest:
+    """Left-padded prompts ``prompt_ids`` ``[B, T]`` with their 0/1 ``prompt_attention_mask``.
+
+    ``max_new_tokens`` optionally gives each prompt its own response budget (a
+    list of ``B`` ints), capped by :attr:`SamplingConfig.max_new_tokens`.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_attention_mask: torch.Tensor | None = None
+    max_new_tokens: list[int] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        owner = "RolloutRequest"
+        ids = self.prompt_ids
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"{owner}: prompt_ids must be a torch.Tensor of token ids [batch, seq], got {type(ids).__name__}")
+        if ids.dim() != 2:
+            raise ValueError(
+                f"{owner}: prompt_ids must be 2-D [batch, seq], got shape {tuple(ids.shape)}; "
+                "for one prompt use prompt_ids.unsqueeze(0)"
+            )
+        if ids.shape[0] == 0 or ids.shape[1] == 0:
+            raise ValueError(f"{owner}: prompt_ids must have at least one prompt and one token, got {tuple(ids.shape)}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"{owner}: prompt_ids must hold integer token ids, got dtype {ids.dtype}")
+        mask = self.prompt_attention_mask
+        if mask is None:
+            mask = torch.ones_like(ids)
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"{owner}: prompt_attention_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise ValueError(
+                f"{owner}: prompt_attention_mask shape {tuple(mask.shape)} does not match prompt_ids shape "
+                f"{tuple(ids.shape)}; pass the mask the tokenizer returned with the ids"
+            )
+        m = mask.detach().to("cpu", torch.int64)
+        if bool(((m != 0) & (m != 1)).any()):
+            raise ValueError(f"{owner}: prompt_attention_mask must hold only 0 and 1")
+        lengths = m.sum(dim=1)
+        if bool((lengths == 0).any()):
+            rows = (lengths == 0).nonzero().flatten().tolist()
+            raise ValueError(f"{owner}: prompt_attention_mask rows {rows} are all zero; every prompt needs a real token")
+        if bool((m[:, 1:] < m[:, :-1]).any()):
+            raise ValueError(
+                f"{owner}: prompts must be left-padded (each mask row 0...0 1...1); "
+                "tokenize with padding_side='left'"
+            )
+        if (ids.detach().cpu() < 0).any():
+            raise ValueError(f"{owner}: prompt_ids must be non-negative token ids")
+        self.prompt_attention_mask = mask.to(torch.int64)
+        self.prompt_ids = ids.to(torch.int64)
+        budgets = self.max_new_tokens
+        if budgets is not None:
+            if isinstance(budgets, torch.Tensor):
+                budgets = budgets.tolist()
+            if not isinstance(budgets, (list, tuple)) or len(budgets) != ids.shape[0]:
+                raise ValueError(f"{owner}: max_new_tokens must be a list of {ids.shape[0]} ints (one per prompt) or None")
+            for b in budgets:
+                _check_int(owner, "max_new_tokens", b, minimum=1)
+            self.max_new_tokens = [int(b) for b in budgets]
+
+    @property
+    def prompt_lengths(self) -> list[int]:
+        """Real (unpadded) length of each prompt."""
+        return self.prompt_attention_mask.sum(dim=1).tolist()
+
+
+@dataclass
+class RolloutBatch:
+    """The rollouts, one row per (prompt, sample), in order ``prompt * n + sample``.
+
+    ``input_ids``/``attention_mask`` ``[R, T + L]``: the left-padded prompt as
+    given, then the right-padded response (``pad`` with mask 0 after its end).
+    ``response_start_idx`` is ``T``; ``response_logprobs`` ``[R, L]`` float32
+    holds the log-probability of each generated token under the sampling
+    distribution used (0 on padding); ``response_lengths`` ``[R]`` counts real
+    response tokens, EOS included.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_start_idx: int
+    response_logprobs: torch.Tensor
+    response_lengths: torch.Tensor
+    prompt_index: torch.Tensor
+
+    @property
+    def responses(self) -> torch.Tensor:
+        return self.input_ids[:, self.response_start_idx :]
