@@ -27,11 +27,41 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    return demo.run(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .benchmarks import module
+
+    module(args.bench_command).run(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from . import demo
+    from .benchmarks import SUBCOMMANDS, module
+
     parser = argparse.ArgumentParser(prog="hybrid-engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="print versions, the selected accelerator and graph-capture support")
     info.set_defaults(func=_info)
+
+    demo_p = sub.add_parser("demo", help="the main job: a small RL loop with graph-captured rollouts",
+                            description=demo.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_arguments(demo_p)
+    demo_p.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks: eager vs graph, side by side in one run")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for name, help_text in SUBCOMMANDS.items():
+        mod = module(name)
+        bp = bench_sub.add_parser(name, help=help_text, description=mod.__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(bp)
+        bp.set_defaults(func=_bench)
     return parser
 
 

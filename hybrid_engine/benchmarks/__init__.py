@@ -1,0 +1,24 @@
+"""``hybrid-engine bench``: the reference's tables, eager and graph measured side by side in one run.
+
+Sub-benchmarks (one module each): :mod:`.decode`, :mod:`.rlhf`, :mod:`.continuous`,
+:mod:`.overhead`. Each has ``add_arguments(parser)`` and ``run(args) -> dict``
+(the JSON payload); shared helpers live in :mod:`.common`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+SUBCOMMANDS = {
+    "decode": "ms per decode step and tok/s over batch sizes, engine and rollout paths, eager vs graph",
+    "rlhf": "RLHF-style iteration (eval, generate, train, step): phase table, peak memory, capture cost",
+    "continuous": "continuous rollouts: eager vs graph reuse latency; continuous vs static batching",
+    "overhead": "our eager generate vs transformers' model.generate on the same inputs (ratio <= 1.05)",
+}
+
+
+def module(name: str):
+    """The benchmark module for ``name`` (imported lazily: torch/transformers load only when needed)."""
+    if name not in SUBCOMMANDS:
+        raise KeyError(name)
+    return importlib.import_module(f"{__name__}.{name}")

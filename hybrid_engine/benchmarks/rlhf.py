@@ -1,0 +1,156 @@
+"""``hybrid-engine bench rlhf``: the reference's RLHF-style iteration, eager vs graph, in one process.
+
+One iteration is ``eval -> generate (pinned length, greedy) -> train -> forward /
+backward / step`` on the generated sequences (prompt tokens masked out of the
+labels). Both modes start from the same seeded weights and see the same
+prompts, so their tokens must match call for call. Each mode runs its own
+engine in turn (the other one is freed first, so each peak memory figure is its
+own): ``--warmup`` iterations, the first of which includes the graph capture,
+then ``--iterations`` measured ones, averaged.
+
+Reported: the phase table (generate, train step, iteration; eager, graph,
+speedup), peak memory per mode where the backend reports it, the one-time
+capture cost (the first graph generate minus the eager mean, and the engine's
+own ``capture_seconds``) and the token agreement ``N/N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from typing import Any
+
+import torch
+
+from . import common as C
+from .paths import engine_generate, graph_counts, make_engine
+
+DEFAULT_MODEL = "tiny-gpt2"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    C.add_common_args(p, default_model=DEFAULT_MODEL)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per iteration (default 8)")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (default 256)")
+    p.add_argument("--new-tokens", type=int, default=128, help="new tokens per sequence (default 128)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up iterations per mode (default 1)")
+    p.add_argument("--iterations", type=int, default=4, help="measured iterations per mode (default 4)")
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default 1e-5)")
+
+
+def _run_mode(args: argparse.Namespace, graphs: bool, dtype: torch.dtype, device: torch.device,
+              prompts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    from ..accelerator import get_accelerator
+
+    acc = get_accelerator()
+    gc.collect()
+    acc.empty_cache()
+    acc.reset_peak_memory_stats()
+    model = C.build_bench_model(args, dtype, device, seed=args.seed)
+    engine = make_engine(model, graphs=graphs, max_out_tokens=args.prompt_len + args.new_tokens,
+                         batch_size=args.batch_size, dtype=dtype, lr=args.lr)
+    gen_ms: list[float] = []
+    train_ms: list[float] = []
+    iter_ms: list[float] = []
+    tokens: list[torch.Tensor] = []
+    losses: list[float] = []
+    T, N = args.prompt_len, args.new_tokens
+    for ids, mask in prompts:
+        with C.timer(iter_ms):
+            engine.eval()
+            with C.timer(gen_ms):
+                new = engine_generate(engine, ids, mask, N)
+            tokens.append(new.cpu())
+            with C.timer(train_ms):
+                engine.train()
+                seq = torch.cat([ids, new], dim=1)
+                seq_mask = torch.cat([mask, torch.ones_like(new)], dim=1)
+                labels = seq.clone()
+                labels[:, :T] = -100
+                loss = engine(input_ids=seq, attention_mask=seq_mask, labels=labels).loss
+                engine.backward(loss)
+                engine.step()
+            losses.append(float(loss.detach()))
+    counts = graph_counts(engine)
+    peak = acc.max_memory_allocated()
+    del engine, model
+    gc.collect()
+    acc.empty_cache()
+    w = args.warmup
+    return {
+        "generate_ms": gen_ms, "train_ms": train_ms, "iteration_ms": iter_ms,
+        "generate_mean_ms": C.mean(gen_ms[w:]), "train_mean_ms": C.mean(train_ms[w:]),
+        "iteration_mean_ms": C.mean(iter_ms[w:]), "first_generate_ms": gen_ms[0],
+        "peak_memory_bytes": peak or None, "losses": losses, "graph": counts, "tokens": tokens,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    C.check_plot_available(args.plot)
+    if args.iterations < 1 or args.warmup < 1:
+        raise SystemExit("error: --warmup and --iterations must be >= 1 (the first warm-up call captures)")
+    acc = C.select_device(args.device)
+    device = acc.device()
+    dtype = C.parse_dtype(args.dtype, device.type)
+    env = C.environment()
+    probe = C.build_bench_model(args, dtype, torch.device("cpu") if device.type != "cpu" else device, seed=args.seed)
+    pad, _ = C.special_ids(probe)
+    vocab = int(probe.config.vocab_size)
+    del probe
+    n_iter = args.warmup + args.iterations
+    prompts = [C.random_prompts(args.batch_size, args.prompt_len, vocab, seed=args.seed + 100 + i, device=device,
+                                avoid=(pad,)) for i in range(n_iter)]
+    print(f"bench rlhf: eager, {args.warmup} warm-up + {args.iterations} measured iterations ...", flush=True)
+    eager = _run_mode(args, False, dtype, device, prompts)
+    print(f"bench rlhf: graph, {args.warmup} warm-up + {args.iterations} measured iterations ...", flush=True)
+    graph = _run_mode(args, True, dtype, device, prompts)
+
+    same0, total0 = C.agreement(eager["tokens"][0], graph["tokens"][0])
+    same_all = sum(C.agreement(a, b)[0] for a, b in zip(eager["tokens"], graph["tokens"]))
+    total_all = sum(C.agreement(a, b)[1] for a, b in zip(eager["tokens"], graph["tokens"]))
+    capture_ms = graph["first_generate_ms"] - eager["generate_mean_ms"]
+    for mode in (eager, graph):
+        mode.pop("tokens")
+    phases = [
+        ("generate", eager["generate_mean_ms"], graph["generate_mean_ms"]),
+        ("train step", eager["train_mean_ms"], graph["train_mean_ms"]),
+        ("iteration", eager["iteration_mean_ms"], graph["iteration_mean_ms"]),
+    ]
+    payload = {
+        "benchmark": "rlhf", "environment": env,
+        "settings": {"model": C.model_label(args), "dtype": C.dtype_name(dtype), "batch_size": args.batch_size,
+                     "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "warmup": args.warmup,
+                     "iterations": args.iterations, "lr": args.lr},
+        "phases": {name: {"eager_ms": e, "graph_ms": g, "speedup": C.speedup(e, g)} for name, e, g in phases},
+        "eager": eager, "graph": graph,
+        "peak_memory": {"eager_bytes": eager["peak_memory_bytes"], "graph_bytes": graph["peak_memory_bytes"]},
+        "capture": {"first_generate_extra_ms": capture_ms,
+                    "capture_seconds": graph["graph"].get("capture_seconds"),
+                    "captures": graph["graph"].get("captures")},
+        "token_agreement": {"identical": same0, "total": total0},
+        "token_agreement_all_iterations": {"identical": same_all, "total": total_all},
+    }
+    table = C.format_table(["phase", "eager", "graph", "speedup"], [
+        [name, f"{e:.1f} ms", f"{g:.1f} ms", f"{C.speedup(e, g):.2f}x"] for name, e, g in phases
+    ])
+    pe, pg = eager["peak_memory_bytes"], graph["peak_memory_bytes"]
+    mem = (f"{C.gib(pe)} -> {C.gib(pg)} ({(pg - pe) / 2**30:+.2f} GiB)" if pe and pg
+           else "n/a (this backend reports no allocator statistics)")
+    cap_s = graph["graph"].get("capture_seconds")
+    text = (
+        f"\nbench rlhf: {C.model_label(args)} {C.dtype_name(dtype)}, batch {args.batch_size}, "
+        f"{args.prompt_len}-token prompt, {args.new_tokens} new tokens, greedy; "
+        f"mean of {args.iterations} iterations after {args.warmup} warm-up\n{C.environment_lines(env)}\n\n{table}\n\n"
+        f"token agreement (first generate, same weights and input): {same0}/{total0} "
+        f"(all iterations: {same_all}/{total_all})\n"
+        f"peak memory eager -> graph: {mem}\n"
+        f"one-time capture cost: first graph generate {graph['first_generate_ms']:.1f} ms "
+        f"(+{capture_ms:.1f} ms over the eager mean); engine capture_seconds "
+        f"{cap_s if cap_s is None else f'{cap_s:.2f} s'}, captures {graph['graph'].get('captures')}"
+    )
+
+    def draw(plt: Any) -> None:
+        C.bar_pairs(plt, [p[0] for p in phases], [p[1] for p in phases], [p[2] for p in phases], "ms (mean)")
+
+    C.finish(args, payload, text, draw, f"RLHF iteration: {C.model_label(args)} batch {args.batch_size}")
+    return payload
