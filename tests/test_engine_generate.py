@@ -1,0 +1,140 @@
+"""engine.generate as a drop-in for transformers' generate (eager path and delegation)."""
+
+import gc
+import warnings
+
+import pytest
+import torch
+
+from hybrid_engine.engine import initialize
+from hybrid_engine.tiny_models import build_model
+
+gc.freeze()
+
+ARCHS = ["tiny-gpt2", "tiny-opt", "tiny-llama", "tiny-qwen2"]
+
+
+def prompts(batch, width, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 384, (batch, width), generator=g)
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        pads = b % width
+        ids[b, :pads] = 0
+        mask[b, :pads] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_matches_transformers(arch, dtype):
+    model = build_model(arch, seed=11, dtype=dtype)
+    engine, _ = initialize(model=model, config={})
+    ids, mask = prompts(4, 5)
+    for lo, hi in ((6, 6), (0, 6)):
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=hi, min_new_tokens=lo, do_sample=False)
+        assert torch.equal(engine.generate(**kw), model.generate(**kw))
+
+
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama"])
+def test_eos_stops_rows_and_pads_like_transformers(arch):
+    model = build_model(arch, seed=12)
+    engine, _ = initialize(model=model, config={})
+    ids, mask = prompts(3, 4)
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    # Declare tokens the model actually emits as EOS: rows stop at different steps.
+    eos = [int(free[0, 4 + 2]), int(free[1, 4 + 4])]
+    for lo in (0, 3):
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=lo, do_sample=False,
+                  eos_token_id=eos, pad_token_id=0)
+        ours, ref = engine.generate(**kw), model.generate(**kw)
+        assert torch.equal(ours, ref)
+    stop_all = [int(t) for t in free[:, 4]]  # every row stops at its first token
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=stop_all)
+    ours = engine.generate(**kw)
+    assert ours.shape == (3, 5) and torch.equal(ours, model.generate(**kw))
+
+
+def test_pinned_length_suppresses_eos():
+    model = build_model("tiny-opt", seed=2)
+    engine, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    ids, mask = prompts(2, 3)
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    eos = int(free[0, 3])
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+              eos_token_id=eos)
+    out = engine.generate(**kw)
+    assert torch.equal(out, model.generate(**kw))
+    assert not (out[:, 3:] == eos).any() and engine.graph_stats.captures == 3
+
+
+def test_sampling_is_seeded_by_torch_manual_seed_and_uses_generation_config():
+    model = build_model("tiny-qwen2", seed=3)
+    engine, _ = initialize(model=model, config={})
+    ids, mask = prompts(2, 3)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=True)
+    torch.manual_seed(0)
+    a = engine.generate(**kw)
+    torch.manual_seed(0)
+    b = engine.generate(**kw)
+    assert torch.equal(a, b)
+    model.generation_config.top_k = 1  # defaults come from generation_config, as in transformers
+    torch.manual_seed(5)
+    greedy_like = engine.generate(**kw)
+    assert torch.equal(greedy_like, engine.generate(**{**kw, "do_sample": False}))
+    model.generation_config.top_k = 50
+
+
+def test_prompt_without_mask_and_positional_input():
+    model = build_model("tiny-llama", seed=4)
+    engine, _ = initialize(model=model, config={})
+    ids = torch.randint(4, 384, (2, 5))
+    assert torch.equal(engine.generate(ids, max_new_tokens=4), model.generate(ids, max_new_tokens=4))
+
+
+@pytest.mark.parametrize(
+    "extra,name",
+    [
+        ({"num_beams": 2}, "num_beams"),
+        ({"repetition_penalty": 1.3}, "repetition_penalty"),
+        ({"return_dict_in_generate": True, "output_scores": True}, "return_dict_in_generate"),
+    ],
+)
+def test_unsupported_kwargs_delegate_to_transformers(extra, name):
+    model = build_model("tiny-gpt2", seed=5)
+    engine, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    ids, mask = prompts(2, 4)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, **extra)
+    with pytest.warns(UserWarning, match=name):
+        ours = engine.generate(**kw)
+    ref = model.generate(**kw)
+    assert type(ours) is type(ref)
+    if isinstance(ref, torch.Tensor):
+        assert torch.equal(ours, ref)
+    else:
+        assert torch.equal(ours.sequences, ref.sequences) and len(ours.scores) == len(ref.scores)
+    s = engine.graph_stats
+    assert name in s.last_refusal_reason and s.captures == 0
+
+
+def test_right_padded_prompts_delegate():
+    model = build_model("tiny-llama", seed=6)
+    engine, _ = initialize(model=model, config={})
+    ids, mask = prompts(2, 4)
+    ids, mask = ids.flip(1), mask.flip(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers warns about right padding
+        out = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
+    assert torch.equal(out, ref) and "left-padded" in engine.graph_stats.last_refusal_reason
+
+
+def test_generate_in_train_mode_restores_train_mode():
+    model = build_model("tiny-gpt2", seed=7)
+    engine, _ = initialize(model=model, config={})
+    ids, mask = prompts(2, 4)
+    engine.eval()
+    ref = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4)
+    engine.train()
+    assert torch.equal(engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4), ref)
+    assert model.training and all(m.training for m in model.modules())
