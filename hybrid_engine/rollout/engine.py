@@ -283,8 +283,10 @@ class HybridEngineRollout:
         n = sampling.n_samples_per_prompt
         num_prompts = request.prompt_ids.shape[0]
         budgets = request.max_new_tokens or [max_new] * num_prompts
+        uids = request.request_ids or list(range(num_prompts))
         requests = [
-            RequestSpec(request_index=i * n + j, prompt_index=i, budget=min(budgets[i], max_new))
+            RequestSpec(request_index=i * n + j, prompt_index=i, budget=min(budgets[i], max_new),
+                        rng_index=uids[i] * n + j)
             for i in range(num_prompts)
             for j in range(n)
         ]
@@ -293,6 +295,8 @@ class HybridEngineRollout:
         use_graph = self._graphs_available()
 
         counters = Counters()
+        if cfg.use_graph_capture and not use_graph:
+            counters.fallbacks += 1
         with self._inference_mode():
             state = self._state(bucket, capacity, max_new, len(eos_ids))
             device = state.tokens.device

@@ -45,9 +45,10 @@ __all__ = ["Counters", "RequestSpec", "run_schedule"]
 
 @dataclass
 class RequestSpec:
-    request_index: int
+    request_index: int  # row of the output batch
     prompt_index: int
     budget: int
+    rng_index: int  # request counter of the sampler
 
 
 @dataclass
@@ -117,7 +118,7 @@ def _admit(
         state.cache.copy_rows(src, dst)
         counters.kv_row_copies += len(copies)
     logits = logits.index_select(0, torch.tensor(logit_rows, dtype=torch.int64, device=logits.device))
-    request_index = torch.tensor([r.request_index for r in reqs], dtype=torch.int64, device=device)
+    request_index = torch.tensor([r.rng_index for r in reqs], dtype=torch.int64, device=device)
     tokens, logprobs = sample_tokens(
         logits,
         temperature=sampling.temperature,

@@ -148,11 +148,16 @@ class RolloutRequest:
 
     ``max_new_tokens`` optionally gives each prompt its own response budget (a
     list of ``B`` ints), capped by :attr:`SamplingConfig.max_new_tokens`.
+    ``request_ids`` optionally gives each prompt a stable id (distinct ints >= 0,
+    e.g. dataset indices; default ``0..B-1``): sample ``j`` of the prompt with id
+    ``u`` draws its randomness from request index ``u * n_samples_per_prompt + j``,
+    so the same prompt with the same id samples the same tokens in any order.
     """
 
     prompt_ids: torch.Tensor
     prompt_attention_mask: torch.Tensor | None = None
     max_new_tokens: list[int] | None = field(default=None)
+    request_ids: list[int] | None = field(default=None)
 
     def __post_init__(self) -> None:
         owner = "RolloutRequest"
@@ -203,6 +208,17 @@ class RolloutRequest:
             for b in budgets:
                 _check_int(owner, "max_new_tokens", b, minimum=1)
             self.max_new_tokens = [int(b) for b in budgets]
+        uids = self.request_ids
+        if uids is not None:
+            if isinstance(uids, torch.Tensor):
+                uids = uids.tolist()
+            if not isinstance(uids, (list, tuple)) or len(uids) != ids.shape[0]:
+                raise ValueError(f"{owner}: request_ids must be a list of {ids.shape[0]} ints (one per prompt) or None")
+            for u in uids:
+                _check_int(owner, "request_ids", u, minimum=0)
+            if len(set(uids)) != len(uids):
+                raise ValueError(f"{owner}: request_ids must be distinct (each prompt needs its own random stream)")
+            self.request_ids = [int(u) for u in uids]
 
     @property
     def prompt_lengths(self) -> list[int]:
