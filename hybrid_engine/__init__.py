@@ -1,7 +1,8 @@
 """hybrid-engine: train a causal LM and generate its RL rollouts in one engine, with graph-captured decode."""
 
 from .accelerator import get_accelerator, set_accelerator
+from .engine import GraphStats, HybridEngine, initialize
 
 __version__ = "0.1.0"
 
-__all__ = ["get_accelerator", "set_accelerator", "__version__"]
+__all__ = ["get_accelerator", "set_accelerator", "__version__", "GraphStats", "HybridEngine", "initialize"]
