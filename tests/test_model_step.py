@@ -1,0 +1,257 @@
+"""prefill/decode_one_token parity with transformers' generate, eager and graph-replayed (CPU emulation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from hybrid_engine.accelerator import CPUAccelerator, GraphCaptureError, set_accelerator
+from hybrid_engine.model_step import (
+    build_decode_mask,
+    check_model_supported,
+    decode_one_token,
+    prefill,
+    prompt_position_ids,
+)
+from hybrid_engine.static_cache import StaticKVCache
+from hybrid_engine.tiny_models import ARCHITECTURES, PAD_ID, build_model, build_tokenizer
+
+N_NEW = 12
+CAPACITY = 32
+
+
+@pytest.fixture(autouse=True)
+def cpu_graphs():
+    # Tiny matmuls: one intra-op thread is fastest and avoids oversubscription on a busy CI box.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    acc = CPUAccelerator(emulate_graphs=True)
+    set_accelerator(acc)
+    yield acc
+    set_accelerator(None)
+    torch.set_num_threads(threads)
+
+
+_MODELS: dict[str, PreTrainedModel] = {}
+
+
+def tiny(arch: str) -> PreTrainedModel:
+    if arch not in _MODELS:
+        _MODELS[arch] = build_model(f"tiny-{arch}", seed=0, attn_implementation="sdpa")
+    return _MODELS[arch]
+
+
+def prompts(batch: int, length: int = 7, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 384, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        mask[b, : (2 * b) % (length - 1)] = 0  # row b has 2b pads (left padding)
+    return ids.masked_fill(mask == 0, PAD_ID), mask
+
+
+def reference(model, ids, mask) -> torch.Tensor:
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=N_NEW, min_new_tokens=N_NEW,
+        do_sample=False, pad_token_id=PAD_ID,
+    )
+    return out[:, ids.shape[1]:]
+
+
+def eager_greedy(model, cache, ids, mask) -> torch.Tensor:
+    tok = prefill(model, cache, ids, mask).argmax(-1)
+    out = [tok]
+    for _ in range(N_NEW - 1):
+        tok = decode_one_token(model, cache, tok).argmax(-1)
+        out.append(tok)
+    return torch.stack(out, 1)
+
+
+def graph_greedy(acc, model, cache, ids, mask, per_position: bool = False, n_new: int = N_NEW) -> torch.Tensor:
+    tok = prefill(model, cache, ids, mask).argmax(-1)
+    out = [tok]
+    static_tok = tok.clone()
+    graphs: dict[int, tuple] = {}
+    for _ in range(n_new - 1):
+        key = 0
+        if per_position:
+            key = int(cache.write_pos.max()) + 1  # rows in lockstep after a shared-length prefill
+        if key not in graphs:
+            cache.kv_len = key or None
+            graph = acc.create_graph()
+            with acc.capture_to_graph(graph):
+                logits = decode_one_token(model, cache, static_tok)
+            graphs[key] = (graph, logits)
+        graph, logits = graphs[key]
+        acc.replay_graph(graph)
+        tok = logits.argmax(-1)
+        static_tok.copy_(tok)
+        out.append(tok)
+    cache.kv_len = None
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_matches_generate(arch, batch, cpu_graphs):
+    model = tiny(arch)
+    ids, mask = prompts(batch)
+    ref = reference(model, ids, mask)
+    cache = StaticKVCache(model.config, batch, CAPACITY, dtype=model.dtype)
+    assert torch.equal(eager_greedy(model, cache, ids, mask), ref)
+    cache = StaticKVCache(model.config, batch, CAPACITY, dtype=model.dtype)
+    assert torch.equal(graph_greedy(cpu_graphs, model, cache, ids, mask), ref)
+
+
+@pytest.mark.parametrize("arch", ["opt", "qwen3"])
+def test_per_position_graphs_match(arch, cpu_graphs):
+    """One graph per kv_len (attention spans only the live prefix); each capture costs a gc pass, so 6 steps."""
+    model = tiny(arch)
+    ids, mask = prompts(3)
+    ref = reference(model, ids, mask)
+    cache = StaticKVCache(model.config, 3, CAPACITY, dtype=model.dtype)
+    got = graph_greedy(cpu_graphs, model, cache, ids, mask, per_position=True, n_new=6)
+    assert torch.equal(got, ref[:, :6])
+
+
+@pytest.mark.parametrize("arch", ["opt", "mistral", "qwen2"])
+def test_rows_at_different_lengths(arch, cpu_graphs):
+    """Prefill rows one by one with different prompt lengths, then decode the batch together."""
+    model = tiny(arch)
+    lengths = [3, 9, 5]
+    singles = [prompts(1, length=n, seed=10 + i) for i, n in enumerate(lengths)]
+    cache = StaticKVCache(model.config, 3, CAPACITY, dtype=model.dtype)
+    first = torch.empty(3, dtype=torch.int64)
+    for row in (2, 0, 1):
+        ids, mask = singles[row]
+        first[row] = prefill(model, cache, ids, mask, rows=torch.tensor([row])).argmax(-1)[0]
+    assert cache.write_pos.tolist() == lengths
+    assert cache.position.tolist() == lengths
+    static_tok = first.clone()
+    graph = cpu_graphs.create_graph()
+    with cpu_graphs.capture_to_graph(graph):
+        logits = decode_one_token(model, cache, static_tok)
+    out = [first]
+    for _ in range(N_NEW - 1):
+        cpu_graphs.replay_graph(graph)
+        tok = logits.argmax(-1)
+        static_tok.copy_(tok)
+        out.append(tok)
+    got = torch.stack(out, 1)
+    for row, (ids, mask) in enumerate(singles):
+        assert torch.equal(got[row : row + 1], reference(model, ids, mask)), row
+    assert cache.write_pos.tolist() == [n + N_NEW - 1 for n in lengths]
+
+
+def test_shared_prefill_fanned_out_with_copy_rows(cpu_graphs):
+    model = tiny("llama")
+    ids, mask = prompts(1)
+    cache = StaticKVCache(model.config, 4, CAPACITY, dtype=model.dtype)
+    logits = prefill(model, cache, ids, mask, rows=torch.tensor([0]))
+    cache.copy_rows(torch.zeros(3, dtype=torch.int64), torch.tensor([1, 2, 3]))
+    tok = logits.argmax(-1).expand(4).clone()
+    out = [tok]
+    for _ in range(N_NEW - 1):
+        tok = decode_one_token(model, cache, tok).argmax(-1)
+        out.append(tok)
+    got = torch.stack(out, 1)
+    ref = reference(model, ids, mask)
+    assert torch.equal(got, ref.expand(4, -1))
+
+
+def test_decode_capture_does_no_host_reads_and_leaves_state(cpu_graphs):
+    model = tiny("qwen3")
+    ids, mask = prompts(2)
+    cache = StaticKVCache(model.config, 2, CAPACITY, dtype=model.dtype)
+    tok = prefill(model, cache, ids, mask).argmax(-1)
+    before = (cache.write_pos.clone(), cache.position.clone(), cache.valid.clone())
+    graph = cpu_graphs.create_graph()
+    with cpu_graphs.capture_to_graph(graph):
+        decode_one_token(model, cache, tok)
+    # capture does not apply its work; the first replay is the first real step
+    assert torch.equal(cache.write_pos, before[0]) and torch.equal(cache.position, before[1])
+    assert torch.equal(cache.valid, before[2])
+    cpu_graphs.replay_graph(graph)
+    assert torch.equal(cache.write_pos, before[0] + 1)
+
+
+def test_host_read_inside_capture_is_caught(cpu_graphs):
+    """Sanity check of the harness: the seq-length host read would raise while capturing."""
+    model = tiny("gpt2")
+    cache = StaticKVCache(model.config, 1, 8, dtype=model.dtype)
+    graph = cpu_graphs.create_graph()
+    with pytest.raises(GraphCaptureError):
+        with cpu_graphs.capture_to_graph(graph):
+            int(cache.write_pos.max())
+
+
+def test_decode_past_capacity_raises():
+    model = tiny("gpt2")
+    ids, mask = prompts(1, length=4)
+    cache = StaticKVCache(model.config, 1, 5, dtype=model.dtype)
+    tok = prefill(model, cache, ids, mask).argmax(-1)
+    tok = decode_one_token(model, cache, tok).argmax(-1)
+    with pytest.raises(ValueError, match="capacity"):
+        decode_one_token(model, cache, tok)
+    cache.reset()
+    prefill(model, cache, ids, mask)
+    cache.kv_len = 4
+    with pytest.raises(ValueError, match="kv_len"):
+        decode_one_token(model, cache, tok)
+
+
+def test_prefill_rejects_bad_input():
+    model = tiny("llama")
+    cache = StaticKVCache(model.config, 2, 4, dtype=model.dtype)
+    ids, mask = prompts(2, length=6)
+    with pytest.raises(ValueError, match="capacity"):
+        prefill(model, cache, ids, mask)
+    right = torch.tensor([[1, 1, 0]])
+    with pytest.raises(ValueError, match="LEFT"):
+        prefill(model, cache, torch.tensor([[5, 6, 0]]), right, rows=torch.tensor([0]))
+
+
+def test_helpers():
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    assert prompt_position_ids(mask).tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
+    valid = torch.tensor([[True, False, True]])
+    m = build_decode_mask(valid, torch.float32)
+    assert m.shape == (1, 1, 1, 3)
+    assert m[0, 0, 0].tolist() == [0.0, torch.finfo(torch.float32).min, 0.0]
+    assert build_decode_mask(valid, torch.bfloat16, kv_len=2).shape == (1, 1, 1, 2)
+
+
+def test_check_model_supported():
+    for arch in ARCHITECTURES:
+        check_model_supported(tiny(arch))
+    eager = build_model("tiny-llama", attn_implementation="eager")
+    check_model_supported(eager)
+    m = build_model("tiny-llama")
+    m.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        check_model_supported(m)
+    with pytest.raises(TypeError):
+        check_model_supported(torch.nn.Linear(2, 2))
+    windowed = build_model("tiny-mistral", sliding_window=8)
+    with pytest.raises(ValueError, match="sliding"):
+        StaticKVCache(windowed.config, 1, 16)
+
+
+def test_eager_attention_parity():
+    model = build_model("tiny-llama", attn_implementation="eager")
+    ids, mask = prompts(3)
+    cache = StaticKVCache(model.config, 3, CAPACITY, dtype=model.dtype)
+    assert torch.equal(eager_greedy(model, cache, ids, mask), reference(model, ids, mask))
+
+
+def test_tokenizer_matches_model_ids():
+    tok = build_tokenizer(384)
+    model = tiny("llama")
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (
+        model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id,
+    )
+    assert tok.padding_side == "left" and len(tok) == 384
+    enc = tok(["the of", "and to in is"], padding=True, return_tensors="pt")
+    assert enc["attention_mask"][0].tolist() == [0, 0, 1, 1]
+    assert int(enc["input_ids"].max()) < model.config.vocab_size
