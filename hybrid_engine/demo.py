@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     summary["total_seconds"] = total_s
     print(f"done in {total_s:.1f} s")
     if args.json:
-        summary["environment"] = environment()
+        summary["environment"] = environment(getattr(args, "argv", None))
         write_json(args.json, summary)
     sys.stdout.flush()
     return 0

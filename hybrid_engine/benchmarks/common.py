@@ -32,8 +32,7 @@ def select_device(name: str | None) -> Any:
     """Make ``name`` (cuda, npu, xpu, mps, cpu, or None = auto-detect) the process accelerator; return it."""
     from ..accelerator import build_accelerator, get_accelerator, set_accelerator
 
-    if name:
-        os.environ["HYBRID_ENGINE_ACCELERATOR"] = name
+    if name and name != get_accelerator().device().type:
         set_accelerator(build_accelerator(name))
     return get_accelerator()
 
@@ -248,7 +247,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: s
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    body = ["| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    body = ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
+            for r in cells]
     out = [line, sep, *body]
     if title:
         out.insert(0, f"{title}\n")

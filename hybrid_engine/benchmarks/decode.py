@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bad = set(paths) - {"engine", "rollout"}
     if bad or not paths:
         raise SystemExit(f"error: --paths takes engine and/or rollout, got {args.paths!r}")
-    env = C.environment()
+    env = C.environment(getattr(args, "argv", None))
     T, N = args.prompt_len, args.new_tokens
     rows: list[dict[str, Any]] = []
     for path in paths:

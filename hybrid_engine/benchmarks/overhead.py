@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     acc = C.select_device(args.device)
     device = acc.device()
     dtype = C.parse_dtype(args.dtype, device.type)
-    env = C.environment()
+    env = C.environment(getattr(args, "argv", None))
     ours_model = C.build_bench_model(args, dtype, device, seed=args.seed)
     hf_model = C.build_bench_model(args, dtype, device, seed=args.seed)
     pad, _ = C.special_ids(hf_model)

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     acc = C.select_device(args.device)
     device = acc.device()
     dtype = C.parse_dtype(args.dtype, device.type)
-    env = C.environment()
+    env = C.environment(getattr(args, "argv", None))
     probe = C.build_bench_model(args, dtype, torch.device("cpu") if device.type != "cpu" else device, seed=args.seed)
     pad, _ = C.special_ids(probe)
     vocab = int(probe.config.vocab_size)
