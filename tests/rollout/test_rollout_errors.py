@@ -1,0 +1,170 @@
+"""Bad input and unsupported setups: a clear error before any work, and the next valid call still works."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from rollout_helpers import assert_batches_identical, left_padded_prompts, run
+from transformers import GPT2Config, PreTrainedModel
+
+import hybrid_engine.rollout.decode_graph as decode_graph
+from hybrid_engine.accelerator import CPUAccelerator, set_accelerator
+from hybrid_engine.rollout import (
+    HybridEngineRollout,
+    RolloutConfig,
+    RolloutRequest,
+    SamplingConfig,
+    UnsupportedModelError,
+)
+from hybrid_engine.tiny_models import build_model
+
+SAMPLING = SamplingConfig(max_new_tokens=4, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("tiny-gpt2", seed=1)
+
+
+@pytest.fixture
+def rollout(model):
+    return HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0, eos_token_id=2))
+
+
+def _good_request():
+    return left_padded_prompts([3, 5], seed=2)
+
+
+def _check_still_works(rollout, baseline=None):
+    batch = rollout.generate(_good_request(), SAMPLING)
+    assert batch.input_ids.shape[0] == 2
+    if baseline is not None:
+        assert_batches_identical(batch, baseline)
+    return batch
+
+
+def test_bad_requests_raise_then_next_call_works(rollout):
+    baseline = _check_still_works(rollout)
+    ids = torch.randint(4, 100, (2, 5))
+    bad = [
+        (lambda: RolloutRequest(ids, torch.ones(2, 4, dtype=torch.int64)), ValueError, "does not match"),
+        (lambda: RolloutRequest(ids, torch.tensor([[1] * 5, [0] * 5])), ValueError, "all zero"),
+        (lambda: RolloutRequest(ids[0], torch.ones(5, dtype=torch.int64)), ValueError, "2-D"),
+        (lambda: RolloutRequest(ids, torch.tensor([[1, 1, 0, 1, 1]] * 2)), ValueError, "left-padded"),
+        (lambda: RolloutRequest(ids.float()), TypeError, "integer"),
+        (lambda: SamplingConfig(max_new_tokens=0), ValueError, "max_new_tokens"),
+        (lambda: SamplingConfig(max_new_tokens=-3), ValueError, "max_new_tokens"),
+        (lambda: SamplingConfig(temperature=-0.5), ValueError, "temperature"),
+        (lambda: SamplingConfig(top_p=0.0), ValueError, "top_p"),
+        (lambda: SamplingConfig(top_p=1.5), ValueError, "top_p"),
+        (lambda: SamplingConfig(n_samples_per_prompt=0), ValueError, "n_samples_per_prompt"),
+        (lambda: SamplingConfig(top_k=-2), ValueError, "top_k"),
+        (lambda: RolloutConfig(max_batch_size=0), ValueError, "max_batch_size"),
+        (lambda: RolloutConfig(graph_batch_sizes=[1, 2], max_batch_size=4), ValueError, "graph_batch_sizes"),
+        (lambda: rollout.generate(ids, SAMPLING), TypeError, "RolloutRequest"),
+        (lambda: rollout.generate(RolloutRequest(ids + 1000), SAMPLING), ValueError, "vocab_size"),
+    ]
+    for make, exc, text in bad:
+        with pytest.raises(exc, match=text):
+            make()
+        _check_still_works(rollout, baseline)
+    assert rollout.total_graph_captures == 1
+
+
+def test_cache_capacity_and_position_limit(model):
+    request = _good_request()
+    small = HybridEngineRollout(model, config=RolloutConfig(cache_capacity=6, pad_token_id=0, eos_token_id=2))
+    with pytest.raises(ValueError, match="cache_capacity"):
+        small.generate(request, SAMPLING)  # 5 + 4 > 6
+    ok = HybridEngineRollout(model, config=RolloutConfig(cache_capacity=9, pad_token_id=0, eos_token_id=2))
+    assert ok.generate(request, SAMPLING).input_ids.shape == (2, 9)
+    assert ok.last_stats["cache_capacity"] == 9
+
+    limit = model.config.n_positions
+    long_prompt = RolloutRequest(torch.randint(4, 100, (1, limit + 1)))
+    with pytest.raises(ValueError, match="position limit"):
+        ok.generate(long_prompt, SAMPLING)
+    with pytest.raises(ValueError, match="position limit"):
+        ok.generate(RolloutRequest(torch.randint(4, 100, (1, limit - 2))), SAMPLING)
+    _check_still_works(ok)
+
+
+def test_missing_pad_and_eos_is_an_error_before_work():
+    model = build_model("tiny-opt", seed=0, pad_token_id=None, eos_token_id=None, bos_token_id=None)
+    model.generation_config.pad_token_id = None
+    model.generation_config.eos_token_id = None
+    rollout = HybridEngineRollout(model)
+    with pytest.raises(ValueError, match="pad nor an EOS"):
+        rollout.generate(_good_request(), SAMPLING)
+    assert rollout.last_stats == {}
+    # EOS only: pad defaults to it. A tokenizer supplies both.
+    rollout = HybridEngineRollout(model, config=RolloutConfig(eos_token_id=[2, 5]))
+    assert rollout.generate(_good_request(), SAMPLING).input_ids.shape[0] == 2
+    from hybrid_engine.tiny_models import build_tokenizer
+
+    rollout = HybridEngineRollout(model, tokenizer=build_tokenizer())
+    assert rollout.generate(_good_request(), SAMPLING).input_ids.shape[0] == 2
+
+
+def test_flash_attention_is_refused():
+    model = build_model("tiny-llama", seed=0)
+    model.config._attn_implementation = "flash_attention_2"
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True))
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        rollout.generate(_good_request(), SAMPLING)
+
+
+class _NoCacheLM(PreTrainedModel):
+    config_class = GPT2Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.emb = torch.nn.Embedding(config.vocab_size, 8)
+        self.post_init()
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.emb(input_ids)
+
+
+def test_model_without_external_cache_is_refused():
+    model = _NoCacheLM(GPT2Config(vocab_size=384, n_positions=64, pad_token_id=0, eos_token_id=2, bos_token_id=1))
+    rollout = HybridEngineRollout(model)
+    with pytest.raises(ValueError, match="cache"):
+        rollout.generate(_good_request(), SAMPLING)
+    with pytest.raises(UnsupportedModelError):
+        rollout.generate(_good_request(), SAMPLING)
+    with pytest.raises(TypeError, match="HybridEngine"):
+        HybridEngineRollout(object())
+
+
+def test_no_graph_backend_warns_and_runs_eagerly(model):
+    eager = run(model, _good_request(), SAMPLING, graphs=False, eos=2)[0]
+    set_accelerator(CPUAccelerator(emulate_graphs=False))
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0, eos_token_id=2))
+    with pytest.warns(RuntimeWarning, match="cannot capture"):
+        batch = rollout.generate(_good_request(), SAMPLING)
+    assert_batches_identical(batch, eager)
+    assert rollout.last_stats["fallbacks"] == 1 and rollout.last_stats["graph_captures"] == 0
+
+
+def test_capture_failure_falls_back_to_eager(model, monkeypatch):
+    eager = run(model, _good_request(), SAMPLING, graphs=False, eos=2)[0]
+    real = decode_graph.decode_one_token
+
+    def syncing_decode(m, cache, tokens):
+        int(cache.write_pos.max())  # a host read: forbidden while capturing
+        return real(m, cache, tokens)
+
+    monkeypatch.setattr(decode_graph, "decode_one_token", syncing_decode)
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0, eos_token_id=2))
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        batch = rollout.generate(_good_request(), SAMPLING)
+    assert_batches_identical(batch, eager)
+    assert rollout.last_stats["fallbacks"] == 1 and rollout.last_stats["graph_captures"] == 0
+    monkeypatch.setattr(decode_graph, "decode_one_token", real)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_batches_identical(rollout.generate(_good_request(), SAMPLING), eager)
+    assert rollout.last_stats["graph_captures"] == 1

@@ -1,0 +1,99 @@
+"""Capture once, replay many: across calls, across optimizer steps; recapture on re-allocated weights."""
+
+from __future__ import annotations
+
+import torch
+from rollout_helpers import (
+    assert_batches_identical,
+    assert_same_samples,
+    left_padded_prompts,
+    run,
+    shared_model,
+)
+
+from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
+from hybrid_engine.tiny_models import build_model
+
+
+def _eager(model, request, sampling):
+    return run(model, request, sampling, graphs=False, max_batch_size=4)[0]
+
+
+def test_one_capture_across_prompt_sets_and_optimizer_step():
+    model = build_model("tiny-llama", seed=3)
+    rollout = HybridEngineRollout(
+        model, config=RolloutConfig(use_graph_capture=True, max_batch_size=4, pad_token_id=0, eos_token_id=10_000)
+    )
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.9, n_samples_per_prompt=2, seed=5)
+    first = left_padded_prompts([4, 6, 3], seed=10)
+    second = left_padded_prompts([5, 2, 6], seed=11)  # different prompts, same widths
+
+    captures = []
+    a = rollout.generate(first, sampling)
+    captures.append(rollout.last_stats["graph_captures"])
+    assert_batches_identical(a, _eager(model, first, sampling))
+    b = rollout.generate(second, sampling)
+    captures.append(rollout.last_stats["graph_captures"])
+    assert rollout.last_stats["graph_replays"] == rollout.last_stats["decode_steps"]
+    assert_batches_identical(b, _eager(model, second, sampling))
+
+    # A training step in between: in-place parameter updates, read by the same graph.
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ids = torch.cat([first.prompt_ids, first.prompt_ids], dim=1)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert model.training
+
+    c = rollout.generate(first, sampling)
+    captures.append(rollout.last_stats["graph_captures"])
+    assert model.training, "rollout must restore train mode"
+    model.eval()
+    expected = _eager(model, first, sampling)
+    assert_batches_identical(c, expected)
+    assert not torch.equal(c.response_logprobs, a.response_logprobs), "the update must be visible"
+    assert captures == [1, 0, 0]
+    assert rollout.total_graph_captures == 1
+
+
+def test_reallocated_weights_force_recapture():
+    model = build_model("tiny-gpt2", seed=4)
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0, eos_token_id=2))
+    request = left_padded_prompts([3, 5], seed=12)
+    sampling = SamplingConfig(max_new_tokens=5, temperature=0.0)
+    rollout.generate(request, sampling)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data * 1.5  # new storage: a stale graph would keep reading the old weights
+    batch = rollout.generate(request, sampling)
+    assert rollout.last_stats["graph_captures"] == 1
+    assert_batches_identical(batch, run(model, request, sampling, graphs=False, eos=2)[0])
+
+
+def test_same_seed_same_samples_whatever_batch_size_or_order():
+    model = shared_model("tiny-opt")
+    request = left_padded_prompts([4, 2, 6, 3, 5], seed=13)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, top_k=50, n_samples_per_prompt=2, seed=21)
+    reference, _ = run(model, request, sampling, graphs=True, max_batch_size=None)
+    for max_batch_size in (1, 3):
+        batch, stats = run(model, request, sampling, graphs=True, max_batch_size=max_batch_size)
+        assert stats["peak_active_batch"] == max_batch_size
+        assert_same_samples(reference, batch)
+
+    # Arrival order: the same prompts, reversed, keeping their request ids.
+    order = [4, 3, 2, 1, 0]
+    reordered = RolloutRequest(
+        request.prompt_ids[order], request.prompt_attention_mask[order], request_ids=order
+    )
+    batch, _ = run(model, reordered, sampling, graphs=True, max_batch_size=3)
+    n = sampling.n_samples_per_prompt
+    rows = [p * n + j for p in order for j in range(n)]
+    assert torch.equal(batch.input_ids, reference.input_ids[rows])
+    torch.testing.assert_close(batch.response_logprobs, reference.response_logprobs[rows], rtol=0, atol=1e-5)
+
+    other, _ = run(model, request, SamplingConfig(**{**sampling.__dict__, "seed": 22}), graphs=True)
+    assert not torch.equal(other.input_ids, reference.input_ids)
+    # The samples of one prompt differ from each other (distinct request counters).
+    assert not torch.equal(reference.input_ids[0], reference.input_ids[1])
