@@ -2,7 +2,9 @@
 
 from .accelerator import get_accelerator, set_accelerator
 from .engine import GraphStats, HybridEngine, initialize
+from .rollout import HybridEngineRollout, RolloutBatch, RolloutConfig, RolloutRequest, SamplingConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["get_accelerator", "set_accelerator", "__version__", "GraphStats", "HybridEngine", "initialize"]
+__all__ = ["get_accelerator", "set_accelerator", "__version__", "GraphStats", "HybridEngine", "initialize",
+           "HybridEngineRollout", "RolloutBatch", "RolloutConfig", "RolloutRequest", "SamplingConfig"]
