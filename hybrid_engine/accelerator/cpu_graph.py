@@ -25,7 +25,6 @@ running any Python model code. The semantics mirror a CUDA graph:
 from __future__ import annotations
 
 import contextlib
-import gc
 import threading
 import weakref
 from collections.abc import Iterator
@@ -239,7 +238,7 @@ class CPUGraph:
     def __init__(self) -> None:
         self._steps: list[_Step] | None = None
         self._num_slots = 0
-        self._static_outputs: list[tuple[int, torch.Tensor]] = []
+        self._static_outputs: list[tuple[int, weakref.ref]] = []
         self._externals: list[torch.Tensor] = []
 
     @property
@@ -265,12 +264,13 @@ class CPUGraph:
         own = rec.own_storages
         rec.slot_tensors.clear()
         rec.slot_of.clear()
-        gc.collect()
+        # No gc.collect() here (it costs ~0.4 s per capture): a tensor kept alive only by a
+        # reference cycle is treated as a static output, which costs one copy per replay.
         static = []
         for slot, ref in enumerate(refs):
             t = ref()
             if t is not None and t.untyped_storage().nbytes() > 0 and _storage_key(t) in own:
-                static.append((slot, t))
+                static.append((slot, ref))
         # Free each intermediate after its last read, except static outputs.
         last_use: dict[int, int] = {}
         for k, step in enumerate(steps):
@@ -328,8 +328,10 @@ class CPUGraph:
                             vals[s] = o
                 for s in st.free:
                     vals[s] = None
-            for slot, static in self._static_outputs:
-                static.copy_(vals[slot])
+            for slot, ref in self._static_outputs:
+                static = ref()
+                if static is not None:  # outputs the caller dropped need no update
+                    static.copy_(vals[slot])
 
 
 @contextlib.contextmanager
