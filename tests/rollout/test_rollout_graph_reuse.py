@@ -97,3 +97,31 @@ def test_same_seed_same_samples_whatever_batch_size_or_order():
     assert not torch.equal(other.input_ids, reference.input_ids)
     # The samples of one prompt differ from each other (distinct request counters).
     assert not torch.equal(reference.input_ids[0], reference.input_ids[1])
+
+
+def test_hybrid_engine_train_steps_between_rollouts_reuse_the_capture():
+    import hybrid_engine
+
+    model = build_model("tiny-qwen2", seed=5)
+    engine, _ = hybrid_engine.initialize(
+        model=model, config={"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    )
+    rollout = hybrid_engine.HybridEngineRollout(
+        engine, config=RolloutConfig(use_graph_capture=True, pad_token_id=0, eos_token_id=10_000)
+    )
+    sampling = SamplingConfig(max_new_tokens=5, temperature=1.0, n_samples_per_prompt=2, seed=1)
+    request = left_padded_prompts([3, 5], seed=14)
+    captures = []
+    previous = None
+    for _ in range(2):
+        batch = rollout.generate(request, sampling)
+        captures.append(rollout.last_stats["graph_captures"])
+        assert_batches_identical(batch, run(model, request, sampling, graphs=False)[0])
+        if previous is not None:
+            assert not torch.equal(batch.response_logprobs, previous.response_logprobs)
+        previous = batch
+        engine.train()
+        loss = engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.input_ids).loss
+        engine.backward(loss)
+        engine.step()
+    assert captures == [1, 0]
