@@ -330,8 +330,9 @@ def test_in_place_optimizer_update_is_seen_by_replay():
     ids, mask = prompts(2, 4)
     before = gen(graph, ids, mask)
     graph.train()
+    target = torch.full_like(before, 7)  # train towards other tokens, so the output changes
     for _ in range(3):
-        loss = graph(input_ids=before, labels=before).loss
+        loss = graph(input_ids=target, labels=target).loss
         graph.backward(loss)
         graph.step()
     graph.eval()
