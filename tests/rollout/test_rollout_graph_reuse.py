@@ -125,3 +125,25 @@ def test_hybrid_engine_train_steps_between_rollouts_reuse_the_capture():
         engine.backward(loss)
         engine.step()
     assert captures == [1, 0]
+
+
+STAT_FIELDS = {
+    "prefill_ms", "decode_ms", "overhead_ms", "total_ms", "decode_steps", "prefill_forwards", "tokens_generated",
+    "tokens_per_second", "graph_replays", "graph_captures", "fallbacks", "peak_active_batch", "cache_capacity",
+    "cache_memory_bytes", "host_syncs",
+}
+
+
+def test_last_stats_fields_and_few_host_syncs():
+    model = shared_model("tiny-gpt2")
+    request = left_padded_prompts([3, 6, 4], seed=15)
+    sampling = SamplingConfig(max_new_tokens=12, temperature=0.0)
+    batch, stats = run(model, request, sampling, graphs=True, enable_profiling=True)
+    assert STAT_FIELDS <= set(stats)
+    assert stats["tokens_generated"] == int(batch.response_lengths.sum()) == 36
+    assert stats["decode_steps"] == 11 and stats["graph_replays"] == 10  # first step is the warm-up
+    assert stats["prefill_forwards"] == 1 and stats["peak_active_batch"] == 3
+    assert stats["host_syncs"] <= 4  # one flag read per sync_interval=4 steps, none per token
+    assert stats["cache_capacity"] == 6 + 12 and stats["cache_memory_bytes"] > 0
+    assert stats["total_ms"] >= stats["prefill_ms"] + stats["decode_ms"] - 1e-6
+    assert "profile" in stats
