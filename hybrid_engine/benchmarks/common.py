@@ -37,6 +37,15 @@ def select_device(name: str | None) -> Any:
     return get_accelerator()
 
 
+def apply_threads(args: argparse.Namespace, device: torch.device) -> None:
+    """``--threads``, or 1 thread for a tiny model on CPU (intra-op threads only add overhead there)."""
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    elif device.type == "cpu" and not getattr(args, "model_path", None) and \
+            resolve_model_name(getattr(args, "model", "")).startswith("tiny-"):
+        torch.set_num_threads(1)
+
+
 def synchronize() -> None:
     from ..accelerator import get_accelerator
 
@@ -339,6 +348,8 @@ def add_common_args(p: argparse.ArgumentParser, *, default_model: str) -> None:
     p.add_argument("--device", default=None, help="accelerator: cuda, npu, xpu, mps or cpu (default: auto-detect)")
     p.add_argument("--dtype", default="auto", help="auto (fp16 on an accelerator, fp32 on CPU), fp32, fp16, bf16")
     p.add_argument("--seed", type=int, default=0, help="weight and prompt seed (default 0)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: 1 for tiny models on CPU, torch's default otherwise)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--plot", default=None, metavar="PATH", help="also write a PNG plot to PATH (needs matplotlib)")
 

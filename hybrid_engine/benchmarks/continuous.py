@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     C.check_plot_available(args.plot)
     acc = C.select_device(args.device)
     device = acc.device()
+    C.apply_threads(args, device)
     dtype = C.parse_dtype(args.dtype, device.type)
     env = C.environment(getattr(args, "argv", None))
     print("bench continuous: part 1, eager vs graph reuse ...", flush=True)

@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     C.check_plot_available(args.plot)
     acc = C.select_device(args.device)
     device = acc.device()
+    C.apply_threads(args, device)
     dtype = C.parse_dtype(args.dtype, device.type)
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     bad = set(paths) - {"engine", "rollout"}

@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     C.check_plot_available(args.plot)
     acc = C.select_device(args.device)
     device = acc.device()
+    C.apply_threads(args, device)
     dtype = C.parse_dtype(args.dtype, device.type)
     env = C.environment(getattr(args, "argv", None))
     ours_model = C.build_bench_model(args, dtype, device, seed=args.seed)

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("error: --warmup and --iterations must be >= 1 (the first warm-up call captures)")
     acc = C.select_device(args.device)
     device = acc.device()
+    C.apply_threads(args, device)
     dtype = C.parse_dtype(args.dtype, device.type)
     env = C.environment(getattr(args, "argv", None))
     probe = C.build_bench_model(args, dtype, torch.device("cpu") if device.type != "cpu" else device, seed=args.seed)
