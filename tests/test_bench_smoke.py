@@ -113,3 +113,12 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, caps
     with pytest.raises(SystemExit) as exc:
         main(["bench", "overhead", "--model", "tiny", "--plot", str(tmp_path / "x.png")])
     assert "pip install 'hybrid-engine[plot]'" in str(exc.value)
+
+
+def test_bench_parity(tmp_path, capsys):
+    d = _run(tmp_path, capsys, "bench", "parity", "--models", "tiny-llama", "--batch-size", "2",
+             "--prompt-len", "6", "--new-tokens", "4")
+    combos = {(r["model"], r["path"], r["mode"]) for r in d["rows"]}
+    assert len(combos) == 4 and d["ok"] is True
+    assert all(r["replayed"] for r in d["rows"])
+    _total(d["token_agreement"])

@@ -1,7 +1,8 @@
 """``hybrid-engine bench``: the reference's tables, eager and graph measured side by side in one run.
 
 Sub-benchmarks (one module each): :mod:`.decode`, :mod:`.rlhf`, :mod:`.continuous`,
-:mod:`.overhead`. Each has ``add_arguments(parser)`` and ``run(args) -> dict``
+:mod:`.overhead`, and :mod:`.parity` (the
+token-identity check the GPU script runs). Each has ``add_arguments(parser)`` and ``run(args) -> dict``
 (the JSON payload); shared helpers live in :mod:`.common`.
 """
 
@@ -14,6 +15,7 @@ SUBCOMMANDS = {
     "rlhf": "RLHF-style iteration (eval, generate, train, step): phase table, peak memory, capture cost",
     "continuous": "continuous rollouts: eager vs graph reuse latency; continuous vs static batching",
     "overhead": "our eager generate vs transformers' model.generate on the same inputs (ratio <= 1.05)",
+    "parity": "graph vs eager tokens on the engine and rollout paths, greedy and sampled (exit 1 on mismatch)",
 }
 
 

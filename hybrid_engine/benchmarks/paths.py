@@ -80,11 +80,11 @@ def make_rollout(model_or_engine: Any, *, graphs: bool, pad_token_id: int, eos_t
 
 
 def rollout_generate(rollout: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, *,
-                     temperature: float = 0.0, seed: int = 0, n_samples: int = 1,
+                     temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, n_samples: int = 1,
                      budgets: list[int] | None = None) -> Any:
     hybrid_engine = api()
     req = hybrid_engine.RolloutRequest(ids, mask, max_new_tokens=budgets)
-    sc = hybrid_engine.SamplingConfig(max_new_tokens=new_tokens, temperature=temperature,
+    sc = hybrid_engine.SamplingConfig(max_new_tokens=new_tokens, temperature=temperature, top_p=top_p,
                                       n_samples_per_prompt=n_samples, seed=seed)
     return rollout.generate(req, sc)
 
