@@ -290,7 +290,9 @@ class HybridEngineRollout:
             for i in range(num_prompts)
             for j in range(n)
         ]
-        max_active = min(cfg.max_batch_size or len(requests), len(requests))
+        # Concurrency: max_batch_size, else the largest explicit bucket, else the whole request.
+        limit_slots = cfg.max_batch_size or (max(cfg.graph_batch_sizes) if cfg.graph_batch_sizes else len(requests))
+        max_active = min(limit_slots, len(requests))
         bucket = self._bucket(max_active)
         use_graph = self._graphs_available()
 
