@@ -206,6 +206,7 @@ class PositionGraphs:
             self._entries.popitem(last=False)
         device = torch.device(key.device)
         cache = StaticKVCache(model.config, key.batch, capacity, device=device, dtype=key.dtype)
+        cache.bounds_checks = False  # lengths were validated up front; skip the per-step host read
         suppress = torch.tensor(key.suppressed_eos, dtype=torch.int64, device=device) if key.suppressed_eos else None
         entry = GraphEntry(
             key=key,

@@ -207,7 +207,7 @@ def decode_one_token(model: PreTrainedModel, cache: StaticKVCache, tokens: torch
     kv_len = cache.kv_len if cache.kv_len is not None else cache.capacity
     if not get_accelerator().is_current_stream_capturing():
         _check_tokens(cache, tokens)
-        end = int(cache.write_pos.max())
+        end = int(cache.write_pos.max()) if cache.bounds_checks else -1
         if end >= kv_len:
             raise ValueError(
                 f"decode_one_token: a row's write position {end} is at or past "

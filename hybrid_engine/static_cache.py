@@ -197,6 +197,9 @@ class StaticKVCache(Cache):
         self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
         #: Host int set by the caller: attention spans only the first ``kv_len`` slots (None: all).
         self.kv_len: int | None = None
+        #: Read write positions on the host to bounds-check each write (outside capture only).
+        #: Owners that validate lengths up front (the engines) turn it off: it costs a sync per step.
+        self.bounds_checks = True
         #: Number of ``update`` calls (a probe for models that silently ignore an external cache).
         self.num_updates = 0
 
@@ -325,6 +328,8 @@ class StaticKVCache(Cache):
             )
         if self.kv_len is not None and not 1 <= self.kv_len <= self._capacity:
             raise ValueError(f"StaticKVCache: kv_len={self.kv_len} is outside 1..capacity={self._capacity}")
+        if not self.bounds_checks:
+            return
         end = int(self.write_pos.max()) + q_len
         limit = self._span()
         if end > limit:

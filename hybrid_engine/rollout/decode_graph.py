@@ -72,6 +72,8 @@ class SlotState:
         self.capacity = capacity
         self.width = width
         self.cache = StaticKVCache(model.config, batch_size, capacity, device=device, dtype=dtype)
+        # Lengths are validated before admission and idle rows are parked, so skip the per-step host read.
+        self.cache.bounds_checks = False
         s = batch_size
         i64 = dict(dtype=torch.int64, device=device)
         self.tokens = torch.zeros(s, **i64)
@@ -161,7 +163,6 @@ class SlotState:
         budget: torch.Tensor,
     ) -> None:
         """Load freshly prefilled requests into ``slots``; their first token came from the prefill logits."""
-        n = slots.numel()
         self.out_tokens.index_fill_(0, slots, 0)
         self.out_logprobs.index_fill_(0, slots, 0.0)
         self.out_tokens[:, 0].index_copy_(0, slots, first_tokens)
@@ -173,7 +174,6 @@ class SlotState:
         self.budget.index_copy_(0, slots, budget)
         done = self.is_eos(first_tokens) | (budget <= 1)
         self.finished.index_copy_(0, slots, done)
-        del n
 
     def release(self, slots: torch.Tensor) -> None:
         """Free slots: nothing live, cache rows emptied (their write position is 0 again)."""
