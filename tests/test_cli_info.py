@@ -1,0 +1,37 @@
+"""`hybrid-engine info` on this CPU machine: versions, accelerator, graph capability."""
+
+import subprocess
+import sys
+
+import pytest
+
+from hybrid_engine.accelerator import CPUAccelerator, set_accelerator
+from hybrid_engine.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    yield
+    set_accelerator(None)
+
+
+def test_info_reports_cpu_graph_emulation(capsys):
+    set_accelerator(CPUAccelerator())
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "transformers" in out
+    assert "accelerator    cpu" in out
+    assert "graph capture  available via hybrid_engine CPU graph emulation" in out
+
+
+def test_info_reports_why_capture_is_unavailable(capsys):
+    set_accelerator(CPUAccelerator(emulate_graphs=False))
+    main(["info"])
+    assert "graph capture  unavailable: CPU graph emulation is disabled" in capsys.readouterr().out
+
+
+def test_python_dash_m_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "hybrid_engine", "info"], capture_output=True, text=True,
+                          timeout=120, env={"HYBRID_ENGINE_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert "available via hybrid_engine CPU graph emulation" in proc.stdout
