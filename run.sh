@@ -3,13 +3,23 @@
 # installs the package with its test extras, then runs what was asked.
 #   ./run.sh demo [options]   the main job: a small RL loop with graph-captured rollouts
 #   ./run.sh test [pytest options]   the whole test suite
+#   ./run.sh test-transformers-4.57   the cache, engine and rollout tests again on transformers 4.57
+#                                     (in .venv-tf457), the oldest transformers we support
 #   ./run.sh <hybrid-engine subcommand> [...]   e.g. ./run.sh info, ./run.sh bench decode
 # HYBRID_ENGINE_VENV picks the venv folder (default .venv); HYBRID_ENGINE_TORCH the torch
 # requirement installed when the venv has none (default torch==2.13.0).
 set -euo pipefail
 cd "$(dirname "$0")"
 
-venv="${HYBRID_ENGINE_VENV:-.venv}"
+cmd="${1:-demo}"
+[ $# -gt 0 ] && shift
+if [ "$cmd" = "test-transformers-4.57" ]; then
+  venv="${HYBRID_ENGINE_VENV:-.venv-tf457}"
+  extra_req="transformers==4.57.*"
+else
+  venv="${HYBRID_ENGINE_VENV:-.venv}"
+  extra_req=""
+fi
 python_bin="${PYTHON:-python3}"
 if [ ! -x "$venv/bin/python" ]; then
   "$python_bin" -m venv "$venv"
@@ -21,13 +31,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   if ! "$py" -c "import torch" 2>/dev/null; then
     "$py" -m pip install -q --disable-pip-version-check "${HYBRID_ENGINE_TORCH:-torch==2.13.0}"
   fi
-  "$py" -m pip install -q --disable-pip-version-check -e ".[dev]"
+  "$py" -m pip install -q --disable-pip-version-check -e ".[dev]" $extra_req
   touch "$stamp"
 fi
 
-cmd="${1:-demo}"
-[ $# -gt 0 ] && shift
 case "$cmd" in
   test) exec "$py" -m pytest -q "$@" ;;
+  test-transformers-4.57)
+    exec "$py" -m pytest -q tests/test_static_cache.py tests/test_model_step.py tests/test_engine_generate.py \
+      tests/test_engine_graphs.py tests/rollout "$@" ;;
   *) exec "$py" -m hybrid_engine "$cmd" "$@" ;;
 esac
