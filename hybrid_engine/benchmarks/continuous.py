@@ -38,11 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=32, help="part 1 new tokens (default 32)")
     p.add_argument("--warmup", type=int, default=2, help="part 1 warm-up calls, >= 2 (default 2)")
     p.add_argument("--measured", type=int, default=5, help="part 1 measured calls (default 5)")
-    p.add_argument("--mixed-requests", type=int, default=32, help="part 2 number of requests (default 32; 0 skips)")
-    p.add_argument("--mixed-max-batch", type=int, default=8, help="part 2 concurrent slots (default 8)")
-    p.add_argument("--mixed-max-new", type=int, default=64, help="part 2 largest response budget (default 64)")
+    p.add_argument("--mixed-requests", type=int, default=16, help="part 2 number of requests (default 16; 0 skips)")
+    p.add_argument("--mixed-max-batch", type=int, default=4, help="part 2 concurrent slots (default 4)")
+    p.add_argument("--mixed-max-new", type=int, default=32, help="part 2 largest response budget (default 32)")
     p.add_argument("--mixed-prompt-len", type=int, default=32, help="part 2 longest prompt (default 32)")
-    p.add_argument("--mixed-repeats", type=int, default=3, help="part 2 measured calls per mode (default 3)")
+    p.add_argument("--mixed-repeats", type=int, default=2, help="part 2 measured calls per mode (default 2)")
 
 
 def _captures(rollout: Any) -> int:
