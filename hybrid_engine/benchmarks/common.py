@@ -340,7 +340,7 @@ def write_plot(path: str, draw: Callable[[Any], None], title: str) -> None:
         raise SystemExit(f"error: {PLOT_HINT}") from exc
     plt.figure(figsize=(7, 4.5))
     draw(plt)
-    plt.title(title)
+    plt.suptitle(title)
     plt.tight_layout()
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)

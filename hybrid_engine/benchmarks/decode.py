@@ -142,6 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             plt.plot([r["batch"] for r in rs], [r["eager_tok_s"] for r in rs], "o--", label=f"{path} eager")
             plt.plot([r["batch"] for r in rs], [r["graph_tok_s"] for r in rs], "o-", label=f"{path} graph")
         plt.xscale("log", base=2)
+        plt.xticks(args.batch_sizes, [str(b) for b in args.batch_sizes])
         plt.xlabel("batch size")
         plt.ylabel("tokens / s")
         plt.legend()
