@@ -49,6 +49,9 @@ def _run_mode(args: argparse.Namespace, graphs: bool, dtype: torch.dtype, device
     model = C.build_bench_model(args, dtype, device, seed=args.seed)
     engine = make_engine(model, graphs=graphs, max_out_tokens=args.prompt_len + args.new_tokens,
                          batch_size=args.batch_size, dtype=dtype, lr=args.lr)
+    # Same RNG stream in both modes: dropout masks match, so the weights stay equal and every
+    # iteration's tokens can be compared, not only the first one's.
+    torch.manual_seed(args.seed)
     gen_ms: list[float] = []
     train_ms: list[float] = []
     iter_ms: list[float] = []
@@ -146,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"(all iterations: {same_all}/{total_all})\n"
         f"peak memory eager -> graph: {mem}\n"
         f"one-time capture cost: first graph generate {graph['first_generate_ms']:.1f} ms "
-        f"(+{capture_ms:.1f} ms over the eager mean); engine capture_seconds "
+        f"({capture_ms:+.1f} ms vs the eager mean); engine capture_seconds "
         f"{cap_s if cap_s is None else f'{cap_s:.2f} s'}, captures {graph['graph'].get('captures')}"
     )
 
