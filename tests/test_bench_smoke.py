@@ -9,23 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from hybrid_engine.accelerator import CPUAccelerator, get_accelerator, set_accelerator
 from hybrid_engine.cli import main
 
 ENV_FIELDS = {"date", "hardware", "device", "torch", "transformers", "command"}
-
-
-@pytest.fixture(autouse=True)
-def cpu_graphs():
-    previous = get_accelerator()
-    threads = torch.get_num_threads()
-    set_accelerator(CPUAccelerator(emulate_graphs=True))
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    set_accelerator(previous)
 
 
 def _run(tmp_path, capsys, *argv: str) -> dict:

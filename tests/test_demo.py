@@ -7,21 +7,9 @@ import json
 import pytest
 import torch
 
-from hybrid_engine.accelerator import CPUAccelerator, get_accelerator, set_accelerator
 from hybrid_engine.cli import main
 from hybrid_engine.demo import group_advantages, word_token_ids
 from hybrid_engine.tiny_models import build_tokenizer
-
-
-@pytest.fixture(autouse=True)
-def cpu_graphs():
-    previous = get_accelerator()
-    threads = torch.get_num_threads()
-    set_accelerator(CPUAccelerator(emulate_graphs=True))
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    set_accelerator(previous)
 
 
 def test_group_advantages_are_normalised_per_prompt():

@@ -1,28 +1,17 @@
 """engine.generate as a drop-in for transformers' generate (eager path and delegation)."""
 
-import gc
 import warnings
 
 import pytest
 import torch
+from conftest import left_padded_prompts as prompts
 
 from hybrid_engine.engine import initialize
 from hybrid_engine.tiny_models import build_model
 
-gc.freeze()
-
 ARCHS = ["tiny-gpt2", "tiny-opt", "tiny-llama", "tiny-qwen2"]
 
 
-def prompts(batch, width, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, 384, (batch, width), generator=g)
-    mask = torch.ones_like(ids)
-    for b in range(batch):
-        pads = b % width
-        ids[b, :pads] = 0
-        mask[b, :pads] = 0
-    return ids, mask
 
 
 @pytest.mark.parametrize("arch", ARCHS)

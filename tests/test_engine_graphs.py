@@ -4,11 +4,11 @@ Parity cases (graph tokens == eager tokens, 5 new tokens, pinned length, left pa
 tiny-gpt2/opt/llama/qwen2 x batch 1 and 4 in fp32, and x batch 4 in bf16.
 """
 
-import gc
 import warnings
 
 import pytest
 import torch
+from conftest import left_padded_prompts as prompts
 
 import hybrid_engine.generation as generation
 from hybrid_engine.accelerator import CPUAccelerator, get_accelerator, set_accelerator
@@ -18,29 +18,10 @@ from hybrid_engine.engine import initialize
 from hybrid_engine.generation import graph_gate
 from hybrid_engine.tiny_models import build_model
 
-gc.freeze()  # the CPU graph emulation runs gc.collect per capture; keep the imported heap out of it
-
 GRAPH = {"hybrid_engine": {"enable_graph_capture": True}}
 N = 5
 
 
-@pytest.fixture(autouse=True)
-def cpu_accelerator():
-    prev = get_accelerator()
-    set_accelerator(CPUAccelerator())
-    yield
-    set_accelerator(prev)
-
-
-def prompts(batch, width, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, 384, (batch, width), generator=g)
-    mask = torch.ones_like(ids)
-    for b in range(batch):
-        pads = b % width
-        ids[b, :pads] = 0
-        mask[b, :pads] = 0
-    return ids, mask
 
 
 def engines(model, **he):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from hybrid_engine.accelerator import CPUAccelerator, GraphCaptureError, set_accelerator
+from hybrid_engine.accelerator import GraphCaptureError
 from hybrid_engine.model_step import (
     build_decode_mask,
     check_model_supported,
@@ -19,18 +19,6 @@ from hybrid_engine.tiny_models import ARCHITECTURES, PAD_ID, build_model, build_
 
 N_NEW = 12
 CAPACITY = 32
-
-
-@pytest.fixture(autouse=True)
-def cpu_graphs():
-    # Tiny matmuls: one intra-op thread is fastest and avoids oversubscription on a busy CI box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    acc = CPUAccelerator(emulate_graphs=True)
-    set_accelerator(acc)
-    yield acc
-    set_accelerator(None)
-    torch.set_num_threads(threads)
 
 
 _MODELS: dict[str, PreTrainedModel] = {}

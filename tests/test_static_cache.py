@@ -6,21 +6,8 @@ import pytest
 import torch
 from transformers.cache_utils import Cache
 
-from hybrid_engine.accelerator import CPUAccelerator, set_accelerator
 from hybrid_engine.static_cache import StaticKVCache, cache_geometry
 from hybrid_engine.tiny_models import ARCHITECTURES, build_config
-
-
-@pytest.fixture(autouse=True)
-def cpu_graphs():
-    # Tiny matmuls: one intra-op thread is fastest and avoids oversubscription on a busy CI box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    acc = CPUAccelerator(emulate_graphs=True)
-    set_accelerator(acc)
-    yield acc
-    set_accelerator(None)
-    torch.set_num_threads(threads)
 
 
 def make(arch: str = "llama", batch: int = 3, capacity: int = 8) -> StaticKVCache:
