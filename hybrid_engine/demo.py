@@ -159,10 +159,9 @@ def _ms(t0: float) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .benchmarks.common import environment, format_table, median, select_device, write_json
-    from .benchmarks.paths import api
+    import hybrid_engine
 
-    hybrid_engine = api()
+    from .benchmarks.common import environment, format_table, median, select_device, write_json
 
     if args.iterations < 1 or args.batch_size < 1 or args.samples < 1 or args.new_tokens < 1:
         raise SystemExit("error: --iterations, --batch-size, --samples and --new-tokens must be >= 1")

@@ -16,23 +16,8 @@ from typing import Any
 
 import torch
 
+from .. import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig, initialize
 from .common import adam_eps, precision_config
-
-
-def api() -> Any:
-    """The public API (``initialize``, ``HybridEngineRollout``, ``RolloutConfig``, ``RolloutRequest``,
-    ``SamplingConfig``): from the package root, or from its modules where the root does not export it."""
-    import hybrid_engine
-
-    names = ("initialize", "HybridEngineRollout", "RolloutConfig", "RolloutRequest", "SamplingConfig")
-    if all(hasattr(hybrid_engine, n) for n in names):
-        return hybrid_engine
-    from types import SimpleNamespace
-
-    from .. import rollout
-    from ..engine import initialize
-
-    return SimpleNamespace(initialize=initialize, **{n: getattr(rollout, n) for n in names[1:]})
 
 
 def engine_config(*, graphs: bool, max_out_tokens: int, batch_size: int, dtype: torch.dtype,
@@ -47,7 +32,7 @@ def engine_config(*, graphs: bool, max_out_tokens: int, batch_size: int, dtype: 
 
 def make_engine(model: torch.nn.Module, *, graphs: bool, max_out_tokens: int, batch_size: int,
                 dtype: torch.dtype, lr: float = 1e-5):
-    engine, _ = api().initialize(
+    engine, _ = initialize(
         model=model, optimizer=None,
         config=engine_config(graphs=graphs, max_out_tokens=max_out_tokens, batch_size=batch_size, dtype=dtype, lr=lr),
     )
@@ -70,21 +55,19 @@ def unreachable_eos(model: torch.nn.Module) -> int:
 def make_rollout(model_or_engine: Any, *, graphs: bool, pad_token_id: int, eos_token_id: int | tuple[int, ...],
                  continuous: bool = True, max_batch_size: int | None = None, graph_batch_sizes=None,
                  cache_capacity: int | None = None):
-    hybrid_engine = api()
-    cfg = hybrid_engine.RolloutConfig(
+    cfg = RolloutConfig(
         use_graph_capture=graphs, continuous_batching=continuous, max_batch_size=max_batch_size,
         cache_capacity=cache_capacity, graph_batch_sizes=graph_batch_sizes,
         pad_token_id=pad_token_id, eos_token_id=eos_token_id,
     )
-    return hybrid_engine.HybridEngineRollout(model_or_engine, config=cfg)
+    return HybridEngineRollout(model_or_engine, config=cfg)
 
 
 def rollout_generate(rollout: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, *,
                      temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, n_samples: int = 1,
                      budgets: list[int] | None = None) -> Any:
-    hybrid_engine = api()
-    req = hybrid_engine.RolloutRequest(ids, mask, max_new_tokens=budgets)
-    sc = hybrid_engine.SamplingConfig(max_new_tokens=new_tokens, temperature=temperature, top_p=top_p,
+    req = RolloutRequest(ids, mask, max_new_tokens=budgets)
+    sc = SamplingConfig(max_new_tokens=new_tokens, temperature=temperature, top_p=top_p,
                                       n_samples_per_prompt=n_samples, seed=seed)
     return rollout.generate(req, sc)
 
