@@ -194,6 +194,12 @@ def initialize(
             f"zero_optimization.stage={stage} is not supported yet: the ZeRO integration is not there; "
             "use stage 0 (or omit zero_optimization) for plain PyTorch training"
         )
+    if cfg.fp16.enabled and any(p.dtype == torch.float16 for p in model.parameters() if p.requires_grad):
+        raise ValueError(
+            "fp16.enabled trains fp32 weights under fp16 autocast with a gradient scaler, but the model has "
+            "float16 parameters (the scaler cannot unscale fp16 gradients); keep the model in float32, or "
+            "set fp16.enabled=false to train the float16 weights directly"
+        )
     if cfg.hybrid_engine.inference_tp_size > 1:
         warnings.warn(
             f"hybrid_engine.inference_tp_size={cfg.hybrid_engine.inference_tp_size}: tensor-parallel inference "

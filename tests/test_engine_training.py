@@ -129,3 +129,9 @@ def test_initialize_rejects_bad_arguments():
         initialize(model=None, config={})
     with pytest.raises(ValueError, match="optimizer.type"):
         initialize(model=build_model("tiny-gpt2"), config={"optimizer": {"type": "Lion"}})
+
+
+def test_fp16_mode_with_half_weights_is_a_clear_error():
+    model = build_model("tiny-gpt2").half()
+    with pytest.raises(ValueError, match="float16 parameters"):
+        initialize(model=model, config={"fp16": {"enabled": True}, "optimizer": {"type": "AdamW"}})
