@@ -171,7 +171,7 @@ class StaticKVCache(Cache):
                 f"capacity {capacity}; sliding windows are not supported by this cache"
             )
         if dtype is None:
-            cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+            cfg_dtype = getattr(config, "dtype", None)  # 4.57 and 5.x; `torch_dtype` is deprecated
             dtype = cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.get_default_dtype()
         device = torch.device(device) if device is not None else torch.device("cpu")
         num_layers, num_kv_heads, head_dim = cache_geometry(config)
