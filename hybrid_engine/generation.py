@@ -37,7 +37,7 @@ from transformers import GenerationConfig
 from .accelerator import get_accelerator
 from .config import EngineConfig, validate_graph_capture_support
 from .decode_graphs import CaptureFailed, GraphEntry, GraphKey, GraphStats, PositionGraphs
-from .model_step import check_model_supported, decode_one_token, prefill
+from .model_step import check_model_supported, decode_one_token, max_positions, prefill
 from .sampling import sample_tokens, validate_sampling
 from .static_cache import StaticKVCache
 
@@ -105,15 +105,6 @@ def _as_id_list(value: Any) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [int(v) for v in value]
     return [int(value)]
-
-
-def _max_positions(model: torch.nn.Module) -> int | None:
-    cfg = model.config
-    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 @dataclasses.dataclass
@@ -224,7 +215,7 @@ class Generator:
         if not 0 <= min_new <= max_new:
             raise ValueError(f"generate(): min_new_tokens ({min_new}) must be in 0..max_new_tokens ({max_new})")
         total = width + max_new
-        limit = _max_positions(self.model)
+        limit = max_positions(self.model.config)
         if limit is not None and total > limit:
             raise ValueError(
                 f"generate(): prompt length {width} + max_new_tokens {max_new} = {total} exceeds the model's "

@@ -37,6 +37,7 @@ __all__ = [
     "build_prefill_mask",
     "check_model_supported",
     "decode_one_token",
+    "max_positions",
     "prefill",
     "prompt_position_ids",
 ]
@@ -96,6 +97,15 @@ def build_prefill_mask(attention_mask: torch.Tensor, kv_len: int, dtype: torch.d
     zero = torch.zeros((), dtype=dtype, device=device)
     neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
     return torch.where(allowed, zero, neg)[:, None, :, :]
+
+
+def max_positions(config: Any) -> int | None:
+    """The model's position limit (``max_position_embeddings``/``n_positions``/``n_ctx``), or ``None``."""
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def prompt_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

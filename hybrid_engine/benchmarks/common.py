@@ -392,3 +392,13 @@ def finish(args: argparse.Namespace, payload: dict[str, Any], text: str, draw: C
         write_json(args.json, payload)
     if args.plot and draw is not None:
         write_plot(args.plot, draw, title)
+
+
+def prepare(args: argparse.Namespace) -> tuple[Any, torch.device, torch.dtype, dict[str, Any]]:
+    """The common start of every bench: plot check, accelerator, threads, dtype and environment header."""
+    check_plot_available(getattr(args, "plot", None))
+    acc = select_device(args.device)
+    device = acc.device()
+    apply_threads(args, device)
+    dtype = parse_dtype(args.dtype, device.type)
+    return acc, device, dtype, environment(getattr(args, "argv", None))

@@ -161,12 +161,7 @@ def _part2(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    C.check_plot_available(args.plot)
-    acc = C.select_device(args.device)
-    device = acc.device()
-    C.apply_threads(args, device)
-    dtype = C.parse_dtype(args.dtype, device.type)
-    env = C.environment(getattr(args, "argv", None))
+    acc, device, dtype, env = C.prepare(args)
     print("bench continuous: part 1, eager vs graph reuse ...", flush=True)
     p1 = _part1(args, device, dtype)
     p2 = None

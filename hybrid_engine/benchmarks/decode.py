@@ -61,16 +61,11 @@ def _measure(run_eager, run_graph, repeats: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    C.check_plot_available(args.plot)
-    acc = C.select_device(args.device)
-    device = acc.device()
-    C.apply_threads(args, device)
-    dtype = C.parse_dtype(args.dtype, device.type)
+    acc, device, dtype, env = C.prepare(args)
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     bad = set(paths) - {"engine", "rollout"}
     if bad or not paths:
         raise SystemExit(f"error: --paths takes engine and/or rollout, got {args.paths!r}")
-    env = C.environment(getattr(args, "argv", None))
     T, N = args.prompt_len, args.new_tokens
     rows: list[dict[str, Any]] = []
     for path in paths:

@@ -33,12 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    C.check_plot_available(args.plot)
-    acc = C.select_device(args.device)
-    device = acc.device()
-    C.apply_threads(args, device)
-    dtype = C.parse_dtype(args.dtype, device.type)
-    env = C.environment(getattr(args, "argv", None))
+    acc, device, dtype, env = C.prepare(args)
     ours_model = C.build_bench_model(args, dtype, device, seed=args.seed)
     hf_model = C.build_bench_model(args, dtype, device, seed=args.seed)
     pad, _ = C.special_ids(hf_model)

@@ -87,11 +87,7 @@ def _rollout_pair(args, model_args, dtype, device, ids, mask, sampled: bool) -> 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    acc = C.select_device(args.device)
-    device = acc.device()
-    C.apply_threads(args, device)
-    dtype = C.parse_dtype(args.dtype, device.type)
-    env = C.environment(getattr(args, "argv", None))
+    acc, device, dtype, env = C.prepare(args)
     names = [args.model_path] if args.model_path else [m.strip() for m in args.models.split(",") if m.strip()]
     rows = []
     for name in names:

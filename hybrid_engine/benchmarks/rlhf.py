@@ -89,14 +89,9 @@ def _run_mode(args: argparse.Namespace, graphs: bool, dtype: torch.dtype, device
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    C.check_plot_available(args.plot)
     if args.iterations < 1 or args.warmup < 1:
         raise SystemExit("error: --warmup and --iterations must be >= 1 (the first warm-up call captures)")
-    acc = C.select_device(args.device)
-    device = acc.device()
-    C.apply_threads(args, device)
-    dtype = C.parse_dtype(args.dtype, device.type)
-    env = C.environment(getattr(args, "argv", None))
+    acc, device, dtype, env = C.prepare(args)
     probe = C.build_bench_model(args, dtype, torch.device("cpu") if device.type != "cpu" else device, seed=args.seed)
     pad, _ = C.special_ids(probe)
     vocab = int(probe.config.vocab_size)

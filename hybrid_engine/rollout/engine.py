@@ -29,7 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hybrid_engine.accelerator import get_accelerator
-from hybrid_engine.model_step import check_model_supported
+from hybrid_engine.model_step import check_model_supported, max_positions
 
 from .decode_graph import SlotState, weight_fingerprint
 from .scheduler import Counters, RequestSpec, run_schedule
@@ -52,14 +52,6 @@ def _unwrap_model(engine: Any) -> PreTrainedModel:
         "HybridEngineRollout: engine must be a HybridEngine (with .module a transformers PreTrainedModel) "
         f"or a transformers PreTrainedModel, got {type(engine).__name__}"
     )
-
-
-def _position_limit(config: Any) -> int | None:
-    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...] | None:
@@ -216,7 +208,7 @@ class HybridEngineRollout:
                 capacity = max(capacity, state.capacity)
                 width = max(width, state.width)
             state = SlotState(
-                model, batch, capacity, width, position_limit=_position_limit(model.config),
+                model, batch, capacity, width, position_limit=max_positions(model.config),
                 device=param.device, dtype=param.dtype, num_eos=num_eos,
             )
             self._states[batch] = state
@@ -258,7 +250,7 @@ class HybridEngineRollout:
         prompt_lengths = request.prompt_lengths
         longest = max(prompt_lengths)
         max_new = sampling.max_new_tokens
-        limit = _position_limit(model.config)
+        limit = max_positions(model.config)
         if limit is not None and longest > limit:
             raise ValueError(
                 f"generate: a prompt has {longest} tokens, more than the model's position limit {limit}; "
