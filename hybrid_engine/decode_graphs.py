@@ -29,15 +29,15 @@ and every tensor address it touched. So:
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from .graph_safety import suspended_hooks, weight_fingerprint
 from .static_cache import StaticKVCache
 
 __all__ = [
@@ -49,8 +49,6 @@ __all__ = [
     "GraphKey",
     "GraphStats",
     "PositionGraphs",
-    "suspended_hooks",
-    "weight_fingerprint",
 ]
 
 #: Capture failures after which graphs are disabled for the engine.
@@ -102,32 +100,6 @@ class GraphKey:
     device: str
     sampling: tuple  # (do_sample, temperature, top_k, top_p)
     suppressed_eos: tuple[int, ...]
-
-
-def weight_fingerprint(model: torch.nn.Module) -> tuple:
-    """(address, dtype, shape) of every parameter and buffer: changes when any is re-allocated."""
-    items = []
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        items.append((name, t.data_ptr(), t.dtype, tuple(t.shape)))
-    return tuple(items)
-
-
-@contextlib.contextmanager
-def suspended_hooks(model: torch.nn.Module) -> Iterator[None]:
-    """Detach every module's forward (pre-)hooks for the duration of the block, then restore them."""
-    saved = []
-    names = ("_forward_hooks", "_forward_pre_hooks")
-    for m in model.modules():
-        for attr in names:
-            hooks = getattr(m, attr, None)
-            if hooks:
-                saved.append((m, attr, hooks))
-                setattr(m, attr, OrderedDict())
-    try:
-        yield
-    finally:
-        for m, attr, hooks in saved:
-            setattr(m, attr, hooks)
 
 
 @dataclass

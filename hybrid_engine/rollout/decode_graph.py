@@ -18,7 +18,8 @@ capacity and output width (shapes), and the sampling knobs (temperature, top-p,
 top-k). A graph is therefore keyed on ``(S, capacity, width)`` through its
 state and on the sampling knobs through :attr:`SlotState.graphs`. Model weights
 are read by address: in-place optimizer updates are seen by the next replay,
-and a re-allocated parameter is caught by :func:`weight_fingerprint`, which
+and a re-allocated parameter is caught by
+:func:`~hybrid_engine.graph_safety.weight_fingerprint`, which
 forces a recapture.
 
 The eager path calls exactly the same :meth:`SlotState.step` function without
@@ -40,17 +41,9 @@ from hybrid_engine.model_step import decode_one_token
 from hybrid_engine.sampling import sample_tokens
 from hybrid_engine.static_cache import StaticKVCache
 
-__all__ = ["SlotState", "weight_fingerprint"]
+__all__ = ["SlotState"]
 
 _EOS_SLOTS = 8
-
-
-def weight_fingerprint(model: torch.nn.Module) -> tuple:
-    """Addresses (and layouts) of every parameter and buffer: a captured graph reads exactly these."""
-    items = []
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        items.append((name, t.data_ptr(), t.dtype, tuple(t.shape), str(t.device)))
-    return tuple(items)
 
 
 class SlotState:

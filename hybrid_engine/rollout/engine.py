@@ -5,7 +5,7 @@ bucket and keeps it (cache, per-slot state and captured graphs) across
 ``generate`` calls, so a decode step is captured once per (bucket, sampling
 knobs) and replayed for every later step of every later call, also after
 optimizer steps (in-place updates are read through the same addresses). A
-parameter that was re-allocated changes :func:`~.decode_graph.weight_fingerprint`
+parameter that was re-allocated changes :func:`~hybrid_engine.graph_safety.weight_fingerprint`
 and drops the bucket's graphs, so the next step recaptures instead of reading
 stale weights.
 
@@ -29,9 +29,10 @@ import torch
 from transformers import PreTrainedModel
 
 from hybrid_engine.accelerator import get_accelerator
+from hybrid_engine.graph_safety import suspended_hooks, weight_fingerprint
 from hybrid_engine.model_step import check_model_supported, max_positions
 
-from .decode_graph import SlotState, weight_fingerprint
+from .decode_graph import SlotState
 from .scheduler import Counters, RequestSpec, run_schedule
 from .types import RolloutBatch, RolloutConfig, RolloutRequest, SamplingConfig, default_graph_buckets
 
@@ -104,7 +105,7 @@ class _StepRunner:
         t0 = time.perf_counter()
         graph = acc.create_graph()
         try:
-            with acc.capture_to_graph(graph, pool=state.pool):
+            with suspended_hooks(self.model), acc.capture_to_graph(graph, pool=state.pool):
                 state.step(self.model, self.key)
         except Exception as exc:  # a capture failure falls back to eager, as the reference does
             warnings.warn(

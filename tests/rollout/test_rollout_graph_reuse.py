@@ -147,3 +147,27 @@ def test_last_stats_fields_and_few_host_syncs():
     assert stats["cache_capacity"] == 6 + 12 and stats["cache_memory_bytes"] > 0
     assert stats["total_ms"] >= stats["prefill_ms"] + stats["decode_ms"] - 1e-6
     assert "profile" in stats
+
+
+def test_synchronising_forward_hook_does_not_break_capture():
+    """A user hook that reads a value on the host would fail capture; it is suspended while capturing."""
+    from hybrid_engine.accelerator import get_accelerator
+
+    model = build_model("tiny-gpt2", seed=4)
+    request = left_padded_prompts([4, 6], seed=12)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.0, seed=1)
+    expected = _eager(model, request, sampling)
+    seen = []
+
+    def sync_hook(module, args, output):
+        seen.append(get_accelerator().is_current_stream_capturing())
+        output.sum().item()  # a host read: illegal inside capture
+
+    model.lm_head.register_forward_hook(sync_hook)
+    rollout = HybridEngineRollout(
+        model, config=RolloutConfig(use_graph_capture=True, max_batch_size=4, pad_token_id=0, eos_token_id=10_000)
+    )
+    got = rollout.generate(request, sampling)
+    assert rollout.last_stats["graph_captures"] == 1 and rollout.last_stats["fallbacks"] == 0
+    assert seen and not any(seen)  # the hook ran eagerly (prefill, warm-up), never while capturing
+    assert_batches_identical(got, expected)
