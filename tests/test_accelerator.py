@@ -57,7 +57,12 @@ def make_stub_backend(graph_cls_name: str, log: list, capturing_fn: bool = True)
             state["capturing"] = False
             log.append(("exit",))
 
+    class StubEvent:
+        def __init__(self, enable_timing=False):
+            log.append(("event", enable_timing))
+
     mod = types.SimpleNamespace(
+        Event=StubEvent,
         graph=graph,
         synchronize=lambda: log.append(("sync",)),
         is_available=lambda: True,
@@ -93,6 +98,7 @@ def test_stub_native_graph_wiring(name, cls_name, monkeypatch):
     assert ("enter", "StubGraph", pool, "s1") in log
     assert g2.replays == 1
     assert acc.memory_allocated() == 1234 and acc.max_memory_allocated() == 5678
+    assert type(acc.Event(enable_timing=True)).__name__ == "StubEvent" and ("event", True) in log
     if name != "npu":  # "npu" becomes a torch device type only once real torch_npu registers it
         assert acc.device() == torch.device(name, 0)
 

@@ -159,6 +159,10 @@ class TorchBackendAccelerator(Accelerator):
     def Stream(self) -> Any:
         return self._call("Stream")
 
+    def Event(self, enable_timing: bool = False) -> Any | None:  # noqa: N802
+        event_cls = getattr(self._module, "Event", None)
+        return event_cls(enable_timing=enable_timing) if callable(event_cls) else None
+
     def stream(self, s: Any) -> ContextManager[Any]:
         ctx = getattr(self._module, "stream", None)
         return ctx(s) if callable(ctx) else contextlib.nullcontext(s)

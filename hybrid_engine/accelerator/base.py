@@ -52,6 +52,10 @@ class Accelerator:
     def stream(self, s: Any) -> ContextManager[Any]:
         return contextlib.nullcontext(s)
 
+    def Event(self, enable_timing: bool = False) -> Any | None:  # noqa: N802 - mirrors torch.cuda.Event
+        """A device event (``record()``, ``synchronize()``, ``elapsed_time()``), or ``None`` where the backend has none."""
+        return None
+
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 

@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 from hybrid_engine.accelerator import get_accelerator
 from hybrid_engine.graph_safety import suspended_hooks, weight_fingerprint
 from hybrid_engine.model_step import check_model_supported, max_positions
+from hybrid_engine.timing import PhaseTimer
 
 from .decode_graph import SlotState
 from .scheduler import Counters, RequestSpec, run_schedule
@@ -289,7 +290,7 @@ class HybridEngineRollout:
         bucket = self._bucket(max_active)
         use_graph = self._graphs_available()
 
-        counters = Counters()
+        counters = Counters(timer=PhaseTimer(get_accelerator()))
         if cfg.use_graph_capture and not use_graph:
             counters.fallbacks += 1
         with self._inference_mode():
@@ -336,10 +337,11 @@ class HybridEngineRollout:
     def _stats(self, c: Counters, total_s: float, state: SlotState, batch: RolloutBatch, use_graph: bool,
                bucket: int) -> dict[str, Any]:
         tokens = int(sum(c.lengths.values()))
+        phases = c.timer.totals_ms()
         stats: dict[str, Any] = {
-            "prefill_ms": c.prefill_s * 1e3,
-            "decode_ms": c.decode_s * 1e3,
-            "overhead_ms": max(0.0, (total_s - c.prefill_s - c.decode_s) * 1e3),
+            "prefill_ms": phases.get("prefill", 0.0),
+            "decode_ms": phases.get("decode", 0.0),
+            "overhead_ms": max(0.0, total_s * 1e3 - phases.get("prefill", 0.0) - phases.get("decode", 0.0)),
             "total_ms": total_s * 1e3,
             "decode_steps": c.decode_steps,
             "prefill_forwards": c.prefill_forwards,

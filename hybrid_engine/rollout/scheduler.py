@@ -25,7 +25,6 @@ it samples.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,9 +32,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from hybrid_engine.accelerator import get_accelerator
 from hybrid_engine.model_step import prefill
 from hybrid_engine.sampling import sample_tokens
+from hybrid_engine.timing import PhaseTimer
 
 from .decode_graph import SlotState
 from .types import SamplingConfig
@@ -53,8 +52,7 @@ class RequestSpec:
 
 @dataclass
 class Counters:
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
+    timer: PhaseTimer  # "prefill" and "decode" phases
     capture_s: float = 0.0
     decode_steps: int = 0
     prefill_forwards: int = 0
@@ -69,11 +67,6 @@ class Counters:
     admission_rounds: int = 0
     peak_active_batch: int = 0
     lengths: dict[int, int] = field(default_factory=dict)
-
-
-def _sync_time() -> float:
-    get_accelerator().synchronize()
-    return time.perf_counter()
 
 
 def _admit(
@@ -169,27 +162,25 @@ def run_schedule(
         can_admit = continuous or not active
         n_admit = min(len(queue), max_active - len(active), len(free)) if can_admit else 0
         if n_admit > 0:
-            t0 = _sync_time()
             slots = [free.pop(0) for _ in range(n_admit)]
             reqs = [queue.popleft() for _ in range(n_admit)]
-            _admit(model, state, slots, reqs, prompt_ids, prompt_mask, prompt_lengths, sampling,
-                   shared_prefill, counters)
+            with counters.timer.phase("prefill"):
+                _admit(model, state, slots, reqs, prompt_ids, prompt_mask, prompt_lengths, sampling,
+                       shared_prefill, counters)
             for slot, req in zip(slots, reqs):
                 active[slot] = req
                 left[slot] = req.budget - 1
             counters.admission_rounds += 1
             counters.peak_active_batch = max(counters.peak_active_batch, len(active))
-            counters.prefill_s += _sync_time() - t0
 
         waiting = bool(queue) and continuous
         bound = min(left.values()) if waiting else max(left.values())
         n_steps = max(0, min(sync_interval, bound))
         if n_steps:
-            t0 = _sync_time()
-            for _ in range(n_steps):
-                step()
+            with counters.timer.phase("decode"):
+                for _ in range(n_steps):
+                    step()
             counters.decode_steps += n_steps
-            counters.decode_s += _sync_time() - t0
             for slot in left:
                 left[slot] -= n_steps
 
