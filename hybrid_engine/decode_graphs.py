@@ -136,7 +136,8 @@ class PositionGraphs:
         s = self.stats
         s.captured_positions = sum(len(e.graphs) for e in self._entries.values())
         s.graph_keys = len(self._entries)
-        s.cache_memory_bytes = sum(e.cache.memory_bytes() for e in self._entries.values())
+        caches = {id(e.cache): e.cache for e in self._entries.values()}
+        s.cache_memory_bytes = sum(c.memory_bytes() for c in caches.values())
 
     def keys(self) -> list[GraphKey]:
         return list(self._entries)
@@ -162,8 +163,23 @@ class PositionGraphs:
         self._fingerprint = fp
         return stale
 
+    def _shared_cache(self, key: GraphKey, capacity: int) -> StaticKVCache | None:
+        """A live entry's cache that ``key`` can use: same batch, dtype and device, large enough.
+
+        Keys of one batch size share one cache (each call's prefill resets it), so a new prompt
+        width or length costs graphs, not another cache.
+        """
+        for e in self._entries.values():
+            k = e.key
+            if (k.batch, k.dtype, k.device) == (key.batch, key.dtype, key.device) and e.cache.capacity >= capacity:
+                return e.cache
+        return None
+
     def entry(self, key: GraphKey, model: torch.nn.Module, capacity: int) -> GraphEntry:
-        """The entry of ``key`` (most recently used), creating it and evicting the oldest if needed."""
+        """The entry of ``key`` (most recently used), creating it and evicting the oldest if needed.
+
+        ``capacity`` is the cache length to allocate (the engine passes ``max_out_tokens``).
+        """
         # A change of generation length invalidates the graphs of other lengths.
         other_lengths = [k for k in self._entries if k.new_tokens != key.new_tokens]
         if other_lengths:
@@ -177,8 +193,10 @@ class PositionGraphs:
         while len(self._entries) >= self.max_keys:
             self._entries.popitem(last=False)
         device = torch.device(key.device)
-        cache = StaticKVCache(model.config, key.batch, capacity, device=device, dtype=key.dtype)
-        cache.bounds_checks = False  # lengths were validated up front; skip the per-step host read
+        cache = self._shared_cache(key, capacity)
+        if cache is None:
+            cache = StaticKVCache(model.config, key.batch, capacity, device=device, dtype=key.dtype)
+            cache.bounds_checks = False  # lengths were validated up front; skip the per-step host read
         suppress = torch.tensor(key.suppressed_eos, dtype=torch.int64, device=device) if key.suppressed_eos else None
         entry = GraphEntry(
             key=key,

@@ -395,7 +395,7 @@ class Generator:
         key = GraphKey(batch, width, plan.new_tokens, dtype, str(ids.device), plan.sampling, suppressed)
         store = self.graphs
         store.check_weights(self.model)
-        entry = store.entry(key, self.model, width + plan.new_tokens)
+        entry = store.entry(key, self.model, self.config.hybrid_engine.max_out_tokens)
         step = self._step_fn(plan, entry)
         try:
             self._prefill(plan, entry, seed)

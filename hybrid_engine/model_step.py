@@ -185,9 +185,10 @@ def prefill(
         if rows.numel() != n:
             raise ValueError(f"prefill: {n} prompts but {rows.numel()} rows")
         target = StaticKVCache(model.config, n, t, device=device, dtype=cache.dtype)
-    saved_kv_len, target.kv_len = target.kv_len, None
+    # Attend over the prompt's own T slots only: prefill numerics do not depend on the cache capacity.
+    saved_kv_len, target.kv_len = target.kv_len, t
     try:
-        mask4d = build_prefill_mask(attention_mask, target.capacity, _model_dtype(model))
+        mask4d = build_prefill_mask(attention_mask, t, _model_dtype(model))
         logits = _forward(
             model,
             target,

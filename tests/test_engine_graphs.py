@@ -370,3 +370,21 @@ def test_generate_in_train_mode_uses_inference_path_and_restores():
     assert model.training
     assert torch.equal(gen(graph, ids, mask), expected)
     assert model.training and graph.training
+
+
+def test_keys_of_one_batch_share_one_cache_sized_from_max_out_tokens():
+    from hybrid_engine.static_cache import StaticKVCache
+
+    model = build_model("tiny-llama", seed=2)
+    graph, eager = engines(model, max_out_tokens=64)
+    widths = (4, 7, 5)
+    for width in widths:
+        ids, mask = prompts(3, width, seed=width)
+        assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
+    s = graph.graph_stats
+    assert s.graph_keys == len(widths)
+    one_cache = StaticKVCache(model.config, 3, 64).memory_bytes()
+    assert s.cache_memory_bytes == one_cache
+    ids, mask = prompts(2, 4)  # another batch size: its own cache
+    assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
+    assert graph.graph_stats.cache_memory_bytes == one_cache + StaticKVCache(model.config, 2, 64).memory_bytes()
