@@ -52,3 +52,17 @@ def test_demo_runs_and_reports(tmp_path, capsys, graphs):
         assert "16/16 tokens identical" in printed
     else:
         assert "token_agreement" not in data
+
+
+def test_demo_loads_a_local_checkpoint_with_model_path(tmp_path, capsys):
+    from hybrid_engine.tiny_models import build_model
+
+    ckpt = tmp_path / "ckpt"
+    build_model("tiny-opt", seed=5).save_pretrained(ckpt)
+    build_tokenizer().save_pretrained(ckpt)
+    out = tmp_path / "demo.json"
+    argv = ["demo", "--model-path", str(ckpt), "--iterations", "1", "--batch-size", "2", "--samples", "2",
+            "--new-tokens", "4", "--check-prompts", "2", "--check-tokens", "6", "--json", str(out)]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["token_agreement"] == {"identical": 12, "total": 12}
