@@ -87,6 +87,8 @@ class SlotState:
         #: sampling key -> captured graph
         self.graphs: dict[tuple, Any] = {}
         self.fingerprint: tuple | None = None
+        #: One real eager step has run on this state (lazy kernels and workspaces exist before capture).
+        self.warmed_up = False
         self.pool: Any = None
 
     def fits(self, batch_size: int, capacity: int, width: int, num_eos: int) -> bool:

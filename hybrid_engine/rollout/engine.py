@@ -87,10 +87,10 @@ class _StepRunner:
             return
         graph = state.graphs.get(self.key)
         if graph is None:
-            if not getattr(state, "_warm", False):
+            if not state.warmed_up:
                 # Warm-up is a real step: it initialises lazy kernels/workspaces outside capture.
                 state.step(self.model, self.key)
-                state._warm = True
+                state.warmed_up = True
                 counters.eager_steps += 1
                 return
             graph = self._capture()
