@@ -37,7 +37,7 @@ from transformers import GenerationConfig
 from .accelerator import get_accelerator
 from .config import EngineConfig, validate_graph_capture_support
 from .decode_graphs import CaptureFailed, GraphEntry, GraphKey, GraphStats, PositionGraphs
-from .model_step import check_model_supported, decode_one_token, max_positions, prefill
+from .model_step import check_model_supported, decode_one_token, max_positions, prefill, token_ids
 from .sampling import sample_tokens, validate_sampling
 from .static_cache import StaticKVCache
 
@@ -95,16 +95,6 @@ def graph_gate(config: EngineConfig, accelerator: Any, *, pinned: bool, disabled
             "steps is unknown up front; pass min_new_tokens=max_new_tokens to use graphs."
         )
     return None
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, torch.Tensor):
-        return [int(v) for v in value.flatten().tolist()]
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
 
 
 @dataclasses.dataclass
@@ -264,7 +254,7 @@ class Generator:
         gen = self.model.generation_config
         device = next(self.model.parameters()).device
         ids = input_ids.to(device=device, dtype=torch.long)
-        eos = _as_id_list(kwargs.get("eos_token_id", gen.eos_token_id))
+        eos = list(token_ids(kwargs.get("eos_token_id", gen.eos_token_id)))
         pad = kwargs.get("pad_token_id", gen.pad_token_id)
         if pad is None and eos:
             pad = eos[0]

@@ -40,6 +40,7 @@ __all__ = [
     "max_positions",
     "prefill",
     "prompt_position_ids",
+    "token_ids",
 ]
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral")
@@ -97,6 +98,17 @@ def build_prefill_mask(attention_mask: torch.Tensor, kv_len: int, dtype: torch.d
     zero = torch.zeros((), dtype=dtype, device=device)
     neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
     return torch.where(allowed, zero, neg)[:, None, :, :]
+
+
+def token_ids(value: Any) -> tuple[int, ...]:
+    """A token-id setting (``None``, an int, a list/tuple or a tensor, as in generation configs) as a tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        value = value.flatten().tolist()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value if v is not None)
+    return (int(value),)
 
 
 def max_positions(config: Any) -> int | None:

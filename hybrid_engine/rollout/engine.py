@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from hybrid_engine.accelerator import get_accelerator
 from hybrid_engine.graph_safety import suspended_hooks, weight_fingerprint
-from hybrid_engine.model_step import check_model_supported, max_positions
+from hybrid_engine.model_step import check_model_supported, max_positions, token_ids
 from hybrid_engine.timing import PhaseTimer
 
 from .decode_graph import SlotState
@@ -54,17 +54,6 @@ def _unwrap_model(engine: Any) -> PreTrainedModel:
         "HybridEngineRollout: engine must be a HybridEngine (with .module a transformers PreTrainedModel) "
         f"or a transformers PreTrainedModel, got {type(engine).__name__}"
     )
-
-
-def _as_id_tuple(value: Any) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        ids = tuple(int(v) for v in value if v is not None)
-        return ids or None
-    return (int(value),)
 
 
 class _StepRunner:
@@ -155,20 +144,17 @@ class HybridEngineRollout:
         sources = [cfg.pad_token_id, getattr(tok, "pad_token_id", None), getattr(gen, "pad_token_id", None),
                    getattr(model.config, "pad_token_id", None)]
         pad = next((int(p) for p in sources if isinstance(p, int)), None)
-        eos = None
-        for value in (cfg.eos_token_id, getattr(tok, "eos_token_id", None), getattr(gen, "eos_token_id", None),
-                      getattr(model.config, "eos_token_id", None)):
-            eos = _as_id_tuple(value)
-            if eos:
-                break
+        eos_sources = (cfg.eos_token_id, getattr(tok, "eos_token_id", None), getattr(gen, "eos_token_id", None),
+                       getattr(model.config, "eos_token_id", None))
+        eos = next((ids for ids in map(token_ids, eos_sources) if ids), ())
         if pad is None and not eos:
             raise ValueError(
                 "HybridEngineRollout: neither a pad nor an EOS token id is known; pass a tokenizer, or "
                 "RolloutConfig(pad_token_id=..., eos_token_id=...), or set model.generation_config ids"
             )
         if pad is None:
-            pad = eos[0]  # type: ignore[index]
-        return pad, eos or ()
+            pad = eos[0]
+        return pad, eos
 
     def _graphs_available(self) -> bool:
         if not self.config.use_graph_capture:
