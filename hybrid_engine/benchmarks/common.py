@@ -121,10 +121,6 @@ def build_bench_model(args: argparse.Namespace, dtype: torch.dtype, device: torc
     return copy.deepcopy(_MODEL_CACHE[key]).to(device)
 
 
-def release_model_cache() -> None:
-    _MODEL_CACHE.clear()
-
-
 def model_label(args: argparse.Namespace) -> str:
     return f"local checkpoint {args.model_path}" if getattr(args, "model_path", None) else resolve_model_name(args.model)
 
@@ -168,10 +164,6 @@ def random_prompts(
 
 
 # --------------------------------------------------------------------- timing
-
-
-def now() -> float:
-    return time.perf_counter()
 
 
 @contextmanager
