@@ -3,7 +3,9 @@
 Tests marked ``stub`` check wiring only: small stub modules stand in for
 ``torch.cuda`` / ``torch_npu`` / ``torch.xpu`` / ``torch.accelerator.Graph``,
 because this machine has no such hardware. They check which class is
-constructed, which capture context is entered and which pool is passed.
+constructed, which capture context is entered, which pool and stream are
+passed. The stubs model one CUDA rule on purpose: capture on the default
+stream raises, so a capture path that forgets the side stream fails here.
 """
 
 import contextlib
@@ -30,8 +32,29 @@ def _restore_accelerator():
     set_accelerator(None)
 
 
-def make_stub_backend(graph_cls_name: str, log: list, capturing_fn: bool = True):
-    """A stand-in for a torch device module with a native graph API."""
+class StubStream:
+    """A stub device stream: identity plus a logged ``wait_stream``."""
+
+    def __init__(self, name: str, log: list):
+        self.name = name
+        self._log = log
+
+    def wait_stream(self, other: "StubStream") -> None:
+        self._log.append(("wait", self.name, other.name))
+
+    def __repr__(self) -> str:
+        return f"<StubStream {self.name}>"
+
+
+NON_DEFAULT = "graphs must be captured on a non-default stream"
+
+
+def make_stub_backend(graph_cls_name: str, log: list, capturing_fn: bool = True, stream_api: str = "context"):
+    """A stand-in for a torch device module with a native graph API and streams.
+
+    ``stream_api``: ``"context"`` exposes ``stream(s)``, ``"set_stream"`` only
+    ``set_stream(s)``, ``"none"`` no streams at all.
+    """
 
     class StubGraph:
         def __init__(self):
@@ -45,16 +68,37 @@ def make_stub_backend(graph_cls_name: str, log: list, capturing_fn: bool = True)
         def pool(self):
             return ("pool-of", id(self))
 
-    state = {"capturing": False}
+    default = StubStream("default", log)
+    state = {"capturing": False, "current": default, "made": 0}
+
+    def new_stream():
+        state["made"] += 1
+        return StubStream(f"side{state['made']}", log)
+
+    @contextlib.contextmanager
+    def stream(s):
+        prev = state["current"]
+        if s is not None:
+            state["current"] = s
+        try:
+            yield s
+        finally:
+            state["current"] = prev
 
     @contextlib.contextmanager
     def graph(g, pool=None, stream=None):
-        log.append(("enter", type(g).__name__, pool, stream))
+        # Like torch.cuda.graph: its own side stream when none is given; CUDA refuses the default one.
+        s = stream if stream is not None else StubStream("graph-internal", log)
+        if s is default:
+            raise RuntimeError(f"stub: CUDA {NON_DEFAULT}")
+        log.append(("enter", type(g).__name__, pool, s))
+        prev, state["current"] = state["current"], s
         state["capturing"] = True
         try:
             yield
         finally:
             state["capturing"] = False
+            state["current"] = prev
             log.append(("exit",))
 
     class StubEvent:
@@ -70,6 +114,14 @@ def make_stub_backend(graph_cls_name: str, log: list, capturing_fn: bool = True)
         max_memory_allocated=lambda: 5678,
         current_device=lambda: 0,
     )
+    if stream_api != "none":
+        mod.Stream = new_stream
+        mod.default_stream = lambda: default
+        mod.current_stream = lambda: state["current"]
+    if stream_api == "context":
+        mod.stream = stream
+    elif stream_api == "set_stream":
+        mod.set_stream = lambda s: state.update(current=s)
     setattr(mod, graph_cls_name, StubGraph)
     if capturing_fn:
         mod.is_current_stream_capturing = lambda: state["capturing"]
@@ -91,16 +143,74 @@ def test_stub_native_graph_wiring(name, cls_name, monkeypatch):
     assert pool == ("pool-of", id(g))
     g2 = acc.create_graph()
     assert acc.is_current_stream_capturing() is False
-    with acc.capture_to_graph(g2, pool=pool, stream="s1"):
+    s1 = acc.Stream()
+    with acc.capture_to_graph(g2, pool=pool, stream=s1):
         assert acc.is_current_stream_capturing() is True
     assert acc.is_current_stream_capturing() is False
     acc.replay_graph(g2)
-    assert ("enter", "StubGraph", pool, "s1") in log
+    assert ("enter", "StubGraph", pool, s1) in log
     assert g2.replays == 1
     assert acc.memory_allocated() == 1234 and acc.max_memory_allocated() == 5678
     assert type(acc.Event(enable_timing=True)).__name__ == "StubEvent" and ("event", True) in log
     if name != "npu":  # "npu" becomes a torch device type only once real torch_npu registers it
         assert acc.device() == torch.device(name, 0)
+
+
+@pytest.mark.stub
+@pytest.mark.parametrize("name,cls_name", [("cuda", "CUDAGraph"), ("npu", "NPUGraph"), ("xpu", "XPUGraph")])
+def test_stub_native_capture_gets_the_owned_side_stream(name, cls_name):
+    """stream=None resolves to graph_stream(), passed explicitly to the native graph context."""
+    log: list = []
+    acc = TorchBackendAccelerator(name, make_stub_backend(cls_name, log))
+    default = acc.default_stream()
+    side = acc.graph_stream()
+    assert side is not None and side is not default
+    assert acc.graph_stream() is side  # owned: the same stream every time
+    for _ in range(2):
+        with acc.capture_to_graph(acc.create_graph()):
+            assert acc.current_stream() is side
+        assert acc.current_stream() is default
+    enters = [e for e in log if e[0] == "enter"]
+    assert [e[3] for e in enters] == [side, side]
+    first = log.index(enters[0])
+    assert log.index(("wait", side.name, "default")) < first < log.index(("wait", "default", side.name))
+    with pytest.raises(RuntimeError, match=NON_DEFAULT), acc.capture_to_graph(acc.create_graph(), stream=default):
+        pass
+    assert acc.current_stream() is default
+
+
+@pytest.mark.stub
+def test_stub_on_graph_stream_orders_warm_up_against_the_caller():
+    log: list = []
+    acc = TorchBackendAccelerator("cuda", make_stub_backend("CUDAGraph", log))
+    side = acc.graph_stream()
+    with acc.on_graph_stream() as s:
+        assert s is side and acc.current_stream() is side
+        log.append("warm-up")
+    assert acc.current_stream() is acc.default_stream()
+    assert log == [("wait", side.name, "default"), "warm-up", ("wait", "default", side.name)]
+
+
+@pytest.mark.stub
+def test_stub_module_with_set_stream_only():
+    log: list = []
+    acc = TorchBackendAccelerator("xpu", make_stub_backend("XPUGraph", log, stream_api="set_stream"))
+    with acc.on_graph_stream():
+        assert acc.current_stream() is acc.graph_stream()
+    assert acc.current_stream() is acc.default_stream()
+
+
+@pytest.mark.stub
+def test_stub_module_without_streams_captures_without_one():
+    log: list = []
+    acc = TorchBackendAccelerator("cuda", make_stub_backend("CUDAGraph", log, stream_api="none"))
+    assert acc.default_stream() is None and acc.graph_stream() is None
+    with acc.on_graph_stream() as s:
+        assert s is None
+    with acc.capture_to_graph(acc.create_graph()):
+        pass
+    assert [e[3] for e in log if e[0] == "enter"][0].name == "graph-internal"  # the native default applies
+    assert acc.graph_memory_bytes(acc.graph_pool(acc.create_graph())) is None
 
 
 @pytest.mark.stub
@@ -130,10 +240,9 @@ def test_stub_backend_without_capturing_query_tracks_capture_itself():
     assert acc.is_current_stream_capturing() is False
 
 
-@pytest.mark.stub
-def test_stub_torch_accelerator_graph_preferred_when_registered(monkeypatch):
-    """When torch.accelerator.Graph has an implementation for the current backend, it wins."""
-    log: list = []
+def make_stub_accelerator_graph(native, log: list):
+    """A stand-in for ``torch.accelerator.Graph``: ``capture_begin`` captures on the current stream,
+    and, as on CUDA, refuses when that is the default stream."""
 
     class StubAccelGraph:
         def __init__(self, keep_graph=False, *, pool=None):
@@ -141,7 +250,10 @@ def test_stub_torch_accelerator_graph_preferred_when_registered(monkeypatch):
             self.graph_pool = pool
 
         def capture_begin(self):
-            log.append(("begin", self.graph_pool))
+            current = native.current_stream()
+            if current is native.default_stream():
+                raise RuntimeError(f"stub: CUDA {NON_DEFAULT}")
+            log.append(("begin", self.graph_pool, current.name))
 
         def capture_end(self):
             log.append("end")
@@ -152,17 +264,49 @@ def test_stub_torch_accelerator_graph_preferred_when_registered(monkeypatch):
         def pool(self):
             return (7, 7)
 
-    monkeypatch.setattr(torch.accelerator, "Graph", StubAccelGraph)
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    return StubAccelGraph
+
+
+@pytest.mark.stub
+def test_stub_torch_accelerator_graph_preferred_when_registered(monkeypatch):
+    """When torch.accelerator.Graph has an implementation for the current backend, it wins."""
+    log: list = []
     native = make_stub_backend("CUDAGraph", [])
+    monkeypatch.setattr(torch.accelerator, "Graph", make_stub_accelerator_graph(native, log))
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
     acc = TorchBackendAccelerator("cuda", native)
     assert acc.graph_api == "torch.accelerator.Graph"
     g = acc.create_graph()
     with acc.capture_to_graph(g, pool=(1, 2)):
         assert acc.is_current_stream_capturing()
     acc.replay_graph(g)
-    assert log == ["construct", "construct", ("begin", (1, 2)), "end", "replay"]
+    assert log == ["construct", "construct", ("begin", (1, 2), acc.graph_stream().name), "end", "replay"]
     assert acc.graph_pool(g) == (7, 7)
+
+
+@pytest.mark.stub
+def test_stub_torch_accelerator_graph_captures_on_owned_side_stream(monkeypatch):
+    """capture_begin captures on the *current* stream, so stream=None must switch to graph_stream()
+    first: on real CUDA the current stream is the default one, where capture is refused."""
+    log: list = []
+    native = make_stub_backend("CUDAGraph", log)
+    monkeypatch.setattr(torch.accelerator, "Graph", make_stub_accelerator_graph(native, log))
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    acc = TorchBackendAccelerator("cuda", native)
+    default = acc.default_stream()
+    assert acc.current_stream() is default
+    side = acc.graph_stream()
+    log.clear()
+    with acc.capture_to_graph(acc.create_graph()):
+        assert acc.current_stream() is side
+    assert acc.current_stream() is default
+    begin = log.index(("begin", None, side.name))
+    # the side stream waits on the caller's stream before capture; the caller waits on it after
+    assert log.index(("wait", side.name, "default")) < begin < log.index(("wait", "default", side.name))
+    assert log.index(("sync",)) < begin  # pending work is drained before capture, as torch.cuda.graph does
+    with pytest.raises(RuntimeError, match=NON_DEFAULT), acc.capture_to_graph(acc.create_graph(), stream=default):
+        pass
+    assert acc.current_stream() is default and not acc.is_current_stream_capturing()
 
 
 @pytest.mark.stub
@@ -232,3 +376,11 @@ def test_cpu_accelerator_interface():
         pass
     assert acc.supports_graph_capture
     assert acc.graph_pool(acc.create_graph()) is not None
+
+
+def test_base_accelerator_has_no_streams_or_pool_accounting():
+    acc = Accelerator()
+    assert acc.default_stream() is None and acc.current_stream() is None and acc.graph_stream() is None
+    with acc.on_graph_stream() as s:
+        assert s is None
+    assert acc.graph_memory_bytes(object()) is None

@@ -16,12 +16,14 @@ import torch
 
 from .backends import CPUAccelerator, GraphAPI, TorchBackendAccelerator
 from .base import Accelerator
-from .cpu_graph import CPUGraph, GraphCaptureError
+from .cpu_graph import CPUGraph, CPUGraphPool, CPUStream, GraphCaptureError
 
 __all__ = [
     "Accelerator",
     "CPUAccelerator",
     "CPUGraph",
+    "CPUGraphPool",
+    "CPUStream",
     "GraphAPI",
     "GraphCaptureError",
     "TorchBackendAccelerator",

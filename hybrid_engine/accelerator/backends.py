@@ -6,6 +6,13 @@ registers an implementation (constructing one is the probe), else the backend
 module's own graph class (``CUDAGraph``/``NPUGraph``/``XPUGraph`` with its
 ``graph`` capture context). A backend with neither reports ``create_graph() is
 None`` and graph code runs eagerly.
+
+Capture always happens on a non-default stream, because CUDA refuses to
+capture on the default one: ``capture_to_graph(stream=None)`` resolves to the
+accelerator's own ``graph_stream()`` on every path. The native ``graph``
+context gets that stream explicitly; for ``torch.accelerator.Graph``, whose
+``capture_begin`` captures on the *current* stream, the accelerator makes it
+current first.
 """
 
 from __future__ import annotations
@@ -19,7 +26,16 @@ from typing import Any, ContextManager
 import torch
 
 from .base import Accelerator
-from .cpu_graph import CPUGraph, capture_cpu_graph, is_cpu_graph_capturing
+from .cpu_graph import (
+    CPUGraph,
+    CPUGraphPool,
+    CPUStream,
+    capture_cpu_graph,
+    cpu_stream,
+    current_cpu_stream,
+    default_cpu_stream,
+    is_cpu_graph_capturing,
+)
 
 # Backend-module attribute names of native graph classes; probed with hasattr.
 _NATIVE_GRAPH_CLASSES = ("CUDAGraph", "NPUGraph", "XPUGraph")
@@ -31,6 +47,7 @@ class GraphAPI:
 
     name: str
     new_graph: Callable[[], Any]
+    #: ``capture(graph, pool, stream)``; ``stream`` is already resolved and current.
     capture: Callable[[Any, Any, Any], ContextManager[Any]]
     replay: Callable[[Any], None]
     pool_of: Callable[[Any], Any]
@@ -51,7 +68,7 @@ def _flag_capturing() -> Iterator[None]:
         _capture_flag.on = prev
 
 
-def _probe_accelerator_graph(backend_name: str) -> GraphAPI | None:
+def _probe_accelerator_graph(backend_name: str, synchronize: Callable[[], Any]) -> GraphAPI | None:
     """``torch.accelerator.Graph`` if the current backend implements it."""
     graph_cls = getattr(getattr(torch, "accelerator", None), "Graph", None)
     if graph_cls is None:
@@ -66,23 +83,16 @@ def _probe_accelerator_graph(backend_name: str) -> GraphAPI | None:
 
     @contextlib.contextmanager
     def capture(graph: Any, pool: Any, stream: Any) -> Iterator[None]:
+        # capture_begin captures on the current stream: the accelerator has made ``stream`` current.
         if pool is not None:
             graph.graph_pool = pool
-        stream_ctx = torch.accelerator.set_stream if stream is not None else None
-        prev = torch.accelerator.current_stream() if stream_ctx else None
-        if stream_ctx:
-            torch.accelerator.synchronize()
-            stream_ctx(stream)
-        try:
-            with _flag_capturing():
-                graph.capture_begin()
-                try:
-                    yield
-                finally:
-                    graph.capture_end()
-        finally:
-            if stream_ctx:
-                stream_ctx(prev)
+        synchronize()  # as torch.cuda.graph does: no pending work may leak into the capture
+        with _flag_capturing():
+            graph.capture_begin()
+            try:
+                yield
+            finally:
+                graph.capture_end()
 
     return GraphAPI(
         name="torch.accelerator.Graph",
@@ -132,7 +142,7 @@ class TorchBackendAccelerator(Accelerator):
         self._name = name
         self._module = module
         label = module_label or f"torch.{name}"
-        api = _probe_accelerator_graph(name) or _probe_module_graph(module, label)
+        api = _probe_accelerator_graph(name, lambda: self._call("synchronize")) or _probe_module_graph(module, label)
         self._graph_api = api
         self.graph_api = api.name if api else None
         self.graph_unavailable_reason = (
@@ -156,7 +166,10 @@ class TorchBackendAccelerator(Accelerator):
     def current_stream(self) -> Any:
         return self._call("current_stream")
 
-    def Stream(self) -> Any:
+    def default_stream(self) -> Any:
+        return self._call("default_stream")
+
+    def Stream(self) -> Any:  # noqa: N802
         return self._call("Stream")
 
     def Event(self, enable_timing: bool = False) -> Any | None:  # noqa: N802
@@ -165,7 +178,20 @@ class TorchBackendAccelerator(Accelerator):
 
     def stream(self, s: Any) -> ContextManager[Any]:
         ctx = getattr(self._module, "stream", None)
-        return ctx(s) if callable(ctx) else contextlib.nullcontext(s)
+        if callable(ctx):
+            return ctx(s)
+        if s is not None and callable(getattr(self._module, "set_stream", None)):
+            return self._set_stream_ctx(s)
+        return contextlib.nullcontext(s)
+
+    @contextlib.contextmanager
+    def _set_stream_ctx(self, s: Any) -> Iterator[Any]:
+        prev = self.current_stream()
+        self._module.set_stream(s)
+        try:
+            yield s
+        finally:
+            self._module.set_stream(prev)
 
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -191,7 +217,8 @@ class TorchBackendAccelerator(Accelerator):
     def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> Iterator[None]:
         if self._graph_api is None:
             raise RuntimeError(f"{self._name}: graph capture unavailable ({self.graph_unavailable_reason})")
-        with self._graph_api.capture(graph, pool, stream):
+        s = self.graph_stream() if stream is None else stream
+        with self._ordered_on(s), self._graph_api.capture(graph, pool, s):
             yield
 
     def replay_graph(self, graph: Any) -> None:
@@ -216,6 +243,7 @@ class CPUAccelerator(Accelerator):
 
     ``emulate_graphs=False`` gives a CPU that cannot capture (like MPS), which is
     how the eager-fallback paths are exercised without special-casing devices.
+    Streams (:class:`CPUStream`) exist either way.
     """
 
     _name = "cpu"
@@ -225,21 +253,50 @@ class CPUAccelerator(Accelerator):
         self.graph_api = "hybrid_engine CPU graph emulation" if emulate_graphs else None
         self.graph_unavailable_reason = None if emulate_graphs else "CPU graph emulation is disabled"
 
+    # streams -------------------------------------------------------------
+    def Stream(self) -> CPUStream:  # noqa: N802
+        return CPUStream()
+
+    def current_stream(self) -> CPUStream:
+        return current_cpu_stream()
+
+    def default_stream(self) -> CPUStream:
+        return default_cpu_stream()
+
+    def stream(self, s: CPUStream | None) -> ContextManager[CPUStream | None]:
+        return cpu_stream(s)
+
+    def graph_stream(self) -> CPUStream:
+        return super().graph_stream()
+
+    # graph hooks ---------------------------------------------------------
     def create_graph(self) -> CPUGraph | None:
         return CPUGraph() if self._emulate else None
 
     @contextlib.contextmanager
-    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> Iterator[None]:
+    def capture_to_graph(
+        self, graph: Any, pool: CPUGraphPool | None = None, stream: CPUStream | None = None
+    ) -> Iterator[None]:
         if not isinstance(graph, CPUGraph):
             raise TypeError(f"capture_to_graph: expected a CPUGraph from create_graph(), got {type(graph).__name__}")
-        with capture_cpu_graph(graph, pool=pool):
+        s = self.graph_stream() if stream is None else stream
+        if not isinstance(s, CPUStream):
+            raise TypeError(f"capture_to_graph: expected a CPUStream, got {type(s).__name__}")
+        with self._ordered_on(s), capture_cpu_graph(graph, pool=pool):
             yield
 
     def replay_graph(self, graph: Any) -> None:
         graph.replay()
 
-    def graph_pool(self, graph: Any) -> Any | None:
+    def graph_pool(self, graph: Any) -> CPUGraphPool | None:
         return graph.pool() if isinstance(graph, CPUGraph) else None
+
+    def graph_memory_bytes(self, pool: Any) -> int | None:
+        if pool is None:
+            return None
+        if not isinstance(pool, CPUGraphPool):
+            raise TypeError(f"graph_memory_bytes: expected a CPUGraphPool from graph_pool(), got {type(pool).__name__}")
+        return pool.memory_bytes()
 
     def is_current_stream_capturing(self) -> bool:
         return is_cpu_graph_capturing()

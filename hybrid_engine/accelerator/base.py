@@ -6,6 +6,12 @@ drives capture and replay only through the four capability hooks below. A
 backend that cannot capture returns ``None`` from ``create_graph``; it must
 never hand out a graph whose replay silently does nothing, because the caller
 would then re-read stale static outputs as if they were fresh.
+
+Streams follow DeepSpeed's accelerator interface. CUDA refuses to capture on
+the default stream, so every accelerator owns one side stream
+(``graph_stream()``): ``capture_to_graph(stream=None)`` captures on it and
+``on_graph_stream()`` runs the eager warm-up on it, with the cross-stream waits
+that keep it ordered against the caller's stream.
 """
 
 from __future__ import annotations
@@ -46,11 +52,48 @@ class Accelerator:
     def current_stream(self) -> Any:
         return None
 
-    def Stream(self) -> Any:
+    def default_stream(self) -> Any:
+        """The backend's default stream, or ``None`` where it has no streams."""
+        return None
+
+    def Stream(self) -> Any:  # noqa: N802 - mirrors torch.cuda.Stream
         return None
 
     def stream(self, s: Any) -> ContextManager[Any]:
+        """Make ``s`` the current stream for the ``with`` block."""
         return contextlib.nullcontext(s)
+
+    def graph_stream(self) -> Any:
+        """The side stream this accelerator owns for warm-up and capture (created on first use).
+
+        ``None`` on backends without streams.
+        """
+        s = getattr(self, "_owned_graph_stream", None)
+        if s is None:
+            s = self.Stream()
+            self._owned_graph_stream = s
+        return s
+
+    def on_graph_stream(self) -> ContextManager[Any]:
+        """Run the block on ``graph_stream()``, ordered after and before the caller's stream."""
+        return self._ordered_on(self.graph_stream())
+
+    @contextlib.contextmanager
+    def _ordered_on(self, s: Any) -> Iterator[Any]:
+        """Make ``s`` wait on the current stream, run the block on ``s``, then the reverse wait."""
+        if s is None:
+            yield None
+            return
+        prev = self.current_stream()
+        same = prev is None or prev == s
+        if not same:
+            s.wait_stream(prev)
+        try:
+            with self.stream(s):
+                yield s
+        finally:
+            if not same:
+                prev.wait_stream(s)
 
     def Event(self, enable_timing: bool = False) -> Any | None:  # noqa: N802 - mirrors torch.cuda.Event
         """A device event (``record()``, ``synchronize()``, ``elapsed_time()``), or ``None`` where the backend has none."""
@@ -78,7 +121,12 @@ class Accelerator:
 
     @contextlib.contextmanager
     def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> Iterator[None]:
-        """Record the work issued inside the ``with`` block into ``graph``."""
+        """Record the work issued inside the ``with`` block into ``graph``.
+
+        ``pool`` is a handle from ``graph_pool`` to share memory with earlier
+        graphs. ``stream=None`` captures on ``graph_stream()``; passing the
+        default stream fails, as CUDA refuses capture there.
+        """
         raise RuntimeError(f"{self.device_name()}: graph capture is not supported ({self.graph_unavailable_reason})")
         yield  # pragma: no cover
 
@@ -87,6 +135,13 @@ class Accelerator:
 
     def graph_pool(self, graph: Any) -> Any | None:
         """A handle that lets a later capture share ``graph``'s memory pool."""
+        return None
+
+    def graph_memory_bytes(self, pool: Any) -> int | None:
+        """Bytes the graph memory pool ``pool`` holds, or ``None`` where the backend cannot tell.
+
+        On ``None`` callers fall back to ``memory_allocated()`` deltas around capture.
+        """
         return None
 
     def is_current_stream_capturing(self) -> bool:

@@ -1,25 +1,46 @@
 """CPU graph emulation with CUDA-graph capture semantics.
 
 CPU has no native graphs, yet every graph path of this package must run (and
-fail) in CPU CI exactly as it would on a GPU. Capture therefore records the
-aten-level operations issued inside it, and replay re-issues them without
-running any Python model code. The semantics mirror a CUDA graph:
+fail) in CPU CI exactly as it would on a GPU: this emulation is the only "GPU"
+CI has. Capture therefore records the aten-level operations issued inside it,
+and replay re-issues them without running any Python model code. Each rule
+below models one CUDA-graph rule:
 
 * Host values (Python ints, shapes, counters read in Python) are frozen into
   the recording, as a CUDA graph freezes kernel launch parameters.
-* Capture does not apply its work to pre-existing tensors: storages that the
-  captured work mutates are snapshotted on first write and restored when the
-  capture ends. The first real execution is the first replay.
+* Capture runs nothing on the device, so it must not change pre-existing
+  tensors: storages that captured work mutates are snapshotted on first write
+  and restored when the capture ends. The first real execution is the first
+  replay.
+* Tensors allocated inside capture hold garbage until the first replay (CUDA
+  only reserves their memory). Every static output (a tensor allocated inside
+  capture and still referenced when it ends) is poisoned at capture end: NaN
+  for floating point, the most extreme value for integers, ``True`` for bool.
+  Code that reads an output before replaying sees garbage on CPU too.
 * Pre-existing tensors are read *by storage*, as a GPU graph reads by address:
   an in-place update (``param.add_``) is seen by the next replay, but a tensor
   whose storage was swapped (``param.data = ...``) keeps being read from the
   old storage, so stale-weight bugs show up on CPU as they would on a GPU.
-* Tensors allocated inside capture belong to the graph. The ones still
-  referenced when capture ends (the "static outputs") are updated in place by
-  every replay.
+* Static outputs are updated in place by every replay.
 * Host synchronisations and data-dependent shapes (``.item()``, ``bool(t)``,
   ``.tolist()``, ``.numpy()``, ``.cpu()``, ``nonzero``, boolean-mask indexing)
-  raise :class:`GraphCaptureError` while capturing.
+  raise :class:`GraphCaptureError` while capturing (CUDA: "operation not
+  permitted when stream is capturing").
+* Host data materialised inside capture (``torch.tensor``, ``torch.as_tensor``,
+  ``torch.from_numpy``, ``Tensor.new_tensor``, a Python list as an index) raises
+  too: on a device it is a host-to-device copy, which capture cannot record.
+  Device work with a Python scalar (``x * 2 + 5``, ``torch.full``,
+  ``x[0] = 1``) stays legal.
+* Streams: CUDA refuses to capture on the default stream, and work issued on
+  the default stream while a capture is running breaks the capture. There is
+  a per-thread current :class:`CPUStream` (initially the default one); capture
+  refuses to begin while the default stream is current, and ops issued on it
+  during a capture raise.
+* Memory pools: graphs captured with the same pool handle share one
+  :class:`CPUGraphPool`. A pool owns the static outputs of its graphs plus one
+  workspace for intermediates, sized to the largest peak of any one graph
+  (graphs in a pool replay one at a time, so they share it, as on CUDA). All
+  accounting happens at capture time; replay pays nothing for it.
 """
 
 from __future__ import annotations
@@ -27,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -72,12 +93,138 @@ _FORBIDDEN_TENSOR_METHODS = {
     torch.Tensor.__bool__: "bool(tensor) (device-to-host read)",
 }
 
+_LIFT_OPS = (aten.lift_fresh.default, aten.lift_fresh_copy.default)
+_HOST_DATA = (
+    "creating a tensor from host data (torch.tensor, torch.as_tensor, torch.from_numpy, "
+    "Tensor.new_tensor, a Python list as an index)"
+)
+_SETITEM = torch.Tensor.__setitem__
+_PY_SCALARS = (bool, int, float, complex)
+
 _state = threading.local()
 
 
 def is_cpu_graph_capturing() -> bool:
     """True only between entering and leaving a CPU graph capture."""
     return getattr(_state, "recorder", None) is not None
+
+
+# ------------------------------------------------------------------- streams
+class CPUStream:
+    """A CPU "stream": identity only, since CPU work runs synchronously.
+
+    It exists so that stream discipline (capture on a side stream, never on the
+    default one) is exercised in CPU CI as it is on CUDA.
+    """
+
+    __slots__ = ("is_default", "__weakref__")
+
+    def __init__(self, *, _default: bool = False) -> None:
+        self.is_default = _default
+
+    def wait_stream(self, stream: CPUStream) -> None:
+        """Order this stream after ``stream`` (a no-op: CPU work is already ordered)."""
+        if not isinstance(stream, CPUStream):
+            raise TypeError(f"wait_stream: expected a CPUStream, got {type(stream).__name__}")
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        """True: all work on a CPU stream has completed."""
+        return True
+
+    def __repr__(self) -> str:
+        return f"<CPUStream {'default' if self.is_default else hex(id(self))}>"
+
+
+_DEFAULT_STREAM = CPUStream(_default=True)
+
+
+def default_cpu_stream() -> CPUStream:
+    return _DEFAULT_STREAM
+
+
+def current_cpu_stream() -> CPUStream:
+    """This thread's current stream (the default stream until one is selected)."""
+    return getattr(_state, "stream", _DEFAULT_STREAM)
+
+
+@contextlib.contextmanager
+def cpu_stream(stream: CPUStream | None) -> Iterator[CPUStream | None]:
+    """Make ``stream`` current for the block (``None``: leave the current stream)."""
+    if stream is None:
+        yield None
+        return
+    if not isinstance(stream, CPUStream):
+        raise TypeError(f"expected a CPUStream, got {type(stream).__name__}")
+    prev = current_cpu_stream()
+    _state.stream = stream
+    try:
+        yield stream
+    finally:
+        _state.stream = prev
+
+
+# --------------------------------------------------------------------- pools
+class CPUGraphPool:
+    """An emulated graph memory pool, shared by every graph captured into it.
+
+    Bytes are accounted at capture time: the static outputs of each graph, plus
+    one workspace sized to the largest intermediate peak among its graphs.
+    """
+
+    def __init__(self) -> None:
+        # graph -> (static output bytes, intermediate peak bytes)
+        self._usage: weakref.WeakKeyDictionary[CPUGraph, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._usage)
+
+    @property
+    def static_bytes(self) -> int:
+        return sum(s for s, _ in self._usage.values())
+
+    @property
+    def workspace_bytes(self) -> int:
+        return max((w for _, w in self._usage.values()), default=0)
+
+    def memory_bytes(self) -> int:
+        """Bytes this pool holds: static outputs of all its graphs plus the shared workspace."""
+        return self.static_bytes + self.workspace_bytes
+
+    def __repr__(self) -> str:
+        return f"<CPUGraphPool graphs={self.num_graphs} bytes={self.memory_bytes()}>"
+
+
+def _garbage(dtype: torch.dtype) -> Any:
+    """A conspicuous fill value standing in for uninitialised device memory."""
+    if dtype == torch.bool:
+        return True
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    try:
+        info = torch.iinfo(dtype)
+    except TypeError:
+        return None
+    return info.min if info.min < 0 else info.max
+
+
+def _poison(tensors: Iterable[torch.Tensor | None]) -> None:
+    """Fill the whole storage of each tensor with garbage, once per storage."""
+    seen: set[int] = set()
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        value = _garbage(t.dtype)
+        if key in seen or value is None:
+            continue
+        seen.add(key)
+        with torch.inference_mode() if t.is_inference() else torch.no_grad():
+            t.as_strided((storage.nbytes() // t.element_size(),), (1,), 0).fill_(value)
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -112,6 +259,7 @@ class _Recorder(TorchDispatchMode):
         self.own_storages: set[int] = set()
         self.snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
         self.steps: list[_Step] = []
+        self.scalar_setitem = 0  # > 0 while ``tensor[idx] = <python scalar>`` runs
 
     # -- argument templates -------------------------------------------------
     def _leaf(self, value: Any) -> tuple[bool, Any]:
@@ -163,6 +311,18 @@ class _Recorder(TorchDispatchMode):
         what = _FORBIDDEN_OPS.get(func)
         if what is not None:
             raise _not_permitted(what)
+        if current_cpu_stream() is _DEFAULT_STREAM:
+            raise GraphCaptureError(
+                f"{func} was issued on the default stream while a graph is capturing: CUDA forbids work on "
+                "the default stream during capture (it would synchronise with the capturing stream)"
+            )
+        if func in _LIFT_OPS and not (self.scalar_setitem and args[0].dim() == 0):
+            # ``x[i] = 3`` lifts a 0-dim CPU scalar; on a device that is a fill, not a host copy.
+            raise GraphCaptureError(
+                f"{_HOST_DATA} is not permitted while capturing a graph: on a device it is a host-to-device "
+                "copy, which capture cannot record. Allocate it before capture and copy_ into it, or use a "
+                "device op with a Python scalar (torch.full, torch.zeros, x * 2 + 5)."
+            )
         if func in _INDEX_OPS:
             indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
             for idx in indices or ():
@@ -225,10 +385,20 @@ class _Recorder(TorchDispatchMode):
 class _HostSyncGuard(TorchFunctionMode):
     """Rejects Python-level host reads that never reach the aten dispatcher."""
 
+    def __init__(self, rec: _Recorder) -> None:
+        super().__init__()
+        self.rec = rec
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         what = _FORBIDDEN_TENSOR_METHODS.get(func)
         if what is not None:
             raise _not_permitted(what)
+        if func is _SETITEM and len(args) == 3 and isinstance(args[2], _PY_SCALARS):
+            self.rec.scalar_setitem += 1
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self.rec.scalar_setitem -= 1
         return func(*args, **(kwargs or {}))
 
 
@@ -240,6 +410,9 @@ class CPUGraph:
         self._num_slots = 0
         self._static_outputs: list[tuple[int, weakref.ref]] = []
         self._externals: list[torch.Tensor] = []
+        self._pool = CPUGraphPool()
+        self.static_bytes = 0  # bytes of static outputs (capture time)
+        self.workspace_bytes = 0  # peak bytes of live intermediates during one replay
 
     @property
     def is_captured(self) -> bool:
@@ -249,29 +422,30 @@ class CPUGraph:
     def num_ops(self) -> int:
         return len(self._steps or ())
 
-    def pool(self) -> CPUGraph:
-        """Opaque pool handle; CPU memory needs no sharing, so it is the graph itself."""
-        return self
+    def pool(self) -> CPUGraphPool:
+        """The pool this graph allocates from; pass it as ``pool=`` to share it with later captures."""
+        return self._pool
 
     def reset(self) -> None:
+        self._pool._usage.pop(self, None)
         self._steps = None
         self._static_outputs = []
         self._externals = []
+        self.static_bytes = self.workspace_bytes = 0
 
-    def _finalize(self, rec: _Recorder) -> None:
+    def _finalize(self, rec: _Recorder, pool: CPUGraphPool) -> None:
         steps = rec.steps
-        refs = [weakref.ref(t) for t in rec.slot_tensors]
         own = rec.own_storages
+        # Storage of each slot when allocated inside capture (None: a view of a pre-existing tensor).
+        slot_key, nbytes = _own_storages_of(rec.slot_tensors, own)
+        refs = [weakref.ref(t) for t in rec.slot_tensors]
         rec.slot_tensors.clear()
         rec.slot_of.clear()
         # No gc.collect() here (it costs ~0.4 s per capture): a tensor kept alive only by a
         # reference cycle is treated as a static output, which costs one copy per replay.
-        static = []
-        for slot, ref in enumerate(refs):
-            t = ref()
-            if t is not None and t.untyped_storage().nbytes() > 0 and _storage_key(t) in own:
-                static.append((slot, ref))
-        # Free each intermediate after its last read, except static outputs.
+        static = [(slot, ref) for slot, ref in enumerate(refs) if slot_key[slot] is not None and ref() is not None]
+        static_keys = {slot_key[s] for s, _ in static}
+        # Free each non-static slot after its last use (read or write) in replay.
         last_use: dict[int, int] = {}
         for k, step in enumerate(steps):
             for _, s in step.direct:
@@ -281,17 +455,25 @@ class CPUGraph:
                     last_use[s] = k
             for _, s in step.kw_direct:
                 last_use[s] = k
+            for s in step.out_slots:
+                if s is not None:
+                    last_use[s] = k
         keep = {s for s, _ in static}
         frees: dict[int, list[int]] = {}
         for s, k in last_use.items():
             if s not in keep:
                 frees.setdefault(k, []).append(s)
-        for k, slots in frees.items():
-            steps[k].free = tuple(slots)
+        for k, step in enumerate(steps):
+            step.free = tuple(frees.get(k, ()))
+        self.workspace_bytes = _peak_intermediate_bytes(steps, slot_key, nbytes, static_keys)
+        self.static_bytes = sum(nbytes[key] for key in static_keys)
+        _poison(ref() for _, ref in static)  # garbage until the first replay, as on a device
         self._steps = steps
         self._num_slots = len(refs)
         self._static_outputs = static
         self._externals = [alias for _, alias in rec.externals.values()]
+        self._pool = pool
+        pool._usage[self] = (self.static_bytes, self.workspace_bytes)
 
     def replay(self) -> None:
         steps = self._steps
@@ -334,18 +516,70 @@ class CPUGraph:
                     static.copy_(vals[slot])
 
 
+def _own_storages_of(tensors: list[torch.Tensor], own: set[int]) -> tuple[list[int | None], dict[int, int]]:
+    """Per slot, its storage key when allocated inside capture (else None), and each storage's bytes."""
+    keys: list[int | None] = []
+    nbytes: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() > 0 and key in own:
+            keys.append(key)
+            nbytes[key] = storage.nbytes()
+        else:
+            keys.append(None)
+    return keys, nbytes
+
+
+def _peak_intermediate_bytes(
+    steps: list[_Step], slot_key: list[int | None], nbytes: dict[int, int], static_keys: set[int]
+) -> int:
+    """Peak bytes of intermediate storages alive at once while replaying ``steps``."""
+    views: dict[int, int] = {}  # storage -> slots still holding it
+    for key in slot_key:
+        if key is not None and key not in static_keys:
+            views[key] = views.get(key, 0) + 1
+    live = peak = 0
+    born: set[int] = set()
+    for step in steps:
+        for s in step.out_slots:
+            key = slot_key[s] if s is not None else None
+            if key in views and key not in born:
+                born.add(key)
+                live += nbytes[key]
+        peak = max(peak, live)
+        for s in step.free:
+            key = slot_key[s]
+            if key in views:
+                views[key] -= 1
+                if views[key] == 0:
+                    live -= nbytes[key]
+    return peak
+
+
 @contextlib.contextmanager
-def capture_cpu_graph(graph: CPUGraph, pool: Any = None) -> Iterator[None]:
-    """Record the work issued inside the block into ``graph`` (CUDA capture semantics)."""
+def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iterator[None]:
+    """Record the work issued inside the block into ``graph`` (CUDA capture semantics).
+
+    The current stream must not be the default stream (CUDA refuses to capture
+    there); ``pool`` shares a :class:`CPUGraphPool` with earlier graphs.
+    """
     if is_cpu_graph_capturing():
         raise GraphCaptureError("nested graph capture is not permitted")
     if graph.is_captured:
         raise RuntimeError("this graph was already captured; call reset() or create a new graph")
+    if pool is not None and not isinstance(pool, CPUGraphPool):
+        raise TypeError(f"pool must be a CPUGraphPool from graph_pool(), got {type(pool).__name__}")
+    if current_cpu_stream() is _DEFAULT_STREAM:
+        raise GraphCaptureError(
+            "graphs must be captured on a non-default stream (CUDA refuses capture on the default "
+            "stream); capture_to_graph(stream=None) captures on the accelerator's graph_stream()"
+        )
     rec = _Recorder()
     _state.recorder = rec
     ok = False
     try:
-        with _HostSyncGuard(), rec:
+        with _HostSyncGuard(rec), rec:
             yield
         ok = True
     finally:
@@ -354,5 +588,5 @@ def capture_cpu_graph(graph: CPUGraph, pool: Any = None) -> Iterator[None]:
             storage.copy_(saved)
         rec.snapshots.clear()
         if ok:
-            graph._finalize(rec)
+            graph._finalize(rec, pool if pool is not None else graph.pool())
         rec.externals.clear()

@@ -1,0 +1,293 @@
+"""CUDA-graph rules the CPU emulation enforces beyond recording ops.
+
+The emulation is the only "GPU" CI has, so each test here pins one place where
+CUDA capture fails or misbehaves: the default stream, host data copied in
+during capture, outputs that hold garbage until the first replay, and the
+memory a graph pool holds.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from hybrid_engine.accelerator import (
+    Accelerator,
+    CPUAccelerator,
+    CPUGraphPool,
+    CPUStream,
+    GraphCaptureError,
+    TorchBackendAccelerator,
+)
+
+
+@pytest.fixture
+def acc():
+    return CPUAccelerator()
+
+
+def capture(acc, fn, **kw):
+    g = acc.create_graph()
+    with torch.no_grad(), acc.capture_to_graph(g, **kw):
+        out = fn()
+    return g, out
+
+
+# ------------------------------------------------------------------- streams
+def test_cpu_streams(acc):
+    default = acc.default_stream()
+    assert isinstance(default, CPUStream) and default.is_default
+    assert acc.current_stream() is default
+    s = acc.Stream()
+    assert isinstance(s, CPUStream) and s is not default and s is not acc.Stream()
+    with acc.stream(s) as entered:
+        assert entered is s and acc.current_stream() is s
+    assert acc.current_stream() is default
+    with acc.stream(None):
+        assert acc.current_stream() is default
+    assert s.query() is True
+    s.synchronize()
+    s.wait_stream(default)
+    with pytest.raises(TypeError):
+        s.wait_stream("not a stream")
+    side = acc.graph_stream()
+    assert side is acc.graph_stream() and not side.is_default  # owned, made once
+    assert CPUAccelerator().graph_stream() is not side  # one per accelerator
+    assert CPUAccelerator(emulate_graphs=False).graph_stream() is not None  # streams without graphs
+
+
+def test_current_stream_is_per_thread(acc):
+    seen = []
+    with acc.stream(acc.Stream()):
+        t = threading.Thread(target=lambda: seen.append(acc.current_stream()))
+        t.start()
+        t.join()
+    assert seen == [acc.default_stream()]
+
+
+def test_on_graph_stream_waits_both_ways(acc, monkeypatch):
+    log = []
+    monkeypatch.setattr(CPUStream, "wait_stream", lambda self, other: log.append((self, other)))
+    side, default = acc.graph_stream(), acc.default_stream()
+    with acc.on_graph_stream() as s:
+        assert s is side and acc.current_stream() is side
+        log.append("work")
+    assert acc.current_stream() is default
+    assert log == [(side, default), "work", (default, side)]
+    log.clear()
+    capture(acc, lambda: torch.ones(2) + 1)
+    assert log == [(side, default), (default, side)]
+
+
+def test_capture_runs_on_the_owned_side_stream(acc):
+    streams = []
+    g, _ = capture(acc, lambda: streams.append(acc.current_stream()))
+    assert streams == [acc.graph_stream()]
+    assert acc.current_stream() is acc.default_stream()
+    s = acc.Stream()
+    g, _ = capture(acc, lambda: streams.append(acc.current_stream()), stream=s)
+    assert streams[-1] is s
+
+
+def test_warm_up_and_capture_inside_on_graph_stream(acc):
+    x = torch.ones(3)
+    with acc.on_graph_stream():
+        eager = x * 3
+        g, y = capture(acc, lambda: x * 3)
+    acc.replay_graph(g)
+    assert torch.equal(y, eager)
+
+
+def test_capture_on_the_default_stream_is_refused(acc):
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="non-default stream"):
+        with acc.capture_to_graph(g, stream=acc.default_stream()):
+            pass
+    assert not g.is_captured and not acc.is_current_stream_capturing()
+    assert acc.current_stream() is acc.default_stream()
+    with pytest.raises(TypeError, match="CPUStream"), acc.capture_to_graph(g, stream="side"):
+        pass
+
+
+def test_work_on_the_default_stream_during_capture_raises(acc):
+    x = torch.ones(3)
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="default stream"), acc.capture_to_graph(g):
+        y = x + 1
+        with acc.stream(acc.default_stream()):
+            y * 2
+    assert not g.is_captured
+
+
+# ----------------------------------------------------------------- host data
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda x: torch.tensor([1, 2]),
+        lambda x: torch.tensor(3, dtype=torch.int64),
+        lambda x: torch.as_tensor([1.0, 2.0]),
+        lambda x: torch.from_numpy(np.ones(2)),
+        lambda x: x.new_tensor([1.0]),
+        lambda x: x[[0, 2]],
+        lambda x: x.__setitem__([0, 2], 1.0),
+    ],
+    ids=["tensor-list", "tensor-int", "as_tensor", "from_numpy", "new_tensor", "list-index", "list-index-setitem"],
+)
+def test_host_data_inside_capture_raises(acc, bad):
+    """On a device these are host-to-device copies (``torch.tensor(v, device=dev)``), illegal in capture.
+
+    The emulation cannot tell a host-side CPU tensor from a device one, so it rejects them all.
+    """
+    x = torch.zeros(4)
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="host data"), acc.capture_to_graph(g):
+        bad(x)
+    assert not acc.is_current_stream_capturing()
+    bad(x)  # fine outside capture
+
+
+@pytest.mark.parametrize(
+    "ok,want",
+    [
+        (lambda x: x * 2 + 5, [5.0, 7.0, 9.0, 11.0]),
+        (lambda x: torch.full((4,), 3.0) + x, [3.0, 4.0, 5.0, 6.0]),
+        (lambda x: torch.zeros(4) + x, [0.0, 1.0, 2.0, 3.0]),
+        (lambda x: torch.scalar_tensor(2.0) * x, [0.0, 2.0, 4.0, 6.0]),
+        (lambda x: torch.where(x > 1, x, 0.0), [0.0, 0.0, 2.0, 3.0]),
+        (lambda x: x.masked_fill(x > 2, -1.0), [0.0, 1.0, 2.0, -1.0]),
+    ],
+    ids=["arith", "full", "zeros", "scalar_tensor", "where-scalar", "masked_fill"],
+)
+def test_device_work_with_python_scalars_is_capturable(acc, ok, want):
+    x = torch.arange(4.0)
+    g, y = capture(acc, lambda: ok(x))
+    acc.replay_graph(g)
+    assert y.tolist() == want
+
+
+def test_scalar_setitem_is_capturable(acc):
+    """``t[i] = 3`` lifts a CPU scalar here, but on a device it is a fill kernel: legal in capture."""
+    idx = torch.tensor([1])
+
+    def step():
+        y = torch.zeros(4)
+        y[0] = 7
+        y[idx] = 2.5
+        y[2:] = True
+        return y
+
+    g, y = capture(acc, step)
+    acc.replay_graph(g)
+    assert y.tolist() == [7.0, 2.5, 1.0, 1.0]
+
+
+# ------------------------------------------- outputs are garbage until replay
+def test_outputs_hold_garbage_until_the_first_replay(acc):
+    x = -torch.arange(1.0, 5.0)
+
+    def step():
+        return x * 2, x.argmax().reshape(1), x > 0, (x < 0).to(torch.uint8), (x * 3)[1:]
+
+    g, (f, i, b, u, view) = capture(acc, step)
+    # capture ran nothing on the "device": reading an output now reads garbage
+    assert torch.isnan(f).all() and torch.isnan(view).all()
+    assert i.tolist() == [torch.iinfo(torch.int64).min]
+    assert b.all()  # the right answer is all False
+    assert (u == 255).all()  # the right answer is all 1
+    acc.replay_graph(g)
+    assert f.tolist() == [-2.0, -4.0, -6.0, -8.0]
+    assert i.tolist() == [0]
+    assert not b.any()
+    assert u.tolist() == [1, 1, 1, 1]
+    assert view.tolist() == [-6.0, -9.0, -12.0]
+
+
+def test_preexisting_tensors_and_their_views_are_not_poisoned(acc):
+    buf = torch.arange(4.0)
+
+    def step():
+        buf.add_(1)
+        return buf[:2]
+
+    g, head = capture(acc, step)
+    assert head.tolist() == [0.0, 1.0] and buf.tolist() == [0.0, 1.0, 2.0, 3.0]
+    acc.replay_graph(g)
+    assert head.tolist() == [1.0, 2.0]
+
+
+def test_poisoning_inference_mode_outputs(acc):
+    x = torch.ones(2)
+    g = acc.create_graph()
+    with torch.inference_mode(), acc.capture_to_graph(g):
+        y = x + 1
+    assert torch.isnan(y).all()
+    with torch.inference_mode():
+        acc.replay_graph(g)
+    assert y.tolist() == [2.0, 2.0]
+
+
+# ---------------------------------------------------------------------- pools
+def chain(x, n):
+    """n elementwise ops; each intermediate is read only by the next one."""
+    y = x
+    for k in range(n):
+        y = y * 2 if k % 2 == 0 else y + 1
+    return y.sum()
+
+
+def test_pool_with_nothing_captured_reports_zero(acc):
+    pool = acc.graph_pool(acc.create_graph())
+    assert isinstance(pool, CPUGraphPool)
+    assert acc.graph_memory_bytes(pool) == 0
+    assert acc.graph_memory_bytes(None) is None
+    with pytest.raises(TypeError, match="CPUGraphPool"):
+        acc.graph_memory_bytes(acc.create_graph())
+
+
+def test_pool_bytes_after_capture(acc):
+    x = torch.randn(1000)
+    g, out = capture(acc, lambda: chain(x, 4))
+    pool = acc.graph_pool(g)
+    # static output: one float32; intermediates: at most two 4000-byte buffers alive at once
+    assert g.static_bytes == 4 and g.workspace_bytes == 8000
+    assert acc.graph_memory_bytes(pool) == 8004
+    acc.replay_graph(g)
+    assert torch.allclose(out, chain(x, 4))
+
+
+def test_graphs_in_one_pool_share_the_workspace(acc):
+    small, big = torch.randn(1000), torch.randn(3000)
+    g1, _ = capture(acc, lambda: chain(small, 2))
+    shared = acc.graph_pool(g1)
+    g2, _ = capture(acc, lambda: chain(big, 4), pool=shared)
+    assert acc.graph_pool(g2) is shared and shared.num_graphs == 2
+
+    h1, _ = capture(acc, lambda: chain(small, 2))
+    h2, _ = capture(acc, lambda: chain(big, 4))
+    separate = acc.graph_memory_bytes(acc.graph_pool(h1)) + acc.graph_memory_bytes(acc.graph_pool(h2))
+    assert separate == (4 + 8000) + (4 + 24000)
+    assert acc.graph_memory_bytes(shared) == 4 + 4 + 24000  # both outputs, one workspace: the larger
+    assert acc.graph_memory_bytes(shared) < separate
+
+
+def test_reset_and_failed_capture_leave_the_pool(acc):
+    x = torch.randn(10)
+    g, _ = capture(acc, lambda: x * 2)
+    pool = acc.graph_pool(g)
+    bad = acc.create_graph()
+    with pytest.raises(GraphCaptureError), acc.capture_to_graph(bad, pool=pool):
+        (x * 3).item()
+    assert pool.num_graphs == 1
+    g.reset()
+    assert acc.graph_memory_bytes(pool) == 0
+    with pytest.raises(TypeError, match="CPUGraphPool"), acc.capture_to_graph(acc.create_graph(), pool=g):
+        pass
+
+
+def test_backends_that_cannot_tell_report_none():
+    assert Accelerator().graph_memory_bytes(object()) is None
+    import types
+
+    mps = TorchBackendAccelerator("mps", types.SimpleNamespace(is_available=lambda: False))
+    assert mps.graph_memory_bytes(object()) is None
