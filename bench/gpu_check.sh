@@ -7,10 +7,15 @@
 #   2. info         versions, GPU, graph API
 #   3. parity       graph vs eager tokens identical, engine path and rollout path, greedy and sampled,
 #                   tiny gpt2/opt/llama/qwen2 + the gpt2 (124M) shape, fp16      -> exits 1 on a mismatch
-#   4. decode       `bench decode` for the gpt2 and opt-1.3b shapes, fp16, batch 1,4,8,16,32,
-#                   256-token prompt, 128 new tokens
-#   5. continuous   `bench continuous`, gpt2 shape, fp16
-#   6. rlhf         `bench rlhf`, opt-1.3b shape, batch 8, fp16
+#   4. decode       `bench decode` for the gpt2 shape, fp16, batch 1,4,8,16,32, 256-token prompt,
+#                   128 new tokens; engine path and rollout path
+#   5. continuous   `bench continuous`, gpt2 shape, fp16: batch-1 graph reuse, the mixed-length workload,
+#                   and the long-tailed workload (8 slots, one request in 8 wants 48 tokens, the rest 3-6;
+#                   continuous vs static batching side by side: decode steps, prefills, host syncs, wall)
+#   6. rlhf         `bench rlhf`, opt-1.3b shape, batch 8, fp16 (captures and capture time per iteration)
+#   7. decode       the same for the opt-1.3b shape (last: it gets what is left of the budget)
+# After the steps, headlines.txt (also appended to summary.txt) lists the figures to read first
+# (parity, long-tail step and wall ratios, rlhf captures per iteration), taken from the JSON files.
 # Reports: every step's text log, JSON and (when matplotlib is there) PNG go to a work folder
 # ($GPU_CHECK_WORK, default /tmp/gpu_check_work), which is packed into $OUT/gpu_check_results.tgz
 # after every step (so a run cut short still returns what it did); the JSON files and summary.txt
@@ -43,7 +48,10 @@ esac
 OUT="${OUT:-$REPO/bench/results/gpu_check}"
 WORK="${GPU_CHECK_WORK:-/tmp/gpu_check_work}"
 BUDGET="${GPU_CHECK_BUDGET_S:-470}"
-PY="${PYTHON:-python3}"
+# $PYTHON, else (--cpu-mini only) the checkout's .venv, else python3 (the GPU image's).
+if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
+elif [ "$MODE" = mini ] && [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"
+else PY=python3; fi
 TARGET="${HYBRID_ENGINE_TARGET:-/tmp/hybrid-engine-site}"
 WHEELS="$REPO/bench/wheels"
 START=$(date +%s)
@@ -60,7 +68,7 @@ if [ "$MODE" = mini ]; then
   PARITY_ARGS="--models tiny-gpt2,tiny-llama --batch-size 2 --prompt-len 8 --new-tokens 6"
   DECODE_A="--model tiny-gpt2 --batch-sizes 1,2 --prompt-len 16 --new-tokens 8 --repeats 1"
   DECODE_B="--model tiny-opt --batch-sizes 1,2 --prompt-len 16 --new-tokens 8 --repeats 1"
-  CONT_ARGS="--model tiny-gpt2 --prompt-len 8 --new-tokens 8 --measured 2 --mixed-requests 6 --mixed-max-batch 2 --mixed-max-new 8 --mixed-prompt-len 8 --mixed-repeats 1"
+  CONT_ARGS="--model tiny-gpt2 --prompt-len 8 --new-tokens 8 --measured 2 --mixed-requests 6 --mixed-max-batch 2 --mixed-max-new 8 --mixed-prompt-len 8 --mixed-repeats 1 --longtail-requests 64 --longtail-prompt-len 8 --longtail-repeats 1"
   RLHF_ARGS="--model tiny-opt --batch-size 2 --prompt-len 16 --new-tokens 8 --warmup 1 --iterations 1"
 else
   DEVICE=cuda
@@ -68,7 +76,7 @@ else
   PARITY_ARGS="--models tiny-gpt2,tiny-opt,tiny-llama,tiny-qwen2,gpt2 --batch-size 4 --prompt-len 32 --new-tokens 32"
   DECODE_A="--model gpt2 --batch-sizes 1,4,8,16,32 --prompt-len 256 --new-tokens 128 --repeats 2"
   DECODE_B="--model opt-1.3b --batch-sizes 1,4,8,16,32 --prompt-len 256 --new-tokens 128 --repeats 1"
-  CONT_ARGS="--model gpt2 --prompt-len 32 --new-tokens 32 --warmup 2 --measured 5 --mixed-requests 64 --mixed-max-batch 16 --mixed-max-new 128 --mixed-prompt-len 64"
+  CONT_ARGS="--model gpt2 --prompt-len 32 --new-tokens 32 --warmup 2 --measured 5 --mixed-requests 64 --mixed-max-batch 16 --mixed-max-new 128 --mixed-prompt-len 64 --longtail-requests 64 --longtail-slots 8 --longtail-long 48 --longtail-short 3,6 --longtail-repeats 3 --longtail-model same"
   RLHF_ARGS="--model opt-1.3b --batch-size 8 --prompt-len 256 --new-tokens 128 --warmup 1 --iterations 4"
 fi
 COMMON="--device $DEVICE --dtype $DTYPE"
@@ -159,11 +167,51 @@ if [ "$MODE" != dry ] && command -v nvidia-smi >/dev/null; then nvidia-smi >"$WO
 step info 60 "${HE[@]}" info
 step parity 90 "${HE[@]}" bench parity $COMMON $PARITY_ARGS --json "$WORK/parity.json"
 step decode_gpt2 100 "${HE[@]}" bench decode $COMMON $DECODE_A --json "$WORK/decode_gpt2.json" $(plot decode_gpt2)
-step continuous 50 "${HE[@]}" bench continuous $COMMON $CONT_ARGS --json "$WORK/continuous.json" $(plot continuous)
+step continuous 75 "${HE[@]}" bench continuous $COMMON $CONT_ARGS --json "$WORK/continuous.json" $(plot continuous)
 step rlhf_opt13b 90 "${HE[@]}" bench rlhf $COMMON $RLHF_ARGS --json "$WORK/rlhf_opt13b.json" $(plot rlhf_opt13b)
 step decode_opt13b 150 "${HE[@]}" bench decode $COMMON $DECODE_B --json "$WORK/decode_opt13b.json"
 
-[ "$MODE" = dry ] && exit 0
+# headlines: the figures to read first, from the JSON files (missing ones are named, not fatal).
+headlines() {
+  "$PY" - "$WORK" <<'EOF'
+import json, os, sys
+work = sys.argv[1]
+def load(name):
+    try:
+        with open(os.path.join(work, name + ".json")) as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as exc:
+        print(f"{name}: no result ({type(exc).__name__})")
+        return None
+if (d := load("parity")) is not None:
+    a = d["token_agreement"]
+    bad = [f"{r['model']}/{r['path']}/{r['mode']} (replayed={r.get('replayed')})" for r in d["rows"] if not r.get("ok")]
+    print(f"parity: ok={d['ok']}, tokens identical {a['identical']}/{a['total']}"
+          + (f"; not ok: {', '.join(bad)}" if bad else ""))
+if (d := load("continuous")) is not None:
+    lt = d.get("long_tail")
+    if lt:
+        c, s = lt["continuous"], lt["static"]
+        print(f"long tail ({lt['model']}, {lt['requests']} requests, {lt['slots']} slots): decode steps "
+              f"{s['decode_steps']} static / {c['decode_steps']} continuous = {lt['step_ratio']:.2f}x; wall "
+              f"{s['ms']:.1f} / {c['ms']:.1f} ms = {lt['wall_ratio']:.2f}x (target >= {lt['wall_target']}x: "
+              f"{'met' if lt['wall_target_met'] else 'NOT met'}); prefill forwards {c['prefill_forwards']} / "
+              f"{s['prefill_forwards']}, host syncs {c['host_syncs']} / {s['host_syncs']} (continuous / static); "
+              f"tokens identical {lt['agreement']['identical']}/{lt['agreement']['total']}")
+    else:
+        print("long tail: not run")
+for name in ("rlhf_opt13b",):
+    if (d := load(name)) is not None:
+        cap = d["capture"]
+        print(f"{name}: captures per iteration {cap['captures_per_iteration']}, capture ms per iteration "
+              f"{[round(x * 1e3, 1) for x in cap['capture_seconds_per_iteration']]}, generate "
+              f"{d['phases']['generate']['eager_ms']:.1f} -> {d['phases']['generate']['graph_ms']:.1f} ms")
+EOF
+}
+
+[ "$MODE" = dry ] && { echo "step headlines: $WORK/headlines.txt from the JSON files above"; exit 0; }
+headlines >"$WORK/headlines.txt" 2>&1
+cat "$WORK/headlines.txt" | tee -a "$SUMMARY"
 say "done in $(($(date +%s) - START))s; $([ $FAILED -eq 0 ] && echo 'all steps ok' || echo 'SOME STEPS FAILED')"
 pack
 exit $FAILED

@@ -47,12 +47,21 @@ def test_bench_decode(tmp_path, capsys):
 
 def test_bench_rlhf(tmp_path, capsys):
     d = _run(tmp_path, capsys, "bench", "rlhf", "--model", "tiny", "--batch-size", "2", "--prompt-len", "8",
-             "--new-tokens", "4", "--warmup", "1", "--iterations", "1")
+             "--new-tokens", "4", "--warmup", "1", "--iterations", "2")
     assert set(d["phases"]) == {"generate", "train step", "iteration"}
     for phase in d["phases"].values():
         assert phase["eager_ms"] > 0 and phase["graph_ms"] > 0 and phase["speedup"] > 0
     assert set(d["peak_memory"]) == {"eager_bytes", "graph_bytes"}
-    assert d["capture"]["captures"] > 0 and d["capture"]["capture_seconds"] > 0
+    cap = d["capture"]
+    assert cap["captures"] > 0 and cap["capture_seconds"] > 0
+    # Captures per iteration: graph_stats differences around each generate, summing to the engine's total.
+    per_iter, per_iter_s = cap["captures_per_iteration"], cap["capture_seconds_per_iteration"]
+    assert len(per_iter) == len(per_iter_s) == 1 + 2
+    assert sum(per_iter) == cap["captures"] == d["graph"]["graph"]["captures"]
+    assert sum(per_iter_s) == pytest.approx(cap["capture_seconds"])
+    assert per_iter[0] > 0 and per_iter_s[0] > 0  # the first iteration captures ...
+    assert per_iter[1:] == [0, 0]  # ... later ones of the same shape replay
+    assert cap["eager_captures_per_iteration"] == [0, 0, 0]
     assert d["token_agreement"]["total"] == 2 * 4
     _total(d["token_agreement"])
     _total(d["token_agreement_all_iterations"])
@@ -61,7 +70,8 @@ def test_bench_rlhf(tmp_path, capsys):
 def test_bench_continuous(tmp_path, capsys):
     d = _run(tmp_path, capsys, "bench", "continuous", "--model", "tiny", "--prompt-len", "8", "--new-tokens", "4",
              "--measured", "2", "--mixed-requests", "5", "--mixed-max-batch", "2", "--mixed-max-new", "5",
-             "--mixed-prompt-len", "8", "--mixed-repeats", "1")
+             "--mixed-prompt-len", "8", "--mixed-repeats", "1", "--longtail-requests", "0")
+    assert d["long_tail"] is None  # 0 skips the long-tailed workload
     lat = d["latency"]
     for key in ("eager_median_ms", "graph_median_ms", "speedup", "eager_tok_s", "graph_tok_s", "first_graph_call_ms"):
         assert lat[key] > 0, key
@@ -74,6 +84,40 @@ def test_bench_continuous(tmp_path, capsys):
     for mode in ("continuous", "static"):
         assert mixed[mode]["tok_s"] > 0 and mixed[mode]["tokens"] == sum(mixed["budgets"])
     _total(mixed["agreement"])
+    _total(d["token_agreement"])
+
+
+def test_bench_continuous_long_tail(tmp_path, capsys):
+    # 16 requests in 8 slots, one long (12 tokens) per group of 8, the rest 3..6: behaviour, never timing ratios.
+    d = _run(tmp_path, capsys, "bench", "continuous", "--model", "tiny", "--prompt-len", "8", "--new-tokens", "2",
+             "--warmup", "2", "--measured", "1", "--mixed-requests", "0", "--longtail-requests", "16",
+             "--longtail-long", "12", "--longtail-prompt-len", "8", "--longtail-repeats", "2")
+    lt = d["long_tail"]
+    assert lt["requests"] == 16 and lt["slots"] == 8 and lt["model"] == "tiny-gpt2"
+    budgets = lt["budgets"]
+    assert [b for i, b in enumerate(budgets) if i % 8 == 0] == [12, 12]
+    assert all(3 <= b <= 6 for i, b in enumerate(budgets) if i % 8)
+    assert lt["lengths_match_budgets"] is True  # EOS unreachable: the budgets decide the lengths
+    for key in ("step_ratio", "wall_ratio", "wall_target", "wall_target_met", "agreement"):
+        assert key in lt, key
+    cont, stat = lt["continuous"], lt["static"]
+    for mode in (cont, stat):
+        for key in ("ms", "tok_s", "decode_steps", "prefill_forwards", "host_syncs", "graph_captures",
+                    "graph_captures_warmup", "graph_replays"):
+            assert key in mode, key
+        assert mode["ms"] > 0 and mode["tok_s"] > 0 and len(mode["all_ms"]) == 2
+        assert mode["tokens"] == sum(budgets)
+        assert mode["prefill_forwards"] > 0 and mode["host_syncs"] > 0
+        assert mode["graph_captures_warmup"] >= 1 and mode["graph_replays"] > 0  # graphs on in both modes
+        assert mode["graph_captures"] == 0  # the warm-up captured every bucket the workload visits
+    # Static runs each group of 8 until its long request ends; continuous refills slots.
+    assert stat["decode_steps"] >= 2 * (12 - 1)
+    assert cont["decode_steps"] < stat["decode_steps"]
+    assert lt["step_ratio"] == pytest.approx(stat["decode_steps"] / cont["decode_steps"])
+    agree = lt["agreement"]
+    assert agree["requests_identical"] == agree["requests"] == 2 * 16  # both measured pairs
+    assert agree["total"] == 2 * sum(budgets)
+    _total(agree)
     _total(d["token_agreement"])
 
 

@@ -14,6 +14,43 @@ request ends; static batching runs each group of ``max_batch_size`` requests
 until its longest one ends. Both run with graphs on, after one warm-up call
 each, then ``--mixed-repeats`` interleaved calls (median); throughput is real
 response tokens over wall time. Tokens must agree.
+
+Part 3 (the long-tailed workload of the issue): 8 slots (``--longtail-slots``);
+one request in eight wants 48 tokens, the rest 3 to 6 (seeded). The long one
+is the first request of every group of 8 (``i % 8 == 0``), so each group of
+8 that static batching runs together holds exactly one of them. EOS is
+unreachable, so the budgets alone decide the lengths, and both modes run with
+graphs on, one warm-up call each (it captures), then ``--longtail-repeats``
+interleaved calls (median). Reported per mode: wall time, decode steps,
+prefill forwards (admission rounds), host syncs, graph captures and tokens/s;
+then the step ratio, the wall-time ratio (the issue's target: at least 2.5x)
+and the per-request token agreement between the modes.
+
+Why 64 requests: the prefill samples each request's first token, so a
+request with budget b needs b - 1 decode steps.
+
+* static: 64 / 8 = 8 groups, each runs until its 48-token request ends:
+  8 x 47 = 376 decode steps, whatever the short budgets are.
+* continuous: the work is 8 x 47 + 56 x 3.5 (mean of 2..5) = 572 slot-steps,
+  71.5 steps if 8 slots were always full. They are not: every long request
+  keeps its slot for 47 steps, so the long ones pile up (6 or 7 of the 8
+  slots before the last one's turn) and the short requests ahead of it drain
+  through the one or two slots left. The last long request (index 56) is
+  admitted near step 54 (with the default ``--seed 0`` today's scheduler,
+  which reads the slot flags every ``sync_interval`` = 4 steps or sooner,
+  admits the long ones at steps 0, 2, 7, 12, 19, 28, 42, 54), then needs 47
+  steps: about 100 decode steps (101 measured).
+* 376 / 101 = 3.72, the issue's "about 3.7x" (3.7 to 3.9 over short-budget
+  seeds). Fewer requests give less (48: 3.6 to 3.9, 32: ~3.2, 16: ~1.9, since the
+  last long request's 47 steps dominate), more give more (80: ~4.1, 128: ~4.5;
+  in the limit 8 x 47 / 71.5 = 5.3 per group).
+
+The wall-time ratio is the step ratio less what continuous batching pays in
+more admission prefills and host syncs (both reported). On CPU the default
+long-tail model is ``tiny-gpt2`` (``--longtail-model auto``), so the default
+run stays short: a gpt2-shaped step costs tens of ms here and the two modes
+together run ~500 decode steps per measured pair; on an accelerator ``auto``
+is the main ``--model``/``--model-path``. The report names the model used.
 """
 
 from __future__ import annotations
@@ -29,6 +66,20 @@ from .paths import make_rollout, rollout_generate, rollout_tokens, unreachable_e
 
 DEFAULT_MODEL = "gpt2"
 PROMPT_SEEDS = (1234, 1235)
+LONG_TAIL_REQUESTS = 64  # static needs ~3.7x the decode steps of continuous here (module docstring)
+LONG_TAIL_CPU_MODEL = "tiny-gpt2"
+MODES = ("continuous", "static")
+WALL_TARGET = 2.5  # the issue's target for the long-tail wall-time ratio (a benchmark figure, never a test)
+
+
+def _budget_range(text: str) -> tuple[int, int]:
+    """``MIN,MAX`` (or one number N for N,N) as positive ints with MIN <= MAX."""
+    values = C.parse_int_list(text)
+    if len(values) == 1:
+        values = values * 2
+    if len(values) != 2 or values[0] > values[1]:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with 0 < MIN <= MAX, got {text!r}")
+    return values[0], values[1]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +94,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-max-new", type=int, default=32, help="part 2 largest response budget (default 32)")
     p.add_argument("--mixed-prompt-len", type=int, default=32, help="part 2 longest prompt (default 32)")
     p.add_argument("--mixed-repeats", type=int, default=2, help="part 2 measured calls per mode (default 2)")
+    p.add_argument("--longtail-requests", type=int, default=LONG_TAIL_REQUESTS,
+                   help=f"part 3 (long-tailed workload) number of requests (default {LONG_TAIL_REQUESTS}; 0 skips)")
+    p.add_argument("--longtail-slots", type=int, default=8,
+                   help="part 3 concurrent slots; one request in this many is long (default 8)")
+    p.add_argument("--longtail-long", type=int, default=48, help="part 3 budget of the long requests (default 48)")
+    p.add_argument("--longtail-short", type=_budget_range, default=(3, 6), metavar="MIN,MAX",
+                   help="part 3 budget range of the other requests, seeded (default 3,6)")
+    p.add_argument("--longtail-prompt-len", type=int, default=32,
+                   help="part 3 longest prompt; lengths drawn from a quarter of it up (default 32)")
+    p.add_argument("--longtail-repeats", type=int, default=3, help="part 3 measured calls per mode (default 3)")
+    p.add_argument("--longtail-model", default="auto",
+                   help="part 3 model: auto (tiny-gpt2 on CPU, where a gpt2-shaped step is too slow for a short "
+                        "default run; the main model elsewhere), same (the main model), or a --model name")
 
 
 def _captures(rollout: Any) -> int:
@@ -160,6 +224,148 @@ def _part2(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -
     }
 
 
+def long_tail_budgets(requests: int, slots: int, long: int, short: tuple[int, int], seed: int) -> list[int]:
+    """Per-request budgets: ``long`` where ``i % slots == 0`` (one per static group), else seeded in ``short``."""
+    gen = torch.Generator().manual_seed(seed)
+    draws = torch.randint(short[0], short[1] + 1, (requests,), generator=gen).tolist()
+    return [long if i % slots == 0 else draws[i] for i in range(requests)]
+
+
+def _long_tail_model(args: argparse.Namespace, device: torch.device) -> tuple[argparse.Namespace, str]:
+    """The namespace :func:`C.build_bench_model` reads for part 3, and why that model (for the report)."""
+    choice = args.longtail_model.strip()
+    main_is_cpu_model = not getattr(args, "model_path", None) and C.resolve_model_name(args.model) == LONG_TAIL_CPU_MODEL
+    if choice == "same" or (choice == "auto" and (device.type != "cpu" or main_is_cpu_model)):
+        return args, f"the main model, --longtail-model {choice}"
+    if choice == "auto":
+        name, why = LONG_TAIL_CPU_MODEL, ("--longtail-model auto on CPU, where a gpt2-shaped step is too slow for a "
+                                          "short default run; --longtail-model same for the main model")
+    else:
+        name, why = choice, "--longtail-model"
+    return argparse.Namespace(**{**vars(args), "model": name, "model_path": None}), why
+
+
+def _request_agreement(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> dict[str, int]:
+    """Tokens and whole requests (same length, same tokens) identical between two rollouts of the same requests."""
+    (ta, la), (tb, lb) = a, b
+    same_tok = total_tok = same_req = 0
+    for r in range(la.shape[0]):
+        n = int(la[r])
+        total_tok += n
+        if int(lb[r]) != n:
+            continue
+        same = int((ta[r, :n] == tb[r, :n]).sum())
+        same_tok += same
+        same_req += int(same == n)
+    return {"identical": same_tok, "total": total_tok, "requests_identical": same_req, "requests": int(la.shape[0])}
+
+
+def _long_tail(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    R, slots, repeats = args.longtail_requests, args.longtail_slots, max(1, args.longtail_repeats)
+    if slots < 1 or args.longtail_long < 1 or args.longtail_prompt_len < 1:
+        raise SystemExit("error: --longtail-slots, --longtail-long and --longtail-prompt-len must be >= 1")
+    margs, why = _long_tail_model(args, device)
+    prev_threads = torch.get_num_threads()
+    C.apply_threads(margs, device)  # 1 thread for a tiny model on CPU unless --threads
+    threads = torch.get_num_threads()
+    try:
+        model = C.build_bench_model(margs, dtype, device, seed=args.seed)
+        pad, _ = C.special_ids(model)
+        vocab = int(model.config.vocab_size)
+        ids, mask = C.random_prompts(R, args.longtail_prompt_len, vocab, seed=args.seed + 21, device=device,
+                                     avoid=(pad,), min_length=max(1, args.longtail_prompt_len // 4))
+        budgets = long_tail_budgets(R, slots, args.longtail_long, args.longtail_short, seed=args.seed + 23)
+        eos = unreachable_eos(model)  # budgets alone decide every length
+        rollouts = {mode: make_rollout(model, graphs=True, pad_token_id=pad, eos_token_id=eos,
+                                       continuous=(mode == "continuous"), max_batch_size=slots)
+                    for mode in MODES}
+
+        def call(mode: str) -> tuple[Any, float]:
+            return C.timed(lambda: rollout_generate(rollouts[mode], ids, mask, max(budgets), budgets=budgets))
+
+        warm: dict[str, dict[str, Any]] = {}
+        for mode in MODES:  # warm-up: captures every bucket the workload visits
+            _, ms = call(mode)
+            st = rollouts[mode].last_stats or {}
+            warm[mode] = {"ms": ms, "graph_captures": st.get("graph_captures"), "capture_ms": st.get("capture_ms")}
+        ms_: dict[str, list[float]] = {m: [] for m in MODES}
+        stats: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+        outs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {m: [] for m in MODES}
+        for i in range(repeats):  # interleaved, alternating which mode goes first
+            for mode in (MODES if i % 2 == 0 else MODES[::-1]):
+                batch, ms = call(mode)
+                ms_[mode].append(ms)
+                stats[mode].append(dict(rollouts[mode].last_stats or {}))
+                outs[mode].append((rollout_tokens(batch).cpu(), batch.response_lengths.cpu()))
+        label = C.model_label(margs)
+        rollouts.clear()
+        del model
+        gc.collect()
+    finally:
+        torch.set_num_threads(prev_threads)
+
+    results: dict[str, Any] = {}
+    for mode in MODES:
+        last = stats[mode][-1]  # the counts are the same every call; the timings are medians
+        tokens = int(outs[mode][-1][1].sum())
+        med = C.median(ms_[mode])
+        results[mode] = {
+            "ms": med, "all_ms": ms_[mode], "tokens": tokens, "tok_s": tokens / (med / 1e3),
+            "decode_steps": last.get("decode_steps"), "prefill_forwards": last.get("prefill_forwards"),
+            "host_syncs": last.get("host_syncs"), "graph_replays": last.get("graph_replays"),
+            "graph_captures": sum(int(s.get("graph_captures") or 0) for s in stats[mode]),
+            "graph_captures_warmup": warm[mode]["graph_captures"], "capture_ms_warmup": warm[mode]["capture_ms"],
+            "warmup_ms": warm[mode]["ms"], "peak_active_batch": last.get("peak_active_batch"),
+            **{f"{k}_median": C.median([float(s.get(k) or 0.0) for s in stats[mode]])
+               for k in ("prefill_ms", "decode_ms", "overhead_ms")},
+            "last_stats": last,
+        }
+    agree = {"identical": 0, "total": 0, "requests_identical": 0, "requests": 0}
+    for a, b in zip(outs["continuous"], outs["static"]):
+        for k, v in _request_agreement(a, b).items():
+            agree[k] += v
+    cont, stat = results["continuous"], results["static"]
+    wall_ratio = C.speedup(stat["ms"], cont["ms"])
+    return {
+        "requests": R, "slots": slots, "long_budget": args.longtail_long, "short_budgets": list(args.longtail_short),
+        "long_every": slots, "prompt_len": args.longtail_prompt_len, "repeats": repeats, "budgets": budgets,
+        "model": label, "model_reason": why, "threads": threads, "graphs": True, "eos": "unreachable",
+        "lengths_match_budgets": all(o[1].tolist() == budgets for m in MODES for o in outs[m]),
+        **results,
+        "step_ratio": stat["decode_steps"] / cont["decode_steps"] if cont["decode_steps"] else float("nan"),
+        "wall_ratio": wall_ratio, "wall_target": WALL_TARGET, "wall_target_met": bool(wall_ratio >= WALL_TARGET),
+        "agreement": agree,
+    }
+
+
+def _long_tail_text(lt: dict[str, Any], dtype: torch.dtype) -> str:
+    def row(mode: str) -> list[Any]:
+        r = lt[mode]
+        return [mode, f"{r['ms']:.1f} ms", r["decode_steps"], r["prefill_forwards"], r["host_syncs"],
+                f"{r['graph_captures_warmup']} / {r['graph_captures']}", r["tokens"], f"{r['tok_s']:.0f} tokens/s"]
+
+    table = C.format_table(["batching", f"wall (median of {lt['repeats']})", "decode steps", "prefill forwards",
+                            "host syncs", "captures (warm-up / measured)", "response tokens", "throughput"],
+                           [row(m) for m in MODES])
+    split = "; ".join(f"{m} prefill {lt[m]['prefill_ms_median']:.1f}, decode {lt[m]['decode_ms_median']:.1f}, "
+                      f"other {lt[m]['overhead_ms_median']:.1f}" for m in MODES)
+    a = lt["agreement"]
+    lo, hi = lt["short_budgets"]
+    return (
+        f"\n\nlong-tailed workload: {lt['requests']} requests, {lt['slots']} slots; budget {lt['long_budget']} for one "
+        f"request in {lt['long_every']} (the first of each group of {lt['long_every']}), {lo}..{hi} for the rest "
+        f"(seeded); prompts up to {lt['prompt_len']} tokens; EOS unreachable; graphs on; 1 warm-up + "
+        f"{lt['repeats']} interleaved calls per mode\n"
+        f"model: {lt['model']} {C.dtype_name(dtype)}, {lt['threads']} torch threads ({lt['model_reason']})\n\n"
+        f"{table}\n\n"
+        f"decode-step ratio static / continuous: {lt['step_ratio']:.2f}x; wall-time ratio: {lt['wall_ratio']:.2f}x "
+        f"(target >= {lt['wall_target']}x: {'met' if lt['wall_target_met'] else 'NOT met'})\n"
+        f"where the wall time goes (median ms): {split}\n"
+        f"tokens identical {a['identical']}/{a['total']}, requests identical {a['requests_identical']}/"
+        f"{a['requests']}; response lengths equal the budgets: {lt['lengths_match_budgets']}"
+    )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     acc, device, dtype, env = C.prepare(args)
     print("bench continuous: part 1, eager vs graph reuse ...", flush=True)
@@ -168,16 +374,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.mixed_requests > 0:
         print("bench continuous: part 2, mixed-length workload, continuous vs static batching ...", flush=True)
         p2 = _part2(args, device, dtype)
-    seed_same = sum(c["identical"] for c in p1["seed_checks"])
-    seed_total = sum(c["total"] for c in p1["seed_checks"])
-    identical = seed_same + p1["measured_agreement"]["identical"] + (p2["agreement"]["identical"] if p2 else 0)
-    total = seed_total + p1["measured_agreement"]["total"] + (p2["agreement"]["total"] if p2 else 0)
+    lt = None
+    if args.longtail_requests > 0:
+        print("bench continuous: part 3, long-tailed workload, continuous vs static batching ...", flush=True)
+        lt = _long_tail(args, device, dtype)
+    parts = [*p1["seed_checks"], p1["measured_agreement"], *(p["agreement"] for p in (p2, lt) if p)]
+    identical = sum(a["identical"] for a in parts)
+    total = sum(a["total"] for a in parts)
     payload = {
         "benchmark": "continuous", "environment": env,
         "settings": {"model": C.model_label(args), "dtype": C.dtype_name(dtype), "batch_size": args.batch_size,
                      "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "warmup": max(2, args.warmup),
                      "measured": args.measured, "greedy": True, "prompt_seeds": list(PROMPT_SEEDS)},
-        "latency": p1, "mixed": p2,
+        "latency": p1, "mixed": p2, "long_tail": lt,
         "token_agreement": {"identical": identical, "total": total},
     }
     t1 = C.format_table(["mode", "median latency", "throughput"], [
@@ -206,17 +415,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"continuous vs static: {p2['speedup']:.2f}x; tokens identical {p2['agreement']['identical']}/"
             f"{p2['agreement']['total']}"
         )
+    if lt:
+        text += _long_tail_text(lt, dtype)
     text += f"\n\ntoken agreement overall: {identical}/{total}"
 
     def draw(plt: Any) -> None:
-        labels = ["batch-1 latency"]
-        e, g = [p1["eager_tok_s"]], [p1["graph_tok_s"]]
-        plt.subplot(1, 2, 1)
-        C.bar_pairs(plt, labels, e, g, "tokens / s")
-        if p2:
-            plt.subplot(1, 2, 2)
-            plt.bar(["static", "continuous"], [p2["static"]["tok_s"], p2["continuous"]["tok_s"]])
-            plt.ylabel("tokens / s (mixed workload)")
+        panels = 1 + bool(p2) + bool(lt)
+        plt.subplot(1, panels, 1)
+        C.bar_pairs(plt, ["batch-1 latency"], [p1["eager_tok_s"]], [p1["graph_tok_s"]], "tokens / s")
+        for i, (part, what) in enumerate(((p, w) for p, w in ((p2, "mixed"), (lt, "long tail")) if p), start=2):
+            plt.subplot(1, panels, i)
+            plt.bar(["static", "continuous"], [part["static"]["tok_s"], part["continuous"]["tok_s"]])
+            plt.ylabel(f"tokens / s ({what} workload)")
 
     C.finish(args, payload, text, draw, f"continuous rollouts: {C.model_label(args)}")
     return payload

@@ -12,6 +12,15 @@ Reported: the phase table (generate, train step, iteration; eager, graph,
 speedup), peak memory per mode where the backend reports it, the one-time
 capture cost (the first graph generate minus the eager mean, and the engine's
 own ``capture_seconds``) and the token agreement ``N/N``.
+
+Captures per iteration: ``engine.graph_stats.captures`` and
+``capture_seconds`` are read just before and just after every generate, and
+their differences are reported per iteration (table, text and JSON). How many
+graphs a new shape costs, and whether later iterations capture again, is the
+property of the graph runner this bench exists to show: one capture per batch
+bucket in the first iteration and none afterwards is the goal, where a runner
+that captures one graph per decode position shows ``new_tokens - 1`` captures
+(and their seconds) on the first iteration.
 """
 
 from __future__ import annotations
@@ -38,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default 1e-5)")
 
 
+def _capture_counters(engine: Any) -> tuple[int, float]:
+    """(captures, capture_seconds) of the engine's graph store so far (public ``graph_stats``)."""
+    stats = engine.graph_stats
+    return int(stats.captures or 0), float(stats.capture_seconds or 0.0)
+
+
 def _run_mode(args: argparse.Namespace, graphs: bool, dtype: torch.dtype, device: torch.device,
               prompts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
     from ..accelerator import get_accelerator
@@ -57,12 +72,18 @@ def _run_mode(args: argparse.Namespace, graphs: bool, dtype: torch.dtype, device
     iter_ms: list[float] = []
     tokens: list[torch.Tensor] = []
     losses: list[float] = []
+    captures_per_iter: list[int] = []
+    capture_s_per_iter: list[float] = []
     T, N = args.prompt_len, args.new_tokens
     for ids, mask in prompts:
         with C.timer(iter_ms):
             engine.eval()
+            before = _capture_counters(engine)  # outside the generate timer
             with C.timer(gen_ms):
                 new = engine_generate(engine, ids, mask, N)
+            after = _capture_counters(engine)
+            captures_per_iter.append(after[0] - before[0])
+            capture_s_per_iter.append(after[1] - before[1])
             tokens.append(new.cpu())
             with C.timer(train_ms):
                 engine.train()
@@ -85,6 +106,7 @@ def _run_mode(args: argparse.Namespace, graphs: bool, dtype: torch.dtype, device
         "generate_mean_ms": C.mean(gen_ms[w:]), "train_mean_ms": C.mean(train_ms[w:]),
         "iteration_mean_ms": C.mean(iter_ms[w:]), "first_generate_ms": gen_ms[0],
         "peak_memory_bytes": peak or None, "losses": losses, "graph": counts, "tokens": tokens,
+        "captures_per_iteration": captures_per_iter, "capture_seconds_per_iteration": capture_s_per_iter,
     }
 
 
@@ -125,13 +147,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "peak_memory": {"eager_bytes": eager["peak_memory_bytes"], "graph_bytes": graph["peak_memory_bytes"]},
         "capture": {"first_generate_extra_ms": capture_ms,
                     "capture_seconds": graph["graph"].get("capture_seconds"),
-                    "captures": graph["graph"].get("captures")},
+                    "captures": graph["graph"].get("captures"),
+                    "captures_per_iteration": graph["captures_per_iteration"],
+                    "capture_seconds_per_iteration": graph["capture_seconds_per_iteration"],
+                    "eager_captures_per_iteration": eager["captures_per_iteration"]},
         "token_agreement": {"identical": same0, "total": total0},
         "token_agreement_all_iterations": {"identical": same_all, "total": total_all},
     }
     table = C.format_table(["phase", "eager", "graph", "speedup"], [
         [name, f"{e:.1f} ms", f"{g:.1f} ms", f"{C.speedup(e, g):.2f}x"] for name, e, g in phases
     ])
+    per_iter = C.format_table(
+        ["iteration", "kind", "eager generate", "graph generate", "graph captures", "capture time"],
+        [[i + 1, "warm-up" if i < args.warmup else "measured", f"{e:.1f} ms", f"{g:.1f} ms", c, f"{cs * 1e3:.1f} ms"]
+         for i, (e, g, c, cs) in enumerate(zip(eager["generate_ms"], graph["generate_ms"],
+                                               graph["captures_per_iteration"],
+                                               graph["capture_seconds_per_iteration"]))])
+    caps = ", ".join(str(c) for c in graph["captures_per_iteration"])
+    cap_times = ", ".join(f"{cs * 1e3:.1f}" for cs in graph["capture_seconds_per_iteration"])
     pe, pg = eager["peak_memory_bytes"], graph["peak_memory_bytes"]
     mem = (f"{C.gib(pe)} -> {C.gib(pg)} ({(pg - pe) / 2**30:+.2f} GiB)" if pe and pg
            else "n/a (this backend reports no allocator statistics)")
@@ -145,7 +178,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"peak memory eager -> graph: {mem}\n"
         f"one-time capture cost: first graph generate {graph['first_generate_ms']:.1f} ms "
         f"({capture_ms:+.1f} ms vs the eager mean); engine capture_seconds "
-        f"{cap_s if cap_s is None else f'{cap_s:.2f} s'}, captures {graph['graph'].get('captures')}"
+        f"{cap_s if cap_s is None else f'{cap_s:.2f} s'}, captures {graph['graph'].get('captures')}\n\n"
+        f"{per_iter}\n\n"
+        f"captures per iteration: {caps}; capture time per iteration: {cap_times} ms"
     )
 
     def draw(plt: Any) -> None:
