@@ -4,13 +4,14 @@ The engine holds the Hugging Face model once. Training is plain PyTorch (ZeRO
 stage 0): a forward under autocast when fp16/bf16 is configured, a backward
 scaled by ``1 / gradient_accumulation_steps`` (and by the fp16 loss scale), and
 an optimizer step only at accumulation boundaries. Generation goes through
-:mod:`hybrid_engine.generation`, which may replay per-position decode graphs
-(:mod:`hybrid_engine.decode_graphs`).
+:mod:`hybrid_engine.generation`, which decodes on the engine's graph runner
+(:mod:`hybrid_engine.graph_runner`): one captured step per batch bucket and
+sampling mode, replayed at every position.
 
 Why the two sides can share one model safely: optimizer updates are in place,
 so captured graphs, which read weights by address, see them on the next
 replay; anything that re-allocates a parameter or buffer changes the weight
-fingerprint, and the graph store drops its graphs before the next replay.
+fingerprint, and the runner drops its graphs before the next replay.
 
 Train/eval: ``eval()`` selects the inference path, ``train()`` the training
 forward. ``generate`` called in train mode runs that one call in eval mode (no
@@ -27,8 +28,8 @@ import torch
 from torch import nn
 
 from .config import ConfigSource, EngineConfig, load_config
-from .decode_graphs import GraphStats
 from .generation import Generator
+from .graph_runner import GraphStats
 
 __all__ = ["HybridEngine", "initialize"]
 
@@ -142,8 +143,8 @@ class HybridEngine(nn.Module):
         """Drop-in for transformers' ``generate`` (same arguments, same return value).
 
         In train mode the call runs in eval mode (no dropout) and train mode is
-        restored afterwards. See :mod:`hybrid_engine.generation` for when the
-        captured per-position decode graphs are used.
+        restored afterwards. See :mod:`hybrid_engine.generation` for the paths
+        and :mod:`hybrid_engine.graph_policy` for when graphs are refused.
         """
         was_training = self.module.training
         if was_training:
@@ -160,7 +161,7 @@ class HybridEngine(nn.Module):
         return self._generator.stats()
 
     def graph_refusal_reason(self) -> str | None:
-        """Why graphs would be refused for a pinned-length call now, or ``None``."""
+        """Why graphs would be refused for a ``generate`` call now, or ``None``."""
         return self._generator.gate_reason()
 
 

@@ -7,41 +7,42 @@ Paths, decided once per call before any decode step:
   non-default ``generation_config``, right-padded prompts, a model that cannot
   use the static cache) go to transformers' ``model.generate``, eagerly; the
   reason is recorded in ``graph_stats.last_refusal_reason``.
-* **eager** -- our own loop over :func:`~hybrid_engine.model_step.prefill` and
-  :func:`~hybrid_engine.model_step.decode_one_token` on a fresh static cache,
-  with transformers' semantics: EOS is suppressed below ``min_new_tokens``;
-  rows that emitted EOS are padded with ``pad_token_id`` and the loop stops
-  once every row has finished.
-* **graphed** -- the same prefill (never captured) and the same decode step,
-  but each decode position is captured once (per :class:`GraphKey`) and
-  replayed afterwards. Only for pinned lengths (``min_new_tokens ==
-  max_new_tokens``): EOS is then suppressed at every step, so no row can finish
-  early and the number of steps is known up front. If a capture fails the
-  whole call is rerun eagerly from the prefill.
+* **ours** -- the whole batch is prefilled at once (never captured) and decoded
+  on the engine's :class:`~hybrid_engine.graph_runner.DecodeGraphRunner` by the
+  slot scheduler (:mod:`hybrid_engine.scheduler`), with transformers'
+  semantics: EOS is suppressed below ``min_new_tokens`` (a device comparison in
+  the step), rows that emitted EOS are padded with ``pad_token_id``, and the
+  output ends once every row has finished. Steps replay the graph captured
+  for the batch bucket and sampling mode when the graph policy allows it, and
+  run the same step eagerly otherwise, so any length, EOS, greedy or sampled
+  decoding replays graphs, and changing the prompt width or the length reuses
+  them while the cache (``hybrid_engine.max_out_tokens``) holds. As rows
+  finish, the survivors move to the smallest bucket that holds them.
 
-Both of our paths pick tokens with the same function (greedy argmax, or
+Greedy decoding is argmax; sampling is
 :func:`~hybrid_engine.sampling.sample_tokens` keyed by a seed drawn from
-torch's global generator at the start of the call), so they give identical
-tokens. The graph-safety rules are in :mod:`hybrid_engine.decode_graphs`.
+torch's global generator at the start of the call (``torch.manual_seed`` makes
+it reproducible), the row index and the token index, so eager and graph steps
+pick identical tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
-from .accelerator import get_accelerator
-from .config import EngineConfig, validate_graph_capture_support
-from .decode_graphs import CaptureFailed, GraphEntry, GraphKey, GraphStats, PositionGraphs
-from .model_step import check_model_supported, decode_one_token, max_positions, prefill, token_ids
-from .sampling import sample_tokens, validate_sampling
-from .static_cache import StaticKVCache
+from .config import EngineConfig
+from .decode_state import logits_width
+from .graph_runner import DecodeGraphRunner, GraphStats
+from .model_step import check_model_supported, max_positions, token_ids
+from .sampling import validate_sampling
+from .scheduler import Counters, RequestSpec, gather_responses, run_schedule
+from .timing import PhaseTimer
 
-__all__ = ["Generator", "graph_gate"]
+__all__ = ["GRAPHS_OFF", "Generator"]
 
 # kwargs our loop implements, with the values it supports (None: any value).
 _FAST_KWARGS: dict[str, Any] = {
@@ -79,22 +80,8 @@ _DEFAULT_GEN_CONFIG = GenerationConfig()
 GRAPHS_OFF = "hybrid_engine.enable_graph_capture is off, so decode runs eagerly."
 
 
-def graph_gate(config: EngineConfig, accelerator: Any, *, pinned: bool, disabled: bool = False) -> str | None:
-    """Why a call may not use graphs (``None``: it may). The config/backend part is
-    :func:`~hybrid_engine.config.validate_graph_capture_support`."""
-    if not config.hybrid_engine.enable_graph_capture:
-        return GRAPHS_OFF
-    reason = validate_graph_capture_support(config, accelerator)
-    if reason is not None:
-        return reason
-    if disabled:
-        return "Graphs were disabled for this engine after repeated capture failures; decode runs eagerly."
-    if not pinned:
-        return (
-            "The generation length is not pinned (min_new_tokens != max_new_tokens), so the number of decode "
-            "steps is unknown up front; pass min_new_tokens=max_new_tokens to use graphs."
-        )
-    return None
+#: Host syncs to notice finished rows while some row can still stop on EOS (as rollouts default to).
+SYNC_INTERVAL = 4
 
 
 @dataclasses.dataclass
@@ -103,41 +90,32 @@ class _Plan:
     attention_mask: torch.Tensor
     new_tokens: int
     min_new_tokens: int
-    sampling: tuple  # (do_sample, temperature, top_k, top_p)
+    sampling: tuple[float, float, int]  # (temperature, top_p, top_k); temperature 0 is greedy
     eos: list[int]
     pad: int | None
 
 
 class Generator:
-    """Owns one engine's graph store and runs its ``generate`` calls (see module docstring)."""
+    """Runs one engine's ``generate`` calls on its graph runner (see module docstring)."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig):
         self.model = model
         self.config = config
-        self.graphs = PositionGraphs(get_accelerator())
-        self._warned: set[str] = set()
-        self._last_reason: str | None = GRAPHS_OFF if not config.hybrid_engine.enable_graph_capture else None
+        self.runner = DecodeGraphRunner(model, config=config)
+        if not config.hybrid_engine.enable_graph_capture:
+            self.runner.note_refusal(GRAPHS_OFF, warn=False)
 
     # --------------------------------------------------------------- stats
-    def gate_reason(self, pinned: bool = True) -> str | None:
-        return graph_gate(self.config, get_accelerator(), pinned=pinned, disabled=self.graphs.disabled)
+    def gate_reason(self) -> str | None:
+        """Why graphs would be refused for a call now, or ``None``."""
+        if not self.config.hybrid_engine.enable_graph_capture:
+            return GRAPHS_OFF
+        return self.runner.refusal()
 
     def stats(self) -> GraphStats:
-        s = dataclasses.replace(self.graphs.stats)
-        s.last_refusal_reason = self._last_reason
+        s = self.runner.stats
         s.enabled = self.gate_reason() is None
         return s
-
-    def _refuse(self, reason: str) -> None:
-        self._last_reason = reason
-        if self.config.hybrid_engine.enable_graph_capture and reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(reason, UserWarning, stacklevel=4)
-
-    def _warn_once(self, message: str) -> None:
-        if message not in self._warned:
-            self._warned.add(message)
-            warnings.warn(message, UserWarning, stacklevel=4)
 
     # ----------------------------------------------------------- validation
     def _validate(self, args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -274,9 +252,9 @@ class Generator:
             top_k = 0 if top_k is None else int(top_k)
             top_p = 1.0 if top_p is None else float(top_p)
             validate_sampling(temperature, top_p, top_k)
-            sampling: tuple = (True, temperature, top_k, top_p)
+            sampling = (temperature, top_p, top_k)
         else:
-            sampling = (False, 0.0, 0, 1.0)
+            sampling = (0.0, 1.0, -1)
         return _Plan(ids, mask, max_new, min_new, sampling, eos, None if pad is None else int(pad))
 
     # ----------------------------------------------------------------- run
@@ -285,126 +263,38 @@ class Generator:
         max_new, min_new = self._lengths(input_ids, kwargs)
         reason = self._unsupported(kwargs, mask)
         if reason is not None:
-            self._refuse(reason)
+            self.runner.note_refusal(reason, warn=self.config.hybrid_engine.enable_graph_capture)
             if mask is not None:
                 kwargs["attention_mask"] = mask
             return self.model.generate(input_ids=input_ids, **kwargs)
         plan = self._plan(input_ids, mask, kwargs, max_new, min_new)
         # One seed per call, from torch's global generator (torch.manual_seed makes it reproducible).
-        seed = int(torch.randint(0, 2**62, (1,)).item()) if plan.sampling[0] else 0
-        pinned = min_new == max_new
-        acc = get_accelerator()
-        if self.graphs.accelerator is not acc:
-            self.graphs.clear()
-            self.graphs.accelerator = acc
-        reason = graph_gate(self.config, acc, pinned=pinned, disabled=self.graphs.disabled)
+        seed = int(torch.randint(0, 2**62, (1,)).item()) if plan.sampling[0] > 0 else 0
         try:
-            with torch.no_grad():
-                if reason is not None:
-                    self._refuse(reason)
-                    return self._run_eager(plan, seed)
-                return self._run_graphed(plan, seed)
+            return self._run(plan, seed)
         finally:
             if self.config.hybrid_engine.release_inference_cache:
-                self.graphs.clear()
+                self.runner.release()
 
-    def _pick(self, plan: _Plan, buf: GraphEntry, logits: torch.Tensor, index: int) -> torch.Tensor:
-        """Next token of every row from ``logits [B, V]`` for new-token ``index`` (capture-safe)."""
-        logits = logits.float()
-        if buf.suppress is not None and index < plan.min_new_tokens:
-            logits = logits.index_fill(-1, buf.suppress, float("-inf"))
-        do_sample, temperature, top_k, top_p = plan.sampling
-        if not do_sample:
-            return torch.argmax(logits, dim=-1)
-        tokens, _ = sample_tokens(
-            logits, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=buf.seed, request_index=buf.rows, token_index=index,
-        )
-        return tokens
-
-    def _buffers(self, plan: _Plan, key: GraphKey | None = None) -> GraphEntry:
+    def _run(self, plan: _Plan, seed: int) -> torch.Tensor:
         ids = plan.input_ids
-        batch, width = ids.shape
-        dtype = next(self.model.parameters()).dtype
-        device = ids.device
-        cache = StaticKVCache(self.model.config, batch, width + plan.new_tokens, device=device, dtype=dtype)
-        cache.bounds_checks = False  # lengths were validated up front; skip the per-step host read
-        return GraphEntry(
-            key=key,  # type: ignore[arg-type]
-            cache=cache,
-            tokens=torch.zeros(batch, plan.new_tokens, dtype=torch.long, device=device),
-            seed=torch.zeros((), dtype=torch.int64, device=device),
-            rows=torch.arange(batch, dtype=torch.int64, device=device),
-            suppress=torch.tensor(plan.eos, dtype=torch.int64, device=device) if plan.eos else None,
+        batch = ids.shape[0]
+        enabled = self.config.hybrid_engine.enable_graph_capture
+        capacity = self.config.hybrid_engine.max_out_tokens
+        runner = self.runner
+        slots = runner.prepare(rows=batch, capacity=capacity, width=capacity, num_eos=len(plan.eos), graphs=enabled)
+        if not enabled:
+            runner.note_refusal(GRAPHS_OFF, warn=False)
+        pad = plan.pad if plan.pad is not None else 0
+        slots.set_special_ids(pad, tuple(plan.eos))
+        requests = [RequestSpec(request_index=b, prompt_index=b, budget=plan.new_tokens, rng_index=b,
+                                min_tokens=plan.min_new_tokens) for b in range(batch)]
+        counters = Counters(timer=PhaseTimer(runner.accelerator))
+        out_tokens, _ = run_schedule(
+            runner, requests, ids, plan.attention_mask, plan.sampling, seed,
+            width=plan.new_tokens, max_active=batch, continuous=False, shared_prefill=False, trim_prompts=False,
+            eos_reachable=any(e < logits_width(self.model) for e in plan.eos), sync_interval=SYNC_INTERVAL,
+            counters=counters,
         )
-
-    def _step_fn(self, plan: _Plan, buf: GraphEntry):
-        width = plan.input_ids.shape[1]
-        model = self.model
-
-        def step(p: int) -> None:
-            buf.cache.kv_len = width + p + 1
-            logits = decode_one_token(model, buf.cache, buf.tokens[:, p])
-            buf.tokens[:, p + 1].copy_(self._pick(plan, buf, logits, p + 1))
-
-        return step
-
-    def _prefill(self, plan: _Plan, buf: GraphEntry, seed: int) -> None:
-        buf.seed.fill_(seed)
-        buf.cache.kv_len = None
-        logits = prefill(self.model, buf.cache, plan.input_ids, plan.attention_mask)
-        buf.tokens[:, 0].copy_(self._pick(plan, buf, logits, 0))
-
-    def _run_eager(self, plan: _Plan, seed: int) -> torch.Tensor:
-        buf = self._buffers(plan)
-        self._prefill(plan, buf, seed)
-        step = self._step_fn(plan, buf)
-        eos = buf.suppress
-        tokens = buf.tokens
-        unfinished = None
-        if eos is not None and plan.pad is not None:
-            unfinished = ~torch.isin(tokens[:, 0], eos)
-        generated = 1
-        for p in range(plan.new_tokens - 1):
-            if unfinished is not None and not bool(unfinished.any()):
-                break
-            step(p)
-            generated += 1
-            if unfinished is not None:
-                col = tokens[:, p + 1]
-                col.copy_(torch.where(unfinished, col, torch.full_like(col, plan.pad)))
-                unfinished &= ~torch.isin(col, eos)
-        buf.cache.kv_len = None
-        return torch.cat([plan.input_ids, tokens[:, :generated]], dim=1)
-
-    def _run_graphed(self, plan: _Plan, seed: int) -> torch.Tensor:
-        ids = plan.input_ids
-        batch, width = ids.shape
-        dtype = next(self.model.parameters()).dtype
-        suppressed = tuple(plan.eos) if plan.min_new_tokens > 0 else ()
-        key = GraphKey(batch, width, plan.new_tokens, dtype, str(ids.device), plan.sampling, suppressed)
-        store = self.graphs
-        store.check_weights(self.model)
-        entry = store.entry(key, self.model, self.config.hybrid_engine.max_out_tokens)
-        step = self._step_fn(plan, entry)
-        try:
-            self._prefill(plan, entry, seed)
-            for p in range(plan.new_tokens - 1):
-                store.run_position(entry, p, step, self.model)
-        except CaptureFailed as exc:
-            store.discard(key)
-            disabled = store.record_failure()
-            self._warn_once(
-                f"Graph capture failed ({exc.__cause__!r} at decode position {exc.position}); this call and "
-                "later failing calls rerun eagerly. Counted in graph_stats.fallbacks."
-            )
-            if disabled:
-                self._warn_once(
-                    f"Graph capture failed {store.failures} times; graphs are disabled for this engine."
-                )
-            self._last_reason = str(exc)
-            return self._run_eager(plan, seed)
-        finally:
-            entry.cache.kv_len = None
-        self._last_reason = None
-        return torch.cat([ids, entry.tokens], dim=1)
+        responses, _, _ = gather_responses(out_tokens, counters.lengths, pad)
+        return torch.cat([ids, responses], dim=1)

@@ -1,23 +1,54 @@
-"""What a captured decode graph silently depends on, checked or neutralised around capture.
+"""What a captured decode graph silently depends on, and how the runner notices a change.
 
-A graph reads every weight by address, so a parameter or buffer that is
-re-allocated (``load_state_dict(assign=True)``, ``.to(dtype)``, a LoRA merge)
-would be read stale by later replays: :func:`weight_fingerprint` records the
-addresses a capture saw, and owners compare it before replaying. Forward
-hooks run Python that a graph cannot record (and may synchronise with the
-host): :func:`suspended_hooks` detaches them while capturing; replay runs no
-Python, so hooks never run in graphed decode steps either way.
+A graph reads every weight by address and replays exactly the kernels it
+recorded. Two things a user can change between calls would make a replay
+disagree with eager decoding without any error:
+
+* a parameter or buffer re-allocated (``load_state_dict(assign=True)``,
+  ``.to(dtype)``, ``param.data = ...``, a LoRA merge): the graph keeps reading
+  the old storage;
+* a forward hook or pre-hook added or removed: the graph keeps running the
+  hooks it recorded, and no others.
+
+:func:`graph_fingerprint` covers both (plus the attention implementation);
+the runner compares it before replaying and recaptures when it changed.
+
+Hooks are captured like any other device work, never suspended, so graph
+output always equals eager output with the same hooks. A hook that cannot be
+captured (it reads a value on the host) fails the capture; while capturing,
+:func:`attributed_hooks` turns that failure into a :class:`HookCaptureError`
+naming the module, so the runner can refuse graphs with a reason the user can
+act on instead of a bare capture error.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+from torch.nn.modules import module as _module_mod
 
-__all__ = ["suspended_hooks", "weight_fingerprint"]
+__all__ = ["HookCaptureError", "attributed_hooks", "graph_fingerprint", "hook_fingerprint", "weight_fingerprint"]
+
+# Hook tables a forward consults: per module, and process-wide (``register_module_forward_hook``).
+_HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook"}
+_GLOBAL_HOOK_DICTS = {"_global_forward_pre_hooks": "global forward pre-hook",
+                      "_global_forward_hooks": "global forward hook"}
+
+
+class HookCaptureError(RuntimeError):
+    """A forward (pre-)hook raised while a decode step was being captured."""
+
+    def __init__(self, module_name: str, kind: str, hook: Callable[..., Any], cause: BaseException):
+        self.module_name = module_name
+        self.kind = kind
+        self.hook_name = getattr(hook, "__qualname__", None) or type(hook).__name__
+        super().__init__(
+            f"the {kind} {self.hook_name!r} on module {module_name!r} cannot be captured into a graph "
+            f"({type(cause).__name__}: {cause})"
+        )
 
 
 def weight_fingerprint(model: torch.nn.Module) -> tuple:
@@ -28,18 +59,60 @@ def weight_fingerprint(model: torch.nn.Module) -> tuple:
     )
 
 
+def _hook_tables(model: torch.nn.Module) -> Iterator[tuple[str, str, dict]]:
+    """(module name, hook kind, hook dict) for every forward hook table that applies to ``model``."""
+    for attr, kind in _GLOBAL_HOOK_DICTS.items():
+        yield "<every module>", kind, getattr(_module_mod, attr)
+    for name, m in model.named_modules():
+        for attr, kind in _HOOK_DICTS.items():
+            table = getattr(m, attr, None)
+            if table:
+                yield name or "<model>", kind, table
+
+
+def hook_fingerprint(model: torch.nn.Module) -> tuple:
+    """Which forward hooks and pre-hooks are registered, where: changes when one is added or removed."""
+    return tuple(
+        (where, kind, handle_id, id(hook))
+        for where, kind, table in _hook_tables(model)
+        for handle_id, hook in table.items()
+    )
+
+
+def graph_fingerprint(model: torch.nn.Module) -> tuple:
+    """Everything a captured decode step bakes in from the model: weights, hooks, attention implementation."""
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return weight_fingerprint(model), hook_fingerprint(model), str(attn)
+
+
+def _attributed(hook: Callable[..., Any], where: str, kind: str) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return hook(*args, **kwargs)
+        except HookCaptureError:
+            raise
+        except Exception as exc:
+            raise HookCaptureError(where, kind, hook, exc) from exc
+
+    return run
+
+
 @contextlib.contextmanager
-def suspended_hooks(model: torch.nn.Module) -> Iterator[None]:
-    """Detach every module's forward (pre-)hooks for the duration of the block, then restore them."""
+def attributed_hooks(model: torch.nn.Module) -> Iterator[None]:
+    """While the block runs, an exception raised inside a forward hook becomes a :class:`HookCaptureError`.
+
+    The hooks still run (they are captured); each one is wrapped in place, under
+    its own handle id, so keyword/always-call flags keep applying, and restored
+    on exit.
+    """
     saved = []
-    for m in model.modules():
-        for attr in ("_forward_hooks", "_forward_pre_hooks"):
-            hooks = getattr(m, attr, None)
-            if hooks:
-                saved.append((m, attr, hooks))
-                setattr(m, attr, OrderedDict())
+    for where, kind, table in _hook_tables(model):
+        for handle_id, hook in list(table.items()):
+            saved.append((table, handle_id, hook))
+            table[handle_id] = _attributed(hook, where, kind)
     try:
         yield
     finally:
-        for m, attr, hooks in saved:
-            setattr(m, attr, hooks)
+        for table, handle_id, hook in saved:
+            if handle_id in table:
+                table[handle_id] = hook

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from .accelerator import get_accelerator
+from .accelerator import is_capturing
 from .static_cache import StaticKVCache
 
 __all__ = [
@@ -228,7 +228,7 @@ def decode_one_token(model: PreTrainedModel, cache: StaticKVCache, tokens: torch
     checks that need host reads run only outside capture.
     """
     kv_len = cache.kv_len if cache.kv_len is not None else cache.capacity
-    if not get_accelerator().is_current_stream_capturing():
+    if not is_capturing():
         _check_tokens(cache, tokens)
         end = int(cache.write_pos.max()) if cache.bounds_checks else -1
         if end >= kv_len:

@@ -83,8 +83,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def _as_int64(x: torch.Tensor | int, like: torch.Tensor | None) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.to(torch.int64)
-    # A Python int is a host value: inside a captured graph it is frozen.
-    return torch.tensor(int(x), dtype=torch.int64, device=None if like is None else like.device)
+    # A Python int is a host value: a device fill (not torch.tensor, a host-to-device copy that
+    # capture forbids), so it is legal while capturing and frozen into the graph.
+    return torch.full((), int(x), dtype=torch.int64, device=None if like is None else like.device)
 
 
 def counter_uniform(

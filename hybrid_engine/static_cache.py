@@ -28,7 +28,7 @@ Invariants
   ``write_pos``: the step function does that once per forward, after all layers.
 * Host-side checks (bounds, dtype, batch) read device values, so they run only
   when the current stream is not capturing
-  (``get_accelerator().is_current_stream_capturing()``).
+  (:func:`~hybrid_engine.accelerator.is_capturing`).
 * :meth:`get_seq_length` / :meth:`get_query_offset` return a host ``int``
   (``max(write_pos)``, a host read) outside capture and a 0-dim device tensor
   while capturing (transformers' own 5.x ``StaticLayer`` also returns a tensor),
@@ -52,13 +52,9 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .accelerator import get_accelerator
+from .accelerator import is_capturing
 
 __all__ = ["StaticKVCache", "cache_geometry"]
-
-
-def _capturing() -> bool:
-    return get_accelerator().is_current_stream_capturing()
 
 
 def cache_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -176,25 +172,28 @@ class StaticKVCache(Cache):
         device = torch.device(device) if device is not None else torch.device("cpu")
         num_layers, num_kv_heads, head_dim = cache_geometry(config)
         shape = (batch_size, num_kv_heads, capacity, head_dim)
-        layers = [
-            _StaticKVLayer(
-                self,
-                i,
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for i in range(num_layers)
-        ]
-        super().__init__(layers=layers)
-        self._batch_size = batch_size
-        self._capacity = capacity
-        self._dtype = dtype
-        self._device = device
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.write_pos = torch.zeros(batch_size, dtype=torch.int64, device=device)
-        self.position = torch.zeros(batch_size, dtype=torch.int64, device=device)
-        self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
+        kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+              for _ in range(num_layers)]
+        self._setup(
+            kv,
+            torch.zeros(batch_size, dtype=torch.int64, device=device),
+            torch.zeros(batch_size, dtype=torch.int64, device=device),
+            torch.zeros(batch_size, capacity, dtype=torch.bool, device=device),
+        )
+
+    def _setup(self, kv: list[tuple[torch.Tensor, torch.Tensor]], write_pos: torch.Tensor, position: torch.Tensor,
+               valid: torch.Tensor) -> None:
+        keys = kv[0][0]
+        super().__init__(layers=[_StaticKVLayer(self, i, k, v) for i, (k, v) in enumerate(kv)])
+        self._batch_size = keys.shape[0]
+        self._capacity = keys.shape[2]
+        self._dtype = keys.dtype
+        self._device = keys.device
+        self.num_kv_heads = keys.shape[1]
+        self.head_dim = keys.shape[3]
+        self.write_pos = write_pos
+        self.position = position
+        self.valid = valid
         #: Host int set by the caller: attention spans only the first ``kv_len`` slots (None: all).
         self.kv_len: int | None = None
         #: Read write positions on the host to bounds-check each write (outside capture only).
@@ -271,7 +270,7 @@ class StaticKVCache(Cache):
     def get_seq_length(self, layer_idx: int | None = 0) -> Any:
         """``max(write_pos)``: a host int outside capture, a 0-dim device tensor while capturing."""
         longest = self.write_pos.max()
-        if _capturing():
+        if is_capturing():
             return longest
         return int(longest)
 
@@ -302,7 +301,7 @@ class StaticKVCache(Cache):
         """Write ``[B, H, q_len, D]`` states at each row's ``write_pos``; return the (``kv_len``-sliced) buffers."""
         layer = self.layers[layer_idx]
         q_len = key_states.shape[2]
-        if not _capturing():
+        if not is_capturing():
             self._check_update(layer, key_states, value_states, q_len)
         slots = self.write_pos[:, None] + torch.arange(q_len, device=self.write_pos.device)
         index = slots[:, None, :, None].expand(key_states.shape)
@@ -339,6 +338,24 @@ class StaticKVCache(Cache):
                 f"{end}, past {what}={limit}"
             )
 
+    def head(self, rows: int) -> "StaticKVCache":
+        """A cache over rows ``0..rows-1`` that shares this cache's storage (same addresses).
+
+        A graph captured on the head reads and writes exactly those rows of this
+        cache, so graphs of several batch buckets can share one allocation.
+        """
+        if not isinstance(rows, int) or not 1 <= rows <= self._batch_size:
+            raise ValueError(f"StaticKVCache.head: rows must be in 1..{self._batch_size}, got {rows!r}")
+        view = StaticKVCache.__new__(StaticKVCache)
+        view._setup(
+            [(layer.keys[:rows], layer.values[:rows]) for layer in self.layers],
+            self.write_pos[:rows],
+            self.position[:rows],
+            self.valid[:rows],
+        )
+        view.bounds_checks = self.bounds_checks
+        return view
+
     # -------------------------------------------------------------- row state
     def _tensors(self) -> list[torch.Tensor]:
         out = [t for layer in self.layers for t in (layer.keys, layer.values)]
@@ -348,7 +365,7 @@ class StaticKVCache(Cache):
         rows = torch.as_tensor(rows, dtype=torch.int64, device=self._device)
         if rows.dim() != 1:
             raise ValueError(f"StaticKVCache: {name} must be a 1-D tensor of row indices, got shape {tuple(rows.shape)}")
-        if not _capturing() and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self._batch_size):
+        if not is_capturing() and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self._batch_size):
             raise ValueError(f"StaticKVCache: {name} must lie in 0..{self._batch_size - 1}")
         return rows
 

@@ -1,7 +1,8 @@
-"""Per-position decode graphs of HybridEngine, through the CPU graph emulation.
+"""engine.generate on the decode graph runner, through the strict CPU graph emulation.
 
-Parity cases (graph tokens == eager tokens, 5 new tokens, pinned length, left padding):
-tiny-gpt2/opt/llama/qwen2 x batch 1 and 4 in fp32, and x batch 4 in bf16.
+Every case compares graph tokens with eager tokens (and greedy ones with
+transformers' ``generate``): pinned and unpinned lengths, EOS, sampling, left
+padding, bucket compaction, refusals, capture failures, hooks and weight changes.
 """
 
 import warnings
@@ -10,18 +11,15 @@ import pytest
 import torch
 from conftest import left_padded_prompts as prompts
 
-import hybrid_engine.generation as generation
+import hybrid_engine.scheduler as scheduler
 from hybrid_engine.accelerator import CPUAccelerator, get_accelerator, set_accelerator
 from hybrid_engine.config import EngineConfig, load_config, validate_graph_capture_support
-from hybrid_engine.decode_graphs import MAX_CAPTURE_FAILURES, DecodeLengthError, GraphStats
 from hybrid_engine.engine import initialize
-from hybrid_engine.generation import graph_gate
+from hybrid_engine.graph_policy import GraphRefusedWarning
+from hybrid_engine.graph_runner import MAX_CAPTURE_FAILURES, GraphStats
 from hybrid_engine.tiny_models import build_model
 
-GRAPH = {"hybrid_engine": {"enable_graph_capture": True}}
 N = 5
-
-
 
 
 def engines(model, **he):
@@ -30,39 +28,157 @@ def engines(model, **he):
     return graph, eager
 
 
-def gen(engine, ids, mask, n=N, **kw):
-    return engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **kw)
+def gen(engine, ids, mask, n=N, pinned=True, **kw):
+    return engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                           min_new_tokens=n if pinned else kw.pop("min_new_tokens", 0), **kw)
+
+
+def emitted_eos(model, ids, mask, at):
+    """Tokens the model really emits (greedy) at new-token index ``at[row]``: EOS ids that stop rows early."""
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(at.values()) + 1, do_sample=False)
+    return sorted({int(free[row, ids.shape[1] + k]) for row, k in at.items()})
 
 
 @pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-opt", "tiny-llama", "tiny-qwen2"])
 @pytest.mark.parametrize("batch,dtype", [(1, torch.float32), (4, torch.float32), (4, torch.bfloat16)])
-def test_graph_tokens_equal_eager(arch, batch, dtype):
+def test_graph_tokens_equal_eager_one_capture_for_every_position(arch, batch, dtype):
     model = build_model(arch, seed=3, dtype=dtype)
     graph, eager = engines(model)
     ids, mask = prompts(batch, 4)
     expected = gen(eager, ids, mask)
-    first = gen(graph, ids, mask)  # captures every position
+    first = gen(graph, ids, mask)  # warm-up step, then one capture
     again = gen(graph, ids, mask)  # replays only
     assert torch.equal(first, expected) and torch.equal(again, expected)
     s = graph.graph_stats
-    assert s.captures == N - 1 and s.captured_positions == N - 1
-    assert s.replays == 2 * (N - 1)
-    assert s.last_refusal_reason is None and s.enabled
+    assert s.captures == 1 and s.captured_positions == 1 and s.buckets == (batch,)
+    assert s.warmups == 1 and s.eager_steps == 1 and s.replays == 2 * (N - 1) - 1
+    assert s.last_refusal_reason is None and s.enabled and s.fallbacks == 0
     assert expected.shape == (batch, 4 + N)
 
 
-def test_sampled_graph_tokens_equal_eager_and_are_seeded():
-    model = build_model("tiny-llama", seed=1)
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-opt", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"])
+def test_unpinned_length_with_eos_replays_and_matches_transformers(arch):
+    model = build_model(arch, seed=12)
+    graph, eager = engines(model)
+    ids, mask = prompts(4, 5)
+    eos = emitted_eos(model, ids, mask, {0: 2, 2: 5})
+    for lo in (0, 3):
+        kw = dict(max_new_tokens=12, min_new_tokens=lo, do_sample=False, eos_token_id=eos, pad_token_id=0)
+        ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        for _ in range(2):
+            out = graph.generate(input_ids=ids, attention_mask=mask, **kw)
+            assert torch.equal(out, ref) and torch.equal(out, eager.generate(input_ids=ids, attention_mask=mask, **kw))
+    s = graph.graph_stats
+    assert s.last_refusal_reason is None and s.fallbacks == 0 and s.replays > 0
+    assert s.captures == len(s.buckets) <= 3  # at most one per bucket (4, 2, 1), never one per position
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])
+def test_sampled_unpinned_with_eos_equals_eager_and_is_seeded(arch):
+    model = build_model(arch, seed=1)
     graph, eager = engines(model)
     ids, mask = prompts(3, 4)
-    kw = dict(do_sample=True, temperature=0.9, top_k=20, top_p=0.95)
+    kw = dict(do_sample=True, temperature=0.9, top_k=20, top_p=0.95, max_new_tokens=10)
+    torch.manual_seed(0)
+    probe = eager.generate(input_ids=ids, attention_mask=mask, **kw)
+    kw["eos_token_id"] = int(probe[1, 4 + 3])  # a token row 1 really samples: it stops early
+    kw["pad_token_id"] = 0
     outs = []
     for engine in (eager, graph, graph):
         torch.manual_seed(123)
-        outs.append(gen(engine, ids, mask, **kw))
+        outs.append(engine.generate(input_ids=ids, attention_mask=mask, **kw))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     torch.manual_seed(124)
-    assert not torch.equal(gen(graph, ids, mask, **kw), outs[0])  # a new seed, new tokens
+    assert not torch.equal(graph.generate(input_ids=ids, attention_mask=mask, **kw), outs[0])
+    s = graph.graph_stats
+    assert s.fallbacks == 0 and s.replays > 0 and s.last_refusal_reason is None
+
+
+def test_sampled_capture_issues_no_host_to_device_copy():
+    """The engine's sampled step used to build ``torch.tensor(<python int>)`` inside capture (a blocking
+    host-to-device copy on CUDA); the strict emulation refuses that, so a capture failure would show here."""
+    model = build_model("tiny-gpt2", seed=2)
+    graph, eager = engines(model)
+    ids, mask = prompts(2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphRefusedWarning)
+        torch.manual_seed(7)
+        out = gen(graph, ids, mask, n=6, do_sample=True, temperature=0.8)
+    torch.manual_seed(7)
+    assert torch.equal(out, gen(eager, ids, mask, n=6, do_sample=True, temperature=0.8))
+    s = graph.graph_stats
+    assert s.captures == 1 and s.fallbacks == 0
+
+
+def test_width_and_length_changes_reuse_the_captured_graph():
+    model = build_model("tiny-opt", seed=5)
+    graph, eager = engines(model, max_out_tokens=64)
+    for width, n in ((4, 5), (7, 5), (4, 9), (6, 3), (3, 20)):
+        ids, mask = prompts(3, width, seed=width + n)
+        assert torch.equal(gen(graph, ids, mask, n=n), gen(eager, ids, mask, n=n))
+    s = graph.graph_stats
+    assert s.captures == 1 and s.invalidations == 0 and s.buckets == (4,)
+
+
+def test_sampling_modes_are_separate_keys_each_captured_once():
+    model = build_model("tiny-llama", seed=6)
+    graph, eager = engines(model)
+    ids, mask = prompts(2, 4)
+    modes = [dict(do_sample=False), dict(do_sample=True, temperature=0.7, top_k=0, top_p=1.0),
+             dict(do_sample=True, temperature=1.0, top_k=10, top_p=0.9)]
+    for _ in range(2):
+        for kw in modes:
+            torch.manual_seed(3)
+            got = gen(graph, ids, mask, n=6, **kw)
+            torch.manual_seed(3)
+            assert torch.equal(got, gen(eager, ids, mask, n=6, **kw))
+    s = graph.graph_stats
+    assert s.captures == len(modes) == s.graph_keys
+
+
+def test_finished_rows_move_to_the_smallest_bucket():
+    model = build_model("tiny-gpt2", seed=12)
+    graph, eager = engines(model)
+    ids, mask = prompts(8, 4, seed=3)
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    # Declare as EOS what rows 0..6 emit early, but never what row 7 emits: the last slot runs the full
+    # length, so it must move down into a free slot of a smaller bucket.
+    eos = sorted({int(free[r, 4 + k]) for r, k in zip(range(7), (1, 2, 1, 3, 2, 1, 2))} - set(free[7, 4:].tolist()))
+    kw = dict(do_sample=False, eos_token_id=eos, pad_token_id=0)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, **kw)
+    finished_early = int((ref[:, -1] == 0).sum())
+    assert finished_early >= 5, "the probe should stop most rows early"
+    calls = []
+    real = scheduler.DecodeSlots.move
+
+    def spy(self, src, dst):
+        calls.append((src.tolist(), dst.tolist()))
+        return real(self, src, dst)
+
+    scheduler.DecodeSlots.move = spy
+    try:
+        for _ in range(2):
+            assert torch.equal(gen(graph, ids, mask, n=16, pinned=False, **kw), ref)
+    finally:
+        scheduler.DecodeSlots.move = real
+    assert torch.equal(gen(eager, ids, mask, n=16, pinned=False, **kw), ref)
+    s = graph.graph_stats
+    assert calls and all(7 in src for src, _ in calls) and all(max(dst) < 4 for _, dst in calls)
+    assert min(s.buckets) < 8 and s.captures == len(s.buckets)
+
+
+def test_bigger_batch_grows_the_buffers_once():
+    model = build_model("tiny-gpt2", seed=3)
+    graph, eager = engines(model, max_out_tokens=32)
+    for batch in (2, 5, 2, 1, 5):
+        ids, mask = prompts(batch, 3, seed=batch)
+        assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
+    s = graph.graph_stats
+    # 2 -> bucket 2; 5 -> bucket 8 (new buffers: bucket 2's graph is dropped once); then 2, 1 and 8 reuse them.
+    assert s.invalidations == 1 and s.buckets == (1, 2, 8) and s.captures == 1 + 3
+    from hybrid_engine.static_cache import StaticKVCache
+
+    assert s.cache_memory_bytes >= StaticKVCache(model.config, 8, 32).memory_bytes()
 
 
 def test_stats_fields_and_to_dict():
@@ -71,31 +187,15 @@ def test_stats_fields_and_to_dict():
     assert isinstance(s, GraphStats)
     d = s.to_dict()
     for name in ("captured_positions", "replays", "captures", "fallbacks", "last_refusal_reason", "enabled",
-                 "capture_seconds", "graph_memory_bytes"):
+                 "capture_seconds", "graph_memory_bytes", "cache_memory_bytes", "graph_keys", "invalidations"):
         assert name in d
     assert s.enabled and s.captures == 0 and s.graph_memory_bytes == 0
-    gen(graph, *prompts(2, 3), n=3)
+    gen(graph, *prompts(2, 3), n=4)
     s = graph.graph_stats
     assert s.capture_seconds > 0 and s.cache_memory_bytes > 0 and s.graph_keys == 1
 
 
-# ------------------------------------------------------------------ the gate
-def test_unpinned_length_runs_eager_and_warns_once():
-    model = build_model("tiny-opt")
-    graph, eager = engines(model)
-    ids, mask = prompts(2, 4)
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        for _ in range(2):
-            out = graph.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=2)
-    assert [str(w.message) for w in rec].count(graph.graph_stats.last_refusal_reason) == 1
-    assert "not pinned" in graph.graph_stats.last_refusal_reason
-    assert graph.graph_stats.captures == 0
-    assert torch.equal(out, eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=2))
-    gen(graph, ids, mask, n=4)  # pinned: graphs
-    assert graph.graph_stats.captures == 3 and graph.graph_stats.last_refusal_reason is None
-
-
+# ------------------------------------------------------------------ the policy
 def test_graphs_off_by_default_without_warning():
     engine, _ = initialize(model=build_model("tiny-gpt2"), config={})
     with warnings.catch_warnings():
@@ -108,20 +208,20 @@ def test_graphs_off_by_default_without_warning():
 def test_zero3_refused_by_validator_and_by_engine_gate():
     cfg = EngineConfig(zero_optimization={"stage": 3}, hybrid_engine={"enable_graph_capture": True})
     assert "ZeRO stage 3" in validate_graph_capture_support(cfg, CPUAccelerator())
-    assert "ZeRO stage 3" in graph_gate(cfg, CPUAccelerator(), pinned=True)
     with pytest.raises(ValueError, match="zero_optimization.stage=3"):
         initialize(model=build_model("tiny-gpt2"), config=cfg)
-    # The engine's per-call gate goes through the same validator.
+    # The runner's policy goes through the same validator.
     model = build_model("tiny-gpt2")
     graph, eager = engines(model)
-    graph._generator.config = load_config(cfg)
+    graph._generator.config = graph._generator.runner.config = load_config(cfg)
     ids, mask = prompts(2, 3)
-    with pytest.warns(UserWarning, match="ZeRO stage 3") as rec:
+    with pytest.warns(GraphRefusedWarning, match="ZeRO stage 3") as rec:
         out = gen(graph, ids, mask, n=3)
         gen(graph, ids, mask, n=3)
     assert sum("ZeRO stage 3" in str(w.message) for w in rec) == 1
     assert torch.equal(out, gen(eager, ids, mask, n=3))
-    assert graph.graph_stats.captures == 0 and not graph.graph_stats.enabled
+    s = graph.graph_stats
+    assert s.captures == 0 and not s.enabled and s.fallbacks == 2 and "ZeRO stage 3" in graph.graph_refusal_reason()
 
 
 @pytest.mark.parametrize(
@@ -144,87 +244,46 @@ def test_config_refusals_warn_once_and_run_eager(he, match):
     assert s.captures == 0 and s.graph_keys == 0 and not s.enabled and match in s.last_refusal_reason
 
 
-def test_tp_size_warns_at_initialize():
-    with pytest.warns(UserWarning, match="tensor-parallel inference is not implemented"):
-        initialize(model=build_model("tiny-gpt2"), config={"hybrid_engine": {"inference_tp_size": 2}})
-
-
 def test_backend_without_graphs_runs_eager():
     set_accelerator(CPUAccelerator(emulate_graphs=False))
     model = build_model("tiny-gpt2")
     graph, eager = engines(model)
     ids, mask = prompts(2, 3)
-    with pytest.warns(UserWarning, match="cannot capture graphs"):
+    with pytest.warns(GraphRefusedWarning, match="cannot capture graphs"):
         out = gen(graph, ids, mask, n=3)
     assert torch.equal(out, gen(eager, ids, mask, n=3)) and graph.graph_stats.captures == 0
 
 
+def test_attention_implementation_outside_the_capturable_set_is_refused():
+    from hybrid_engine.graph_runner import DecodeGraphRunner
+
+    model = build_model("tiny-llama")
+    runner = DecodeGraphRunner(model)
+    assert runner.refusal() is None
+    model.config._attn_implementation = "flex_attention"
+    assert "flex_attention" in runner.refusal() and "not capturable" in runner.refusal()
+    model.config._attn_implementation = "sdpa"
+
+
 def test_prompt_forward_never_graphed(monkeypatch):
     calls = []
-    real = generation.prefill
+    real = scheduler.prefill
 
     def spy(*a, **k):
         calls.append(get_accelerator().is_current_stream_capturing())
         return real(*a, **k)
 
-    monkeypatch.setattr(generation, "prefill", spy)
+    monkeypatch.setattr(scheduler, "prefill", spy)
     graph, _ = engines(build_model("tiny-llama"))
     gen(graph, *prompts(2, 4), n=4)
     gen(graph, *prompts(2, 4, seed=1), n=4)
     assert calls == [False, False]
-    assert graph.graph_stats.captures == 3  # decode positions only: 1 token comes from the prefill
-
-
-# ----------------------------------------------------------- state machine
-def test_length_change_invalidates_and_recaptures():
-    model = build_model("tiny-gpt2")
-    graph, eager = engines(model)
-    ids, mask = prompts(2, 4)
-    gen(graph, ids, mask, n=5)
-    out = gen(graph, ids, mask, n=3)
-    s = graph.graph_stats
-    assert s.invalidations == 1 and s.graph_keys == 1 and s.captured_positions == 2 and s.captures == 4 + 2
-    assert torch.equal(out, gen(eager, ids, mask, n=3))
-    assert torch.equal(gen(graph, ids, mask, n=5), gen(eager, ids, mask, n=5))
-    assert graph.graph_stats.captures == 6 + 4  # the old length was dropped, so it is captured again
-
-
-def test_batch_and_width_change_recapture_and_keep_lru():
-    model = build_model("tiny-opt")
-    graph, eager = engines(model)
-    shapes = [(2, 4), (3, 4), (2, 5)]
-    for b, t in shapes:
-        assert torch.equal(gen(graph, *prompts(b, t), n=3), gen(eager, *prompts(b, t), n=3))
-    s = graph.graph_stats
-    assert s.graph_keys == 3 and s.captures == 3 * 2 and s.invalidations == 0
-    for b, t in shapes:  # all still cached: replay only
-        assert torch.equal(gen(graph, *prompts(b, t, seed=9), n=3), gen(eager, *prompts(b, t, seed=9), n=3))
-    assert graph.graph_stats.captures == 6 and graph.graph_stats.replays == 12
-
-
-def test_lru_bound_on_keys():
-    graph, _ = engines(build_model("tiny-gpt2"))
-    store = graph._generator.graphs
-    for t in range(1, store.max_keys + 3):
-        gen(graph, *prompts(1, t), n=2)
-    assert graph.graph_stats.graph_keys == store.max_keys
-
-
-def test_running_past_declared_length_raises():
-    model = build_model("tiny-gpt2")
-    graph, _ = engines(model)
-    gen(graph, *prompts(2, 3), n=4)
-    store = graph._generator.graphs
-    (key,) = store.keys()
-    entry = store.entry(key, model, key.prompt_width + key.new_tokens)
-    with pytest.raises(DecodeLengthError, match="past the declared generation length"):
-        store.run_position(entry, key.new_tokens - 1, lambda p: None, model)
-    gen(graph, *prompts(2, 3), n=4)  # still works
+    assert graph.graph_stats.captures == 1
 
 
 # --------------------------------------------------------- capture failure
 def fail_capture(module, at):
-    """Make ``module`` synchronise (``.item()``) during the ``at``-th capture: a real GraphCaptureError."""
+    """Make ``module`` read a value on the host during its ``at``-th capture: a real GraphCaptureError."""
     real = module.forward
     seen = {"n": 0}
 
@@ -240,23 +299,24 @@ def fail_capture(module, at):
     return lambda: module.__dict__.pop("forward")
 
 
-@pytest.mark.parametrize("position", [0, 2, N - 2])
-def test_capture_failure_falls_back_to_eager_for_the_whole_call(position):
+def test_capture_failure_falls_back_to_eager_for_the_rest_of_the_call():
     model = build_model("tiny-llama", seed=2)
     graph, eager = engines(model)
     ids, mask = prompts(4, 5)
-    expected = gen(eager, ids, mask)
-    undo = fail_capture(model.lm_head, position)
-    with pytest.warns(UserWarning, match="Graph capture failed") as rec:
-        out = gen(graph, ids, mask)
+    expected = gen(eager, ids, mask, n=8)
+    undo = fail_capture(model.lm_head, 0)
+    with pytest.warns(GraphRefusedWarning, match="Graph capture failed") as rec:
+        out = gen(graph, ids, mask, n=8)
     undo()
     assert torch.equal(out, expected)
     assert sum("Graph capture failed" in str(w.message) for w in rec) == 1
     s = graph.graph_stats
-    assert s.fallbacks == 1 and s.captured_positions == 0 and s.enabled
-    assert s.captures == position and s.replays == position
+    assert s.fallbacks == 1 and s.captures == 0 and s.replays == 0 and s.eager_steps == 7 and s.enabled
+    assert "Graph capture failed" in s.last_refusal_reason
     # Graphs work again on the next call.
-    assert torch.equal(gen(graph, ids, mask), expected) and graph.graph_stats.captured_positions == N - 1
+    assert torch.equal(gen(graph, ids, mask, n=8), expected)
+    s = graph.graph_stats
+    assert s.captures == 1 and s.replays == 7 and s.last_refusal_reason is None
 
 
 def test_repeated_capture_failures_disable_graphs_once():
@@ -279,34 +339,107 @@ def test_repeated_capture_failures_disable_graphs_once():
     msgs = [str(w.message) for w in rec]
     assert sum("disabled for this engine" in m for m in msgs if m.startswith("Graph capture failed")) == 1
     s = graph.graph_stats
-    assert s.fallbacks == MAX_CAPTURE_FAILURES and not s.enabled and s.captures == 0
-    assert "disabled" in s.last_refusal_reason
+    assert s.captures == 0 and not s.enabled and "disabled" in s.last_refusal_reason
+    assert s.fallbacks == MAX_CAPTURE_FAILURES + 2  # three failed captures, then two calls refused up front
 
 
-def test_synchronising_forward_hook_is_suspended_during_capture():
+def test_capture_does_not_disturb_the_eager_state_it_falls_back_to(monkeypatch):
+    """A capture that fails after running most of the step leaves every buffer as before the capture."""
+    model = build_model("tiny-qwen2", seed=4)
+    graph, eager = engines(model)
+    ids, mask = prompts(3, 4)
+    expected = gen(eager, ids, mask, n=6)
+    real = scheduler.DecodeSlots.step
+
+    def step_then_sync(self, m, key):
+        real(self, m, key)  # the whole step's work is issued ...
+        if get_accelerator().is_current_stream_capturing():
+            self.token_index.sum().item()  # ... then a host read fails the capture
+
+    monkeypatch.setattr(scheduler.DecodeSlots, "step", step_then_sync)
+    with pytest.warns(GraphRefusedWarning, match="Graph capture failed"):
+        assert torch.equal(gen(graph, ids, mask, n=6), expected)
+
+
+# ------------------------------------------------------------------ hooks
+def boost(token):
+    def hook(module, args, output):
+        return output + 100.0 * torch.nn.functional.one_hot(torch.tensor(token), output.shape[-1]).to(output.dtype)
+
+    return hook
+
+
+def device_boost(token, vocab):
+    bias = torch.zeros(vocab)
+    bias[token] = 100.0
+
+    def hook(module, args, output):
+        return output + bias.to(output.dtype)  # device work only: captured and replayed
+
+    return hook
+
+
+def test_output_changing_hook_is_captured_not_dropped():
+    model = build_model("tiny-llama", seed=3)
+    graph, eager = engines(model)
+    ids, mask = prompts(2, 4)
+    plain = gen(eager, ids, mask)
+    gen(graph, ids, mask)  # captured without the hook
+    handle = model.lm_head.register_forward_hook(device_boost(77, model.config.vocab_size))
+    try:
+        expected = gen(eager, ids, mask)
+        assert (expected[:, 4:] == 77).all() and not torch.equal(expected, plain)
+        for _ in range(2):
+            assert torch.equal(gen(graph, ids, mask), expected)  # the new hook forces a recapture
+        s = graph.graph_stats
+        assert s.invalidations == 1 and s.captures == 2 and s.fallbacks == 0 and s.last_refusal_reason is None
+    finally:
+        handle.remove()
+    assert torch.equal(gen(graph, ids, mask), plain)  # and removing it does too
+    assert graph.graph_stats.invalidations == 2
+
+
+def test_hook_that_reads_the_host_refuses_graphs_naming_the_module():
     model = build_model("tiny-qwen2")
     graph, eager = engines(model)
     ids, mask = prompts(2, 4)
-    expected = gen(eager, ids, mask)
-    calls = []
-    handle = model.model.layers[0].mlp.register_forward_hook(lambda m, i, o: calls.append(float(o.sum().item())))
-    pre = model.lm_head.register_forward_pre_hook(lambda m, a: calls.append(int(a[0].abs().sum().item() > 0)))
-    assert torch.equal(gen(graph, ids, mask), expected)
-    assert torch.equal(gen(graph, ids, mask), expected)
+    seen = []
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda m, i, o: seen.append(float(o.sum().item())))
+    pre = model.lm_head.register_forward_pre_hook(lambda m, a: (a[0] * 1.0,))
+    try:
+        expected = gen(eager, ids, mask)
+        with pytest.warns(GraphRefusedWarning, match=r"forward hook .* on module 'model.layers.0.mlp'") as rec:
+            assert torch.equal(gen(graph, ids, mask), expected)
+            assert torch.equal(gen(graph, ids, mask), expected)
+        assert len(rec) == 1
+        s = graph.graph_stats
+        assert s.captures == 0 and s.replays == 0 and "model.layers.0.mlp" in s.last_refusal_reason
+        assert "model.layers.0.mlp" in graph.graph_refusal_reason()
+        assert len(seen) > 0  # the hook ran on every eager step
+    finally:
+        handle.remove()
+    # Without the hook (the pre-hook is device work), graphs come back.
+    assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
     s = graph.graph_stats
-    assert s.fallbacks == 0 and s.captures == N - 1
-    n = len(calls)
-    assert n > 0  # hooks ran in the eager prefill/warm-up
-    model(input_ids=ids[:, :2])
-    assert len(calls) == n + 2  # and are still registered afterwards
-    handle.remove()
+    assert s.captures == 1 and s.last_refusal_reason is None
     pre.remove()
+
+
+def test_hooks_are_restored_after_capture():
+    model = build_model("tiny-gpt2")
+    graph, _ = engines(model)
+    hook = device_boost(5, model.config.vocab_size)
+    handle = model.lm_head.register_forward_hook(hook)
+    gen(graph, *prompts(2, 3))
+    assert list(model.lm_head._forward_hooks.values()) == [hook]
+    handle.remove()
 
 
 # ------------------------------------------------------------------ weights
 def test_in_place_optimizer_update_is_seen_by_replay():
     model = build_model("tiny-gpt2", seed=4)
-    graph, _ = initialize(model=model, config={**GRAPH, "optimizer": {"type": "AdamW", "params": {"lr": 0.05}}})
+    graph, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True},
+                                               "optimizer": {"type": "AdamW", "params": {"lr": 0.05}}})
     eager, _ = initialize(model=model, config={})
     ids, mask = prompts(2, 4)
     before = gen(graph, ids, mask)
@@ -321,7 +454,7 @@ def test_in_place_optimizer_update_is_seen_by_replay():
     assert torch.equal(after, gen(eager, ids, mask))
     assert not torch.equal(after, before)  # the update changed the tokens
     s = graph.graph_stats
-    assert s.captures == N - 1 and s.replays == 2 * (N - 1) and s.invalidations == 0
+    assert s.captures == 1 and s.replays == 2 * (N - 1) - 1 and s.invalidations == 0
 
 
 @pytest.mark.parametrize("how", ["load_state_dict_assign", "param_data_swap", "to_dtype"])
@@ -343,7 +476,7 @@ def test_reallocated_weights_are_detected_and_recaptured(how):
     if how != "to_dtype":  # bf16 may well pick the same tokens
         assert not torch.equal(after, before)
     s = graph.graph_stats
-    assert s.invalidations == 1 and s.captures == 2 * (N - 1) and s.graph_keys == 1
+    assert s.invalidations == 1 and s.captures == 2 and s.graph_keys == 1
 
 
 def test_two_engines_side_by_side():
@@ -357,8 +490,7 @@ def test_two_engines_side_by_side():
         assert torch.equal(gen(g1, ids, mask), x1)
         assert torch.equal(gen(g2, ids, mask), x2)
     for g in (g1, g2):
-        s = g.graph_stats
-        assert s.captures == N - 1 and s.replays == 2 * (N - 1)
+        assert g.graph_stats.captures == 1
 
 
 def test_generate_in_train_mode_uses_inference_path_and_restores():
@@ -372,19 +504,10 @@ def test_generate_in_train_mode_uses_inference_path_and_restores():
     assert model.training and graph.training
 
 
-def test_keys_of_one_batch_share_one_cache_sized_from_max_out_tokens():
-    from hybrid_engine.static_cache import StaticKVCache
-
-    model = build_model("tiny-llama", seed=2)
-    graph, eager = engines(model, max_out_tokens=64)
-    widths = (4, 7, 5)
-    for width in widths:
-        ids, mask = prompts(3, width, seed=width)
+def test_release_inference_cache_frees_the_buffers_after_each_call():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphRefusedWarning)
+        graph, eager = engines(build_model("tiny-gpt2"), release_inference_cache=True)
+        ids, mask = prompts(2, 3)
         assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
-    s = graph.graph_stats
-    assert s.graph_keys == len(widths)
-    one_cache = StaticKVCache(model.config, 3, 64).memory_bytes()
-    assert s.cache_memory_bytes == one_cache
-    ids, mask = prompts(2, 4)  # another batch size: its own cache
-    assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
-    assert graph.graph_stats.cache_memory_bytes == one_cache + StaticKVCache(model.config, 2, 64).memory_bytes()
+    assert graph._generator.runner.slots is None and graph.graph_stats.cache_memory_bytes == 0

@@ -58,6 +58,8 @@ def test_graph_tokens_equal_eager(case):
         torch.manual_seed(seed)
         got = graph.generate(**kw)
         assert torch.equal(got, expected)
-        assert graph.graph_stats.captures == new - 1 and graph.graph_stats.fallbacks == 0
+        s = graph.graph_stats
+        # A warm-up step, then one capture for the bucket, whatever the length: never one per position.
+        assert s.captures == (1 if new > 2 else 0) and s.fallbacks == 0 and s.eager_steps == min(1, new - 1)
     finally:
         set_accelerator(prev)

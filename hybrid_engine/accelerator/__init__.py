@@ -17,6 +17,7 @@ import torch
 from .backends import CPUAccelerator, GraphAPI, TorchBackendAccelerator
 from .base import Accelerator
 from .cpu_graph import CPUGraph, CPUGraphPool, CPUStream, GraphCaptureError
+from .for_device import accelerator_for, is_capturing
 
 __all__ = [
     "Accelerator",
@@ -27,8 +28,10 @@ __all__ = [
     "GraphAPI",
     "GraphCaptureError",
     "TorchBackendAccelerator",
+    "accelerator_for",
     "build_accelerator",
     "get_accelerator",
+    "is_capturing",
     "set_accelerator",
 ]
 

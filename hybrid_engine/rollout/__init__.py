@@ -1,8 +1,9 @@
 """Continuous RL rollouts with captured, reused decode graphs and in-graph sampling.
 
-Modules: :mod:`.types` (validated configs, request and batch), :mod:`.decode_graph`
-(per-bucket device state and the captured decode step), :mod:`.scheduler` (slots,
-admission, shared prefill, harvest) and :mod:`.engine` (``HybridEngineRollout``).
+Modules: :mod:`.types` (validated configs, request and batch) and :mod:`.engine`
+(``HybridEngineRollout``). The decode slots, the scheduler and the graph runner
+are shared with ``engine.generate``: :mod:`hybrid_engine.decode_state`,
+:mod:`hybrid_engine.scheduler`, :mod:`hybrid_engine.graph_runner`.
 """
 
 from .engine import HybridEngineRollout, UnsupportedModelError

@@ -1,41 +1,40 @@
-"""``HybridEngineRollout``: RL rollouts from the engine's model with captured, reused decode graphs.
+"""``HybridEngineRollout``: RL rollouts from the engine's model, on the shared decode graph runner.
 
-The rollout object owns one :class:`~.decode_graph.SlotState` per batch
-bucket and keeps it (cache, per-slot state and captured graphs) across
-``generate`` calls, so a decode step is captured once per (bucket, sampling
-knobs) and replayed for every later step of every later call, also after
-optimizer steps (in-place updates are read through the same addresses). A
-parameter that was re-allocated changes :func:`~hybrid_engine.graph_safety.weight_fingerprint`
-and drops the bucket's graphs, so the next step recaptures instead of reading
-stale weights.
+The rollout owns one :class:`~hybrid_engine.graph_runner.DecodeGraphRunner`
+and keeps it (slots, cache and captured graphs) across ``generate`` calls, so a
+decode step is captured once per (batch bucket, sampling knobs) and replayed
+for every later step of every later call, also after optimizer steps (in-place
+updates are read through the same addresses). Scheduling (continuous or static
+batching, shared prefill, compaction) is :mod:`hybrid_engine.scheduler`.
 
 Every refusal is raised before any work: invalid inputs (in the value types),
 missing pad/EOS ids, a cache capacity below prompt + ``max_new_tokens``,
 prompts beyond the model's position limit, attention implementations that
 cannot take the static cache's 4D mask (``flash_attention_2``), and models
-whose forward does not accept an external cache. An accelerator that cannot
-capture, or a capture that fails, gives a warning and the eager path.
+whose forward does not accept an external cache. Where graphs are unsafe (see
+:mod:`hybrid_engine.graph_policy`; a rollout built on a ``HybridEngine``
+honours its engine's config gates) or a capture fails, one warning is given and
+decoding runs eagerly with the same tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from hybrid_engine.accelerator import get_accelerator
-from hybrid_engine.graph_safety import suspended_hooks, weight_fingerprint
+from hybrid_engine.config import EngineConfig
+from hybrid_engine.decode_state import logits_width
+from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats
 from hybrid_engine.model_step import check_model_supported, max_positions, token_ids
+from hybrid_engine.scheduler import Counters, RequestSpec, gather_responses, run_schedule
 from hybrid_engine.timing import PhaseTimer
 
-from .decode_graph import SlotState
-from .scheduler import Counters, RequestSpec, run_schedule
-from .types import RolloutBatch, RolloutConfig, RolloutRequest, SamplingConfig, default_graph_buckets
+from .types import RolloutBatch, RolloutConfig, RolloutRequest, SamplingConfig
 
 __all__ = ["HybridEngineRollout", "UnsupportedModelError"]
 
@@ -54,65 +53,6 @@ def _unwrap_model(engine: Any) -> PreTrainedModel:
         "HybridEngineRollout: engine must be a HybridEngine (with .module a transformers PreTrainedModel) "
         f"or a transformers PreTrainedModel, got {type(engine).__name__}"
     )
-
-
-class _StepRunner:
-    """Runs one decode step: eagerly, or by replaying the bucket's graph (capturing it on first use)."""
-
-    def __init__(self, model: PreTrainedModel, state: SlotState, key: tuple, use_graph: bool,
-                 counters: Counters) -> None:
-        self.model = model
-        self.state = state
-        self.key = key
-        self.use_graph = use_graph
-        self.counters = counters
-        self.accelerator = get_accelerator()
-
-    def __call__(self) -> None:
-        state, counters = self.state, self.counters
-        if not self.use_graph:
-            state.step(self.model, self.key)
-            counters.eager_steps += 1
-            return
-        graph = state.graphs.get(self.key)
-        if graph is None:
-            if not state.warmed_up:
-                # Warm-up is a real step: it initialises lazy kernels/workspaces outside capture.
-                state.step(self.model, self.key)
-                state.warmed_up = True
-                counters.eager_steps += 1
-                return
-            graph = self._capture()
-            if graph is None:
-                state.step(self.model, self.key)
-                counters.eager_steps += 1
-                return
-        self.accelerator.replay_graph(graph)
-        counters.graph_replays += 1
-
-    def _capture(self) -> Any:
-        acc, state = self.accelerator, self.state
-        t0 = time.perf_counter()
-        graph = acc.create_graph()
-        try:
-            with suspended_hooks(self.model), acc.capture_to_graph(graph, pool=state.pool):
-                state.step(self.model, self.key)
-        except Exception as exc:  # a capture failure falls back to eager, as the reference does
-            warnings.warn(
-                f"HybridEngineRollout: decode-step graph capture failed ({type(exc).__name__}: {exc}); "
-                "continuing eagerly for this call",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            self.use_graph = False
-            self.counters.fallbacks += 1
-            return None
-        if state.pool is None:
-            state.pool = acc.graph_pool(graph)
-        state.graphs[self.key] = graph
-        self.counters.graph_captures += 1
-        self.counters.capture_s += time.perf_counter() - t0
-        return graph
 
 
 class HybridEngineRollout:
@@ -134,8 +74,12 @@ class HybridEngineRollout:
         self.config = config
         self.last_stats: dict[str, Any] = {}
         self.total_graph_captures = 0
-        self._states: dict[int, SlotState] = {}
-        self._warned_no_graphs = False
+        engine_config = getattr(engine, "config", None)
+        self.runner = DecodeGraphRunner(
+            self.model,
+            config=engine_config if isinstance(engine_config, EngineConfig) else None,
+            buckets=config.graph_batch_sizes,
+        )
 
     # ---------------------------------------------------------------- setup
     def _special_ids(self) -> tuple[int, tuple[int, ...]]:
@@ -156,60 +100,20 @@ class HybridEngineRollout:
             pad = eos[0]
         return pad, eos
 
-    def _graphs_available(self) -> bool:
-        if not self.config.use_graph_capture:
-            return False
-        acc = get_accelerator()
-        if acc.create_graph() is None:
-            if not self._warned_no_graphs:
-                reason = getattr(acc, "graph_unavailable_reason", None) or "no graph API"
-                warnings.warn(
-                    f"HybridEngineRollout: use_graph_capture=True but the accelerator cannot capture graphs "
-                    f"({reason}); decoding eagerly",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                self._warned_no_graphs = True
-            return False
-        return True
-
     def _check_model(self) -> None:
         try:
             check_model_supported(self.model)
         except (TypeError, ValueError) as exc:
             raise UnsupportedModelError(f"HybridEngineRollout: {exc}") from exc
 
-    def _bucket(self, active: int) -> int:
-        """The smallest bucket holding ``active`` slots (buckets derive from ``max_batch_size``)."""
-        sizes = self.config.graph_batch_sizes or default_graph_buckets(self.config.max_batch_size or active)
-        return next((s for s in sizes if s >= active), active)
-
-    def _state(self, batch: int, capacity: int, width: int, num_eos: int) -> SlotState:
-        model = self.model
-        param = next(model.parameters())
-        state = self._states.get(batch)
-        same_layout = state is not None and state.cache.device == param.device and state.cache.dtype == param.dtype
-        fixed = self.config.cache_capacity is not None
-        if not (same_layout and state.fits(batch, capacity, width, num_eos)
-                and (not fixed or state.capacity == capacity)):
-            if state is not None and same_layout and not fixed:
-                capacity = max(capacity, state.capacity)
-                width = max(width, state.width)
-            state = SlotState(
-                model, batch, capacity, width, position_limit=max_positions(model.config),
-                device=param.device, dtype=param.dtype, num_eos=num_eos,
-            )
-            self._states[batch] = state
-        fingerprint = weight_fingerprint(model)
-        if state.fingerprint != fingerprint:
-            state.graphs.clear()  # re-allocated weights: a replay would read the old storage
-            state.pool = None
-            state.fingerprint = fingerprint
-        return state
-
     def release(self) -> None:
-        """Free every cached decode state and graph (the next call re-allocates and recaptures)."""
-        self._states.clear()
+        """Free the decode slots and every graph (the next call re-allocates and recaptures)."""
+        self.runner.release()
+
+    @property
+    def graph_stats(self) -> GraphStats:
+        """The runner's cumulative counters (captures, replays, fallbacks, refusal reason, memory)."""
+        return self.runner.stats
 
     @contextlib.contextmanager
     def _inference_mode(self) -> Iterator[None]:
@@ -273,42 +177,38 @@ class HybridEngineRollout:
         # Concurrency: max_batch_size, else the largest explicit bucket, else the whole request.
         limit_slots = cfg.max_batch_size or (max(cfg.graph_batch_sizes) if cfg.graph_batch_sizes else len(requests))
         max_active = min(limit_slots, len(requests))
-        bucket = self._bucket(max_active)
-        use_graph = self._graphs_available()
 
-        counters = Counters(timer=PhaseTimer(get_accelerator()))
-        if cfg.use_graph_capture and not use_graph:
-            counters.fallbacks += 1
+        runner = self.runner
+        before = runner.stats
         with self._inference_mode():
-            state = self._state(bucket, capacity, max_new, len(eos_ids))
-            device = state.tokens.device
+            state = runner.prepare(rows=max_active, capacity=capacity, width=max_new, num_eos=len(eos_ids),
+                                   graphs=cfg.use_graph_capture)
+            counters = Counters(timer=PhaseTimer(runner.accelerator))
             state.set_special_ids(pad_id, eos_ids)
-            prompt_ids = request.prompt_ids.to(device)
-            prompt_mask = request.prompt_attention_mask.to(device)
-            runner = _StepRunner(model, state, sampling.sampling_key, use_graph, counters)
+            prompt_ids = request.prompt_ids.to(state.device)
+            prompt_mask = request.prompt_attention_mask.to(state.device)
             out_tokens, out_logprobs = run_schedule(
-                model, state, runner, requests, prompt_ids, prompt_mask, sampling,
-                max_active=max_active, continuous=cfg.continuous_batching,
-                shared_prefill=cfg.use_shared_prefill, sync_interval=cfg.sync_interval, counters=counters,
+                runner, requests, prompt_ids, prompt_mask, sampling.sampling_key, sampling.seed,
+                width=max_new, max_active=max_active, continuous=cfg.continuous_batching,
+                shared_prefill=cfg.use_shared_prefill, trim_prompts=True,
+                eos_reachable=any(e < logits_width(model) for e in eos_ids),
+                sync_interval=cfg.sync_interval, counters=counters,
             )
-            batch = self._assemble(prompt_ids, prompt_mask, out_tokens, out_logprobs, counters, n, pad_id)
-        get_accelerator().synchronize()
+            responses, logprobs, lengths = gather_responses(out_tokens, counters.lengths, pad_id, out_logprobs)
+            batch = self._assemble(prompt_ids, prompt_mask, responses, logprobs, lengths, n)
+        runner.accelerator.synchronize()
         total_s = time.perf_counter() - t_start
-        self.total_graph_captures += counters.graph_captures
-        self.last_stats = self._stats(counters, total_s, state, batch, use_graph, bucket)
+        graph = runner.stats
+        self.total_graph_captures += graph.captures - before.captures
+        self.last_stats = self._stats(counters, total_s, before, graph, batch, runner.bucket_for(max_active))
         return batch
 
     @staticmethod
-    def _assemble(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, out_tokens: torch.Tensor,
-                  out_logprobs: torch.Tensor, counters: Counters, n: int, pad_id: int) -> RolloutBatch:
-        num = out_tokens.shape[0]
-        device = out_tokens.device
-        lengths = torch.tensor([counters.lengths[r] for r in range(num)], dtype=torch.int64, device=device)
-        width = max(1, max(counters.lengths.values()))
-        real = torch.arange(width, device=device)[None, :] < lengths[:, None]
-        responses = torch.where(real, out_tokens[:, :width], torch.full_like(out_tokens[:, :width], pad_id))
-        logprobs = torch.where(real, out_logprobs[:, :width], torch.zeros_like(out_logprobs[:, :width]))
-        prompt_index = torch.arange(num, device=device) // n
+    def _assemble(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
+                  logprobs: torch.Tensor, lengths: torch.Tensor, n: int) -> RolloutBatch:
+        num = responses.shape[0]
+        real = torch.arange(responses.shape[1], device=responses.device)[None, :] < lengths[:, None]
+        prompt_index = torch.arange(num, device=responses.device) // n
         ids = prompt_ids.index_select(0, prompt_index)
         mask = prompt_mask.index_select(0, prompt_index)
         return RolloutBatch(
@@ -320,10 +220,11 @@ class HybridEngineRollout:
             prompt_index=prompt_index,
         )
 
-    def _stats(self, c: Counters, total_s: float, state: SlotState, batch: RolloutBatch, use_graph: bool,
+    def _stats(self, c: Counters, total_s: float, before: GraphStats, after: GraphStats, batch: RolloutBatch,
                bucket: int) -> dict[str, Any]:
         tokens = int(sum(c.lengths.values()))
         phases = c.timer.totals_ms()
+        slots = self.runner.slots
         stats: dict[str, Any] = {
             "prefill_ms": phases.get("prefill", 0.0),
             "decode_ms": phases.get("decode", 0.0),
@@ -333,22 +234,26 @@ class HybridEngineRollout:
             "prefill_forwards": c.prefill_forwards,
             "tokens_generated": tokens,
             "tokens_per_second": tokens / total_s if total_s > 0 else 0.0,
-            "graph_replays": c.graph_replays,
-            "graph_captures": c.graph_captures,
-            "fallbacks": c.fallbacks,
+            "graph_replays": after.replays - before.replays,
+            "graph_captures": after.captures - before.captures,
+            "fallbacks": after.fallbacks - before.fallbacks,
             "peak_active_batch": c.peak_active_batch,
-            "cache_capacity": state.capacity,
-            "cache_memory_bytes": int(state.cache.memory_bytes()),
+            "cache_capacity": slots.capacity,
+            "cache_memory_bytes": int(slots.cache.memory_bytes()),
             "host_syncs": c.host_syncs,
             # extras
-            "eager_steps": c.eager_steps,
-            "capture_ms": c.capture_s * 1e3,
+            "eager_steps": after.eager_steps - before.eager_steps,
+            "capture_ms": (after.capture_seconds - before.capture_seconds) * 1e3,
             "graph_batch_size": bucket,
-            "use_graph_capture": use_graph,
+            "use_graph_capture": self.runner.use_graphs,
+            "last_refusal_reason": after.last_refusal_reason,
             "prefill_rows": c.prefill_rows,
             "kv_row_copies": c.kv_row_copies,
             "admission_rounds": c.admission_rounds,
             "harvests": c.harvests,
+            "compactions": c.compactions,
+            "rows_moved": c.rows_moved,
+            "bucket_steps": dict(c.bucket_steps),
             "num_sequences": int(batch.input_ids.shape[0]),
         }
         if self.config.enable_profiling:
@@ -356,6 +261,7 @@ class HybridEngineRollout:
                 "prefill_ms_per_forward": stats["prefill_ms"] / max(1, c.prefill_forwards),
                 "decode_ms_per_step": stats["decode_ms"] / max(1, c.decode_steps),
                 "capture_ms": stats["capture_ms"],
-                "state_memory_bytes": state.memory_bytes(),
+                "state_memory_bytes": slots.memory_bytes(),
+                "graph_memory_bytes": after.graph_memory_bytes,
             }
         return stats

@@ -15,7 +15,7 @@ import torch
 
 from hybrid_engine.sampling import validate_sampling
 
-__all__ = ["RolloutBatch", "RolloutConfig", "RolloutRequest", "SamplingConfig", "default_graph_buckets"]
+__all__ = ["RolloutBatch", "RolloutConfig", "RolloutRequest", "SamplingConfig"]
 
 
 def _is_int(value: object) -> bool:
@@ -35,21 +35,6 @@ def _check_int(owner: str, name: str, value: object, *, minimum: int, allow_none
 def _check_bool(owner: str, name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{owner}: {name} must be True or False, got {type(value).__name__} ({value!r})")
-
-
-def default_graph_buckets(max_batch_size: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, then multiples of 8, up to the first bucket that holds ``max_batch_size``."""
-    buckets = []
-    for b in (1, 2, 4, 8):
-        buckets.append(b)
-        if b >= max_batch_size:
-            return tuple(buckets)
-    b = 16
-    while True:
-        buckets.append(b)
-        if b >= max_batch_size:
-            return tuple(buckets)
-        b += 8
 
 
 @dataclass(frozen=True)

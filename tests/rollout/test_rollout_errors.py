@@ -9,8 +9,9 @@ import torch
 from rollout_helpers import assert_batches_identical, left_padded_prompts, run
 from transformers import GPT2Config, PreTrainedModel
 
-import hybrid_engine.rollout.decode_graph as decode_graph
+import hybrid_engine.decode_state as decode_state
 from hybrid_engine.accelerator import CPUAccelerator, set_accelerator
+from hybrid_engine.graph_policy import GraphRefusedWarning
 from hybrid_engine.rollout import (
     HybridEngineRollout,
     RolloutConfig,
@@ -143,7 +144,7 @@ def test_no_graph_backend_warns_and_runs_eagerly(model):
     eager = run(model, _good_request(), SAMPLING, graphs=False, eos=2)[0]
     set_accelerator(CPUAccelerator(emulate_graphs=False))
     rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0, eos_token_id=2))
-    with pytest.warns(RuntimeWarning, match="cannot capture"):
+    with pytest.warns(GraphRefusedWarning, match="cannot capture"):
         batch = rollout.generate(_good_request(), SAMPLING)
     assert_batches_identical(batch, eager)
     assert rollout.last_stats["fallbacks"] == 1 and rollout.last_stats["graph_captures"] == 0
@@ -151,19 +152,19 @@ def test_no_graph_backend_warns_and_runs_eagerly(model):
 
 def test_capture_failure_falls_back_to_eager(model, monkeypatch):
     eager = run(model, _good_request(), SAMPLING, graphs=False, eos=2)[0]
-    real = decode_graph.decode_one_token
+    real = decode_state.decode_one_token
 
     def syncing_decode(m, cache, tokens):
         int(cache.write_pos.max())  # a host read: forbidden while capturing
         return real(m, cache, tokens)
 
-    monkeypatch.setattr(decode_graph, "decode_one_token", syncing_decode)
+    monkeypatch.setattr(decode_state, "decode_one_token", syncing_decode)
     rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0, eos_token_id=2))
-    with pytest.warns(RuntimeWarning, match="capture failed"):
+    with pytest.warns(GraphRefusedWarning, match="capture failed"):
         batch = rollout.generate(_good_request(), SAMPLING)
     assert_batches_identical(batch, eager)
     assert rollout.last_stats["fallbacks"] == 1 and rollout.last_stats["graph_captures"] == 0
-    monkeypatch.setattr(decode_graph, "decode_one_token", real)
+    monkeypatch.setattr(decode_state, "decode_one_token", real)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert_batches_identical(rollout.generate(_good_request(), SAMPLING), eager)

@@ -1,0 +1,42 @@
+"""The accelerator that owns a given device, and whether any of them is capturing.
+
+Graphs are captured by the accelerator of the model's device, not by the
+process-wide one: a CPU model on a host with a GPU must never get CUDA graphs
+wrapped around CPU work. Capture-sensitive code (the static cache, the decode
+step) asks :func:`is_capturing`, which covers every accelerator handed out here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import Accelerator
+
+__all__ = ["accelerator_for", "is_capturing"]
+
+_other: dict[str, Accelerator] = {}  # device type -> accelerator, for devices other than the process one
+
+
+def accelerator_for(device: torch.device | str) -> Accelerator:
+    """The process accelerator when ``device`` is its device type, else one built for ``device``'s type."""
+    from . import build_accelerator, get_accelerator
+
+    kind = torch.device(device).type
+    process = get_accelerator()
+    if process.device().type == kind:
+        return process
+    acc = _other.get(kind)
+    if acc is None:
+        acc = _other[kind] = build_accelerator(kind)
+    return acc
+
+
+def is_capturing(*_: Any) -> bool:
+    """True while any accelerator (the process one or one from :func:`accelerator_for`) is capturing."""
+    from . import get_accelerator
+
+    return get_accelerator().is_current_stream_capturing() or any(
+        acc.is_current_stream_capturing() for acc in _other.values()
+    )

@@ -1,0 +1,237 @@
+"""Decode slots: the device state of up to ``S`` rows and the one decode step that is captured.
+
+Graph-safety invariant. A replayed graph reads and writes fixed addresses and
+re-runs fixed kernels, so everything that changes from one step to the next,
+or from one request to the next in a slot, lives in a device tensor allocated
+once here and only ever updated in place:
+
+* the static KV cache (K/V buffers, per-row ``write_pos``/``position``/``valid``);
+* per slot: the last token fed (``tokens``), the index of the next response
+  token (``token_index``), the RNG counters (``seed``, ``request_index``), the
+  response budget (``budget``), the EOS floor (``min_tokens``: EOS is masked
+  out while ``token_index < min_tokens``, a device comparison), the
+  ``finished`` flag, and the output rows ``out_tokens``/``out_logprobs``
+  ``[S, width]`` that the step scatters into at ``token_index``;
+* the EOS ids (``eos_ids``, padded with -1 to a fixed length, and ``eos_mask``
+  over the vocabulary) and the pad id (``pad_id``).
+
+Everything is allocated for the largest batch bucket ``S``. The bucket of ``n``
+rows is :meth:`DecodeSlots.head`: the ``[:n]`` view of every tensor, at the same
+addresses, so graphs of every bucket share one allocation and a request can
+move to a smaller bucket by moving its row (:meth:`DecodeSlots.move`).
+
+What a capture freezes: the bucket size, the cache capacity and output width
+(shapes), and the sampling knobs (temperature, top-p, top-k). No position,
+length or counter is a host value, so one graph serves every decode position.
+
+The eager path runs exactly the same :meth:`DecodeSlots.step` without capture,
+so eager and graph results are bit-identical by construction. Finished and
+idle rows keep running (a static graph cannot skip rows): nothing they produce
+is recorded, they feed the pad id, and their write position and position id
+stay parked at the last slot, so they never write out of bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from .model_step import decode_one_token
+from .sampling import sample_tokens
+from .static_cache import StaticKVCache
+
+__all__ = ["DecodeSlots", "choose_tokens", "logits_width"]
+
+#: EOS ids a slot table holds at least (more when a model declares more).
+MIN_EOS_SLOTS = 8
+
+# Per-row tensors, all ``[S, ...]``: a bucket views ``[:n]`` of each, a move copies rows of each.
+_ROW_TENSORS = ("tokens", "token_index", "seed", "request_index", "budget", "min_tokens", "finished",
+                "out_tokens", "out_logprobs")
+
+
+def logits_width(model: PreTrainedModel) -> int:
+    """How many logits the model produces per token (its output embedding rows, else ``vocab_size``)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+def choose_tokens(
+    logits: torch.Tensor,
+    sampling_key: tuple[float, float, int],
+    *,
+    eos_mask: torch.Tensor,
+    suppress_eos: torch.Tensor,
+    seed: torch.Tensor,
+    request_index: torch.Tensor,
+    token_index: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [B], logprobs [B])`` from ``logits [B, V]``; EOS is masked out on rows where ``suppress_eos``.
+
+    Capture-safe: every per-row input is a device tensor. Prefill admission and
+    the decode step both pick through here, so they cannot diverge.
+    """
+    temperature, top_p, top_k = sampling_key
+    logits = logits.masked_fill(suppress_eos[:, None] & eos_mask, float("-inf"))
+    return sample_tokens(logits, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                         request_index=request_index, token_index=token_index)
+
+
+class DecodeSlots:
+    """Device state for ``rows`` decode slots sharing one static cache (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        rows: int,
+        capacity: int,
+        width: int,
+        *,
+        num_eos: int,
+        position_limit: int | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.rows = rows
+        self.capacity = capacity
+        self.width = width
+        self.cache = StaticKVCache(model.config, rows, capacity, device=device, dtype=dtype)
+        # Lengths are validated before admission and idle rows are parked: skip the per-step host read.
+        self.cache.bounds_checks = False
+        i64 = dict(dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(rows, **i64)
+        self.token_index = torch.zeros(rows, **i64)
+        self.seed = torch.zeros(rows, **i64)
+        self.request_index = torch.zeros(rows, **i64)
+        self.budget = torch.ones(rows, **i64)
+        self.min_tokens = torch.zeros(rows, **i64)
+        self.finished = torch.ones(rows, dtype=torch.bool, device=device)
+        self.out_tokens = torch.zeros(rows, width, **i64)
+        self.out_logprobs = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        self.num_eos_slots = max(MIN_EOS_SLOTS, num_eos)
+        self.eos_ids = torch.full((self.num_eos_slots,), -1, **i64)
+        self.eos_mask = torch.zeros(logits_width(model), dtype=torch.bool, device=device)
+        self.pad_id = torch.zeros((), **i64)
+        # Parking spot for rows that are not live: the last cache slot and a legal position id.
+        park = capacity - 1
+        self._park_write = park
+        self._park_position = park if position_limit is None else min(park, position_limit - 1)
+        self._heads: dict[int, DecodeSlots] = {rows: self}
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cache.dtype
+
+    def fits(self, rows: int, capacity: int, width: int, num_eos: int, device: torch.device,
+             dtype: torch.dtype) -> bool:
+        """Whether a call needing these sizes can run on these slots as they are."""
+        return (self.rows >= rows and self.capacity >= capacity and self.width >= width
+                and self.num_eos_slots >= num_eos and self.device == device and self.dtype == dtype)
+
+    def head(self, n: int) -> DecodeSlots:
+        """The first ``n`` slots, as slots sharing these tensors (what the graph of bucket ``n`` runs on)."""
+        view = self._heads.get(n)
+        if view is None:
+            if not 1 <= n <= self.rows:
+                raise ValueError(f"DecodeSlots.head: n must be in 1..{self.rows}, got {n}")
+            view = object.__new__(DecodeSlots)
+            view.__dict__.update(self.__dict__)
+            view.rows = n
+            view.cache = self.cache.head(n)
+            for name in _ROW_TENSORS:
+                setattr(view, name, getattr(self, name)[:n])
+            self._heads[n] = view
+        return view
+
+    def memory_bytes(self) -> int:
+        """Bytes of the KV cache and every per-slot tensor."""
+        extra = sum(getattr(self, name).nbytes for name in _ROW_TENSORS)
+        return int(self.cache.memory_bytes()) + extra + self.eos_ids.nbytes + self.eos_mask.nbytes
+
+    def set_special_ids(self, pad_id: int, eos_ids: tuple[int, ...]) -> None:
+        """Pad and EOS ids for the next call (outside capture; EOS ids beyond the vocabulary never match)."""
+        self.pad_id.fill_(pad_id)
+        self.eos_ids.fill_(-1)
+        self.eos_mask.zero_()
+        if eos_ids:
+            ids = torch.tensor(eos_ids, dtype=torch.int64, device=self.device)
+            self.eos_ids[: ids.numel()].copy_(ids)
+            reachable = ids[ids < self.eos_mask.numel()]
+            self.eos_mask.index_fill_(0, reachable, True)
+
+    def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (tokens[:, None] == self.eos_ids[None, :]).any(dim=-1)
+
+    # ------------------------------------------------------------------ step
+    def step(self, model: PreTrainedModel, sampling_key: tuple[float, float, int]) -> None:
+        """One decode step for every slot, entirely in device tensors (this is what gets captured)."""
+        cache = self.cache
+        logits = decode_one_token(model, cache, self.tokens)
+        new_tokens, logprobs = choose_tokens(
+            logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
+            seed=self.seed, request_index=self.request_index, token_index=self.token_index,
+        )
+        live = ~self.finished
+        column = self.token_index.clamp(max=self.width - 1)[:, None]
+        old_tok = self.out_tokens.gather(1, column)
+        old_lp = self.out_logprobs.gather(1, column)
+        self.out_tokens.scatter_(1, column, torch.where(live[:, None], new_tokens[:, None], old_tok))
+        self.out_logprobs.scatter_(1, column, torch.where(live[:, None], logprobs[:, None].float(), old_lp))
+        self.tokens.copy_(torch.where(live, new_tokens, self.pad_id))
+        self.token_index.add_(live.to(torch.int64))
+        done = live & (self.is_eos(new_tokens) | (self.token_index >= self.budget))
+        self.finished.logical_or_(done)
+        parked = self.finished
+        cache.write_pos.copy_(torch.where(parked, cache.write_pos.clamp(max=self._park_write), cache.write_pos))
+        cache.position.copy_(torch.where(parked, cache.position.clamp(max=self._park_position), cache.position))
+
+    # ------------------------------------------------------------- admission
+    def admit(
+        self,
+        slots: torch.Tensor,
+        first_tokens: torch.Tensor,
+        first_logprobs: torch.Tensor,
+        *,
+        seed: int,
+        request_index: torch.Tensor,
+        budget: torch.Tensor,
+        min_tokens: torch.Tensor,
+    ) -> None:
+        """Load freshly prefilled requests into ``slots``; their first token came from the prefill logits."""
+        self.out_tokens.index_fill_(0, slots, 0)
+        self.out_logprobs.index_fill_(0, slots, 0.0)
+        self.out_tokens[:, 0].index_copy_(0, slots, first_tokens)
+        self.out_logprobs[:, 0].index_copy_(0, slots, first_logprobs.float())
+        self.tokens.index_copy_(0, slots, first_tokens)
+        self.token_index.index_fill_(0, slots, 1)
+        self.seed.index_fill_(0, slots, seed)
+        self.request_index.index_copy_(0, slots, request_index)
+        self.budget.index_copy_(0, slots, budget)
+        self.min_tokens.index_copy_(0, slots, min_tokens)
+        done = self.is_eos(first_tokens) | (budget <= 1)
+        self.finished.index_copy_(0, slots, done)
+
+    def release(self, slots: torch.Tensor) -> None:
+        """Free slots: nothing live, nothing valid, write position and position id back to 0.
+
+        K/V contents are left as they are: no row ever attends to a slot that is not valid.
+        """
+        self.finished.index_fill_(0, slots, True)
+        self.tokens.index_copy_(0, slots, self.pad_id.expand(slots.numel()))
+        for t in (self.cache.valid, self.cache.write_pos, self.cache.position):
+            t.index_fill_(0, slots, 0)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move live rows ``src[i]`` into free slots ``dst[i]`` (cache rows included), then free ``src``."""
+        self.cache.copy_rows(src, dst)
+        for name in _ROW_TENSORS:
+            t = getattr(self, name)
+            t.index_copy_(0, dst, t.index_select(0, src))
+        self.release(src)

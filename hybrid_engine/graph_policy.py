@@ -1,0 +1,58 @@
+"""The one graph policy: may a model's decode steps be captured now, and if not, why.
+
+Both front ends (``engine.generate`` and ``HybridEngineRollout``) ask the
+:class:`~hybrid_engine.graph_runner.DecodeGraphRunner`, and the runner asks
+:func:`refusal_reason` here, so a refusal reads the same on either path:
+
+* the accelerator of the model's device cannot capture (found by probing, never
+  by device name);
+* the engine config makes captured graphs unsafe: ZeRO stage 3 (parameters are
+  re-gathered at new addresses), ``release_inference_cache`` (the buffers a
+  graph replays into are freed), ``inference_tp_size > 1`` (see
+  :func:`~hybrid_engine.config.validate_graph_capture_support`); a rollout
+  built on a ``HybridEngine`` honours its engine's config;
+* the attention implementation is not one whose kernels capture.
+
+The runner adds what it learns at run time: repeated capture failures, and a
+forward hook that cannot be captured (named in the reason). Every reason is a
+sentence for the user; it is warned once, as a :class:`GraphRefusedWarning`,
+and decoding runs eagerly with identical output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .config import EngineConfig, validate_graph_capture_support
+
+__all__ = ["CAPTURABLE_ATTENTION", "GraphRefusedWarning", "refusal_reason"]
+
+#: Attention implementations whose decode kernels capture and honour the static cache's 4D mask.
+CAPTURABLE_ATTENTION = ("eager", "sdpa")
+
+
+class GraphRefusedWarning(UserWarning):
+    """Graphs were refused or a capture failed; decoding runs eagerly (same tokens)."""
+
+
+def _capability(accelerator: Any) -> str | None:
+    if accelerator.create_graph() is not None:
+        return None
+    detail = getattr(accelerator, "graph_unavailable_reason", None)
+    return f"The accelerator cannot capture graphs{f' ({detail})' if detail else ''}, so decode must run eagerly."
+
+
+def refusal_reason(model: torch.nn.Module, accelerator: Any, config: EngineConfig | None) -> str | None:
+    """``None`` when ``model``'s decode steps may be captured on ``accelerator`` under ``config``, else why."""
+    reason = validate_graph_capture_support(config, accelerator) if config is not None else _capability(accelerator)
+    if reason is not None:
+        return reason
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl not in CAPTURABLE_ATTENTION:
+        return (
+            f"attn_implementation={impl!r} is not capturable into a decode graph; load the model with "
+            f"attn_implementation in {CAPTURABLE_ATTENTION} to use graphs."
+        )
+    return None

@@ -1,0 +1,292 @@
+"""DecodeGraphRunner: capture one decode step per (batch bucket, sampling mode), replay it at every position.
+
+Both generation paths run on this one runner: ``engine.generate``
+(:mod:`hybrid_engine.generation`) and ``HybridEngineRollout``
+(:mod:`hybrid_engine.rollout.engine`), through the slot scheduler
+(:mod:`hybrid_engine.scheduler`). The runner owns:
+
+* the buffers: one :class:`~hybrid_engine.decode_state.DecodeSlots` allocated
+  at the largest bucket a call needs (it only grows, as gpt-fast's caches do);
+  bucket ``n`` runs on its ``[:n]`` head, at the same addresses;
+* the graphs, keyed by :class:`GraphKey` ``(bucket, sampling knobs)``, all
+  captured into one shared memory pool on the accelerator's side stream;
+* the policy: :meth:`refusal` is the whole answer to "may graphs run now"
+  (:mod:`hybrid_engine.graph_policy` plus what was learnt at run time);
+* one warm-up (the first step of a key runs eagerly on the graph stream; the
+  next one captures), one capture-failure policy, one :class:`GraphStats`.
+
+Graph-safety invariants kept here:
+
+* What a capture froze is checked before a call replays anything: the
+  weights' addresses, the registered hooks and the attention implementation
+  (:func:`~hybrid_engine.graph_safety.graph_fingerprint`). A change drops
+  every graph, and the call recaptures.
+* Capture applies none of its work (CUDA semantics), so a capture that fails
+  leaves the device state as it was: the step then runs eagerly, as does the
+  rest of the call, and the output is the same. After
+  :data:`MAX_CAPTURE_FAILURES` failures graphs are off for this runner.
+* Hooks are captured, never dropped. A hook that cannot be captured makes the
+  runner refuse graphs while that hook set is registered, naming the module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+from transformers import PreTrainedModel
+
+from .accelerator import accelerator_for
+from .config import EngineConfig
+from .decode_state import DecodeSlots
+from .graph_policy import GraphRefusedWarning, refusal_reason
+from .graph_safety import HookCaptureError, attributed_hooks, graph_fingerprint, hook_fingerprint
+from .model_step import max_positions
+
+__all__ = ["MAX_CAPTURE_FAILURES", "DecodeGraphRunner", "GraphKey", "GraphStats", "default_graph_buckets"]
+
+#: Capture failures after which a runner stops trying graphs.
+MAX_CAPTURE_FAILURES = 3
+
+
+def default_graph_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then multiples of 8, up to the first bucket that holds ``max_batch_size``.
+
+    Each list is a prefix of every longer one, so a batch maps to the same bucket
+    whatever the largest batch seen so far.
+    """
+    buckets = []
+    for b in (1, 2, 4, 8):
+        buckets.append(b)
+        if b >= max_batch_size:
+            return tuple(buckets)
+    b = 16
+    while True:
+        buckets.append(b)
+        if b >= max_batch_size:
+            return tuple(buckets)
+        b += 8
+
+
+class GraphKey(NamedTuple):
+    """Everything a captured decode step bakes in besides the buffers' shapes."""
+
+    bucket: int
+    sampling: tuple[float, float, int]  # (temperature, top_p, top_k)
+
+
+@dataclasses.dataclass
+class GraphStats:
+    """Counters of one runner (attribute access; ``to_dict()`` for logging).
+
+    ``captured_positions`` and ``graph_keys`` both count the graphs held now:
+    each graph serves every decode position of its bucket and sampling mode.
+    """
+
+    captured_positions: int = 0
+    replays: int = 0
+    captures: int = 0
+    fallbacks: int = 0
+    last_refusal_reason: str | None = None
+    enabled: bool = False
+    capture_seconds: float = 0.0
+    graph_memory_bytes: int = 0
+    cache_memory_bytes: int = 0
+    graph_keys: int = 0
+    invalidations: int = 0
+    eager_steps: int = 0
+    warmups: int = 0
+    buckets: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class DecodeGraphRunner:
+    """Runs decode steps for one model: eagerly, or by replaying the step captured for the bucket.
+
+    ``config`` (an engine's) adds its gates to the policy. ``buckets`` fixes the
+    batch buckets (``None``: :func:`default_graph_buckets`, unbounded).
+    """
+
+    def __init__(self, model: PreTrainedModel, *, config: EngineConfig | None = None,
+                 buckets: tuple[int, ...] | None = None) -> None:
+        self.model = model
+        self.config = config
+        self.buckets = tuple(sorted(set(buckets))) if buckets else None
+        self.accelerator = accelerator_for(self._device())
+        self.slots: DecodeSlots | None = None
+        #: Whether the current call may use graphs (set by :meth:`prepare`).
+        self.use_graphs = False
+        self._graphs: dict[GraphKey, Any] = {}
+        self._warm: set[GraphKey] = set()
+        self._pool: Any = None
+        self._fingerprint: tuple | None = None
+        self._failures = 0
+        self._disabled: str | None = None
+        self._bad_hooks: tuple[tuple, str] | None = None
+        self._call_eager = False
+        self._warned: set[str] = set()
+        self._stats = GraphStats()
+
+    # ---------------------------------------------------------------- policy
+    def _device(self) -> torch.device:
+        p = next(self.model.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def refusal(self) -> str | None:
+        """Why graphs may not run now (``None``: they may). The whole policy, static and learnt."""
+        reason = refusal_reason(self.model, self.accelerator, self.config)
+        if reason is not None:
+            return reason
+        if self._disabled is not None:
+            return self._disabled
+        if self._bad_hooks is not None and self._bad_hooks[0] == hook_fingerprint(self.model):
+            return self._bad_hooks[1]
+        return None
+
+    def note_refusal(self, reason: str | None, *, warn: bool = True) -> None:
+        """Record why this call runs without graphs (``None``: it does not); warn once per reason."""
+        self._stats.last_refusal_reason = reason
+        if reason is not None and warn and reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(reason, GraphRefusedWarning, stacklevel=4)
+
+    def bucket_for(self, n: int) -> int:
+        """The smallest bucket holding ``n`` rows."""
+        sizes = self.buckets or default_graph_buckets(n)
+        return next((s for s in sizes if s >= n), n)
+
+    # ------------------------------------------------------------- lifecycle
+    def prepare(self, *, rows: int, capacity: int, width: int, num_eos: int, graphs: bool) -> DecodeSlots:
+        """Start a call: slots for ``rows`` concurrent rows, graphs checked against what they froze.
+
+        ``graphs`` says whether the caller wants graphs; the policy may still
+        refuse (warned once, recorded in ``last_refusal_reason``).
+        """
+        device = self._device()
+        acc = accelerator_for(device)
+        if acc is not self.accelerator:
+            self.invalidate()
+            self.accelerator = acc
+        model = self.model
+        dtype = next(model.parameters()).dtype
+        need = self.bucket_for(rows)
+        slots = self.slots
+        if slots is None or not slots.fits(need, capacity, width, num_eos, device, dtype):
+            if slots is not None and slots.device == device and slots.dtype == dtype:
+                need, capacity = max(need, slots.rows), max(capacity, slots.capacity)
+                width, num_eos = max(width, slots.width), max(num_eos, slots.num_eos_slots)
+            self.invalidate()
+            self.slots = slots = None  # free the old buffers before allocating the new ones
+            self.slots = slots = DecodeSlots(model, need, capacity, width, num_eos=num_eos, device=device,
+                                             dtype=dtype, position_limit=max_positions(model.config))
+        fingerprint = graph_fingerprint(model)
+        if fingerprint != self._fingerprint:
+            self.invalidate()
+            self._fingerprint = fingerprint
+        self._call_eager = False
+        self.use_graphs = False
+        if graphs:
+            reason = self.refusal()
+            self.note_refusal(reason)
+            self.use_graphs = reason is None
+            if reason is not None:
+                self._stats.fallbacks += 1  # the whole call runs eagerly
+        return slots
+
+    def invalidate(self) -> None:
+        """Drop every graph and the pool (the buffers stay); the next steps warm up and capture again."""
+        if self._graphs:
+            self._stats.invalidations += 1
+        self._graphs.clear()
+        self._warm.clear()
+        self._pool = None
+        self._stats.graph_memory_bytes = 0
+
+    def release(self) -> None:
+        """Drop the graphs and the buffers (the next call allocates and captures again)."""
+        self.invalidate()
+        self.slots = None
+
+    # ------------------------------------------------------------------ step
+    def step(self, bucket: int, sampling_key: tuple[float, float, int]) -> None:
+        """One decode step on slots ``[:bucket]``: replay its graph, or warm up / capture it, or run eagerly."""
+        view = self.slots.head(bucket)
+        if not self.use_graphs or self._call_eager:
+            view.step(self.model, sampling_key)
+            self._stats.eager_steps += 1
+            return
+        key = GraphKey(bucket, sampling_key)
+        graph = self._graphs.get(key)
+        if graph is None:
+            if key not in self._warm:
+                # The one warm-up: a real step on the graph stream, so lazy kernels and workspaces
+                # exist before capture. Nothing to undo: it is this call's step.
+                with self.accelerator.on_graph_stream():
+                    view.step(self.model, sampling_key)
+                self._warm.add(key)
+                self._stats.warmups += 1
+                self._stats.eager_steps += 1
+                return
+            graph = self._capture(key, view)
+            if graph is None:
+                view.step(self.model, sampling_key)
+                self._stats.eager_steps += 1
+                return
+        self.accelerator.replay_graph(graph)
+        self._stats.replays += 1
+
+    def _capture(self, key: GraphKey, view: DecodeSlots) -> Any | None:
+        acc = self.accelerator
+        t0 = time.perf_counter()
+        mem0 = acc.memory_allocated()
+        graph = acc.create_graph()
+        try:
+            with attributed_hooks(self.model), acc.capture_to_graph(graph, pool=self._pool):
+                view.step(self.model, key.sampling)
+        except HookCaptureError as exc:
+            reason = (f"Graphs refused: {exc}. Decoding runs eagerly while this hook is registered; keep the "
+                      "hook's work on the device (no .item(), .tolist() or printing of values) to use graphs.")
+            self._bad_hooks = (hook_fingerprint(self.model), reason)
+            self._capture_failed(reason)
+            return None
+        except Exception as exc:  # any backend's capture error: fall back, never crash the call
+            self._failures += 1
+            reason = (f"Graph capture failed ({type(exc).__name__}: {exc}); this call continues eagerly with "
+                      "the same tokens. Counted in fallbacks.")
+            if self._failures >= MAX_CAPTURE_FAILURES:
+                self._disabled = (f"Graphs were disabled for this engine after {self._failures} capture "
+                                  "failures; decode runs eagerly.")
+                reason += " " + self._disabled
+                self.invalidate()
+            self._capture_failed(reason)
+            return None
+        self._graphs[key] = graph
+        if self._pool is None:
+            self._pool = acc.graph_pool(graph)
+        s = self._stats
+        s.captures += 1
+        s.capture_seconds += time.perf_counter() - t0
+        pool_bytes = acc.graph_memory_bytes(self._pool)
+        s.graph_memory_bytes = pool_bytes if pool_bytes is not None else (
+            s.graph_memory_bytes + max(0, acc.memory_allocated() - mem0))
+        return graph
+
+    def _capture_failed(self, reason: str) -> None:
+        self._stats.fallbacks += 1
+        self._call_eager = True
+        self.note_refusal(reason)
+
+    # ----------------------------------------------------------------- stats
+    @property
+    def stats(self) -> GraphStats:
+        """A snapshot of the counters (a copy: later steps do not change it)."""
+        s = dataclasses.replace(self._stats)
+        s.captured_positions = s.graph_keys = len(self._graphs)
+        s.buckets = tuple(sorted({k.bucket for k in self._graphs}))
+        s.cache_memory_bytes = self.slots.memory_bytes() if self.slots is not None else 0
+        return s

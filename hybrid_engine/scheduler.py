@@ -1,0 +1,262 @@
+"""Slot scheduling for both generation paths: admission, shared prefill, harvest, compaction.
+
+``engine.generate`` admits its whole batch at once (static batching);
+``HybridEngineRollout`` refills slots as requests finish (continuous
+batching). Either way decode steps go to :meth:`DecodeGraphRunner.step` on the
+smallest bucket holding the live rows.
+
+The host never looks at tokens while decoding. It knows, per active slot, an
+upper bound on the steps left (the budget minus the tokens generated when it
+last looked), and reads the device ``finished`` flags and ``token_index`` (one
+transfer, counted in ``host_syncs``) only when that can change what runs next:
+
+* when a slot is guaranteed to have finished and a waiting request can take
+  it, or the live rows would then fit a smaller bucket, or everything is done;
+* every ``sync_interval`` steps, only while some row can still stop early on
+  EOS (a reachable EOS id, past its ``min_tokens``).
+
+A harvest copies finished slots' output rows into device result tensors (no
+host transfer) and frees the slots. Then, when the live rows fit a smaller
+bucket, rows above it move into free slots below it (:meth:`DecodeSlots.move`,
+as vLLM compacts its batch), so finished rows stop costing compute. Pending
+requests are prefilled into the lowest free slots, in one batched forward per
+round. With shared prefill each distinct prompt of a round is prefilled once
+and its KV rows are copied into the slots of its other samples.
+
+A request's first token is picked from the prefill logits by the same
+:func:`~hybrid_engine.decode_state.choose_tokens` and counters (request index,
+token 0) as the decode step, so where a request runs (slot, round, bucket)
+does not change what it samples.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .decode_state import DecodeSlots, choose_tokens
+from .graph_runner import DecodeGraphRunner
+from .model_step import prefill
+from .timing import PhaseTimer
+
+__all__ = ["Counters", "RequestSpec", "gather_responses", "run_schedule"]
+
+
+@dataclass
+class RequestSpec:
+    request_index: int  # row of the output batch
+    prompt_index: int
+    budget: int
+    rng_index: int  # request counter of the sampler
+    min_tokens: int = 0  # EOS is suppressed before this many tokens
+
+
+@dataclass
+class Counters:
+    timer: PhaseTimer  # "prefill" and "decode" phases
+    decode_steps: int = 0
+    prefill_forwards: int = 0
+    prefill_rows: int = 0
+    kv_row_copies: int = 0
+    host_syncs: int = 0
+    harvests: int = 0
+    admission_rounds: int = 0
+    peak_active_batch: int = 0
+    compactions: int = 0
+    rows_moved: int = 0
+    bucket_steps: dict[int, int] = field(default_factory=dict)
+    lengths: dict[int, int] = field(default_factory=dict)
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _admit(
+    runner: DecodeGraphRunner,
+    slots: list[int],
+    reqs: list[RequestSpec],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    prompt_lengths: list[int],
+    sampling_key: tuple[float, float, int],
+    seed: int,
+    *,
+    shared_prefill: bool,
+    trim_prompts: bool,
+    counters: Counters,
+) -> None:
+    state = runner.slots
+    device = state.device
+    # Which prompt each admitted request reads its first logits from, and which slots get prefilled.
+    if shared_prefill:
+        first_slot: dict[int, int] = {}
+        for slot, req in zip(slots, reqs):
+            first_slot.setdefault(req.prompt_index, slot)
+        prompts = list(first_slot)
+        prefill_slots = [first_slot[p] for p in prompts]
+        row_of_prompt = {p: k for k, p in enumerate(prompts)}
+        logit_rows = [row_of_prompt[r.prompt_index] for r in reqs]
+        copies = [(first_slot[r.prompt_index], s) for s, r in zip(slots, reqs) if first_slot[r.prompt_index] != s]
+    else:
+        prompts = [r.prompt_index for r in reqs]
+        prefill_slots = list(slots)
+        logit_rows = list(range(len(reqs)))
+        copies = []
+    width = max(prompt_lengths[p] for p in prompts) if trim_prompts else prompt_ids.shape[1]
+    index = _index(prompts, prompt_ids.device)
+    ids = prompt_ids.index_select(0, index)[:, -width:]
+    mask = prompt_mask.index_select(0, index)[:, -width:]
+    if prefill_slots == list(range(len(prefill_slots))):  # rows 0..n-1: write the head's cache directly
+        logits = prefill(runner.model, state.head(len(prefill_slots)).cache, ids, mask)
+    else:
+        logits = prefill(runner.model, state.cache, ids, mask, rows=_index(prefill_slots, device))
+    counters.prefill_forwards += 1
+    counters.prefill_rows += len(prompts)
+    if copies:
+        state.cache.copy_rows(_index([c[0] for c in copies], device), _index([c[1] for c in copies], device))
+        counters.kv_row_copies += len(copies)
+    if logit_rows != list(range(logits.shape[0])):
+        logits = logits.index_select(0, _index(logit_rows, logits.device))
+    n = len(reqs)
+    request_index = _index([r.rng_index for r in reqs], device)
+    min_tokens = _index([r.min_tokens for r in reqs], device)
+    tokens, logprobs = choose_tokens(
+        logits, sampling_key, eos_mask=state.eos_mask, suppress_eos=min_tokens > 0,
+        seed=torch.full((n,), seed, dtype=torch.int64, device=device), request_index=request_index,
+        token_index=torch.zeros(n, dtype=torch.int64, device=device),
+    )
+    state.admit(_index(slots, device), tokens.to(device), logprobs.to(device), seed=seed,
+                request_index=request_index, budget=_index([r.budget for r in reqs], device),
+                min_tokens=min_tokens)
+
+
+def _compact(state: DecodeSlots, active: dict[int, RequestSpec], left: dict[int, int], free: list[int],
+             target: int, counters: Counters) -> list[int]:
+    """Move live rows at slots >= ``target`` into free slots below it; return the new free list."""
+    movers = sorted(s for s in active if s >= target)
+    holes = sorted(s for s in free if s < target)[: len(movers)]
+    device = state.device
+    state.move(_index(movers, device), _index(holes, device))
+    for src, dst in zip(movers, holes):
+        active[dst] = active.pop(src)
+        left[dst] = left.pop(src)
+    counters.compactions += 1
+    counters.rows_moved += len(movers)
+    return sorted((set(free) - set(holes)) | set(movers))
+
+
+def _steps_to_next_sync(runner: DecodeGraphRunner, left: dict[int, int], bucket: int, waiting: bool) -> int:
+    """Steps until a host sync can change what runs: a slot frees for a waiting request, the bucket
+    shrinks, or every slot is done. ``left`` holds upper bounds, so the slots counted done are done."""
+    if waiting:
+        return min(left.values())
+    bounds = sorted(left.values())
+    for done, steps in enumerate(bounds, start=1):
+        remaining = len(bounds) - done
+        if remaining == 0 or runner.bucket_for(remaining) < bucket:
+            return steps
+    return bounds[-1]
+
+
+def run_schedule(
+    runner: DecodeGraphRunner,
+    requests: list[RequestSpec],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    sampling_key: tuple[float, float, int],
+    seed: int,
+    *,
+    width: int,
+    max_active: int,
+    continuous: bool,
+    shared_prefill: bool,
+    trim_prompts: bool,
+    eos_reachable: bool,
+    sync_interval: int,
+    counters: Counters,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generate every request on ``runner.slots``; return device ``(tokens, logprobs)`` ``[R, width]``.
+
+    Lengths go to ``counters.lengths``. ``trim_prompts`` prefills each admission
+    round at its longest real prompt instead of the full prompt width.
+    """
+    state = runner.slots
+    device = state.device
+    num_requests = len(requests)
+    out_tokens = torch.zeros(num_requests, width, dtype=torch.int64, device=device)
+    out_logprobs = torch.zeros(num_requests, width, dtype=torch.float32, device=device)
+    prompt_lengths = prompt_mask.sum(dim=1).tolist()
+    queue = deque(requests)
+    free = list(range(max_active))
+    active: dict[int, RequestSpec] = {}  # slot -> request
+    left: dict[int, int] = {}  # slot -> upper bound on decode steps before it must have finished
+
+    while queue or active:
+        can_admit = continuous or not active
+        n_admit = min(len(queue), max_active - len(active), len(free)) if can_admit else 0
+        if n_admit > 0:
+            slots = [free.pop(0) for _ in range(n_admit)]
+            reqs = [queue.popleft() for _ in range(n_admit)]
+            with counters.timer.phase("prefill"):
+                _admit(runner, slots, reqs, prompt_ids, prompt_mask, prompt_lengths, sampling_key, seed,
+                       shared_prefill=shared_prefill, trim_prompts=trim_prompts, counters=counters)
+            for slot, req in zip(slots, reqs):
+                active[slot] = req
+                left[slot] = req.budget - 1
+            counters.admission_rounds += 1
+            counters.peak_active_batch = max(counters.peak_active_batch, len(active))
+
+        target = runner.bucket_for(len(active))
+        if max(active) >= target:
+            free = _compact(state, active, left, free, target, counters)
+        bucket = runner.bucket_for(max(active) + 1)
+        waiting = bool(queue) and continuous
+        n_steps = _steps_to_next_sync(runner, left, bucket, waiting)
+        if eos_reachable and any(r.min_tokens < r.budget for r in active.values()):
+            n_steps = min(n_steps, sync_interval)
+        n_steps = max(0, n_steps)
+        if n_steps:
+            with counters.timer.phase("decode"):
+                for _ in range(n_steps):
+                    runner.step(bucket, sampling_key)
+            counters.decode_steps += n_steps
+            counters.bucket_steps[bucket] = counters.bucket_steps.get(bucket, 0) + n_steps
+            for slot in left:
+                left[slot] -= n_steps
+
+        # One host read of the per-slot flags: what scheduling needs, nothing per token.
+        flags = torch.stack([state.finished.to(torch.int64), state.token_index]).cpu()
+        counters.host_syncs += 1
+        finished_flags, generated = flags[0].tolist(), flags[1].tolist()
+        done = [slot for slot in active if finished_flags[slot]]
+        for slot in active:
+            left[slot] = active[slot].budget - generated[slot]
+        if not done:
+            continue
+        counters.harvests += 1
+        done_slots = _index(done, device)
+        rows = _index([active[s].request_index for s in done], device)
+        out_tokens.index_copy_(0, rows, state.out_tokens.index_select(0, done_slots)[:, :width])
+        out_logprobs.index_copy_(0, rows, state.out_logprobs.index_select(0, done_slots)[:, :width])
+        for slot in done:
+            counters.lengths[active[slot].request_index] = generated[slot]
+            del active[slot]
+            del left[slot]
+        state.release(done_slots)
+        free = sorted(free + done)
+    return out_tokens, out_logprobs
+
+
+def gather_responses(out_tokens: torch.Tensor, lengths: dict[int, int], pad_id: int,
+                     out_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(responses, logprobs, lengths)``: rows cut to the longest response, ``pad_id``/0 past each length."""
+    device = out_tokens.device
+    n = torch.tensor([lengths[r] for r in range(out_tokens.shape[0])], dtype=torch.int64, device=device)
+    width = max(1, max(lengths.values()))
+    real = torch.arange(width, device=device)[None, :] < n[:, None]
+    responses = out_tokens[:, :width].masked_fill(~real, pad_id)
+    logprobs = None if out_logprobs is None else out_logprobs[:, :width].masked_fill(~real, 0.0)
+    return responses, logprobs, n
