@@ -112,14 +112,15 @@ def test_no_checks_and_no_host_reads_during_capture(cpu_graphs):
     cache = make(batch=2, capacity=8)
     cache.write_pos.copy_(torch.tensor([1, 4]))
     k = states(cache, 1, fill=2.0)
+    row0, row1 = torch.tensor([0]), torch.tensor([1])  # index tensors live on the device before capture
     graph = cpu_graphs.create_graph()
     with cpu_graphs.capture_to_graph(graph):
         cache.update(k, k, 0)
         seq = cache.get_seq_length()
         offset = cache.get_query_offset(0)
         assert isinstance(seq, torch.Tensor) and isinstance(offset, torch.Tensor)
-        cache.reset_rows(torch.tensor([1]))
-        cache.copy_rows(torch.tensor([0]), torch.tensor([1]))
+        cache.reset_rows(row1)
+        cache.copy_rows(row0, row1)
     assert cache.layers[0].keys.abs().sum() == 0  # capture did not apply its work
     cpu_graphs.replay_graph(graph)
     assert torch.equal(cache.layers[0].keys[0, :, 1], k[0, :, 0])
