@@ -65,9 +65,9 @@ def choose_tokens(
     *,
     eos_mask: torch.Tensor,
     suppress_eos: torch.Tensor,
-    seed: torch.Tensor,
+    seed: torch.Tensor | int,
     request_index: torch.Tensor,
-    token_index: torch.Tensor,
+    token_index: torch.Tensor | int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens [B], logprobs [B])`` from ``logits [B, V]``; EOS is masked out on rows where ``suppress_eos``.
 
@@ -120,6 +120,7 @@ class DecodeSlots:
         self._park_write = park
         self._park_position = park if position_limit is None else min(park, position_limit - 1)
         self._heads: dict[int, DecodeSlots] = {rows: self}
+        self._windows: dict[tuple[int, int], StaticKVCache] = {}
 
     @property
     def device(self) -> torch.device:
@@ -144,10 +145,17 @@ class DecodeSlots:
             view = object.__new__(DecodeSlots)
             view.__dict__.update(self.__dict__)
             view.rows = n
-            view.cache = self.cache.head(n)
+            view.cache = self.cache.rows_view(0, n)
             for name in _ROW_TENSORS:
                 setattr(view, name, getattr(self, name)[:n])
             self._heads[n] = view
+        return view
+
+    def cache_rows(self, start: int, stop: int) -> StaticKVCache:
+        """The cache of slots ``start..stop-1`` (a view at the same addresses), e.g. to prefill them directly."""
+        view = self._windows.get((start, stop))
+        if view is None:
+            view = self._windows[(start, stop)] = self.cache.rows_view(start, stop)
         return view
 
     def memory_bytes(self) -> int:

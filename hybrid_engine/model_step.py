@@ -164,34 +164,28 @@ def prefill(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     rows: torch.LongTensor | None = None,
+    *,
+    checked: bool = False,
 ) -> torch.Tensor:
     """Run a LEFT-padded prompt batch ``[N, T]`` into cache ``rows`` (default ``0..N-1``); return ``[N, V]`` logits.
 
-    The rows are reset first; afterwards ``valid`` marks the real prompt tokens,
-    ``write_pos = T`` and ``position`` = number of real tokens. When ``rows`` is not
-    the whole cache, the forward runs on a temporary cache of batch ``N`` and
-    capacity ``T`` whose rows are then loaded with :meth:`StaticKVCache.load_rows`.
-    Not capture-safe (never captured).
+    Afterwards ``valid`` marks the real prompt tokens (nothing past them), ``write_pos
+    = T`` and ``position`` = number of real tokens; K/V past ``T`` are left as they were
+    (never attended). When ``rows`` is not the whole cache, the forward runs on a
+    temporary cache of batch ``N`` and capacity ``T`` whose rows are then loaded with
+    :meth:`StaticKVCache.load_rows`. ``checked=True`` skips the input checks (and their
+    host read) for callers that validated already. Not capture-safe (never captured).
     """
-    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"prefill: input_ids [N, T] and attention_mask of the same shape expected, got "
-            f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
-        )
+    if not checked:
+        _check_prompts(cache, input_ids, attention_mask)
     n, t = input_ids.shape
-    if t < 1 or n < 1:
-        raise ValueError("prefill: empty prompt batch")
-    if t > cache.capacity:
-        raise ValueError(f"prefill: prompt length {t} exceeds the cache capacity {cache.capacity}")
-    if not bool(attention_mask[:, -1].bool().all()):
-        raise ValueError("prefill: prompts must be LEFT-padded with at least one real token (last column all 1)")
     device = cache.device
     input_ids = input_ids.to(device)
     attention_mask = attention_mask.to(device)
     whole = rows is None and n == cache.batch_size
     if whole:
         target = cache
-        target.reset()
+        target.write_pos.zero_()  # the prompt is written at slots 0..T-1
     else:
         rows = torch.arange(n, device=device) if rows is None else torch.as_tensor(rows, device=device)
         if rows.numel() != n:
@@ -211,12 +205,29 @@ def prefill(
         )
     finally:
         target.kv_len = saved_kv_len
+    if whole:
+        target.valid[:, t:] = False
     target.valid[:, :t] = attention_mask.bool()
     target.write_pos.fill_(t)
     target.position.copy_(attention_mask.to(torch.int64).sum(-1))
     if not whole:
         cache.load_rows(rows, target)
     return logits
+
+
+def _check_prompts(cache: StaticKVCache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"prefill: input_ids [N, T] and attention_mask of the same shape expected, got "
+            f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}"
+        )
+    n, t = input_ids.shape
+    if t < 1 or n < 1:
+        raise ValueError("prefill: empty prompt batch")
+    if t > cache.capacity:
+        raise ValueError(f"prefill: prompt length {t} exceeds the cache capacity {cache.capacity}")
+    if not bool(attention_mask[:, -1].bool().all()):
+        raise ValueError("prefill: prompts must be LEFT-padded with at least one real token (last column all 1)")
 
 
 @torch.no_grad()

@@ -109,10 +109,11 @@ def _admit(
     index = _index(prompts, prompt_ids.device)
     ids = prompt_ids.index_select(0, index)[:, -width:]
     mask = prompt_mask.index_select(0, index)[:, -width:]
-    if prefill_slots == list(range(len(prefill_slots))):  # rows 0..n-1: write the head's cache directly
-        logits = prefill(runner.model, state.head(len(prefill_slots)).cache, ids, mask)
+    first, count = prefill_slots[0], len(prefill_slots)
+    if prefill_slots == list(range(first, first + count)):  # contiguous slots: write their cache directly
+        logits = prefill(runner.model, state.cache_rows(first, first + count), ids, mask, checked=True)
     else:
-        logits = prefill(runner.model, state.cache, ids, mask, rows=_index(prefill_slots, device))
+        logits = prefill(runner.model, state.cache, ids, mask, rows=_index(prefill_slots, device), checked=True)
     counters.prefill_forwards += 1
     counters.prefill_rows += len(prompts)
     if copies:
@@ -120,16 +121,13 @@ def _admit(
         counters.kv_row_copies += len(copies)
     if logit_rows != list(range(logits.shape[0])):
         logits = logits.index_select(0, _index(logit_rows, logits.device))
-    n = len(reqs)
-    request_index = _index([r.rng_index for r in reqs], device)
-    min_tokens = _index([r.min_tokens for r in reqs], device)
-    tokens, logprobs = choose_tokens(
-        logits, sampling_key, eos_mask=state.eos_mask, suppress_eos=min_tokens > 0,
-        seed=torch.full((n,), seed, dtype=torch.int64, device=device), request_index=request_index,
-        token_index=torch.zeros(n, dtype=torch.int64, device=device),
-    )
-    state.admit(_index(slots, device), tokens.to(device), logprobs.to(device), seed=seed,
-                request_index=request_index, budget=_index([r.budget for r in reqs], device),
+    # One host-to-device copy for every per-request value.
+    meta = torch.tensor([slots, [r.rng_index for r in reqs], [r.budget for r in reqs], [r.min_tokens for r in reqs]],
+                        dtype=torch.int64, device=device)
+    slot_index, request_index, budget, min_tokens = meta
+    tokens, logprobs = choose_tokens(logits, sampling_key, eos_mask=state.eos_mask, suppress_eos=min_tokens > 0,
+                                     seed=seed, request_index=request_index, token_index=0)
+    state.admit(slot_index, tokens, logprobs, seed=seed, request_index=request_index, budget=budget,
                 min_tokens=min_tokens)
 
 
@@ -148,11 +146,36 @@ def _compact(state: DecodeSlots, active: dict[int, RequestSpec], left: dict[int,
     return sorted((set(free) - set(holes)) | set(movers))
 
 
-def _steps_to_next_sync(runner: DecodeGraphRunner, left: dict[int, int], bucket: int, waiting: bool) -> int:
-    """Steps until a host sync can change what runs: a slot frees for a waiting request, the bucket
-    shrinks, or every slot is done. ``left`` holds upper bounds, so the slots counted done are done."""
-    if waiting:
-        return min(left.values())
+def _steps_to_admission(room: int, waiting: int, left: dict[int, int], max_active: int, cost: float,
+                        cap: int | None) -> int:
+    """Continuous batching: in how many steps to admit waiting requests (0: now).
+
+    An admission round costs about ``cost`` decode steps (one eager prefill
+    forward, whatever its rows). Holding ``room`` free slots for the ``w`` steps
+    until another slot is guaranteed free leaves them idle, about
+    ``room * w / max_active`` steps of wall time; so admit at the first moment
+    that is no cheaper, or when everything waiting fits. ``left`` holds upper
+    bounds on each live row's remaining steps; while rows may stop early on EOS
+    the host must look every ``cap`` steps anyway, so no plan reaches past that.
+    """
+    bounds = sorted(left.values())
+    now = 0
+    while True:
+        later = [b for b in bounds if b > now]
+        free = min(waiting, room + len(bounds) - len(later))
+        if free >= waiting or not later:
+            return now
+        w = later[0] - now if cap is None else min(later[0] - now, cap)
+        if free and free * w >= cost * max_active:
+            return now
+        if cap is not None and later[0] > cap:
+            return cap
+        now = later[0]
+
+
+def _steps_to_shrink(runner: DecodeGraphRunner, left: dict[int, int], bucket: int) -> int:
+    """Steps until a host sync can change what runs: the live rows fit a smaller bucket, or every slot
+    is done. ``left`` holds upper bounds, so the slots counted done are done."""
     bounds = sorted(left.values())
     for done, steps in enumerate(bounds, start=1):
         remaining = len(bounds) - done
@@ -177,6 +200,7 @@ def run_schedule(
     eos_reachable: bool,
     sync_interval: int,
     counters: Counters,
+    admission_cost: float = 2.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate every request on ``runner.slots``; return device ``(tokens, logprobs)`` ``[R, width]``.
 
@@ -190,16 +214,22 @@ def run_schedule(
     out_logprobs = torch.zeros(num_requests, width, dtype=torch.float32, device=device)
     prompt_lengths = prompt_mask.sum(dim=1).tolist()
     queue = deque(requests)
+
+    def early_stops(active: dict[int, RequestSpec]) -> bool:
+        """Whether a live row may still stop on EOS before its budget (then the host must look)."""
+        return eos_reachable and any(r.min_tokens < r.budget for r in active.values())
+
     free = list(range(max_active))
     active: dict[int, RequestSpec] = {}  # slot -> request
     left: dict[int, int] = {}  # slot -> upper bound on decode steps before it must have finished
 
     while queue or active:
-        can_admit = continuous or not active
-        n_admit = min(len(queue), max_active - len(active), len(free)) if can_admit else 0
-        if n_admit > 0:
-            slots = [free.pop(0) for _ in range(n_admit)]
-            reqs = [queue.popleft() for _ in range(n_admit)]
+        room = min(len(queue), max_active - len(active), len(free))
+        cap = sync_interval if early_stops(active) else None
+        if room and (not active or (continuous and _steps_to_admission(room, len(queue), left, max_active,
+                                                                       admission_cost, cap) == 0)):
+            slots = [free.pop(0) for _ in range(room)]
+            reqs = [queue.popleft() for _ in range(room)]
             with counters.timer.phase("prefill"):
                 _admit(runner, slots, reqs, prompt_ids, prompt_mask, prompt_lengths, sampling_key, seed,
                        shared_prefill=shared_prefill, trim_prompts=trim_prompts, counters=counters)
@@ -213,10 +243,14 @@ def run_schedule(
         if max(active) >= target:
             free = _compact(state, active, left, free, target, counters)
         bucket = runner.bucket_for(max(active) + 1)
-        waiting = bool(queue) and continuous
-        n_steps = _steps_to_next_sync(runner, left, bucket, waiting)
-        if eos_reachable and any(r.min_tokens < r.budget for r in active.values()):
-            n_steps = min(n_steps, sync_interval)
+        cap = sync_interval if early_stops(active) else None
+        if continuous and queue:
+            room = min(len(queue), max_active - len(active), len(free))
+            n_steps = _steps_to_admission(room, len(queue), left, max_active, admission_cost, cap)
+        else:
+            n_steps = _steps_to_shrink(runner, left, bucket)
+        if cap is not None:
+            n_steps = min(n_steps, cap)
         n_steps = max(0, n_steps)
         if n_steps:
             with counters.timer.phase("decode"):

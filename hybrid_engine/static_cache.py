@@ -338,20 +338,22 @@ class StaticKVCache(Cache):
                 f"{end}, past {what}={limit}"
             )
 
-    def head(self, rows: int) -> "StaticKVCache":
-        """A cache over rows ``0..rows-1`` that shares this cache's storage (same addresses).
+    def rows_view(self, start: int, stop: int) -> "StaticKVCache":
+        """A cache over rows ``start..stop-1`` that shares this cache's storage (same addresses).
 
-        A graph captured on the head reads and writes exactly those rows of this
-        cache, so graphs of several batch buckets can share one allocation.
+        A graph captured on ``rows_view(0, n)`` reads and writes exactly those rows of
+        this cache, so graphs of several batch buckets share one allocation; a prefill
+        into contiguous rows writes them directly.
         """
-        if not isinstance(rows, int) or not 1 <= rows <= self._batch_size:
-            raise ValueError(f"StaticKVCache.head: rows must be in 1..{self._batch_size}, got {rows!r}")
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= self._batch_size):
+            raise ValueError(f"StaticKVCache.rows_view: need 0 <= start < stop <= {self._batch_size}, "
+                             f"got {start!r}, {stop!r}")
         view = StaticKVCache.__new__(StaticKVCache)
         view._setup(
-            [(layer.keys[:rows], layer.values[:rows]) for layer in self.layers],
-            self.write_pos[:rows],
-            self.position[:rows],
-            self.valid[:rows],
+            [(layer.keys[start:stop], layer.values[start:stop]) for layer in self.layers],
+            self.write_pos[start:stop],
+            self.position[start:stop],
+            self.valid[start:stop],
         )
         view.bounds_checks = self.bounds_checks
         return view
@@ -396,7 +398,9 @@ class StaticKVCache(Cache):
     def load_rows(self, rows: torch.LongTensor, other: "StaticKVCache") -> None:
         """Copy every row of ``other`` (batch ``len(rows)``, capacity <= ours) into ``rows``.
 
-        Slots beyond ``other.capacity`` are emptied. Used by row-subset prefill.
+        Slots beyond ``other.capacity`` are marked invalid; their K/V are left as they
+        were (no query attends an invalid slot), so loading a short prompt costs its
+        own length, not the capacity. Used by row-subset prefill.
         """
         rows = self._rows(rows, "rows")
         if other.batch_size != rows.numel():
@@ -409,7 +413,7 @@ class StaticKVCache(Cache):
             len(self.layers), self.num_kv_heads, self.head_dim
         ):
             raise ValueError("StaticKVCache.load_rows: the two caches have different layer/head geometry")
-        self.reset_rows(rows)
+        self.valid.index_fill_(0, rows, False)
         n = other.capacity
         for mine, theirs in zip(self.layers, other.layers):
             mine.keys[:, :, :n].index_copy_(0, rows, theirs.keys.to(self._dtype))

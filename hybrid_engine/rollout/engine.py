@@ -190,7 +190,7 @@ class HybridEngineRollout:
             out_tokens, out_logprobs = run_schedule(
                 runner, requests, prompt_ids, prompt_mask, sampling.sampling_key, sampling.seed,
                 width=max_new, max_active=max_active, continuous=cfg.continuous_batching,
-                shared_prefill=cfg.use_shared_prefill, trim_prompts=True,
+                shared_prefill=cfg.use_shared_prefill, trim_prompts=True, admission_cost=float(__import__("os").environ.get("ADMIT_COST","2")),
                 eos_reachable=any(e < logits_width(model) for e in eos_ids),
                 sync_interval=cfg.sync_interval, counters=counters,
             )
