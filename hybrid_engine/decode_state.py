@@ -40,7 +40,7 @@ from .model_step import decode_one_token
 from .sampling import sample_tokens
 from .static_cache import StaticKVCache
 
-__all__ = ["DecodeSlots", "choose_tokens", "logits_width"]
+__all__ = ["DecodeSlots", "PrefillStage", "choose_tokens", "logits_width", "width_bucket"]
 
 #: EOS ids a slot table holds at least (more when a model declares more).
 MIN_EOS_SLOTS = 8
@@ -48,6 +48,11 @@ MIN_EOS_SLOTS = 8
 # Per-row tensors, all ``[S, ...]``: a bucket views ``[:n]`` of each, a move copies rows of each.
 _ROW_TENSORS = ("tokens", "token_index", "seed", "request_index", "budget", "min_tokens", "finished",
                 "out_tokens", "out_logprobs")
+
+
+def width_bucket(width: int) -> int:
+    """The staged prompt width for prompts of ``width`` tokens: a power of two, at least 8."""
+    return max(8, 1 << (width - 1).bit_length())
 
 
 def logits_width(model: PreTrainedModel) -> int:
@@ -120,7 +125,6 @@ class DecodeSlots:
         self._park_write = park
         self._park_position = park if position_limit is None else min(park, position_limit - 1)
         self._heads: dict[int, DecodeSlots] = {rows: self}
-        self._windows: dict[tuple[int, int], StaticKVCache] = {}
 
     @property
     def device(self) -> torch.device:
@@ -149,13 +153,6 @@ class DecodeSlots:
             for name in _ROW_TENSORS:
                 setattr(view, name, getattr(self, name)[:n])
             self._heads[n] = view
-        return view
-
-    def cache_rows(self, start: int, stop: int) -> StaticKVCache:
-        """The cache of slots ``start..stop-1`` (a view at the same addresses), e.g. to prefill them directly."""
-        view = self._windows.get((start, stop))
-        if view is None:
-            view = self._windows[(start, stop)] = self.cache.rows_view(start, stop)
         return view
 
     def memory_bytes(self) -> int:
@@ -212,9 +209,10 @@ class DecodeSlots:
         budget: torch.Tensor,
         min_tokens: torch.Tensor,
     ) -> None:
-        """Load freshly prefilled requests into ``slots``; their first token came from the prefill logits."""
-        self.out_tokens.index_fill_(0, slots, 0)
-        self.out_logprobs.index_fill_(0, slots, 0.0)
+        """Load freshly prefilled requests into ``slots``; their first token came from the prefill logits.
+
+        Output columns past a request's length keep stale values: harvests read only up to it.
+        """
         self.out_tokens[:, 0].index_copy_(0, slots, first_tokens)
         self.out_logprobs[:, 0].index_copy_(0, slots, first_logprobs.float())
         self.tokens.index_copy_(0, slots, first_tokens)
@@ -238,8 +236,58 @@ class DecodeSlots:
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move live rows ``src[i]`` into free slots ``dst[i]`` (cache rows included), then free ``src``."""
-        self.cache.copy_rows(src, dst)
+        self.cache.copy_rows(src, dst, checked=True)
         for name in _ROW_TENSORS:
             t = getattr(self, name)
             t.index_copy_(0, dst, t.index_select(0, src))
         self.release(src)
+
+
+class PrefillStage:
+    """Static prompt buffers and a staging KV cache for admission prefill, at the largest shape a call needs.
+
+    An admission round of ``n`` prompts (left-padded, ``w`` wide) is staged into
+    the ``[:rows, :width]`` view of these buffers, ``rows`` and ``width`` being the
+    bucket sizes that hold ``n`` and ``w``: the prompts are right-aligned, the
+    columns before them masked out. So one (rows, width) view serves every round
+    that fits it, at fixed addresses, and its prefill forward can be captured and
+    replayed like a decode step. Rows past ``n`` keep whatever they held (masked
+    or stale prompts); their outputs are never read. Masked columns contribute
+    exact zeros to attention, so staging does not change a prompt's result
+    beyond what a different padding width changes.
+    """
+
+    def __init__(self, model: PreTrainedModel, rows: int, width: int, *, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.rows = rows
+        self.width = width
+        self.ids = torch.zeros(rows, width, dtype=torch.int64, device=device)
+        self.mask = torch.zeros(rows, width, dtype=torch.int64, device=device)
+        self.cache = StaticKVCache(model.config, rows, width, device=device, dtype=dtype)
+        self.cache.bounds_checks = False
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, StaticKVCache]] = {}
+
+    def fits(self, rows: int, width: int, device: torch.device, dtype: torch.dtype) -> bool:
+        return (self.rows >= rows and self.width >= width and self.ids.device == device
+                and self.cache.dtype == dtype)
+
+    def view(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor, StaticKVCache]:
+        """``(ids, mask, cache)`` of the ``rows x width`` bucket (views at fixed addresses)."""
+        view = self._views.get((rows, width))
+        if view is None:
+            view = self._views[(rows, width)] = (
+                self.ids[:rows, :width], self.mask[:rows, :width], self.cache.rows_view(0, rows, width))
+        return view
+
+    def stage(self, ids: torch.Tensor, mask: torch.Tensor, rows: int,
+              width: int) -> tuple[torch.Tensor, torch.Tensor, StaticKVCache]:
+        """Copy prompts ``[n, w]`` right-aligned into the ``rows x width`` view; return the view."""
+        n, w = ids.shape
+        view = staged_ids, staged_mask, _ = self.view(rows, width)
+        staged_mask[:n, : width - w].zero_()
+        staged_mask[:n, width - w:].copy_(mask)
+        staged_ids[:n, width - w:].copy_(ids)
+        return view
+
+    def memory_bytes(self) -> int:
+        return int(self.cache.memory_bytes()) + self.ids.nbytes + self.mask.nbytes

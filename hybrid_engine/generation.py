@@ -292,7 +292,7 @@ class Generator:
         counters = Counters(timer=PhaseTimer(runner.accelerator))
         out_tokens, _ = run_schedule(
             runner, requests, ids, plan.attention_mask, plan.sampling, seed,
-            width=plan.new_tokens, max_active=batch, continuous=False, shared_prefill=False, trim_prompts=False,
+            width=plan.new_tokens, max_active=batch, continuous=False, shared_prefill=False, staged=False,
             eos_reachable=any(e < logits_width(self.model) for e in plan.eos), sync_interval=SYNC_INTERVAL,
             counters=counters,
         )

@@ -8,12 +8,15 @@ Both generation paths run on this one runner: ``engine.generate``
 * the buffers: one :class:`~hybrid_engine.decode_state.DecodeSlots` allocated
   at the largest bucket a call needs (it only grows, as gpt-fast's caches do);
   bucket ``n`` runs on its ``[:n]`` head, at the same addresses;
-* the graphs, keyed by :class:`GraphKey` ``(bucket, sampling knobs)``, all
-  captured into one shared memory pool on the accelerator's side stream;
+* the graphs, keyed by :class:`GraphKey` ``(bucket, sampling knobs)`` for
+  decode steps and :class:`PrefillKey` ``(rows, width)`` for staged admission
+  prefills (continuous batching admits often; an eager prefill forward costs
+  several replayed steps), all captured into one shared memory pool on the
+  accelerator's side stream;
 * the policy: :meth:`refusal` is the whole answer to "may graphs run now"
   (:mod:`hybrid_engine.graph_policy` plus what was learnt at run time);
-* one warm-up (the first step of a key runs eagerly on the graph stream; the
-  next one captures), one capture-failure policy, one :class:`GraphStats`.
+* one warm-up (the first run of a key is eager, on the graph stream; the next
+  one captures), one capture-failure policy, one :class:`GraphStats`.
 
 Graph-safety invariants kept here:
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -41,12 +45,13 @@ from transformers import PreTrainedModel
 
 from .accelerator import accelerator_for
 from .config import EngineConfig
-from .decode_state import DecodeSlots
+from .decode_state import DecodeSlots, PrefillStage, width_bucket
 from .graph_policy import GraphRefusedWarning, refusal_reason
 from .graph_safety import HookCaptureError, attributed_hooks, graph_fingerprint, hook_fingerprint
-from .model_step import max_positions
+from .model_step import max_positions, prefill
 
-__all__ = ["MAX_CAPTURE_FAILURES", "DecodeGraphRunner", "GraphKey", "GraphStats", "default_graph_buckets"]
+__all__ = ["MAX_CAPTURE_FAILURES", "DecodeGraphRunner", "GraphKey", "GraphStats", "PrefillKey",
+           "default_graph_buckets"]
 
 #: Capture failures after which a runner stops trying graphs.
 MAX_CAPTURE_FAILURES = 3
@@ -78,12 +83,22 @@ class GraphKey(NamedTuple):
     sampling: tuple[float, float, int]  # (temperature, top_p, top_k)
 
 
+class PrefillKey(NamedTuple):
+    """A staged admission prefill: ``rows`` prompts of ``width`` tokens (both bucket sizes)."""
+
+    rows: int
+    width: int
+
+
 @dataclasses.dataclass
 class GraphStats:
     """Counters of one runner (attribute access; ``to_dict()`` for logging).
 
-    ``captured_positions`` and ``graph_keys`` both count the graphs held now:
-    each graph serves every decode position of its bucket and sampling mode.
+    ``captures``, ``replays``, ``warmups`` and ``eager_steps`` count decode
+    steps; ``captured_positions`` and ``graph_keys`` both count the decode
+    graphs held now (each serves every position of its bucket and sampling
+    mode). ``prefill_captures``/``prefill_replays`` count staged admission
+    prefills.
     """
 
     captured_positions: int = 0
@@ -100,6 +115,8 @@ class GraphStats:
     eager_steps: int = 0
     warmups: int = 0
     buckets: tuple[int, ...] = ()
+    prefill_captures: int = 0
+    prefill_replays: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -119,10 +136,12 @@ class DecodeGraphRunner:
         self.buckets = tuple(sorted(set(buckets))) if buckets else None
         self.accelerator = accelerator_for(self._device())
         self.slots: DecodeSlots | None = None
+        self.stage: PrefillStage | None = None
         #: Whether the current call may use graphs (set by :meth:`prepare`).
         self.use_graphs = False
-        self._graphs: dict[GraphKey, Any] = {}
-        self._warm: set[GraphKey] = set()
+        self._graphs: dict[GraphKey | PrefillKey, tuple[Any, Any]] = {}  # key -> (graph, its static output)
+        self._warm: set[GraphKey | PrefillKey] = set()
+        self._prompt_width = 0
         self._pool: Any = None
         self._fingerprint: tuple | None = None
         self._failures = 0
@@ -161,11 +180,14 @@ class DecodeGraphRunner:
         return next((s for s in sizes if s >= n), n)
 
     # ------------------------------------------------------------- lifecycle
-    def prepare(self, *, rows: int, capacity: int, width: int, num_eos: int, graphs: bool) -> DecodeSlots:
+    def prepare(self, *, rows: int, capacity: int, width: int, num_eos: int, graphs: bool,
+                prompt_width: int | None = None) -> DecodeSlots:
         """Start a call: slots for ``rows`` concurrent rows, graphs checked against what they froze.
 
         ``graphs`` says whether the caller wants graphs; the policy may still
         refuse (warned once, recorded in ``last_refusal_reason``).
+        ``prompt_width`` (the staged width of the call's longest prompt) sets up
+        :meth:`prefill`.
         """
         device = self._device()
         acc = accelerator_for(device)
@@ -184,6 +206,15 @@ class DecodeGraphRunner:
             self.slots = slots = None  # free the old buffers before allocating the new ones
             self.slots = slots = DecodeSlots(model, need, capacity, width, num_eos=num_eos, device=device,
                                              dtype=dtype, position_limit=max_positions(model.config))
+        if prompt_width is not None:
+            self._prompt_width = prompt_width
+            stage = self.stage
+            if stage is None or not stage.fits(need, prompt_width, device, dtype):
+                if stage is not None and stage.ids.device == device and stage.cache.dtype == dtype:
+                    prompt_width = max(prompt_width, stage.width)
+                self.invalidate()
+                self.stage = None
+                self.stage = PrefillStage(model, max(need, slots.rows), prompt_width, device=device, dtype=dtype)
         fingerprint = graph_fingerprint(model)
         if fingerprint != self._fingerprint:
             self.invalidate()
@@ -211,43 +242,68 @@ class DecodeGraphRunner:
         """Drop the graphs and the buffers (the next call allocates and captures again)."""
         self.invalidate()
         self.slots = None
+        self.stage = None
 
-    # ------------------------------------------------------------------ step
+    # ------------------------------------------------------------------ runs
     def step(self, bucket: int, sampling_key: tuple[float, float, int]) -> None:
         """One decode step on slots ``[:bucket]``: replay its graph, or warm up / capture it, or run eagerly."""
         view = self.slots.head(bucket)
-        if not self.use_graphs or self._call_eager:
-            view.step(self.model, sampling_key)
-            self._stats.eager_steps += 1
-            return
-        key = GraphKey(bucket, sampling_key)
-        graph = self._graphs.get(key)
-        if graph is None:
-            if key not in self._warm:
-                # The one warm-up: a real step on the graph stream, so lazy kernels and workspaces
-                # exist before capture. Nothing to undo: it is this call's step.
-                with self.accelerator.on_graph_stream():
-                    view.step(self.model, sampling_key)
-                self._warm.add(key)
-                self._stats.warmups += 1
-                self._stats.eager_steps += 1
-                return
-            graph = self._capture(key, view)
-            if graph is None:
-                view.step(self.model, sampling_key)
-                self._stats.eager_steps += 1
-                return
-        self.accelerator.replay_graph(graph)
-        self._stats.replays += 1
+        self._run(GraphKey(bucket, sampling_key), lambda: view.step(self.model, sampling_key))
 
-    def _capture(self, key: GraphKey, view: DecodeSlots) -> Any | None:
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Prefill left-padded prompts ``[n, w]`` into decode ``slots``; return their ``[n, V]`` logits.
+
+        The prompts are staged into the (rows, width) bucket of the
+        :class:`~hybrid_engine.decode_state.PrefillStage`, whose forward is run
+        like a decode step (graph replay where allowed), then loaded into the slots.
+        """
+        n, w = ids.shape
+        # Small rounds are staged at their own row count (prefill cost grows with rows), larger ones at
+        # their decode bucket, so the number of prefill graphs stays bounded.
+        rows, width = (n if n <= 8 else self.bucket_for(n)), min(width_bucket(w), self._prompt_width)
+        staged_ids, staged_mask, cache = self.stage.stage(ids, mask, rows, width)
+        logits = self._run(PrefillKey(rows, width),
+                           lambda: prefill(self.model, cache, staged_ids, staged_mask, checked=True))
+        self.slots.cache.load_rows(slots, cache, count=n, checked=True)
+        return logits[:n]
+
+    def _run(self, key: GraphKey | PrefillKey, run: Callable[[], Any]) -> Any:
+        """``run()`` for ``key``: its graph replayed, or its warm-up or capture, or eagerly; returns its output."""
+        decode = isinstance(key, GraphKey)
+        s = self._stats
+        if self.use_graphs and not self._call_eager:
+            held = self._graphs.get(key)
+            if held is None and key in self._warm:
+                held = self._capture(key, run)
+            if held is not None:
+                self.accelerator.replay_graph(held[0])
+                if decode:
+                    s.replays += 1
+                else:
+                    s.prefill_replays += 1
+                return held[1]
+            if key not in self._warm:
+                # The one warm-up: a real run on the graph stream, so lazy kernels and workspaces exist
+                # before capture. Nothing to undo: it is this call's own step or prefill.
+                with self.accelerator.on_graph_stream():
+                    out = run()
+                self._warm.add(key)
+                s.warmups += decode
+                s.eager_steps += decode
+                return out
+        out = run()
+        s.eager_steps += decode
+        return out
+
+    def _capture(self, key: GraphKey | PrefillKey, run: Callable[[], Any]) -> tuple[Any, Any] | None:
+        """Capture ``run`` for ``key`` (its work is not applied: the caller replays); ``None`` if it failed."""
         acc = self.accelerator
         t0 = time.perf_counter()
         mem0 = acc.memory_allocated()
         graph = acc.create_graph()
         try:
             with attributed_hooks(self.model), acc.capture_to_graph(graph, pool=self._pool):
-                view.step(self.model, key.sampling)
+                out = run()
         except HookCaptureError as exc:
             reason = (f"Graphs refused: {exc}. Decoding runs eagerly while this hook is registered; keep the "
                       "hook's work on the device (no .item(), .tolist() or printing of values) to use graphs.")
@@ -265,16 +321,19 @@ class DecodeGraphRunner:
                 self.invalidate()
             self._capture_failed(reason)
             return None
-        self._graphs[key] = graph
+        self._graphs[key] = (graph, out)
         if self._pool is None:
             self._pool = acc.graph_pool(graph)
         s = self._stats
-        s.captures += 1
+        if isinstance(key, GraphKey):
+            s.captures += 1
+        else:
+            s.prefill_captures += 1
         s.capture_seconds += time.perf_counter() - t0
         pool_bytes = acc.graph_memory_bytes(self._pool)
         s.graph_memory_bytes = pool_bytes if pool_bytes is not None else (
             s.graph_memory_bytes + max(0, acc.memory_allocated() - mem0))
-        return graph
+        return self._graphs[key]
 
     def _capture_failed(self, reason: str) -> None:
         self._stats.fallbacks += 1
@@ -286,7 +345,8 @@ class DecodeGraphRunner:
     def stats(self) -> GraphStats:
         """A snapshot of the counters (a copy: later steps do not change it)."""
         s = dataclasses.replace(self._stats)
-        s.captured_positions = s.graph_keys = len(self._graphs)
-        s.buckets = tuple(sorted({k.bucket for k in self._graphs}))
-        s.cache_memory_bytes = self.slots.memory_bytes() if self.slots is not None else 0
+        decode = [k for k in self._graphs if isinstance(k, GraphKey)]
+        s.captured_positions = s.graph_keys = len(decode)
+        s.buckets = tuple(sorted({k.bucket for k in decode}))
+        s.cache_memory_bytes = sum(b.memory_bytes() for b in (self.slots, self.stage) if b is not None)
         return s

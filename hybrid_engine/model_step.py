@@ -211,7 +211,7 @@ def prefill(
     target.write_pos.fill_(t)
     target.position.copy_(attention_mask.to(torch.int64).sum(-1))
     if not whole:
-        cache.load_rows(rows, target)
+        cache.load_rows(rows, target, checked=checked)
     return logits
 
 

@@ -85,7 +85,7 @@ def _admit(
     seed: int,
     *,
     shared_prefill: bool,
-    trim_prompts: bool,
+    staged: bool,
     counters: Counters,
 ) -> None:
     state = runner.slots
@@ -105,19 +105,22 @@ def _admit(
         prefill_slots = list(slots)
         logit_rows = list(range(len(reqs)))
         copies = []
-    width = max(prompt_lengths[p] for p in prompts) if trim_prompts else prompt_ids.shape[1]
     index = _index(prompts, prompt_ids.device)
-    ids = prompt_ids.index_select(0, index)[:, -width:]
-    mask = prompt_mask.index_select(0, index)[:, -width:]
-    first, count = prefill_slots[0], len(prefill_slots)
-    if prefill_slots == list(range(first, first + count)):  # contiguous slots: write their cache directly
-        logits = prefill(runner.model, state.cache_rows(first, first + count), ids, mask, checked=True)
-    else:
-        logits = prefill(runner.model, state.cache, ids, mask, rows=_index(prefill_slots, device), checked=True)
+    if staged:  # trimmed to the round's longest prompt, then staged into a (rows, width) bucket
+        width = max(prompt_lengths[p] for p in prompts)
+        ids = prompt_ids.index_select(0, index)[:, -width:]
+        mask = prompt_mask.index_select(0, index)[:, -width:]
+        logits = runner.prefill(ids, mask, _index(prefill_slots, device))
+    else:  # the whole batch at its own width, into slots 0..n-1, exactly as transformers prefills it
+        if prefill_slots != list(range(len(prefill_slots))):
+            raise ValueError("unstaged prefill admits a whole batch into slots 0..n-1")
+        ids, mask = prompt_ids.index_select(0, index), prompt_mask.index_select(0, index)
+        logits = prefill(runner.model, state.head(len(prefill_slots)).cache, ids, mask, checked=True)
     counters.prefill_forwards += 1
     counters.prefill_rows += len(prompts)
     if copies:
-        state.cache.copy_rows(_index([c[0] for c in copies], device), _index([c[1] for c in copies], device))
+        state.cache.copy_rows(_index([c[0] for c in copies], device), _index([c[1] for c in copies], device),
+                              checked=True)
         counters.kv_row_copies += len(copies)
     if logit_rows != list(range(logits.shape[0])):
         logits = logits.index_select(0, _index(logit_rows, logits.device))
@@ -196,7 +199,7 @@ def run_schedule(
     max_active: int,
     continuous: bool,
     shared_prefill: bool,
-    trim_prompts: bool,
+    staged: bool,
     eos_reachable: bool,
     sync_interval: int,
     counters: Counters,
@@ -204,8 +207,10 @@ def run_schedule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate every request on ``runner.slots``; return device ``(tokens, logprobs)`` ``[R, width]``.
 
-    Lengths go to ``counters.lengths``. ``trim_prompts`` prefills each admission
-    round at its longest real prompt instead of the full prompt width.
+    Lengths go to ``counters.lengths``. ``staged`` prefills each admission round
+    trimmed to its longest real prompt and staged through :meth:`DecodeGraphRunner.prefill`
+    (graph replay where allowed); otherwise the batch is prefilled eagerly at its
+    full width, as transformers does.
     """
     state = runner.slots
     device = state.device
@@ -232,7 +237,7 @@ def run_schedule(
             reqs = [queue.popleft() for _ in range(room)]
             with counters.timer.phase("prefill"):
                 _admit(runner, slots, reqs, prompt_ids, prompt_mask, prompt_lengths, sampling_key, seed,
-                       shared_prefill=shared_prefill, trim_prompts=trim_prompts, counters=counters)
+                       shared_prefill=shared_prefill, staged=staged, counters=counters)
             for slot, req in zip(slots, reqs):
                 active[slot] = req
                 left[slot] = req.budget - 1

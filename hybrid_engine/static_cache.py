@@ -338,22 +338,24 @@ class StaticKVCache(Cache):
                 f"{end}, past {what}={limit}"
             )
 
-    def rows_view(self, start: int, stop: int) -> "StaticKVCache":
-        """A cache over rows ``start..stop-1`` that shares this cache's storage (same addresses).
+    def rows_view(self, start: int, stop: int, capacity: int | None = None) -> "StaticKVCache":
+        """A cache over rows ``start..stop-1`` (and slots ``0..capacity-1``) sharing this cache's storage.
 
-        A graph captured on ``rows_view(0, n)`` reads and writes exactly those rows of
-        this cache, so graphs of several batch buckets share one allocation; a prefill
-        into contiguous rows writes them directly.
+        A graph captured on a view reads and writes exactly those addresses of this
+        cache, so graphs of several batch buckets share one allocation; a prefill into
+        contiguous rows writes them directly.
         """
-        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= self._batch_size):
-            raise ValueError(f"StaticKVCache.rows_view: need 0 <= start < stop <= {self._batch_size}, "
-                             f"got {start!r}, {stop!r}")
+        capacity = self._capacity if capacity is None else capacity
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= self._batch_size
+                and isinstance(capacity, int) and 1 <= capacity <= self._capacity):
+            raise ValueError(f"StaticKVCache.rows_view: need 0 <= start < stop <= {self._batch_size} and "
+                             f"1 <= capacity <= {self._capacity}, got {start!r}, {stop!r}, {capacity!r}")
         view = StaticKVCache.__new__(StaticKVCache)
         view._setup(
-            [(layer.keys[start:stop], layer.values[start:stop]) for layer in self.layers],
+            [(layer.keys[start:stop, :, :capacity], layer.values[start:stop, :, :capacity]) for layer in self.layers],
             self.write_pos[start:stop],
             self.position[start:stop],
-            self.valid[start:stop],
+            self.valid[start:stop, :capacity],
         )
         view.bounds_checks = self.bounds_checks
         return view
@@ -363,11 +365,14 @@ class StaticKVCache(Cache):
         out = [t for layer in self.layers for t in (layer.keys, layer.values)]
         return out + [self.valid, self.write_pos, self.position]
 
-    def _rows(self, rows: torch.Tensor | Any, name: str) -> torch.Tensor:
+    def _rows(self, rows: torch.Tensor | Any, name: str, checked: bool = False) -> torch.Tensor:
+        """``rows`` as an int64 device tensor; its range is checked (two host reads) unless ``checked``."""
         rows = torch.as_tensor(rows, dtype=torch.int64, device=self._device)
         if rows.dim() != 1:
             raise ValueError(f"StaticKVCache: {name} must be a 1-D tensor of row indices, got shape {tuple(rows.shape)}")
-        if not is_capturing() and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self._batch_size):
+        if checked or is_capturing():
+            return rows
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self._batch_size):
             raise ValueError(f"StaticKVCache: {name} must lie in 0..{self._batch_size - 1}")
         return rows
 
@@ -382,29 +387,34 @@ class StaticKVCache(Cache):
         for t in self._tensors():
             t.index_fill_(0, rows, 0)
 
-    def copy_rows(self, src_rows: torch.LongTensor, dst_rows: torch.LongTensor) -> None:
+    def copy_rows(self, src_rows: torch.LongTensor, dst_rows: torch.LongTensor, *, checked: bool = False) -> None:
         """Copy K/V, ``valid``, ``write_pos`` and ``position`` of ``src_rows[i]`` into ``dst_rows[i]``.
 
         Sources are gathered before anything is written, so overlapping sets are fine
         (e.g. compaction). Use it to fan one prefilled prompt out to ``n`` rows.
+        ``checked=True``: the caller guarantees the rows are in range (no host read).
         """
-        src = self._rows(src_rows, "src_rows")
-        dst = self._rows(dst_rows, "dst_rows")
+        src = self._rows(src_rows, "src_rows", checked)
+        dst = self._rows(dst_rows, "dst_rows", checked)
         if src.shape != dst.shape:
             raise ValueError(f"StaticKVCache.copy_rows: src_rows has {src.numel()} rows, dst_rows {dst.numel()}")
         for t in self._tensors():
             t.index_copy_(0, dst, t.index_select(0, src))
 
-    def load_rows(self, rows: torch.LongTensor, other: "StaticKVCache") -> None:
-        """Copy every row of ``other`` (batch ``len(rows)``, capacity <= ours) into ``rows``.
+    def load_rows(self, rows: torch.LongTensor, other: "StaticKVCache", count: int | None = None, *,
+                  checked: bool = False) -> None:
+        """Copy the first ``count`` rows of ``other`` (default: all; capacity <= ours) into ``rows``.
 
         Slots beyond ``other.capacity`` are marked invalid; their K/V are left as they
         were (no query attends an invalid slot), so loading a short prompt costs its
-        own length, not the capacity. Used by row-subset prefill.
+        own length, not the capacity. Used by row-subset and staged prefill.
+        ``checked=True``: the caller guarantees the rows are in range (no host read).
         """
-        rows = self._rows(rows, "rows")
-        if other.batch_size != rows.numel():
-            raise ValueError(f"StaticKVCache.load_rows: other has batch {other.batch_size}, rows has {rows.numel()}")
+        rows = self._rows(rows, "rows", checked)
+        count = other.batch_size if count is None else count
+        if not 1 <= count <= other.batch_size or count != rows.numel():
+            raise ValueError(f"StaticKVCache.load_rows: loading {count} of other's {other.batch_size} rows into "
+                             f"{rows.numel()} rows")
         if other.capacity > self._capacity:
             raise ValueError(
                 f"StaticKVCache.load_rows: other capacity {other.capacity} exceeds capacity {self._capacity}"
@@ -416,8 +426,8 @@ class StaticKVCache(Cache):
         self.valid.index_fill_(0, rows, False)
         n = other.capacity
         for mine, theirs in zip(self.layers, other.layers):
-            mine.keys[:, :, :n].index_copy_(0, rows, theirs.keys.to(self._dtype))
-            mine.values[:, :, :n].index_copy_(0, rows, theirs.values.to(self._dtype))
-        self.valid[:, :n].index_copy_(0, rows, other.valid)
-        self.write_pos.index_copy_(0, rows, other.write_pos)
-        self.position.index_copy_(0, rows, other.position)
+            mine.keys[:, :, :n].index_copy_(0, rows, theirs.keys[:count].to(self._dtype))
+            mine.values[:, :, :n].index_copy_(0, rows, theirs.values[:count].to(self._dtype))
+        self.valid[:, :n].index_copy_(0, rows, other.valid[:count])
+        self.write_pos.index_copy_(0, rows, other.write_pos[:count])
+        self.position.index_copy_(0, rows, other.position[:count])

@@ -28,7 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hybrid_engine.config import EngineConfig
-from hybrid_engine.decode_state import logits_width
+from hybrid_engine.decode_state import logits_width, width_bucket
 from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats
 from hybrid_engine.model_step import check_model_supported, max_positions, token_ids
 from hybrid_engine.scheduler import Counters, RequestSpec, gather_responses, run_schedule
@@ -37,6 +37,11 @@ from hybrid_engine.timing import PhaseTimer
 from .types import RolloutBatch, RolloutConfig, RolloutRequest, SamplingConfig
 
 __all__ = ["HybridEngineRollout", "UnsupportedModelError"]
+
+#: What one admission round costs, in decode steps, for the continuous-batching admission rule
+#: (:func:`hybrid_engine.scheduler.run_schedule`). Measured about 1.5-2.5 on CPU; the schedules it
+#: yields change little between 1 and 8, so one value serves every backend.
+ADMISSION_COST = 2.0
 
 
 class UnsupportedModelError(ValueError, TypeError):
@@ -162,7 +167,14 @@ class HybridEngineRollout:
         vocab = getattr(model.config, "vocab_size", None)
         if isinstance(vocab, int) and int(request.prompt_ids.max()) >= vocab:
             raise ValueError(f"generate: prompt_ids hold ids >= the model's vocab_size {vocab}")
-        capacity = cfg.cache_capacity if cfg.cache_capacity is not None else needed
+        # Admission prompts are staged at a power-of-two width (see PrefillStage): the cache holds that
+        # plus the responses, within a configured capacity.
+        if cfg.cache_capacity is not None:
+            capacity = cfg.cache_capacity
+            prompt_width = min(width_bucket(longest), capacity - max_new)
+        else:
+            prompt_width = width_bucket(longest)
+            capacity = prompt_width + max_new
 
         n = sampling.n_samples_per_prompt
         num_prompts = request.prompt_ids.shape[0]
@@ -182,7 +194,7 @@ class HybridEngineRollout:
         before = runner.stats
         with self._inference_mode():
             state = runner.prepare(rows=max_active, capacity=capacity, width=max_new, num_eos=len(eos_ids),
-                                   graphs=cfg.use_graph_capture)
+                                   graphs=cfg.use_graph_capture, prompt_width=prompt_width)
             counters = Counters(timer=PhaseTimer(runner.accelerator))
             state.set_special_ids(pad_id, eos_ids)
             prompt_ids = request.prompt_ids.to(state.device)
@@ -190,7 +202,7 @@ class HybridEngineRollout:
             out_tokens, out_logprobs = run_schedule(
                 runner, requests, prompt_ids, prompt_mask, sampling.sampling_key, sampling.seed,
                 width=max_new, max_active=max_active, continuous=cfg.continuous_batching,
-                shared_prefill=cfg.use_shared_prefill, trim_prompts=True, admission_cost=float(__import__("os").environ.get("ADMIT_COST","2")),
+                shared_prefill=cfg.use_shared_prefill, staged=True, admission_cost=ADMISSION_COST,
                 eos_reachable=any(e < logits_width(model) for e in eos_ids),
                 sync_interval=cfg.sync_interval, counters=counters,
             )
@@ -236,6 +248,8 @@ class HybridEngineRollout:
             "tokens_per_second": tokens / total_s if total_s > 0 else 0.0,
             "graph_replays": after.replays - before.replays,
             "graph_captures": after.captures - before.captures,
+            "prefill_graph_replays": after.prefill_replays - before.prefill_replays,
+            "prefill_graph_captures": after.prefill_captures - before.prefill_captures,
             "fallbacks": after.fallbacks - before.fallbacks,
             "peak_active_batch": c.peak_active_batch,
             "cache_capacity": slots.capacity,
