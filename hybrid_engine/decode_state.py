@@ -40,7 +40,7 @@ from .model_step import decode_one_token
 from .sampling import sample_tokens
 from .static_cache import StaticKVCache
 
-__all__ = ["DecodeSlots", "PrefillStage", "choose_tokens", "logits_width", "width_bucket"]
+__all__ = ["DecodeSlots", "choose_tokens", "logits_width"]
 
 #: EOS ids a slot table holds at least (more when a model declares more).
 MIN_EOS_SLOTS = 8
@@ -48,11 +48,6 @@ MIN_EOS_SLOTS = 8
 # Per-row tensors, all ``[S, ...]``: a bucket views ``[:n]`` of each, a move copies rows of each.
 _ROW_TENSORS = ("tokens", "token_index", "seed", "request_index", "budget", "min_tokens", "finished",
                 "out_tokens", "out_logprobs")
-
-
-def width_bucket(width: int) -> int:
-    """The staged prompt width for prompts of ``width`` tokens: a power of two, at least 8."""
-    return max(8, 1 << (width - 1).bit_length())
 
 
 def logits_width(model: PreTrainedModel) -> int:
@@ -204,20 +199,21 @@ class DecodeSlots:
         first_tokens: torch.Tensor,
         first_logprobs: torch.Tensor,
         *,
-        seed: int,
+        seed: torch.Tensor,
         request_index: torch.Tensor,
         budget: torch.Tensor,
         min_tokens: torch.Tensor,
     ) -> None:
         """Load freshly prefilled requests into ``slots``; their first token came from the prefill logits.
 
-        Output columns past a request's length keep stale values: harvests read only up to it.
+        Every argument is a per-request device tensor (capture-safe). Output columns past
+        a request's length keep stale values: harvests read only up to it.
         """
         self.out_tokens[:, 0].index_copy_(0, slots, first_tokens)
         self.out_logprobs[:, 0].index_copy_(0, slots, first_logprobs.float())
         self.tokens.index_copy_(0, slots, first_tokens)
         self.token_index.index_fill_(0, slots, 1)
-        self.seed.index_fill_(0, slots, seed)
+        self.seed.index_copy_(0, slots, seed)
         self.request_index.index_copy_(0, slots, request_index)
         self.budget.index_copy_(0, slots, budget)
         self.min_tokens.index_copy_(0, slots, min_tokens)
@@ -241,53 +237,3 @@ class DecodeSlots:
             t = getattr(self, name)
             t.index_copy_(0, dst, t.index_select(0, src))
         self.release(src)
-
-
-class PrefillStage:
-    """Static prompt buffers and a staging KV cache for admission prefill, at the largest shape a call needs.
-
-    An admission round of ``n`` prompts (left-padded, ``w`` wide) is staged into
-    the ``[:rows, :width]`` view of these buffers, ``rows`` and ``width`` being the
-    bucket sizes that hold ``n`` and ``w``: the prompts are right-aligned, the
-    columns before them masked out. So one (rows, width) view serves every round
-    that fits it, at fixed addresses, and its prefill forward can be captured and
-    replayed like a decode step. Rows past ``n`` keep whatever they held (masked
-    or stale prompts); their outputs are never read. Masked columns contribute
-    exact zeros to attention, so staging does not change a prompt's result
-    beyond what a different padding width changes.
-    """
-
-    def __init__(self, model: PreTrainedModel, rows: int, width: int, *, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        self.rows = rows
-        self.width = width
-        self.ids = torch.zeros(rows, width, dtype=torch.int64, device=device)
-        self.mask = torch.zeros(rows, width, dtype=torch.int64, device=device)
-        self.cache = StaticKVCache(model.config, rows, width, device=device, dtype=dtype)
-        self.cache.bounds_checks = False
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, StaticKVCache]] = {}
-
-    def fits(self, rows: int, width: int, device: torch.device, dtype: torch.dtype) -> bool:
-        return (self.rows >= rows and self.width >= width and self.ids.device == device
-                and self.cache.dtype == dtype)
-
-    def view(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor, StaticKVCache]:
-        """``(ids, mask, cache)`` of the ``rows x width`` bucket (views at fixed addresses)."""
-        view = self._views.get((rows, width))
-        if view is None:
-            view = self._views[(rows, width)] = (
-                self.ids[:rows, :width], self.mask[:rows, :width], self.cache.rows_view(0, rows, width))
-        return view
-
-    def stage(self, ids: torch.Tensor, mask: torch.Tensor, rows: int,
-              width: int) -> tuple[torch.Tensor, torch.Tensor, StaticKVCache]:
-        """Copy prompts ``[n, w]`` right-aligned into the ``rows x width`` view; return the view."""
-        n, w = ids.shape
-        view = staged_ids, staged_mask, _ = self.view(rows, width)
-        staged_mask[:n, : width - w].zero_()
-        staged_mask[:n, width - w:].copy_(mask)
-        staged_ids[:n, width - w:].copy_(ids)
-        return view
-
-    def memory_bytes(self) -> int:
-        return int(self.cache.memory_bytes()) + self.ids.nbytes + self.mask.nbytes

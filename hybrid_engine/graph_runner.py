@@ -9,8 +9,8 @@ Both generation paths run on this one runner: ``engine.generate``
   at the largest bucket a call needs (it only grows, as gpt-fast's caches do);
   bucket ``n`` runs on its ``[:n]`` head, at the same addresses;
 * the graphs, keyed by :class:`GraphKey` ``(bucket, sampling knobs)`` for
-  decode steps and :class:`PrefillKey` ``(rows, width)`` for staged admission
-  prefills (continuous batching admits often; an eager prefill forward costs
+  decode steps and :class:`AdmissionKey` for staged admission rounds
+  (continuous batching admits often, and an eager prefill forward costs
   several replayed steps), all captured into one shared memory pool on the
   accelerator's side stream;
 * the policy: :meth:`refusal` is the whole answer to "may graphs run now"
@@ -44,13 +44,14 @@ import torch
 from transformers import PreTrainedModel
 
 from .accelerator import accelerator_for
+from .admission import AdmissionStage, admit_staged, width_bucket
 from .config import EngineConfig
-from .decode_state import DecodeSlots, PrefillStage, width_bucket
+from .decode_state import DecodeSlots
 from .graph_policy import GraphRefusedWarning, refusal_reason
 from .graph_safety import HookCaptureError, attributed_hooks, graph_fingerprint, hook_fingerprint
-from .model_step import max_positions, prefill
+from .model_step import max_positions
 
-__all__ = ["MAX_CAPTURE_FAILURES", "DecodeGraphRunner", "GraphKey", "GraphStats", "PrefillKey",
+__all__ = ["MAX_CAPTURE_FAILURES", "AdmissionKey", "DecodeGraphRunner", "GraphKey", "GraphStats",
            "default_graph_buckets"]
 
 #: Capture failures after which a runner stops trying graphs.
@@ -83,11 +84,13 @@ class GraphKey(NamedTuple):
     sampling: tuple[float, float, int]  # (temperature, top_p, top_k)
 
 
-class PrefillKey(NamedTuple):
-    """A staged admission prefill: ``rows`` prompts of ``width`` tokens (both bucket sizes)."""
+class AdmissionKey(NamedTuple):
+    """A staged admission round: ``prompts`` prompts of ``width`` tokens for ``requests`` requests."""
 
-    rows: int
+    prompts: int
+    requests: int
     width: int
+    sampling: tuple[float, float, int]
 
 
 @dataclasses.dataclass
@@ -97,8 +100,8 @@ class GraphStats:
     ``captures``, ``replays``, ``warmups`` and ``eager_steps`` count decode
     steps; ``captured_positions`` and ``graph_keys`` both count the decode
     graphs held now (each serves every position of its bucket and sampling
-    mode). ``prefill_captures``/``prefill_replays`` count staged admission
-    prefills.
+    mode). ``admission_captures``/``admission_replays`` count staged admission
+    rounds (prefill, first token, slot setup).
     """
 
     captured_positions: int = 0
@@ -115,8 +118,8 @@ class GraphStats:
     eager_steps: int = 0
     warmups: int = 0
     buckets: tuple[int, ...] = ()
-    prefill_captures: int = 0
-    prefill_replays: int = 0
+    admission_captures: int = 0
+    admission_replays: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -136,11 +139,11 @@ class DecodeGraphRunner:
         self.buckets = tuple(sorted(set(buckets))) if buckets else None
         self.accelerator = accelerator_for(self._device())
         self.slots: DecodeSlots | None = None
-        self.stage: PrefillStage | None = None
+        self.stage: AdmissionStage | None = None
         #: Whether the current call may use graphs (set by :meth:`prepare`).
         self.use_graphs = False
-        self._graphs: dict[GraphKey | PrefillKey, tuple[Any, Any]] = {}  # key -> (graph, its static output)
-        self._warm: set[GraphKey | PrefillKey] = set()
+        self._graphs: dict[GraphKey | AdmissionKey, Any] = {}
+        self._warm: set[GraphKey | AdmissionKey] = set()
         self._prompt_width = 0
         self._pool: Any = None
         self._fingerprint: tuple | None = None
@@ -187,7 +190,7 @@ class DecodeGraphRunner:
         ``graphs`` says whether the caller wants graphs; the policy may still
         refuse (warned once, recorded in ``last_refusal_reason``).
         ``prompt_width`` (the staged width of the call's longest prompt) sets up
-        :meth:`prefill`.
+        :meth:`admit`.
         """
         device = self._device()
         acc = accelerator_for(device)
@@ -214,7 +217,7 @@ class DecodeGraphRunner:
                     prompt_width = max(prompt_width, stage.width)
                 self.invalidate()
                 self.stage = None
-                self.stage = PrefillStage(model, max(need, slots.rows), prompt_width, device=device, dtype=dtype)
+                self.stage = AdmissionStage(model, max(need, slots.rows), prompt_width, device=device, dtype=dtype)
         fingerprint = graph_fingerprint(model)
         if fingerprint != self._fingerprint:
             self.invalidate()
@@ -250,52 +253,53 @@ class DecodeGraphRunner:
         view = self.slots.head(bucket)
         self._run(GraphKey(bucket, sampling_key), lambda: view.step(self.model, sampling_key))
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Prefill left-padded prompts ``[n, w]`` into decode ``slots``; return their ``[n, V]`` logits.
+    def admit(self, ids: torch.Tensor, mask: torch.Tensor, meta: list[list[int]],
+              sampling_key: tuple[float, float, int]) -> None:
+        """One admission round: prompts ``[p, w]`` (left-padded) for the requests described by ``meta``.
 
-        The prompts are staged into the (rows, width) bucket of the
-        :class:`~hybrid_engine.decode_state.PrefillStage`, whose forward is run
-        like a decode step (graph replay where allowed), then loaded into the slots.
+        ``meta`` holds six lists, one entry per request: slot, source prompt row,
+        request index, budget, min_tokens and seed. The round is staged into its
+        bucket of the :class:`~hybrid_engine.admission.AdmissionStage` and run
+        like a decode step (graph replay where allowed).
         """
-        n, w = ids.shape
-        # Small rounds are staged at their own row count (prefill cost grows with rows), larger ones at
-        # their decode bucket, so the number of prefill graphs stays bounded.
-        rows, width = (n if n <= 8 else self.bucket_for(n)), min(width_bucket(w), self._prompt_width)
-        staged_ids, staged_mask, cache = self.stage.stage(ids, mask, rows, width)
-        logits = self._run(PrefillKey(rows, width),
-                           lambda: prefill(self.model, cache, staged_ids, staged_mask, checked=True))
-        self.slots.cache.load_rows(slots, cache, count=n, checked=True)
-        return logits[:n]
+        p, w = ids.shape
+        r = len(meta[0])
+        # Small rounds are staged at their own size (prefill cost grows with rows), larger ones at their
+        # decode bucket, so the number of admission graphs stays bounded.
+        prompts, requests = (p if p <= 8 else self.bucket_for(p)), (r if r <= 8 else self.bucket_for(r))
+        width = min(width_bucket(w), self._prompt_width)
+        round_ = self.stage.stage(ids, mask, meta, prompts, requests, width)
+        self._run(AdmissionKey(prompts, requests, width, sampling_key),
+                  lambda: admit_staged(self.slots, self.model, round_, sampling_key))
 
-    def _run(self, key: GraphKey | PrefillKey, run: Callable[[], Any]) -> Any:
-        """``run()`` for ``key``: its graph replayed, or its warm-up or capture, or eagerly; returns its output."""
+    def _run(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> None:
+        """``run()`` for ``key``: its graph replayed, or its warm-up or capture, or eagerly."""
         decode = isinstance(key, GraphKey)
         s = self._stats
         if self.use_graphs and not self._call_eager:
-            held = self._graphs.get(key)
-            if held is None and key in self._warm:
-                held = self._capture(key, run)
-            if held is not None:
-                self.accelerator.replay_graph(held[0])
+            graph = self._graphs.get(key)
+            if graph is None and key in self._warm:
+                graph = self._capture(key, run)
+            if graph is not None:
+                self.accelerator.replay_graph(graph)
                 if decode:
                     s.replays += 1
                 else:
-                    s.prefill_replays += 1
-                return held[1]
+                    s.admission_replays += 1
+                return
             if key not in self._warm:
                 # The one warm-up: a real run on the graph stream, so lazy kernels and workspaces exist
-                # before capture. Nothing to undo: it is this call's own step or prefill.
+                # before capture. Nothing to undo: it is this call's own step or admission.
                 with self.accelerator.on_graph_stream():
-                    out = run()
+                    run()
                 self._warm.add(key)
                 s.warmups += decode
                 s.eager_steps += decode
-                return out
-        out = run()
+                return
+        run()
         s.eager_steps += decode
-        return out
 
-    def _capture(self, key: GraphKey | PrefillKey, run: Callable[[], Any]) -> tuple[Any, Any] | None:
+    def _capture(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> Any | None:
         """Capture ``run`` for ``key`` (its work is not applied: the caller replays); ``None`` if it failed."""
         acc = self.accelerator
         t0 = time.perf_counter()
@@ -303,7 +307,7 @@ class DecodeGraphRunner:
         graph = acc.create_graph()
         try:
             with attributed_hooks(self.model), acc.capture_to_graph(graph, pool=self._pool):
-                out = run()
+                run()
         except HookCaptureError as exc:
             reason = (f"Graphs refused: {exc}. Decoding runs eagerly while this hook is registered; keep the "
                       "hook's work on the device (no .item(), .tolist() or printing of values) to use graphs.")
@@ -321,19 +325,19 @@ class DecodeGraphRunner:
                 self.invalidate()
             self._capture_failed(reason)
             return None
-        self._graphs[key] = (graph, out)
+        self._graphs[key] = graph
         if self._pool is None:
             self._pool = acc.graph_pool(graph)
         s = self._stats
         if isinstance(key, GraphKey):
             s.captures += 1
         else:
-            s.prefill_captures += 1
+            s.admission_captures += 1
         s.capture_seconds += time.perf_counter() - t0
         pool_bytes = acc.graph_memory_bytes(self._pool)
         s.graph_memory_bytes = pool_bytes if pool_bytes is not None else (
             s.graph_memory_bytes + max(0, acc.memory_allocated() - mem0))
-        return self._graphs[key]
+        return graph
 
     def _capture_failed(self, reason: str) -> None:
         self._stats.fallbacks += 1

@@ -88,49 +88,32 @@ def _admit(
     staged: bool,
     counters: Counters,
 ) -> None:
-    state = runner.slots
-    device = state.device
-    # Which prompt each admitted request reads its first logits from, and which slots get prefilled.
-    if shared_prefill:
-        first_slot: dict[int, int] = {}
-        for slot, req in zip(slots, reqs):
-            first_slot.setdefault(req.prompt_index, slot)
-        prompts = list(first_slot)
-        prefill_slots = [first_slot[p] for p in prompts]
-        row_of_prompt = {p: k for k, p in enumerate(prompts)}
-        logit_rows = [row_of_prompt[r.prompt_index] for r in reqs]
-        copies = [(first_slot[r.prompt_index], s) for s, r in zip(slots, reqs) if first_slot[r.prompt_index] != s]
-    else:
-        prompts = [r.prompt_index for r in reqs]
-        prefill_slots = list(slots)
-        logit_rows = list(range(len(reqs)))
-        copies = []
-    index = _index(prompts, prompt_ids.device)
-    if staged:  # trimmed to the round's longest prompt, then staged into a (rows, width) bucket
-        width = max(prompt_lengths[p] for p in prompts)
-        ids = prompt_ids.index_select(0, index)[:, -width:]
-        mask = prompt_mask.index_select(0, index)[:, -width:]
-        logits = runner.prefill(ids, mask, _index(prefill_slots, device))
-    else:  # the whole batch at its own width, into slots 0..n-1, exactly as transformers prefills it
-        if prefill_slots != list(range(len(prefill_slots))):
-            raise ValueError("unstaged prefill admits a whole batch into slots 0..n-1")
-        ids, mask = prompt_ids.index_select(0, index), prompt_mask.index_select(0, index)
-        logits = prefill(runner.model, state.head(len(prefill_slots)).cache, ids, mask, checked=True)
+    """Prefill ``reqs`` and load them into ``slots`` (one admission round)."""
+    # Which prompt each request reads its K/V and first logits from.
+    prompts = list(dict.fromkeys(r.prompt_index for r in reqs)) if shared_prefill else [r.prompt_index for r in reqs]
+    row_of = {p: k for k, p in enumerate(prompts)}
+    source = [row_of[r.prompt_index] for r in reqs] if shared_prefill else list(range(len(reqs)))
     counters.prefill_forwards += 1
     counters.prefill_rows += len(prompts)
-    if copies:
-        state.cache.copy_rows(_index([c[0] for c in copies], device), _index([c[1] for c in copies], device),
-                              checked=True)
-        counters.kv_row_copies += len(copies)
-    if logit_rows != list(range(logits.shape[0])):
-        logits = logits.index_select(0, _index(logit_rows, logits.device))
-    # One host-to-device copy for every per-request value.
-    meta = torch.tensor([slots, [r.rng_index for r in reqs], [r.budget for r in reqs], [r.min_tokens for r in reqs]],
-                        dtype=torch.int64, device=device)
-    slot_index, request_index, budget, min_tokens = meta
+    counters.kv_row_copies += len(reqs) - len(prompts)
+    index = _index(prompts, prompt_ids.device)
+    meta = [slots, source, [r.rng_index for r in reqs], [r.budget for r in reqs], [r.min_tokens for r in reqs],
+            [seed] * len(reqs)]
+    if staged:  # trimmed to the round's longest prompt, staged into a bucket, run as one (graphed) round
+        width = max(prompt_lengths[p] for p in prompts)
+        runner.admit(prompt_ids.index_select(0, index)[:, -width:], prompt_mask.index_select(0, index)[:, -width:],
+                     meta, sampling_key)
+        return
+    # The whole batch at its own width into slots 0..n-1, exactly as transformers prefills it (never graphed).
+    state = runner.slots
+    if slots != list(range(len(slots))) or len(prompts) != len(reqs):
+        raise ValueError("unstaged admission takes one prompt per request into slots 0..n-1")
+    logits = prefill(runner.model, state.head(len(slots)).cache, prompt_ids.index_select(0, index),
+                     prompt_mask.index_select(0, index), checked=True)
+    slot, _, request_index, budget, min_tokens, seeds = torch.tensor(meta, dtype=torch.int64, device=state.device)
     tokens, logprobs = choose_tokens(logits, sampling_key, eos_mask=state.eos_mask, suppress_eos=min_tokens > 0,
-                                     seed=seed, request_index=request_index, token_index=0)
-    state.admit(slot_index, tokens, logprobs, seed=seed, request_index=request_index, budget=budget,
+                                     seed=seeds, request_index=request_index, token_index=0)
+    state.admit(slot, tokens, logprobs, seed=seeds, request_index=request_index, budget=budget,
                 min_tokens=min_tokens)
 
 

@@ -401,20 +401,22 @@ class StaticKVCache(Cache):
         for t in self._tensors():
             t.index_copy_(0, dst, t.index_select(0, src))
 
-    def load_rows(self, rows: torch.LongTensor, other: "StaticKVCache", count: int | None = None, *,
+    def load_rows(self, rows: torch.LongTensor, other: "StaticKVCache", sources: torch.LongTensor | None = None, *,
                   checked: bool = False) -> None:
-        """Copy the first ``count`` rows of ``other`` (default: all; capacity <= ours) into ``rows``.
+        """Copy rows of ``other`` (capacity <= ours) into ``rows``: its first ``len(rows)`` rows, or ``sources``.
 
-        Slots beyond ``other.capacity`` are marked invalid; their K/V are left as they
-        were (no query attends an invalid slot), so loading a short prompt costs its
-        own length, not the capacity. Used by row-subset and staged prefill.
-        ``checked=True``: the caller guarantees the rows are in range (no host read).
+        ``sources[i]`` is the row of ``other`` that goes to ``rows[i]`` (a device index;
+        repeated sources fan one prompt out to several rows). Slots beyond
+        ``other.capacity`` are marked invalid; their K/V are left as they were (no query
+        attends an invalid slot), so loading a short prompt costs its own length, not
+        the capacity. ``checked=True``: the caller guarantees the rows are in range (no
+        host read; also capture-safe then).
         """
         rows = self._rows(rows, "rows", checked)
-        count = other.batch_size if count is None else count
-        if not 1 <= count <= other.batch_size or count != rows.numel():
-            raise ValueError(f"StaticKVCache.load_rows: loading {count} of other's {other.batch_size} rows into "
-                             f"{rows.numel()} rows")
+        if sources is None and rows.numel() > other.batch_size:
+            raise ValueError(f"StaticKVCache.load_rows: {rows.numel()} rows but other has {other.batch_size}")
+        if sources is not None and sources.shape != rows.shape:
+            raise ValueError(f"StaticKVCache.load_rows: {sources.numel()} sources for {rows.numel()} rows")
         if other.capacity > self._capacity:
             raise ValueError(
                 f"StaticKVCache.load_rows: other capacity {other.capacity} exceeds capacity {self._capacity}"
@@ -423,11 +425,15 @@ class StaticKVCache(Cache):
             len(self.layers), self.num_kv_heads, self.head_dim
         ):
             raise ValueError("StaticKVCache.load_rows: the two caches have different layer/head geometry")
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[: rows.numel()] if sources is None else t.index_select(0, sources)
+
         self.valid.index_fill_(0, rows, False)
         n = other.capacity
         for mine, theirs in zip(self.layers, other.layers):
-            mine.keys[:, :, :n].index_copy_(0, rows, theirs.keys[:count].to(self._dtype))
-            mine.values[:, :, :n].index_copy_(0, rows, theirs.values[:count].to(self._dtype))
-        self.valid[:, :n].index_copy_(0, rows, other.valid[:count])
-        self.write_pos.index_copy_(0, rows, other.write_pos[:count])
-        self.position.index_copy_(0, rows, other.position[:count])
+            mine.keys[:, :, :n].index_copy_(0, rows, pick(theirs.keys).to(self._dtype))
+            mine.values[:, :, :n].index_copy_(0, rows, pick(theirs.values).to(self._dtype))
+        self.valid[:, :n].index_copy_(0, rows, pick(other.valid))
+        self.write_pos.index_copy_(0, rows, pick(other.write_pos))
+        self.position.index_copy_(0, rows, pick(other.position))

@@ -298,7 +298,7 @@ def _long_tail(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
                 _, ms = call(mode)
                 st = rollouts[mode].last_stats or {}
                 warm_ms.append(ms)
-                caps += int(st.get("graph_captures") or 0) + int(st.get("prefill_graph_captures") or 0)
+                caps += int(st.get("graph_captures") or 0) + int(st.get("admission_graph_captures") or 0)
                 cap_ms += float(st.get("capture_ms") or 0.0)
             warm[mode] = {"ms": warm_ms[0], "graph_captures": caps, "capture_ms": cap_ms}
         ms_: dict[str, list[float]] = {m: [] for m in MODES}
@@ -326,7 +326,7 @@ def _long_tail(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
             "ms": med, "all_ms": ms_[mode], "tokens": tokens, "tok_s": tokens / (med / 1e3),
             "decode_steps": last.get("decode_steps"), "prefill_forwards": last.get("prefill_forwards"),
             "host_syncs": last.get("host_syncs"), "graph_replays": last.get("graph_replays"),
-            "graph_captures": sum(int(s.get("graph_captures") or 0) + int(s.get("prefill_graph_captures") or 0)
+            "graph_captures": sum(int(s.get("graph_captures") or 0) + int(s.get("admission_graph_captures") or 0)
                                   for s in stats[mode]),
             "graph_captures_warmup": warm[mode]["graph_captures"], "capture_ms_warmup": warm[mode]["capture_ms"],
             "warmup_ms": warm[mode]["ms"], "peak_active_batch": last.get("peak_active_batch"),

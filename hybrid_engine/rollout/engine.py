@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from hybrid_engine.admission import width_bucket
 from hybrid_engine.config import EngineConfig
-from hybrid_engine.decode_state import logits_width, width_bucket
+from hybrid_engine.decode_state import logits_width
 from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats
 from hybrid_engine.model_step import check_model_supported, max_positions, token_ids
 from hybrid_engine.scheduler import Counters, RequestSpec, gather_responses, run_schedule
@@ -167,7 +168,7 @@ class HybridEngineRollout:
         vocab = getattr(model.config, "vocab_size", None)
         if isinstance(vocab, int) and int(request.prompt_ids.max()) >= vocab:
             raise ValueError(f"generate: prompt_ids hold ids >= the model's vocab_size {vocab}")
-        # Admission prompts are staged at a power-of-two width (see PrefillStage): the cache holds that
+        # Admission prompts are staged at a power-of-two width (see hybrid_engine.admission): the cache holds that
         # plus the responses, within a configured capacity.
         if cfg.cache_capacity is not None:
             capacity = cfg.cache_capacity
@@ -248,8 +249,8 @@ class HybridEngineRollout:
             "tokens_per_second": tokens / total_s if total_s > 0 else 0.0,
             "graph_replays": after.replays - before.replays,
             "graph_captures": after.captures - before.captures,
-            "prefill_graph_replays": after.prefill_replays - before.prefill_replays,
-            "prefill_graph_captures": after.prefill_captures - before.prefill_captures,
+            "admission_graph_replays": after.admission_replays - before.admission_replays,
+            "admission_graph_captures": after.admission_captures - before.admission_captures,
             "fallbacks": after.fallbacks - before.fallbacks,
             "peak_active_batch": c.peak_active_batch,
             "cache_capacity": slots.capacity,
