@@ -73,7 +73,7 @@ def test_unpinned_length_with_eos_replays_and_matches_transformers(arch):
     assert s.captures == len(s.buckets) <= 3  # at most one per bucket (4, 2, 1), never one per position
 
 
-@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-opt", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"])
 def test_sampled_unpinned_with_eos_equals_eager_and_is_seeded(arch):
     model = build_model(arch, seed=1)
     graph, eager = engines(model)

@@ -7,7 +7,7 @@ import torch
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 from hybrid_engine.tiny_models import build_model
 
-ARCHS = ("tiny-gpt2", "tiny-opt", "tiny-llama", "tiny-qwen2")
+ARCHS = ("tiny-gpt2", "tiny-opt", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral")
 NO_EOS = 10_000  # an id outside the tiny vocab: never sampled
 
 

@@ -1,0 +1,244 @@
+"""The decode graph runner's own pieces: staged admission, scheduling decisions, the accelerator it
+picks, the policy it shares with rollouts, and capture-safe sampling counters."""
+
+import contextlib
+import types
+import warnings
+
+import pytest
+import torch
+from conftest import left_padded_prompts as prompts
+
+from hybrid_engine.accelerator import (
+    CPUAccelerator,
+    GraphCaptureError,
+    TorchBackendAccelerator,
+    set_accelerator,
+)
+from hybrid_engine.admission import AdmissionStage, admit_staged, width_bucket
+from hybrid_engine.decode_state import DecodeSlots
+from hybrid_engine.engine import initialize
+from hybrid_engine.graph_policy import GraphRefusedWarning
+from hybrid_engine.graph_runner import DecodeGraphRunner, default_graph_buckets
+from hybrid_engine.model_step import prefill
+from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
+from hybrid_engine.sampling import counter_uniform, sample_tokens
+from hybrid_engine.scheduler import _steps_to_admission, _steps_to_shrink
+from hybrid_engine.static_cache import StaticKVCache
+from hybrid_engine.tiny_models import build_model
+
+GREEDY = (0.0, 1.0, -1)
+
+
+def slots_for(model, rows=4, capacity=32, width=8):
+    slots = DecodeSlots(model, rows, capacity, width, num_eos=1, position_limit=None, device=torch.device("cpu"),
+                        dtype=torch.float32)
+    slots.set_special_ids(0, (2,))
+    return slots
+
+
+# ------------------------------------------------------------------ admission
+def test_width_buckets_are_powers_of_two():
+    assert [width_bucket(w) for w in (1, 7, 8, 9, 16, 17, 100)] == [8, 8, 8, 16, 16, 32, 128]
+    assert default_graph_buckets(3) == (1, 2, 4) and default_graph_buckets(17) == (1, 2, 4, 8, 16, 24)
+
+
+@pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama"])
+def test_staged_round_matches_an_exact_prefill_and_fans_out_shared_prompts(arch):
+    model = build_model(arch, seed=2).eval()
+    ids, mask = prompts(3, 5, seed=4)  # left-padded, 5 wide: staged right-aligned at width 8
+    exact = slots_for(model)
+    with torch.no_grad():
+        logits = prefill(model, exact.head(3).cache, ids, mask)
+    staged = slots_for(model)
+    stage = AdmissionStage(model, 4, 8, device=torch.device("cpu"), dtype=torch.float32)
+    # Requests 0..3 into slots 3, 0, 1, 2; requests 2 and 3 share prompt 2 (the fan-out).
+    meta = [[3, 0, 1, 2], [0, 1, 2, 2], [10, 11, 12, 13], [5, 5, 5, 5], [0, 0, 0, 0], [7, 7, 7, 7]]
+    with torch.no_grad():
+        admit_staged(staged, model, stage.stage(ids, mask, meta, 3, 4, 8), GREEDY)
+    first = logits.argmax(-1)
+    assert staged.tokens.tolist() == [first[1], first[2], first[2], first[0]]  # slot s holds its request
+    assert staged.request_index.tolist() == [11, 12, 13, 10] and staged.seed.tolist() == [7] * 4
+    assert not staged.finished.any() and staged.token_index.tolist() == [1] * 4
+    # The prompt's K/V land in the slot, at the staged width (3 columns of left padding more).
+    for slot, prompt in ((3, 0), (0, 1), (1, 2), (2, 2)):
+        real = mask[prompt].bool()
+        got = staged.cache.layers[0].keys[slot, :, 8 - 5:8][:, real]
+        want = exact.cache.layers[0].keys[prompt, :, :5][:, real]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert staged.cache.valid[slot, :8].tolist() == [False] * 3 + mask[prompt].bool().tolist()
+        assert int(staged.cache.write_pos[slot]) == 8 and int(staged.cache.position[slot]) == int(mask[prompt].sum())
+
+
+def test_staged_round_captured_equals_eager():
+    model = build_model("tiny-qwen2", seed=3).eval()
+    acc = CPUAccelerator()
+    ids, mask = prompts(2, 6, seed=5)
+    meta = [[1, 0], [0, 1], [4, 5], [9, 9], [0, 0], [3, 3]]
+    eager, graphed = slots_for(model), slots_for(model)
+    stage_e = AdmissionStage(model, 2, 8, device=torch.device("cpu"), dtype=torch.float32)
+    stage_g = AdmissionStage(model, 2, 8, device=torch.device("cpu"), dtype=torch.float32)
+    sampled = (0.9, 0.95, 20)
+    with torch.no_grad():
+        admit_staged(eager, model, stage_e.stage(ids, mask, meta, 2, 2, 8), sampled)
+        round_g = stage_g.stage(ids, mask, meta, 2, 2, 8)
+        admit_staged(graphed, model, round_g, sampled)  # warm-up, then reset the slots it filled
+        graphed.release(torch.tensor([0, 1]))
+        graph = acc.create_graph()
+        with acc.capture_to_graph(graph):
+            admit_staged(graphed, model, round_g, sampled)
+        assert graphed.finished.all()  # capture applied nothing
+        acc.replay_graph(graph)
+    for name in ("tokens", "token_index", "seed", "request_index", "budget", "finished", "out_logprobs"):
+        assert torch.equal(getattr(eager, name), getattr(graphed, name)), name
+    assert torch.equal(eager.cache.layers[1].values, graphed.cache.layers[1].values)
+
+
+def test_rollout_replays_admission_rounds_and_engine_generate_does_not_stage():
+    model = build_model("tiny-llama", seed=6)
+    request = RolloutRequest(*prompts(5, 6, seed=8), max_new_tokens=[2, 7, 3, 7, 2])
+    sampling = SamplingConfig(max_new_tokens=7, temperature=0.0)
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, max_batch_size=2,
+                                                              pad_token_id=0, eos_token_id=10_000))
+    eager = HybridEngineRollout(model, config=RolloutConfig(max_batch_size=2, pad_token_id=0, eos_token_id=10_000))
+    expected = eager.generate(request, sampling)
+    for _ in range(3):
+        batch = rollout.generate(request, sampling)
+        assert torch.equal(batch.input_ids, expected.input_ids)
+        assert torch.equal(batch.response_logprobs, expected.response_logprobs)
+    st = rollout.last_stats
+    assert st["admission_graph_replays"] == st["prefill_forwards"] > 1 and st["admission_graph_captures"] == 0
+    engine, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    engine.generate(input_ids=request.prompt_ids, attention_mask=request.prompt_attention_mask, max_new_tokens=4)
+    s = engine.graph_stats
+    assert s.admission_captures == 0 and s.admission_replays == 0 and s.captures >= 1
+
+
+# ----------------------------------------------------------------- scheduling
+def test_admission_waits_while_idle_slots_cost_less_than_a_round():
+    # 1 free slot, the next frees in 1 step: cheaper to wait and admit two together.
+    assert _steps_to_admission(1, 5, {0: 1, 1: 30, 2: 30}, 4, 2.0, None) == 1
+    # 1 free slot, the next frees in 30 steps: admit now.
+    assert _steps_to_admission(1, 5, {0: 30, 1: 30, 2: 30}, 4, 2.0, None) == 0
+    # Everything waiting fits: admit now.
+    assert _steps_to_admission(2, 2, {0: 1, 1: 30}, 4, 2.0, None) == 0
+    # Rows may stop early on EOS: never plan past the sync interval.
+    assert _steps_to_admission(0, 5, {0: 40, 1: 40, 2: 40, 3: 40}, 4, 2.0, 4) == 4
+
+
+def test_host_syncs_only_where_the_bucket_can_shrink():
+    runner = DecodeGraphRunner(build_model("tiny-gpt2"))
+    # 8 rows in bucket 8: after 3 steps 3 are done (5 left, still bucket 8); after 5 steps 5 are done (3 left: 4).
+    assert _steps_to_shrink(runner, {0: 3, 1: 3, 2: 3, 3: 5, 4: 5, 5: 9, 6: 9, 7: 9}, 8) == 5
+    assert _steps_to_shrink(runner, {0: 7}, 1) == 7
+
+
+def test_continuous_batching_admits_in_few_rounds_and_syncs_rarely():
+    model = build_model("tiny-gpt2", seed=0)
+    budgets = [12 if i % 8 == 0 else 3 + i % 4 for i in range(16)]
+    request = RolloutRequest(*prompts(16, 6, seed=9), max_new_tokens=budgets)
+    sampling = SamplingConfig(max_new_tokens=12, temperature=0.0)
+    stats = {}
+    for continuous in (True, False):
+        rollout = HybridEngineRollout(model, config=RolloutConfig(
+            use_graph_capture=True, continuous_batching=continuous, max_batch_size=8, pad_token_id=0,
+            eos_token_id=10_000))
+        batch = rollout.generate(request, sampling)
+        assert batch.response_lengths.tolist() == budgets
+        stats[continuous] = rollout.last_stats
+    cont, static = stats[True], stats[False]
+    assert cont["decode_steps"] < static["decode_steps"]
+    assert cont["prefill_forwards"] < 16 // 2  # batched rounds, not one per freed slot
+    assert cont["host_syncs"] <= cont["prefill_forwards"] + len(cont["bucket_steps"]) + 1
+    assert static["compactions"] >= 1 and min(static["bucket_steps"]) < 8  # finished rows stop costing compute
+
+
+# ------------------------------------------------------------ the accelerator
+@pytest.mark.stub
+def test_cpu_model_on_a_gpu_host_never_gets_gpu_graphs():
+    """Stub CUDA process accelerator, model on the CPU: the runner uses the CPU's (emulated) graphs."""
+    log = []
+
+    class StubGraph:
+        def __init__(self):
+            log.append("cuda graph constructed")
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        log.append("cuda capture")
+        yield
+
+    stub = types.SimpleNamespace(CUDAGraph=StubGraph, graph=graph, is_available=lambda: True,
+                                 current_device=lambda: 0, synchronize=lambda: None)
+    cuda = TorchBackendAccelerator("cuda", stub)
+    set_accelerator(cuda)
+    model = build_model("tiny-gpt2", seed=1)
+    engine, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    ids, mask = prompts(2, 4)
+    out = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5)
+    runner = engine._generator.runner
+    assert isinstance(runner.accelerator, CPUAccelerator) and runner.accelerator is not cuda
+    assert engine.graph_stats.captures == 1 and log == []
+    set_accelerator(CPUAccelerator())
+    eager, _ = initialize(model=model, config={})
+    assert torch.equal(out, eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5))
+
+
+# ------------------------------------------------------------ shared policy
+@pytest.mark.parametrize("he,match", [({"inference_tp_size": 2}, "inference_tp_size"),
+                                       ({"release_inference_cache": True}, "release_inference_cache")])
+def test_rollout_honours_the_engine_config_gates(he, match):
+    model = build_model("tiny-opt", seed=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _ = initialize(model=model, config={"hybrid_engine": he})
+    request = RolloutRequest(*prompts(2, 4))
+    sampling = SamplingConfig(max_new_tokens=4)
+    rollout = HybridEngineRollout(engine, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,
+                                                               eos_token_id=10_000))
+    with pytest.warns(GraphRefusedWarning, match=match):
+        batch = rollout.generate(request, sampling)
+    eager = HybridEngineRollout(model, config=RolloutConfig(pad_token_id=0, eos_token_id=10_000))
+    assert torch.equal(batch.input_ids, eager.generate(request, sampling).input_ids)
+    st = rollout.last_stats
+    assert st["graph_captures"] == 0 and st["fallbacks"] == 1 and match in st["last_refusal_reason"]
+
+
+# ------------------------------------------------------------ sampling counters
+def test_python_int_counters_capture_as_device_fills():
+    """A Python-int counter used to become torch.tensor(...) inside capture: a host-to-device copy, which
+    the strict emulation (like CUDA) refuses. It is a device fill now, frozen into the graph."""
+    acc = CPUAccelerator()
+    logits = torch.randn(3, 50)
+    seed = torch.tensor([5, 6, 7])
+    rows = torch.arange(3)
+    graph = acc.create_graph()
+    with torch.no_grad(), acc.capture_to_graph(graph):
+        tokens, _ = sample_tokens(logits, temperature=1.0, top_p=0.9, seed=seed, request_index=rows, token_index=4)
+        u = counter_uniform(11, 3, 2)
+    acc.replay_graph(graph)
+    want, _ = sample_tokens(logits, temperature=1.0, top_p=0.9, seed=seed, request_index=rows, token_index=4)
+    assert torch.equal(tokens, want) and float(u) == float(counter_uniform(11, 3, 2))
+    with pytest.raises(GraphCaptureError, match="host data"), acc.capture_to_graph(acc.create_graph()):
+        torch.tensor(4) + seed  # what the old counter code did
+
+
+# ------------------------------------------------------------ cache views
+def test_rows_view_shares_storage_and_load_rows_fans_out_sources():
+    config = build_model("tiny-llama").config
+    big = StaticKVCache(config, 4, 10)
+    view = big.rows_view(1, 3, 6)
+    assert view.batch_size == 2 and view.capacity == 6
+    view.layers[0].keys.fill_(3.0)
+    assert (big.layers[0].keys[1:3, :, :6] == 3).all() and (big.layers[0].keys[1:3, :, 6:] == 0).all()
+    small = StaticKVCache(config, 2, 4)
+    small.layers[0].keys[0].fill_(1.0)
+    small.layers[0].keys[1].fill_(2.0)
+    small.valid[:, :4] = True
+    small.write_pos.fill_(4)
+    big.load_rows(torch.tensor([0, 2, 3]), small, sources=torch.tensor([1, 1, 0]))
+    keys = big.layers[0].keys
+    assert (keys[0, :, :4] == 2).all() and (keys[2, :, :4] == 2).all() and (keys[3, :, :4] == 1).all()
+    assert big.write_pos.tolist() == [4, 0, 4, 4] and big.valid[:, 4:].sum() == 0
+    with pytest.raises(ValueError, match="rows_view"):
+        big.rows_view(2, 5)
