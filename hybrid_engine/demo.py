@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
           f"GRPO advantages, clipped-ratio loss, AdamW lr {args.lr}")
 
     history: list[dict[str, Any]] = []
-    captures = 0
+    captures = admission_captures = 0
     capture_ms = 0.0  # the rollout's own capture timer, where it reports one
     for it in range(args.iterations):
         ids, mask = make_prompts(args.batch_size, vocab, pad_id=pad_id, special=special, seed=args.seed * 1000 + it,
@@ -212,8 +212,10 @@ def run(args: argparse.Namespace) -> int:
             max_new_tokens=args.new_tokens, temperature=1.0, n_samples_per_prompt=args.samples,
             seed=args.seed * 1000 + it))
         gen_ms = _ms(t0)
-        captures += int((rollout.last_stats or {}).get("graph_captures") or 0)
-        capture_ms += float((rollout.last_stats or {}).get("capture_ms") or 0.0)
+        stats = rollout.last_stats or {}
+        captures += int(stats.get("graph_captures") or 0)
+        admission_captures += int(stats.get("admission_graph_captures") or 0)
+        capture_ms += float(stats.get("capture_ms") or 0.0)
         rewards = rewards_of(batch, target)
         t0 = time.perf_counter()
         engine.train()
@@ -258,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         check_rollout.generate(req, sc)  # first call: captures
         first_graph_ms = _ms(t0)
         check_captures = int((check_rollout.last_stats or {}).get("graph_captures") or 0)
+        check_admissions = int((check_rollout.last_stats or {}).get("admission_graph_captures") or 0)
         check_capture_ms = float((check_rollout.last_stats or {}).get("capture_ms") or 0.0)
         eager_ms, graph_ms = [], []
         out_e = out_g = None
@@ -280,7 +283,9 @@ def run(args: argparse.Namespace) -> int:
         e_med, g_med = median(eager_ms), median(graph_ms)
         print(f"\ngraph vs eager, fixed prompt set ({args.check_prompts} prompts x {args.check_tokens} tokens, "
               f"trained weights): greedy {same}/{total} tokens identical, sampled {same_s}/{total_s} tokens identical")
-        print(f"graph captures: {captures} during training, {check_captures} for the check's batch/sampling shape; "
+        print(f"graph captures: {captures} decode step(s) + {admission_captures} admission round(s) during training, "
+              f"{check_captures} + {check_admissions} for the check's batch/sampling shape (one per bucket and "
+              f"sampling mode, replayed at every position); "
               f"capture time {capture_ms:.0f} ms + {check_capture_ms:.0f} ms (first training rollout "
               f"{history[0]['generate_ms']:.0f} ms vs {gen_steady:.0f} ms median afterwards; first check call "
               f"{first_graph_ms:.0f} ms vs {g_med:.0f} ms replayed)")
@@ -292,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
             "token_agreement": {"identical": same, "total": total},
             "sampled_token_agreement": {"identical": same_s, "total": total_s},
             "captures_training": captures, "captures_check": check_captures,
+            "admission_captures_training": admission_captures, "admission_captures_check": check_admissions,
             "capture_ms": capture_ms + check_capture_ms,
             "first_rollout_extra_ms": history[0]["generate_ms"] - gen_steady,
             "first_check_call_ms": first_graph_ms,
