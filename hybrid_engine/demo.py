@@ -257,11 +257,12 @@ def run(args: argparse.Namespace) -> int:
         sc = hybrid_engine.SamplingConfig(max_new_tokens=args.check_tokens, temperature=0.0)
         engine.eval()
         t0 = time.perf_counter()
-        check_rollout.generate(req, sc)  # first call: captures
+        check_rollout.generate(req, sc)  # first call: warms up, then captures the decode step
         first_graph_ms = _ms(t0)
-        check_captures = int((check_rollout.last_stats or {}).get("graph_captures") or 0)
-        check_admissions = int((check_rollout.last_stats or {}).get("admission_graph_captures") or 0)
-        check_capture_ms = float((check_rollout.last_stats or {}).get("capture_ms") or 0.0)
+        check_rollout.generate(req, sc)  # second call: captures the admission round (one per call)
+        check_stats = check_rollout.graph_stats
+        check_captures, check_admissions = check_stats.captures, check_stats.admission_captures
+        check_capture_ms = check_stats.capture_seconds * 1e3
         eager_ms, graph_ms = [], []
         out_e = out_g = None
         for _ in range(3):

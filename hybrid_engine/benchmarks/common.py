@@ -25,6 +25,11 @@ import torch
 
 PLOT_HINT = "--plot needs matplotlib: pip install 'hybrid-engine[plot]' (or pip install matplotlib)"
 
+#: Calls before measuring a graph path: the runner warms a graph key up on its first use and captures
+#: it on the next, and some keys (a rollout's admission round, a bucket a call visits once) are used
+#: once per call, so the second call is the one that captures them.
+WARMUP_CALLS = 2
+
 # --------------------------------------------------------------------- device
 
 

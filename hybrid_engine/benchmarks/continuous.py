@@ -69,8 +69,7 @@ from .paths import make_rollout, rollout_generate, rollout_tokens, unreachable_e
 
 DEFAULT_MODEL = "gpt2"
 PROMPT_SEEDS = (1234, 1235)
-#: Warm-up calls before measuring a workload of mixed buckets (a key is warmed up, then captured).
-WARMUP_CALLS = 2
+WARMUP_CALLS = C.WARMUP_CALLS
 LONG_TAIL_REQUESTS = 64  # static needs ~3.7x the decode steps of continuous here (module docstring)
 LONG_TAIL_CPU_MODEL = "tiny-gpt2"
 MODES = ("continuous", "static")
@@ -368,7 +367,7 @@ def _long_tail_text(lt: dict[str, Any], dtype: torch.dtype) -> str:
     return (
         f"\n\nlong-tailed workload: {lt['requests']} requests, {lt['slots']} slots; budget {lt['long_budget']} for one "
         f"request in {lt['long_every']} (the first of each group of {lt['long_every']}), {lo}..{hi} for the rest "
-        f"(seeded); prompts up to {lt['prompt_len']} tokens; EOS unreachable; graphs on; 1 warm-up + "
+        f"(seeded); prompts up to {lt['prompt_len']} tokens; EOS unreachable; graphs on; {WARMUP_CALLS} warm-up + "
         f"{lt['repeats']} interleaved calls per mode\n"
         f"model: {lt['model']} {C.dtype_name(dtype)}, {lt['threads']} torch threads ({lt['model_reason']})\n\n"
         f"{table}\n\n"

@@ -43,9 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _measure(run_eager, run_graph, repeats: int) -> dict[str, Any]:
-    """Warm up both (graph: capture), then interleave measured calls; compare the tokens of the last pair."""
+    """Warm up both (graph: warm-up, then capture), then interleave measured calls; compare the tokens of the
+    first and the last pair."""
     warm_e, first_e = C.timed(run_eager)
     warm_g, first_g = C.timed(run_graph)
+    for _ in range(C.WARMUP_CALLS - 1):
+        run_eager()
+        run_graph()
     eager_ms: list[float] = []
     graph_ms: list[float] = []
     tok_e = tok_g = None

@@ -24,7 +24,7 @@ import torch
 from . import common as C
 from .paths import engine_generate, graph_counts, make_engine, make_rollout, rollout_generate, rollout_tokens
 
-DEFAULT_MODELS = "tiny-gpt2,tiny-opt,tiny-llama,tiny-qwen2"
+DEFAULT_MODELS = "tiny-gpt2,tiny-opt,tiny-llama,tiny-qwen2,tiny-qwen3,tiny-mistral"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
