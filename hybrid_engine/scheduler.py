@@ -10,18 +10,26 @@ upper bound on the steps left (the budget minus the tokens generated when it
 last looked), and reads the device ``finished`` flags and ``token_index`` (one
 transfer, counted in ``host_syncs``) only when that can change what runs next:
 
-* when a slot is guaranteed to have finished and a waiting request can take
-  it, or the live rows would then fit a smaller bucket, or everything is done;
+* when enough slots are guaranteed to have finished for waiting requests to
+  be admitted (see below), or the live rows would then fit a smaller bucket,
+  or everything is done;
 * every ``sync_interval`` steps, only while some row can still stop early on
   EOS (a reachable EOS id, past its ``min_tokens``).
 
 A harvest copies finished slots' output rows into device result tensors (no
 host transfer) and frees the slots. Then, when the live rows fit a smaller
 bucket, rows above it move into free slots below it (:meth:`DecodeSlots.move`,
-as vLLM compacts its batch), so finished rows stop costing compute. Pending
-requests are prefilled into the lowest free slots, in one batched forward per
-round. With shared prefill each distinct prompt of a round is prefilled once
-and its KV rows are copied into the slots of its other samples.
+as vLLM compacts its batch), so finished rows stop costing compute.
+
+Continuous batching admits waiting requests into the lowest free slots in
+rounds, one prefill forward each. A round costs about ``admission_cost``
+decode steps, so the scheduler holds free slots back until idling them would
+cost more than another round (:func:`_steps_to_admission`). Rollouts stage
+each round into an admission bucket and run it on the runner, graphed like a
+decode step (:mod:`hybrid_engine.admission`); with shared prefill each
+distinct prompt of a round is prefilled once and its K/V fan out to the slots
+of its other samples. ``engine.generate`` admits its batch once, eagerly, at
+its exact width.
 
 A request's first token is picked from the prefill logits by the same
 :func:`~hybrid_engine.decode_state.choose_tokens` and counters (request index,
@@ -57,12 +65,11 @@ class RequestSpec:
 class Counters:
     timer: PhaseTimer  # "prefill" and "decode" phases
     decode_steps: int = 0
-    prefill_forwards: int = 0
+    prefill_forwards: int = 0  # one per admission round
     prefill_rows: int = 0
     kv_row_copies: int = 0
     host_syncs: int = 0
     harvests: int = 0
-    admission_rounds: int = 0
     peak_active_batch: int = 0
     compactions: int = 0
     rows_moved: int = 0
@@ -136,8 +143,8 @@ def _steps_to_admission(room: int, waiting: int, left: dict[int, int], max_activ
                         cap: int | None) -> int:
     """Continuous batching: in how many steps to admit waiting requests (0: now).
 
-    An admission round costs about ``cost`` decode steps (one eager prefill
-    forward, whatever its rows). Holding ``room`` free slots for the ``w`` steps
+    An admission round costs about ``cost`` decode steps (one prefill forward and
+    the slot setup, whatever its rows). Holding ``room`` free slots for the ``w`` steps
     until another slot is guaranteed free leaves them idle, about
     ``room * w / max_active`` steps of wall time; so admit at the first moment
     that is no cheaper, or when everything waiting fits. ``left`` holds upper
@@ -190,10 +197,10 @@ def run_schedule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate every request on ``runner.slots``; return device ``(tokens, logprobs)`` ``[R, width]``.
 
-    Lengths go to ``counters.lengths``. ``staged`` prefills each admission round
-    trimmed to its longest real prompt and staged through :meth:`DecodeGraphRunner.prefill`
-    (graph replay where allowed); otherwise the batch is prefilled eagerly at its
-    full width, as transformers does.
+    Lengths go to ``counters.lengths``. ``staged`` admits each round trimmed to its
+    longest real prompt and staged through :meth:`DecodeGraphRunner.admit` (graph
+    replay where allowed); otherwise the batch is prefilled eagerly at its full
+    width, as transformers does.
     """
     state = runner.slots
     device = state.device
@@ -224,7 +231,6 @@ def run_schedule(
             for slot, req in zip(slots, reqs):
                 active[slot] = req
                 left[slot] = req.budget - 1
-            counters.admission_rounds += 1
             counters.peak_active_batch = max(counters.peak_active_batch, len(active))
 
         target = runner.bucket_for(len(active))

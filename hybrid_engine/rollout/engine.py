@@ -264,7 +264,7 @@ class HybridEngineRollout:
             "last_refusal_reason": after.last_refusal_reason,
             "prefill_rows": c.prefill_rows,
             "kv_row_copies": c.kv_row_copies,
-            "admission_rounds": c.admission_rounds,
+            "admission_rounds": c.prefill_forwards,
             "harvests": c.harvests,
             "compactions": c.compactions,
             "rows_moved": c.rows_moved,
