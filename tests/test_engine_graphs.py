@@ -193,6 +193,12 @@ def test_stats_fields_and_to_dict():
     gen(graph, *prompts(2, 3), n=4)
     s = graph.graph_stats
     assert s.capture_seconds > 0 and s.cache_memory_bytes > 0 and s.graph_keys == 1
+    runner = graph._generator.runner
+    # The emulated pool's bytes are reported on CPU too. The step writes into preallocated buffers, so
+    # they are workspace, which graphs sharing the pool share: a smaller bucket's graph adds nothing.
+    assert s.graph_memory_bytes == runner.accelerator.graph_memory_bytes(runner._pool) > 0
+    gen(graph, *prompts(1, 3), n=4)
+    assert graph.graph_stats.graph_keys == 2 and graph.graph_stats.graph_memory_bytes == s.graph_memory_bytes
 
 
 # ------------------------------------------------------------------ the policy
