@@ -115,6 +115,7 @@ class DecodeSlots:
         self.eos_ids = torch.full((self.num_eos_slots,), -1, **i64)
         self.eos_mask = torch.zeros(logits_width(model), dtype=torch.bool, device=device)
         self.pad_id = torch.zeros((), **i64)
+        self.eos_reachable = False
         # Parking spot for rows that are not live: the last cache slot and a legal position id.
         park = capacity - 1
         self._park_write = park
@@ -160,6 +161,8 @@ class DecodeSlots:
         self.pad_id.fill_(pad_id)
         self.eos_ids.fill_(-1)
         self.eos_mask.zero_()
+        #: Whether a row can emit an EOS at all (host-side; then the scheduler must look for early stops).
+        self.eos_reachable = any(e < self.eos_mask.numel() for e in eos_ids)
         if eos_ids:
             ids = torch.tensor(eos_ids, dtype=torch.int64, device=self.device)
             self.eos_ids[: ids.numel()].copy_(ids)

@@ -35,7 +35,6 @@ import torch
 from transformers import GenerationConfig
 
 from .config import EngineConfig
-from .decode_state import logits_width
 from .graph_runner import DecodeGraphRunner, GraphStats
 from .model_step import check_model_supported, max_positions, token_ids
 from .sampling import validate_sampling
@@ -293,8 +292,7 @@ class Generator:
         out_tokens, _ = run_schedule(
             runner, requests, ids, plan.attention_mask, plan.sampling, seed,
             width=plan.new_tokens, max_active=batch, continuous=False, shared_prefill=False, staged=False,
-            eos_reachable=any(e < logits_width(self.model) for e in plan.eos), sync_interval=SYNC_INTERVAL,
-            counters=counters,
+            sync_interval=SYNC_INTERVAL, counters=counters,
         )
         responses, _, _ = gather_responses(out_tokens, counters.lengths, pad)
         return torch.cat([ids, responses], dim=1)

@@ -190,7 +190,6 @@ def run_schedule(
     continuous: bool,
     shared_prefill: bool,
     staged: bool,
-    eos_reachable: bool,
     sync_interval: int,
     counters: Counters,
     admission_cost: float = 2.0,
@@ -212,7 +211,7 @@ def run_schedule(
 
     def early_stops(active: dict[int, RequestSpec]) -> bool:
         """Whether a live row may still stop on EOS before its budget (then the host must look)."""
-        return eos_reachable and any(r.min_tokens < r.budget for r in active.values())
+        return state.eos_reachable and any(r.min_tokens < r.budget for r in active.values())
 
     free = list(range(max_active))
     active: dict[int, RequestSpec] = {}  # slot -> request

@@ -29,7 +29,6 @@ from transformers import PreTrainedModel
 
 from hybrid_engine.admission import width_bucket
 from hybrid_engine.config import EngineConfig
-from hybrid_engine.decode_state import logits_width
 from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats
 from hybrid_engine.model_step import check_model_supported, max_positions, token_ids
 from hybrid_engine.scheduler import Counters, RequestSpec, gather_responses, run_schedule
@@ -204,7 +203,6 @@ class HybridEngineRollout:
                 runner, requests, prompt_ids, prompt_mask, sampling.sampling_key, sampling.seed,
                 width=max_new, max_active=max_active, continuous=cfg.continuous_batching,
                 shared_prefill=cfg.use_shared_prefill, staged=True, admission_cost=ADMISSION_COST,
-                eos_reachable=any(e < logits_width(model) for e in eos_ids),
                 sync_interval=cfg.sync_interval, counters=counters,
             )
             responses, logprobs, lengths = gather_responses(out_tokens, counters.lengths, pad_id, out_logprobs)
