@@ -202,6 +202,7 @@ def test_rollout_honours_the_engine_config_gates(he, match):
     assert torch.equal(batch.input_ids, eager.generate(request, sampling).input_ids)
     st = rollout.last_stats
     assert st["graph_captures"] == 0 and st["fallbacks"] == 1 and match in st["last_refusal_reason"]
+    assert (rollout.runner.slots is None) == (match == "release_inference_cache")  # buffers freed after the call
 
 
 # ------------------------------------------------------------ sampling counters

@@ -212,6 +212,8 @@ class HybridEngineRollout:
         graph = runner.stats
         self.total_graph_captures += graph.captures - before.captures
         self.last_stats = self._stats(counters, total_s, before, graph, batch, runner.bucket_for(max_active))
+        if runner.config is not None and runner.config.hybrid_engine.release_inference_cache:
+            runner.release()  # as the engine does after each generate
         return batch
 
     @staticmethod
