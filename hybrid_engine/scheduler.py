@@ -203,6 +203,8 @@ def run_schedule(
     """
     state = runner.slots
     device = state.device
+    # Every slot starts free, whatever an interrupted earlier call left live.
+    state.release(torch.arange(state.rows, device=device))
     num_requests = len(requests)
     out_tokens = torch.zeros(num_requests, width, dtype=torch.int64, device=device)
     out_logprobs = torch.zeros(num_requests, width, dtype=torch.float32, device=device)

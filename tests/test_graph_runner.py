@@ -243,3 +243,30 @@ def test_rows_view_shares_storage_and_load_rows_fans_out_sources():
     assert big.write_pos.tolist() == [4, 0, 4, 4] and big.valid[:, 4:].sum() == 0
     with pytest.raises(ValueError, match="rows_view"):
         big.rows_view(2, 5)
+
+
+# ------------------------------------------------------------ interrupted calls
+def test_a_call_interrupted_mid_decode_leaves_the_next_one_correct(monkeypatch):
+    """An exception between steps (a bug, a KeyboardInterrupt) must not leak live slots into the next call."""
+    model = build_model("tiny-gpt2", seed=3)
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, max_batch_size=4,
+                                                              pad_token_id=0, eos_token_id=10_000))
+    eager = HybridEngineRollout(model, config=RolloutConfig(max_batch_size=4, pad_token_id=0, eos_token_id=10_000))
+    big = RolloutRequest(*prompts(4, 5, seed=1))
+    three = RolloutRequest(*prompts(3, 5, seed=2))  # bucket 4: slot 3 is in the bucket but never admitted
+    sampling = SamplingConfig(max_new_tokens=30, temperature=0.0)
+    real, calls = DecodeGraphRunner.step, {"n": 0}
+
+    def failing_step(self, bucket, key):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(self, bucket, key)
+
+    monkeypatch.setattr(DecodeGraphRunner, "step", failing_step)
+    with pytest.raises(KeyboardInterrupt):
+        rollout.generate(big, sampling)
+    monkeypatch.setattr(DecodeGraphRunner, "step", real)
+    for request in (three, big):  # slots were left live: the next calls must not run them
+        got = rollout.generate(request, sampling)
+        assert torch.equal(got.input_ids, eager.generate(request, sampling).input_ids)
