@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .config import ConfigSource, EngineConfig, load_config
+from .exclusive import exclusive_generation
 from .generation import Generator
 from .graph_runner import GraphStats
 
@@ -143,18 +144,20 @@ class HybridEngine(nn.Module):
         """Drop-in for transformers' ``generate`` (same arguments, same return value).
 
         In train mode the call runs in eval mode (no dropout) and train mode is
-        restored afterwards. See :mod:`hybrid_engine.generation` for the paths
+        restored afterwards. Concurrent calls on one model are serialised
+        (:mod:`hybrid_engine.exclusive`). See :mod:`hybrid_engine.generation` for the paths
         and :mod:`hybrid_engine.graph_policy` for when graphs are refused.
         """
-        was_training = self.module.training
-        if was_training:
-            self.module.eval()
-        try:
-            with torch.no_grad():
-                return self._generator.generate(*args, **kwargs)
-        finally:
+        with exclusive_generation(self.module, "HybridEngine.generate"):
+            was_training = self.module.training
             if was_training:
-                self.module.train()
+                self.module.eval()
+            try:
+                with torch.no_grad():
+                    return self._generator.generate(*args, **kwargs)
+            finally:
+                if was_training:
+                    self.module.train()
 
     @property
     def graph_stats(self) -> GraphStats:

@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 
 from hybrid_engine.admission import width_bucket
 from hybrid_engine.config import EngineConfig
+from hybrid_engine.exclusive import exclusive_generation
 from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats
 from hybrid_engine.model_step import check_model_supported, max_positions, token_ids
 from hybrid_engine.scheduler import Counters, RequestSpec, gather_responses, run_schedule
@@ -133,7 +134,15 @@ class HybridEngineRollout:
 
     # ------------------------------------------------------------- generate
     def generate(self, request: RolloutRequest, sampling: SamplingConfig | None = None) -> RolloutBatch:
-        """Sample ``n_samples_per_prompt`` responses per prompt of ``request``; see :class:`RolloutBatch`."""
+        """Sample ``n_samples_per_prompt`` responses per prompt of ``request``; see :class:`RolloutBatch`.
+
+        Concurrent calls on one model (this rollout, other rollouts or the engine built on it) are
+        serialised: each returns exactly what it would alone (:mod:`hybrid_engine.exclusive`).
+        """
+        with exclusive_generation(self.model, "HybridEngineRollout.generate"):
+            return self._generate(request, sampling)
+
+    def _generate(self, request: RolloutRequest, sampling: SamplingConfig | None) -> RolloutBatch:
         t_start = time.perf_counter()
         if not isinstance(request, RolloutRequest):
             raise TypeError(f"generate: request must be a RolloutRequest, got {type(request).__name__}")

@@ -1,0 +1,137 @@
+"""Reliability: concurrent callers are serialised, interrupted calls leave nothing behind, inputs on the
+wrong device are refused clearly."""
+
+import threading
+
+import pytest
+import torch
+from conftest import left_padded_prompts as prompts
+
+from hybrid_engine.engine import initialize
+from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
+from hybrid_engine.tiny_models import build_model
+
+SAMPLED = SamplingConfig(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=5)
+
+
+def rollout_for(model, graphs=True):
+    return HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=graphs, max_batch_size=4,
+                                                           pad_token_id=0, eos_token_id=10_000))
+
+
+def pause_first_decode_of(thread_name: str, model, entered: threading.Event, release: threading.Event):
+    """A forward hook that, in the named thread only, stops in the first decode forward until ``release``."""
+    state = {"paused": False}
+
+    def hook(module, args, output):
+        if threading.current_thread().name == thread_name and not state["paused"] and args[0].shape[1] == 1:
+            state["paused"] = True
+            entered.set()
+            release.wait(timeout=1.0)  # the other call gets this long to run in the middle, if it is let in
+
+    return model.lm_head.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_concurrent_rollouts_on_one_model_each_get_their_own_answer(graphs):
+    model = build_model("tiny-llama", seed=4)
+    a_req, b_req = RolloutRequest(*prompts(3, 5, seed=1)), RolloutRequest(*prompts(4, 7, seed=2))
+    expected = {"a": rollout_for(model, graphs).generate(a_req, SAMPLED),
+                "b": rollout_for(model, graphs).generate(b_req, SAMPLED)}
+    shared = rollout_for(model, graphs)
+    shared.generate(b_req, SAMPLED)  # warm the shared object up: captures happen before the race
+    entered, b_done = threading.Event(), threading.Event()
+    handle = pause_first_decode_of("caller-a", model, entered, b_done)
+    got, errors = {}, []
+
+    def call(name, request, after=None):
+        try:
+            if after is not None:
+                after.wait(timeout=5)
+            got[name] = shared.generate(request, SAMPLED)
+            if name == "b":
+                b_done.set()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    a = threading.Thread(target=call, args=("a", a_req), name="caller-a")
+    b = threading.Thread(target=call, args=("b", b_req, entered), name="caller-b")
+    a.start()
+    b.start()
+    a.join(timeout=30)
+    b.join(timeout=30)
+    handle.remove()
+    assert not a.is_alive() and not b.is_alive() and not errors
+    for name in ("a", "b"):
+        assert torch.equal(got[name].input_ids, expected[name].input_ids), name
+        assert torch.equal(got[name].response_logprobs, expected[name].response_logprobs), name
+
+
+def test_engine_and_rollout_on_one_model_are_serialised_too():
+    """They share the model's train/eval mode: interleaved, the first to return would put the model back in
+    train mode (dropout on) under the other's feet."""
+    model = build_model("tiny-gpt2", seed=2)  # GPT-2 has dropout 0.1
+    engine, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    ids, mask = prompts(2, 4, seed=3)
+    req = RolloutRequest(*prompts(3, 6, seed=4))
+    greedy = SamplingConfig(max_new_tokens=12, temperature=0.0)
+    engine.train()
+    want_engine = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    want_rollout = rollout_for(model).generate(req, greedy)
+    rollout = rollout_for(engine)
+    rollout.generate(req, greedy)
+    assert model.training
+    x_in, y_in, x_done = threading.Event(), threading.Event(), threading.Event()
+
+    def hook(module, args, output):
+        name = threading.current_thread().name
+        if args[0].shape[1] != 1 or name not in ("x", "y") or getattr(hook, name, False):
+            return
+        setattr(hook, name, True)
+        if name == "x":  # the engine call waits (up to 1 s) until the rollout call is inside too
+            x_in.set()
+            y_in.wait(timeout=1.0)
+        else:  # the rollout call waits until the engine call has returned
+            y_in.set()
+            x_done.wait(timeout=5.0)
+
+    handle = model.lm_head.register_forward_hook(hook)
+    got = {}
+
+    def call_engine():
+        got["engine"] = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        x_done.set()
+
+    def call_rollout():
+        x_in.wait(timeout=5)
+        got["rollout"] = rollout.generate(req, greedy)
+
+    threads = [threading.Thread(target=call_engine, name="x"), threading.Thread(target=call_rollout, name="y")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    handle.remove()
+    assert torch.equal(got["engine"], want_engine)
+    assert torch.equal(got["rollout"].input_ids, want_rollout.input_ids)
+    assert model.training  # train mode restored once both are done
+
+
+def test_generate_from_inside_generate_is_refused_not_deadlocked():
+    model = build_model("tiny-gpt2", seed=1)
+    rollout = rollout_for(model)
+    req = RolloutRequest(*prompts(2, 4))
+    seen = []
+
+    def reenter(module, args, output):
+        if not seen:
+            try:
+                rollout.generate(req, SAMPLED)
+            except RuntimeError as exc:
+                seen.append(str(exc))
+
+    handle = model.lm_head.register_forward_hook(reenter)
+    rollout.generate(req, SAMPLED)
+    handle.remove()
+    assert seen and "in use" in seen[0] and "inside generate" in seen[0]
+    assert torch.equal(rollout.generate(req, SAMPLED).input_ids, rollout_for(model).generate(req, SAMPLED).input_ids)
