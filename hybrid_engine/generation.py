@@ -36,6 +36,7 @@ from transformers import GenerationConfig
 
 from .config import EngineConfig
 from .graph_runner import DecodeGraphRunner, GraphStats
+from .inputs import check_device
 from .model_step import check_model_supported, max_positions, token_ids
 from .sampling import validate_sampling
 from .scheduler import Counters, RequestSpec, gather_responses, run_schedule
@@ -143,6 +144,7 @@ class Generator:
             raise ValueError("generate(): input_ids is an empty batch (batch size 0); pass at least one prompt")
         if input_ids.shape[1] == 0:
             raise ValueError("generate(): input_ids has prompt length 0; pass at least one prompt token")
+        check_device("generate(): input_ids", input_ids, self.model)
         vocab = getattr(self.model.config, "vocab_size", None)
         if vocab is not None and bool(((input_ids < 0) | (input_ids >= vocab)).any()):
             raise ValueError(f"generate(): input_ids holds token ids outside the vocabulary [0, {vocab})")
@@ -155,6 +157,7 @@ class Generator:
                     f"generate(): attention_mask shape {tuple(mask.shape)} does not match input_ids shape "
                     f"{tuple(input_ids.shape)}; pass the mask returned with the input ids by the tokenizer"
                 )
+            check_device("generate(): attention_mask", mask, self.model)
         return input_ids, mask
 
     def _lengths(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> tuple[int, int]:

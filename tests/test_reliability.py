@@ -135,3 +135,127 @@ def test_generate_from_inside_generate_is_refused_not_deadlocked():
     handle.remove()
     assert seen and "in use" in seen[0] and "inside generate" in seen[0]
     assert torch.equal(rollout.generate(req, SAMPLED).input_ids, rollout_for(model).generate(req, SAMPLED).input_ids)
+
+
+# ------------------------------------------------------------ devices
+@pytest.mark.parametrize("device", ["meta", "cpu-but-model-elsewhere"])
+def test_inputs_on_another_device_are_refused_naming_both(device, monkeypatch):
+    model = build_model("tiny-gpt2", seed=1)
+    engine, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    rollout = rollout_for(engine)
+    ids, mask = prompts(2, 4)
+    if device == "meta":
+        bad_ids, where = ids.to("meta"), "meta"
+        with pytest.raises(ValueError, match="meta tensor"):
+            RolloutRequest(bad_ids)
+    else:  # the model claims another device (a real second device is not available here)
+        import hybrid_engine.inputs as inputs
+
+        monkeypatch.setattr(inputs, "model_device", lambda m: torch.device("cuda", 0))
+        bad_ids, where = ids, "cuda:0"
+        with pytest.raises(ValueError, match="is on cpu but the model is on cuda:0"):
+            rollout.generate(RolloutRequest(ids, mask), SAMPLED)
+    with pytest.raises(ValueError, match=where):
+        engine.generate(input_ids=bad_ids, max_new_tokens=3)
+    monkeypatch.undo()
+    # Nothing was touched: both still work and agree with a fresh eager engine.
+    eager, _ = initialize(model=model, config={})
+    assert torch.equal(engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5),
+                       eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5))
+    req = RolloutRequest(ids, mask)
+    assert torch.equal(rollout.generate(req, SAMPLED).input_ids, rollout_for(model).generate(req, SAMPLED).input_ids)
+
+
+# ------------------------------------------------------------ interrupted calls
+class Injected(RuntimeError):
+    pass
+
+
+def arm(where, model, monkeypatch, exc):
+    """Raise ``exc`` once at ``where``; return a flag list that records the firing."""
+    import hybrid_engine.admission as admission
+    import hybrid_engine.scheduler as scheduler
+    from hybrid_engine.accelerator import CPUGraph, get_accelerator
+    from hybrid_engine.decode_state import DecodeSlots
+
+    class Fired(list):
+        handle = None
+
+    fired = Fired()
+
+    def once():
+        if not fired:
+            fired.append(where)
+            raise exc
+
+    if where == "prefill":
+        for mod in (scheduler, admission):
+            real = mod.prefill
+            monkeypatch.setattr(mod, "prefill", lambda *a, _real=real, **k: (once(), _real(*a, **k))[1])
+    elif where == "capture":
+        real_step = DecodeSlots.step
+
+        def step(self, m, key):
+            if get_accelerator().is_current_stream_capturing():
+                once()
+            return real_step(self, m, key)
+
+        monkeypatch.setattr(DecodeSlots, "step", step)
+    elif where == "replay":
+        real_replay = CPUGraph.replay
+        count = []
+
+        def replay(self):
+            real_replay(self)  # the step's work is done, then the call is interrupted
+            count.append(1)
+            if len(count) == 3:
+                once()
+
+        monkeypatch.setattr(CPUGraph, "replay", replay)
+    else:  # a user's forward hook, in an eager prompt forward
+        handle = model.get_input_embeddings().register_forward_hook(
+            lambda m, a, out: once() if a[0].shape[1] > 1 else None)  # in a prompt forward
+        fired.handle = handle
+    return fired
+
+
+@pytest.mark.parametrize("where", ["prefill", "capture", "replay", "hook"])
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, Injected])
+@pytest.mark.parametrize("path", ["engine", "rollout"])
+def test_an_interrupted_call_propagates_and_the_next_calls_are_exact(path, kind, where, monkeypatch):
+    if where == "capture" and kind is Injected:
+        pytest.skip("an ordinary exception inside capture is a capture failure: the call falls back to eager "
+                    "(test_engine_graphs / test_rollout_errors); only BaseExceptions propagate from capture")
+    model = build_model("tiny-qwen2", seed=7)
+    device_hook = lambda m, a, out: out * 1.0  # noqa: E731 - a user's hook that captures: it must stay put
+    model.lm_head.register_forward_hook(device_hook)
+    ids_a, mask_a = prompts(3, 5, seed=1)
+    ids_b, mask_b = prompts(2, 6, seed=2)
+    if path == "engine":
+        graph, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+        eager, _ = initialize(model=model, config={})
+
+        def call(obj, ids, mask):
+            return obj.generate(input_ids=ids, attention_mask=mask, max_new_tokens=9, do_sample=False)
+    else:
+        graph, eager = rollout_for(model), rollout_for(model, graphs=False)
+
+        def call(obj, ids, mask):
+            return obj.generate(RolloutRequest(ids, mask), SAMPLED).input_ids
+    want_a, want_b = call(eager, ids_a, mask_a), call(eager, ids_b, mask_b)
+    model.train()  # generate runs in eval mode and must give train mode back, interrupted or not
+    exc = kind("injected")
+    fired = arm(where, model, monkeypatch, exc)
+    with pytest.raises(kind) as info:
+        call(graph, ids_a, mask_a)
+    assert info.value is exc and fired  # propagated unchanged
+    assert model.training and all(m.training for m in model.modules())
+    assert list(model.lm_head._forward_hooks.values()) == [device_hook]  # hooks restored
+    monkeypatch.undo()
+    if fired.handle is not None:
+        fired.handle.remove()
+    for _ in range(2):  # the next calls are exactly what they would be without the interruption
+        assert torch.equal(call(graph, ids_b, mask_b), want_b)
+        assert torch.equal(call(graph, ids_a, mask_a), want_a)
+    s = graph.graph_stats
+    assert s.captures == len(s.buckets) and s.fallbacks == 0  # no key captured twice, nothing left broken

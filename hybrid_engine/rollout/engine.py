@@ -31,6 +31,7 @@ from hybrid_engine.admission import width_bucket
 from hybrid_engine.config import EngineConfig
 from hybrid_engine.exclusive import exclusive_generation
 from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats
+from hybrid_engine.inputs import check_device
 from hybrid_engine.model_step import check_model_supported, max_positions, token_ids
 from hybrid_engine.scheduler import Counters, RequestSpec, gather_responses, run_schedule
 from hybrid_engine.timing import PhaseTimer
@@ -151,6 +152,8 @@ class HybridEngineRollout:
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"generate: sampling must be a SamplingConfig, got {type(sampling).__name__}")
         cfg, model = self.config, self.model
+        check_device("generate: RolloutRequest.prompt_ids", request.prompt_ids, model)
+        check_device("generate: RolloutRequest.prompt_attention_mask", request.prompt_attention_mask, model)
         pad_id, eos_ids = self._special_ids()
         self._check_model()
         prompt_lengths = request.prompt_lengths

@@ -163,6 +163,9 @@ class RolloutRequest:
             mask = torch.ones_like(ids)
         if not isinstance(mask, torch.Tensor):
             raise TypeError(f"{owner}: prompt_attention_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        for name, t in (("prompt_ids", ids), ("prompt_attention_mask", mask)):
+            if t.is_meta:
+                raise ValueError(f"{owner}: {name} is a meta tensor (a shape without data); pass real token ids")
         if tuple(mask.shape) != tuple(ids.shape):
             raise ValueError(
                 f"{owner}: prompt_attention_mask shape {tuple(mask.shape)} does not match prompt_ids shape "
