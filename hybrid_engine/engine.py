@@ -21,12 +21,14 @@ dropout) under ``torch.no_grad`` and restores train mode afterwards.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import checkpoint
 from .config import ConfigSource, EngineConfig, load_config
 from .exclusive import exclusive_generation
 from .generation import Generator
@@ -54,11 +56,14 @@ def _build_optimizer(config: EngineConfig, params: Any) -> torch.optim.Optimizer
 class HybridEngine(nn.Module):
     """Wraps ``module`` (a causal LM) for training and fast rollout generation."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: EngineConfig):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: EngineConfig,
+                 lr_scheduler: Any = None):
         super().__init__()
         self.module = model
         self.config = config
         self.optimizer = optimizer
+        #: Stepped once per optimizer step (not on fp16 overflow-skipped steps), as DeepSpeed does.
+        self.lr_scheduler = lr_scheduler
         self.global_steps = 0
         self.micro_steps = 0
         self._device_type = self._param_device().type
@@ -121,11 +126,16 @@ class HybridEngine(nn.Module):
             self._scaler.unscale_(self.optimizer)
         if self.config.gradient_clipping > 0:
             torch.nn.utils.clip_grad_norm_(params, self.config.gradient_clipping)
+        stepped = True
         if self._scaler is not None:
+            scale = self._scaler.get_scale()
             self._scaler.step(self.optimizer)
             self._scaler.update()
+            stepped = self._scaler.get_scale() >= scale  # the scale drops only when the step was skipped
         else:
             self.optimizer.step()
+        if stepped and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.global_steps += 1
 
@@ -138,6 +148,38 @@ class HybridEngine(nn.Module):
     @property
     def loss_scale(self) -> float:
         return float(self._scaler.get_scale()) if self._scaler is not None else 1.0
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
+                        client_state: dict[str, Any] | None = None, save_latest: bool = True) -> bool:
+        """Save the training state under ``save_dir/tag`` (DeepSpeed's names; returns ``True``).
+
+        Saved: the model, the optimizer, the fp16 loss scaler, the LR scheduler, the
+        step counters, torch's RNG state (CPU and the accelerator's, which seeds
+        sampled ``generate`` calls and dropout) and ``client_state``. ``tag``
+        defaults to ``global_step<N>``; ``save_latest`` records it in
+        ``save_dir/latest`` for :meth:`load_checkpoint`.
+        """
+        return checkpoint.save(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+        """Restore what :meth:`save_checkpoint` saved; returns ``(load_path, client_state)``.
+
+        ``tag`` defaults to the one in ``load_dir/latest``. When there is no such
+        checkpoint it warns and returns ``(None, None)``, as DeepSpeed does. The
+        engine's graphs are dropped and recaptured by the next ``generate``
+        (loading may re-allocate; rollouts compare weight addresses before replaying).
+        """
+        with exclusive_generation(self.module, "HybridEngine.load_checkpoint"):
+            result = checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
+                                     load_optimizer_states=load_optimizer_states,
+                                     load_lr_scheduler_states=load_lr_scheduler_states,
+                                     load_module_only=load_module_only)
+            if result[0] is not None:
+                self._generator.runner.invalidate()
+        return result
 
     # ------------------------------------------------------------- generation
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -180,15 +222,17 @@ def initialize(
     ``config`` is a dict, a JSON path or an ``EngineConfig``. The optimizer is
     ``optimizer`` if given, else one built from ``config.optimizer`` (AdamW, Adam
     or SGD) over ``model_parameters`` (default: the model's trainable parameters),
-    else ``None`` (generation only). ZeRO stages 1-3 are not implemented yet.
+    else ``None`` (generation only). ``lr_scheduler`` (a scheduler, or a callable
+    building one from the optimizer) is stepped with the optimizer and kept as
+    ``engine.lr_scheduler``. ZeRO stages 1-3 are not implemented yet.
     """
     if kwargs.get("config_params") is not None and config is None:
         config = kwargs.pop("config_params")
     unknown = set(kwargs) - {"config_params", "args", "training_data", "lr_scheduler", "mpu", "dist_init_required"}
     if unknown:
         raise TypeError(f"initialize() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
-    if kwargs.get("lr_scheduler") is not None or kwargs.get("training_data") is not None:
-        raise ValueError("initialize(): lr_scheduler and training_data are not supported; drive them yourself")
+    if kwargs.get("training_data") is not None:
+        raise ValueError("initialize(): training_data is not supported; iterate over your data yourself")
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(): model must be a torch.nn.Module, got {type(model).__name__}")
     cfg = load_config(config if config is not None else {})
@@ -222,5 +266,14 @@ def initialize(
             UserWarning,
             stacklevel=2,
         )
-    engine = HybridEngine(model, optimizer, cfg)
+    lr_scheduler = kwargs.get("lr_scheduler")
+    if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
+        if not callable(lr_scheduler):
+            raise TypeError("initialize(): lr_scheduler must be a scheduler (with .step()) or a callable that "
+                            f"builds one from the optimizer, got {type(lr_scheduler).__name__}")
+        if optimizer is None:
+            raise ValueError("initialize(): lr_scheduler was given as a callable but there is no optimizer to "
+                             "build it for; pass optimizer= or config.optimizer")
+        lr_scheduler = lr_scheduler(optimizer)
+    engine = HybridEngine(model, optimizer, cfg, lr_scheduler=lr_scheduler)
     return engine, optimizer

@@ -1,0 +1,133 @@
+"""Engine checkpoints (ZeRO stage 0): everything a resumed run needs to continue bit for bit.
+
+Layout, as DeepSpeed's: ``save_dir/<tag>/hybrid_engine_states.pt`` and a
+``save_dir/latest`` file naming the last tag. One file holds the model and
+optimizer state dicts, the fp16 loss scaler, the LR scheduler, the step
+counters, torch's RNG states and the caller's ``client_state``.
+
+Why the RNG states: a sampled ``engine.generate`` draws its seed from torch's
+global generator, and dropout in the training forward draws from it too. A
+resumed run that restored only the weights would sample other rollouts and
+train on other masks, so a crash-and-resume run would silently diverge from an
+uninterrupted one. With them restored it continues the same streams: a fresh
+process that loads a checkpoint and keeps going produces bit-identical weights
+and tokens on CPU.
+
+Everything saved is tensors and plain Python values, so loading uses
+``torch.load(weights_only=True)``: a checkpoint cannot run code.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import HybridEngine
+
+__all__ = ["STATE_FILE", "load", "save"]
+
+STATE_FILE = "hybrid_engine_states.pt"
+LATEST_FILE = "latest"
+FORMAT = 1
+
+
+def _directory(path: Any, name: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a directory path (str or os.PathLike), got {type(path).__name__}")
+    return Path(path)
+
+
+def _check_tag(tag: Any) -> None:
+    if tag is not None and (not isinstance(tag, str) or not tag or "/" in tag or tag in (".", "..")):
+        raise ValueError(f"tag must be a non-empty name without '/', got {tag!r}")
+
+
+def _device_rng_module(device: torch.device) -> Any:
+    """The torch module that keeps ``device``'s RNG state (``None`` for the CPU or where there is none)."""
+    if device.type == "cpu":
+        return None
+    module = getattr(torch, "get_device_module", lambda _: None)(device)
+    return module if callable(getattr(module, "get_rng_state", None)) else None
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    module = _device_rng_module(device)
+    return {"cpu": torch.get_rng_state(), "device": module.get_rng_state() if module is not None else None}
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    module = _device_rng_module(device)
+    if module is not None and state.get("device") is not None:
+        module.set_rng_state(state["device"])
+
+
+def _model_device(engine: HybridEngine) -> torch.device:
+    p = next(engine.module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def save(engine: HybridEngine, save_dir: Any, tag: str | None, client_state: dict[str, Any] | None,
+         save_latest: bool) -> bool:
+    root = _directory(save_dir, "save_checkpoint: save_dir")
+    _check_tag(tag)
+    if client_state is not None and not isinstance(client_state, dict):
+        raise TypeError(f"save_checkpoint: client_state must be a dict or None, got {type(client_state).__name__}")
+    tag = tag or f"global_step{engine.global_steps}"
+    state = {
+        "format": FORMAT,
+        "module": engine.module.state_dict(),
+        "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
+        "loss_scaler": engine._scaler.state_dict() if engine._scaler is not None else None,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "rng": _rng_state(_model_device(engine)),
+        "client_state": client_state or {},
+    }
+    directory = root / tag
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / (STATE_FILE + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, directory / STATE_FILE)  # a crash mid-save never leaves a half-written checkpoint
+    if save_latest:
+        (root / LATEST_FILE).write_text(tag)
+    return True
+
+
+def load(engine: HybridEngine, load_dir: Any, tag: str | None, *, load_module_strict: bool,
+         load_optimizer_states: bool, load_lr_scheduler_states: bool,
+         load_module_only: bool) -> tuple[str | None, dict[str, Any] | None]:
+    root = _directory(load_dir, "load_checkpoint: load_dir")
+    _check_tag(tag)
+    if tag is None:
+        latest = root / LATEST_FILE
+        if not latest.is_file():
+            warnings.warn(f"load_checkpoint: no {latest} file; pass tag= to load a specific checkpoint",
+                          UserWarning, stacklevel=3)
+            return None, None
+        tag = latest.read_text().strip()
+    path = root / tag / STATE_FILE
+    if not path.is_file():
+        warnings.warn(f"load_checkpoint: no checkpoint at {path}", UserWarning, stacklevel=3)
+        return None, None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("format") != FORMAT:
+        raise ValueError(f"load_checkpoint: {path} is not a hybrid-engine checkpoint of format {FORMAT}")
+    engine.module.load_state_dict(state["module"], strict=load_module_strict)
+    if not load_module_only:
+        if load_optimizer_states and engine.optimizer is not None and state["optimizer"] is not None:
+            engine.optimizer.load_state_dict(state["optimizer"])
+        if engine._scaler is not None and state["loss_scaler"] is not None:
+            engine._scaler.load_state_dict(state["loss_scaler"])
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        engine.global_steps = int(state["global_steps"])
+        engine.micro_steps = int(state["micro_steps"])
+        _set_rng_state(state["rng"], _model_device(engine))
+    return str(root / tag), state["client_state"]

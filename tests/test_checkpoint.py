@@ -1,0 +1,136 @@
+"""Checkpoint and resume (ZeRO stage 0): DeepSpeed's names and return values, bit-identical resume."""
+
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import left_padded_prompts as prompts
+
+from hybrid_engine import initialize
+from hybrid_engine.checkpoint import STATE_FILE
+from hybrid_engine.tiny_models import build_model
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_isolated(*args: str, timeout: float = 120) -> None:
+    """Run the checkpoint script in a fresh process; a hard timeout kills its whole process group."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(HERE / "checkpoint_run.py"), *args], env=env,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"checkpoint_run.py {args[0]} timed out after {timeout} s")
+    assert proc.returncode == 0, output
+
+
+def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_isolated("full", str(ckpt), str(tmp_path / "full.pt"))
+    assert (ckpt / "latest").read_text() == "global_step3" and (ckpt / "global_step3" / STATE_FILE).is_file()
+    run_isolated("resume", str(ckpt), str(tmp_path / "resume.pt"))
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "resume.pt", weights_only=True)
+    assert len(full["tokens"]) == len(resumed["tokens"]) == 3
+    for a, b in zip(full["tokens"], resumed["tokens"]):
+        assert torch.equal(a, b)  # sampled rollouts continue the same stream
+    for name, w in full["weights"].items():
+        assert torch.equal(w, resumed["weights"][name]), name
+    assert full["lr"] == resumed["lr"] and full["steps"] == resumed["steps"] == 6
+    assert resumed["captures"] >= 1  # the resumed engine captured its own graphs
+
+
+def engine_with_state(**config):
+    model = build_model("tiny-llama", seed=3)
+    engine, _ = initialize(model=model, config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                                "hybrid_engine": {"enable_graph_capture": True}, **config},
+                           lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s))
+    return model, engine
+
+
+def train_once(engine, ids):
+    engine.train()
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    engine.eval()
+
+
+def test_save_load_round_trip_restores_everything_and_recaptures(tmp_path):
+    model, engine = engine_with_state()
+    ids, mask = prompts(2, 5)
+    train_once(engine, ids)
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True)
+    engine.generate(**gen)
+    assert engine.save_checkpoint(tmp_path, tag="mine", client_state={"epoch": 7}) is True
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    lr, steps, rng = engine.lr_scheduler.get_last_lr(), engine.global_steps, torch.get_rng_state()
+    expected = engine.generate(**gen)  # what comes next, from the saved RNG state
+    for _ in range(2):
+        train_once(engine, ids)
+    captures = engine.graph_stats.captures
+    path, client = engine.load_checkpoint(tmp_path)
+    assert path == str(tmp_path / "mine") and client == {"epoch": 7}
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    assert engine.lr_scheduler.get_last_lr() == lr and engine.global_steps == steps
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(engine.generate(**gen), expected)
+    s = engine.graph_stats
+    assert s.invalidations >= 1 and s.captures > captures  # the graphs were dropped and recaptured
+
+
+def test_optimizer_state_and_fp16_scaler_round_trip(tmp_path):
+    model, engine = engine_with_state(fp16={"enabled": True, "initial_scale_power": 8})
+    ids, _ = prompts(2, 5)
+    train_once(engine, ids)
+    engine.save_checkpoint(tmp_path)
+    opt_state = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.optimizer.state_dict()["state"].items()}
+    scale = engine.loss_scale
+    train_once(engine, ids)
+    engine._scaler.update(new_scale=3.0)
+    engine.load_checkpoint(tmp_path)
+    assert engine.loss_scale == scale
+    for k, v in engine.optimizer.state_dict()["state"].items():
+        for n, t in v.items():
+            assert torch.equal(t, opt_state[k][n]), (k, n)
+
+
+def test_missing_checkpoints_and_bad_arguments_are_clear(tmp_path):
+    model, engine = engine_with_state()
+    with pytest.warns(UserWarning, match="latest"):
+        assert engine.load_checkpoint(tmp_path / "nothing") == (None, None)
+    with pytest.warns(UserWarning, match="no checkpoint"):
+        assert engine.load_checkpoint(tmp_path, tag="absent") == (None, None)
+    with pytest.raises(TypeError, match="save_dir"):
+        engine.save_checkpoint(42)
+    with pytest.raises(ValueError, match="tag"):
+        engine.save_checkpoint(tmp_path, tag="../escape")
+    with pytest.raises(TypeError, match="client_state"):
+        engine.save_checkpoint(tmp_path, client_state=[1, 2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert engine.save_checkpoint(tmp_path) is True  # still usable
+    assert engine.load_checkpoint(tmp_path)[0] == str(tmp_path / "global_step0")
+
+
+def test_lr_scheduler_is_stepped_with_the_optimizer_not_per_micro_step():
+    model = build_model("tiny-gpt2", seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    engine, _ = initialize(model=model, optimizer=opt, lr_scheduler=sched, config={"gradient_accumulation_steps": 2})
+    assert engine.lr_scheduler is sched
+    ids, _ = prompts(2, 4)
+    for _ in range(4):
+        train_once(engine, ids)
+    assert engine.global_steps == 2 and sched.get_last_lr() == [0.25]
+    with pytest.raises(TypeError, match="lr_scheduler"):
+        initialize(model=model, optimizer=opt, lr_scheduler=3)
