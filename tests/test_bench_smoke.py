@@ -153,3 +153,17 @@ def test_bench_parity(tmp_path, capsys):
     assert len(combos) == 4 and d["ok"] is True
     assert all(r["replayed"] for r in d["rows"])
     _total(d["token_agreement"])
+
+
+def test_bench_soak(tmp_path, capsys):
+    d = _run(tmp_path, capsys, "bench", "soak", "--model", "tiny", "--iterations", "12", "--checkpoints", "4",
+             "--batch-size", "3", "--samples", "2", "--new-tokens", "6")
+    assert d["benchmark"] == "soak" and [p["iteration"] for p in d["samples"]] == [3, 6, 9, 12]
+    for p in d["samples"]:
+        assert p["rss_mb"] > 0 and p["decode_graphs"] >= 1 and p["fallbacks"] == 0
+    after = d["after_warmup"]
+    assert set(after) == {"from_iteration", "captures", "rss_growth_mb", "device_growth_mb", "flat"}
+    assert after["captures"] == (d["samples"][-1]["captures"] + d["samples"][-1]["admission_captures"]
+                                 - next(p["captures"] + p["admission_captures"] for p in d["samples"]
+                                        if p["iteration"] == after["from_iteration"]))
+    _total(d["token_agreement"])

@@ -1,8 +1,8 @@
 """``hybrid-engine bench``: the reference's tables, eager and graph measured side by side in one run.
 
 Sub-benchmarks (one module each): :mod:`.decode`, :mod:`.rlhf`, :mod:`.continuous`,
-:mod:`.overhead`, and :mod:`.parity` (the
-token-identity check the GPU script runs). Each has ``add_arguments(parser)`` and ``run(args) -> dict``
+:mod:`.overhead`, :mod:`.parity` (the token-identity check the GPU script runs) and
+:mod:`.soak` (a long run: memory and captures must stay flat). Each has ``add_arguments(parser)`` and ``run(args) -> dict``
 (the JSON payload); shared helpers live in :mod:`.common`.
 """
 
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "continuous": "continuous rollouts: eager vs graph reuse latency; continuous vs static batching",
     "overhead": "our eager generate vs transformers' model.generate on the same inputs (ratio <= 1.05)",
     "parity": "graph vs eager tokens on the engine and rollout paths, greedy and sampled (exit 1 on mismatch)",
+    "soak": "a long RL run (rollout + train, graphs on): memory and captures over time must stay flat",
 }
 
 
