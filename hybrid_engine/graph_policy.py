@@ -13,6 +13,13 @@ Both front ends (``engine.generate`` and ``HybridEngineRollout``) ask the
   built on a ``HybridEngine`` honours its engine's config;
 * the attention implementation is not one whose kernels capture.
 
+Which attention kernels a graphed step runs is policy too (:func:`graph_attention`):
+on an Ascend NPU the fused attention kernels that ``sdpa`` and ``eager`` reach
+launch work on a secondary stream, which NPU capture rejects (error 107025), so
+the runner runs the steps it warms up and captures with ``"npu_graph"``
+(:mod:`hybrid_engine.npu_attention`) instead. Eager steps keep the model's own
+choice.
+
 The runner adds what it learns at run time: repeated capture failures, and a
 forward hook that cannot be captured (named in the reason). Every reason is a
 sentence for the user; it is warned once, as a :class:`GraphRefusedWarning`,
@@ -26,11 +33,16 @@ from typing import Any
 import torch
 
 from .config import EngineConfig, validate_graph_capture_support
+from .npu_attention import NPU_GRAPH_ATTENTION, npu_graph_available
 
-__all__ = ["CAPTURABLE_ATTENTION", "GraphRefusedWarning", "refusal_reason"]
+__all__ = ["CAPTURABLE_ATTENTION", "NPU_SWITCHED_ATTENTION", "GraphRefusedWarning", "graph_attention",
+           "refusal_reason"]
 
 #: Attention implementations whose decode kernels capture and honour the static cache's 4D mask.
-CAPTURABLE_ATTENTION = ("eager", "sdpa")
+CAPTURABLE_ATTENTION = ("eager", "sdpa", NPU_GRAPH_ATTENTION)
+
+#: Model attention implementations whose graphed steps run with ``"npu_graph"`` on an NPU.
+NPU_SWITCHED_ATTENTION = ("eager", "sdpa")
 
 
 class GraphRefusedWarning(UserWarning):
@@ -55,4 +67,24 @@ def refusal_reason(model: torch.nn.Module, accelerator: Any, config: EngineConfi
             f"attn_implementation={impl!r} is not capturable into a decode graph; load the model with "
             f"attn_implementation in {CAPTURABLE_ATTENTION} to use graphs."
         )
+    return None
+
+
+def _backend(accelerator: Any) -> str:
+    # The backend's name, not ``device().type``: "npu" is a torch device type only once torch_npu registers
+    # it, and this asks which kernels the backend has, not whether it can capture.
+    name = accelerator.device_name() if callable(getattr(accelerator, "device_name", None)) else ""
+    return str(name).split(":")[0]
+
+
+def graph_attention(model: torch.nn.Module, accelerator: Any) -> str | None:
+    """The attention implementation ``model``'s graphed steps must run with on ``accelerator``.
+
+    ``None``: the model's own. On an NPU whose torch_npu has the graph-mode kernel,
+    ``sdpa``/``eager`` models get ``"npu_graph"``; elsewhere, and for other
+    implementations, nothing changes (an uncapturable one is refused by :func:`refusal_reason`).
+    """
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl in NPU_SWITCHED_ATTENTION and _backend(accelerator) == "npu" and npu_graph_available():
+        return NPU_GRAPH_ATTENTION
     return None

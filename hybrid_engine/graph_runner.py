@@ -25,19 +25,30 @@ Graph-safety invariants kept here:
   (:func:`~hybrid_engine.graph_safety.graph_fingerprint`). A change drops
   every graph, and the call recaptures.
 * Capture applies none of its work (CUDA semantics), so a capture that fails
-  leaves the device state as it was: the step then runs eagerly, as does the
+  leaves the device state as it was, and the runner puts back the host state
+  the captured Python advanced before it failed (the caches' counters,
+  :meth:`~hybrid_engine.static_cache.StaticKVCache.host_state`; the attention
+  switch below): the step then runs eagerly from where it started, as does the
   rest of the call, and the output is the same. After
   :data:`MAX_CAPTURE_FAILURES` failures graphs are off for this runner.
+* Replay runs no Python, so the kernels a graph replays are those its capture
+  ran. Where the backend needs other attention kernels to capture
+  (:func:`~hybrid_engine.graph_policy.graph_attention`: ``"npu_graph"`` on an
+  Ascend NPU), the warm-up and the capture run with them, and the model's
+  ``_attn_implementation`` is put back right after, so eager steps keep the
+  model's choice and the fingerprint, taken outside the switch, stays stable.
 * Hooks are captured, never dropped. A hook that cannot be captured makes the
   runner refuse graphs while that hook set is registered, naming the module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -47,7 +58,7 @@ from .accelerator import accelerator_for
 from .admission import AdmissionStage, admit_staged, width_bucket
 from .config import EngineConfig
 from .decode_state import DecodeSlots
-from .graph_policy import GraphRefusedWarning, refusal_reason
+from .graph_policy import GraphRefusedWarning, graph_attention, refusal_reason
 from .graph_safety import HookCaptureError, attributed_hooks, graph_fingerprint, hook_fingerprint
 from .model_step import max_positions
 
@@ -56,6 +67,8 @@ __all__ = ["MAX_CAPTURE_FAILURES", "AdmissionKey", "DecodeGraphRunner", "GraphKe
 
 #: Capture failures after which a runner stops trying graphs.
 MAX_CAPTURE_FAILURES = 3
+
+logger = logging.getLogger(__name__)
 
 
 def default_graph_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -153,6 +166,9 @@ class DecodeGraphRunner:
         self._call_eager = False
         self._warned: set[str] = set()
         self._stats = GraphStats()
+        #: Attention implementation the graphed steps of this call run with (``None``: the model's own).
+        self._graph_attn: str | None = None
+        self._switch_logged = False
 
     # ---------------------------------------------------------------- policy
     def _device(self) -> torch.device:
@@ -224,12 +240,21 @@ class DecodeGraphRunner:
             self._fingerprint = fingerprint
         self._call_eager = False
         self.use_graphs = False
+        self._graph_attn = None
         if graphs:
             reason = self.refusal()
             self.note_refusal(reason)
             self.use_graphs = reason is None
             if reason is not None:
                 self._stats.fallbacks += 1  # the whole call runs eagerly
+            else:
+                self._graph_attn = graph_attention(model, self.accelerator)
+                if self._graph_attn is not None and not self._switch_logged:
+                    self._switch_logged = True
+                    logger.info(
+                        "Graphed decode steps on %s run attention with %r instead of the model's %r (its kernels "
+                        "cannot be captured there); eager steps keep %r.", self.accelerator.device_name(),
+                        self._graph_attn, model.config._attn_implementation, model.config._attn_implementation)
         return slots
 
     def invalidate(self) -> None:
@@ -290,7 +315,7 @@ class DecodeGraphRunner:
             if key not in self._warm:
                 # The one warm-up: a real run on the graph stream, so lazy kernels and workspaces exist
                 # before capture. Nothing to undo: it is this call's own step or admission.
-                with self.accelerator.on_graph_stream():
+                with self.accelerator.on_graph_stream(), self._graph_attention():
                     run()
                 self._warm.add(key)
                 s.warmups += decode
@@ -305,9 +330,15 @@ class DecodeGraphRunner:
         t0 = time.perf_counter()
         mem0 = acc.memory_allocated()
         graph = acc.create_graph()
+        saved = self._host_state()
         try:
-            with attributed_hooks(self.model), acc.capture_to_graph(graph, pool=self._pool):
-                run()
+            try:
+                with self._graph_attention(), attributed_hooks(self.model), \
+                        acc.capture_to_graph(graph, pool=self._pool):
+                    run()
+            except BaseException:
+                self._restore_host_state(saved)  # the eager fallback starts where the step started
+                raise
         except HookCaptureError as exc:
             reason = (f"Graphs refused: {exc}. Decoding runs eagerly while this hook is registered; keep the "
                       "hook's work on the device (no .item(), .tolist() or printing of values) to use graphs.")
@@ -339,6 +370,32 @@ class DecodeGraphRunner:
             s.graph_memory_bytes + max(0, acc.memory_allocated() - mem0))
         return graph
 
+    @contextlib.contextmanager
+    def _graph_attention(self) -> Iterator[None]:
+        """Run the block with the attention implementation graphed steps need (the model's own is put back)."""
+        impl = self._graph_attn
+        config = getattr(self.model, "config", None)
+        if impl is None or config is None or config._attn_implementation == impl:
+            yield
+            return
+        saved = _attn_implementations(config)
+        config._attn_implementation = impl
+        try:
+            yield
+        finally:
+            for cfg, value in saved:
+                cfg._attn_implementation = value
+
+    def _host_state(self) -> list[tuple[Any, Any]]:
+        """Host-side counters a captured step or admission advances: those of the slots' and stage's caches."""
+        caches = [b.cache for b in (self.slots, self.stage) if b is not None]
+        return [(c, c.host_state()) for c in caches]
+
+    @staticmethod
+    def _restore_host_state(saved: list[tuple[Any, Any]]) -> None:
+        for cache, state in saved:
+            cache.restore_host_state(state)
+
     def _capture_failed(self, reason: str) -> None:
         self._stats.fallbacks += 1
         self._call_eager = True
@@ -354,3 +411,13 @@ class DecodeGraphRunner:
         s.buckets = tuple(sorted({k.bucket for k in decode}))
         s.cache_memory_bytes = sum(b.memory_bytes() for b in (self.slots, self.stage) if b is not None)
         return s
+
+
+def _attn_implementations(config: Any) -> list[tuple[Any, Any]]:
+    """``(config, _attn_implementation)`` for ``config`` and its sub-configs (setting it recurses into them)."""
+    out = [(config, config._attn_implementation)]
+    for name in getattr(config, "sub_configs", None) or ():
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            out.extend(_attn_implementations(sub))
+    return out

@@ -29,6 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .accelerator import is_capturing
+from .npu_attention import NPU_GRAPH_ATTENTION
 from .static_cache import StaticKVCache
 
 __all__ = [
@@ -44,7 +45,8 @@ __all__ = [
 ]
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral")
-SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+#: Attention implementations that honour an explicit 4D additive float mask ("npu_graph": see npu_attention).
+SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", NPU_GRAPH_ATTENTION)
 
 _SIGNATURES: dict[type, tuple[str, bool, bool]] = {}
 
@@ -268,7 +270,7 @@ def check_model_supported(model: torch.nn.Module) -> None:
 
     Requirements: a decoder-only HF model whose forward takes an external ``Cache``
     (``cache=``/``past_key_values=``) and an attention implementation that honours
-    a 4D additive float mask (``eager`` or ``sdpa``; not ``flash_attention_*``,
+    a 4D additive float mask (``eager``, ``sdpa`` or ``npu_graph``; not ``flash_attention_*``,
     ``flex_attention`` or paged variants). Architectures outside
     ``SUPPORTED_MODEL_TYPES`` are probed with a one-token forward.
     """

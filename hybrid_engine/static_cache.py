@@ -35,6 +35,11 @@ Invariants
   so model code that calls them never syncs inside a graph. With per-row lengths
   there is no single "sequence length": callers must pass an explicit 4D mask
   and position ids (see :mod:`hybrid_engine.model_step`).
+* Host-side state (Python values a captured step would advance) is kept to
+  one counter, ``num_updates``, shared by a cache and all its row views, and
+  :meth:`host_state`/:meth:`restore_host_state` save and restore it. A capture
+  applies none of its device work, so when one fails its owner restores the
+  host state too, and the eager fallback runs from where the step started.
 
 Works with transformers 4.57 (``get_mask_sizes(cache_position, layer_idx)``,
 ``get_max_cache_shape``, ``max_batch_size``/``max_cache_len``) and 5.x
@@ -55,6 +60,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .accelerator import is_capturing
 
 __all__ = ["StaticKVCache", "cache_geometry"]
+
+
+class _HostCounters:
+    """Host-side counters one cache shares with its row views (the views write the same storage)."""
+
+    __slots__ = ("num_updates",)
+
+    def __init__(self) -> None:
+        self.num_updates = 0
 
 
 def cache_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -182,7 +196,7 @@ class StaticKVCache(Cache):
         )
 
     def _setup(self, kv: list[tuple[torch.Tensor, torch.Tensor]], write_pos: torch.Tensor, position: torch.Tensor,
-               valid: torch.Tensor) -> None:
+               valid: torch.Tensor, host: _HostCounters | None = None) -> None:
         keys = kv[0][0]
         super().__init__(layers=[_StaticKVLayer(self, i, k, v) for i, (k, v) in enumerate(kv)])
         self._batch_size = keys.shape[0]
@@ -199,8 +213,24 @@ class StaticKVCache(Cache):
         #: Read write positions on the host to bounds-check each write (outside capture only).
         #: Owners that validate lengths up front (the engines) turn it off: it costs a sync per step.
         self.bounds_checks = True
-        #: Number of ``update`` calls (a probe for models that silently ignore an external cache).
-        self.num_updates = 0
+        self._host = host if host is not None else _HostCounters()
+
+    @property
+    def num_updates(self) -> int:
+        """``update`` calls on this cache's storage, through it or any row view (probes models that ignore it)."""
+        return self._host.num_updates
+
+    @num_updates.setter
+    def num_updates(self, value: int) -> None:
+        self._host.num_updates = value
+
+    def host_state(self) -> tuple[int, ...]:
+        """The host-side counters a step advances (shared with every row view); see :meth:`restore_host_state`."""
+        return (self._host.num_updates,)
+
+    def restore_host_state(self, state: tuple[int, ...]) -> None:
+        """Put back counters saved by :meth:`host_state` (after a capture that failed part-way)."""
+        (self._host.num_updates,) = state
 
     # ------------------------------------------------------------------ shape
     @property
@@ -356,6 +386,7 @@ class StaticKVCache(Cache):
             self.write_pos[start:stop],
             self.position[start:stop],
             self.valid[start:stop, :capacity],
+            self._host,
         )
         view.bounds_checks = self.bounds_checks
         return view

@@ -384,3 +384,25 @@ def test_base_accelerator_has_no_streams_or_pool_accounting():
     with acc.on_graph_stream() as s:
         assert s is None
     assert acc.graph_memory_bytes(object()) is None
+
+
+@pytest.mark.stub
+def test_stub_npu_backend_graphs_sdpa_and_eager_models_with_npu_graph(monkeypatch):
+    """The runner's attention switch asks the backend's name and torch_npu's kernels, never a torch device."""
+    from hybrid_engine.graph_policy import graph_attention
+    from hybrid_engine.tiny_models import build_model
+
+    npu = TorchBackendAccelerator("npu", make_stub_backend("NPUGraph", []))
+    cuda = TorchBackendAccelerator("cuda", make_stub_backend("CUDAGraph", []))
+    fake = types.ModuleType("torch_npu")
+    fake.npu_fusion_attention_v3 = lambda *args, **kwargs: None
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    model = build_model("tiny-llama", attn_implementation="sdpa")
+    for impl, expected in (("sdpa", "npu_graph"), ("eager", "npu_graph"), ("npu_graph", None),
+                           ("flash_attention_2", None)):
+        model.config._attn_implementation = impl
+        assert graph_attention(model, npu) == expected, impl
+        assert graph_attention(model, cuda) is None and graph_attention(model, CPUAccelerator()) is None
+    model.config._attn_implementation = "sdpa"
+    del fake.npu_fusion_attention_v3  # a torch_npu without the graph-mode kernel: nothing to switch to
+    assert graph_attention(model, npu) is None
