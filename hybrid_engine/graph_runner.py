@@ -288,14 +288,45 @@ class DecodeGraphRunner:
         like a decode step (graph replay where allowed).
         """
         p, w = ids.shape
-        r = len(meta[0])
-        # Small rounds are staged at their own size (prefill cost grows with rows), larger ones at their
-        # decode bucket, so the number of admission graphs stays bounded.
-        prompts, requests = (p if p <= 8 else self.bucket_for(p)), (r if r <= 8 else self.bucket_for(r))
+        # Rows are staged at their decode bucket and widths at a power of two, so the number of
+        # admission graphs stays small and bounded over a long run.
+        prompts, requests = self.bucket_for(p), self.bucket_for(len(meta[0]))
         width = min(width_bucket(w), self._prompt_width)
         round_ = self.stage.stage(ids, mask, meta, prompts, requests, width)
         self._run(AdmissionKey(prompts, requests, width, sampling_key),
                   lambda: admit_staged(self.slots, self.model, round_, sampling_key))
+
+    def capture_buckets(self, top: int, sampling_key: tuple[float, float, int], shrink: bool) -> None:
+        """Warm up and capture, up front and largest first, every decode bucket a call may visit.
+
+        That is bucket ``top``, and every smaller one when rows may finish at
+        different times (``shrink``) and the call compacts into them. Capturing
+        them now, on slots that are all free (a warm-up step touches no
+        request), rather than when a run first reaches them, keeps captures and
+        graph memory flat over a long run, as vLLM and SGLang capture at start-up.
+        """
+        if not self.use_graphs:
+            return
+        sizes = self.buckets or default_graph_buckets(top)
+        for bucket in sorted((b for b in sizes if b == top or (shrink and b < top)), reverse=True):
+            key = GraphKey(bucket, sampling_key)
+            if key in self._graphs or self._call_eager:
+                continue
+            view = self.slots.head(bucket)
+
+            def step(view: DecodeSlots = view) -> None:
+                view.step(self.model, sampling_key)
+
+            if key not in self._warm:
+                self._warm_up(key, step)
+            self._capture(key, step)
+
+    def _warm_up(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> None:
+        """The one warm-up: a real run on the graph stream, so lazy kernels and workspaces exist before capture."""
+        with self.accelerator.on_graph_stream(), self._graph_attention():
+            run()
+        self._warm.add(key)
+        self._stats.warmups += isinstance(key, GraphKey)
 
     def _run(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> None:
         """``run()`` for ``key``: its graph replayed, or its warm-up or capture, or eagerly."""
@@ -312,13 +343,8 @@ class DecodeGraphRunner:
                 else:
                     s.admission_replays += 1
                 return
-            if key not in self._warm:
-                # The one warm-up: a real run on the graph stream, so lazy kernels and workspaces exist
-                # before capture. Nothing to undo: it is this call's own step or admission.
-                with self.accelerator.on_graph_stream(), self._graph_attention():
-                    run()
-                self._warm.add(key)
-                s.warmups += decode
+            if key not in self._warm:  # nothing to undo: the warm-up is this call's own step or admission
+                self._warm_up(key, run)
                 s.eager_steps += decode
                 return
         run()

@@ -205,6 +205,12 @@ def run_schedule(
     device = state.device
     # Every slot starts free, whatever an interrupted earlier call left live.
     state.release(torch.arange(state.rows, device=device))
+    # Rows can finish at different times (EOS, unequal budgets, more requests than slots): the call may
+    # compact into every smaller bucket, so those are captured up front too.
+    shrink = (state.eos_reachable and any(r.min_tokens < r.budget for r in requests)) or \
+        len({r.budget for r in requests}) > 1 or len(requests) > max_active
+    if any(r.budget > 1 for r in requests):  # some row decodes at all
+        runner.capture_buckets(runner.bucket_for(min(max_active, len(requests))), sampling_key, shrink)
     num_requests = len(requests)
     out_tokens = torch.zeros(num_requests, width, dtype=torch.int64, device=device)
     out_logprobs = torch.zeros(num_requests, width, dtype=torch.float32, device=device)

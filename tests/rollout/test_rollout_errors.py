@@ -71,7 +71,8 @@ def test_bad_requests_raise_then_next_call_works(rollout):
         with pytest.raises(exc, match=text):
             make()
         _check_still_works(rollout, baseline)
-    assert rollout.total_graph_captures == 1
+    # Captured once, by the first call (one graph per bucket it may reach), never again after the errors.
+    assert rollout.total_graph_captures == len(rollout.graph_stats.buckets) == rollout.graph_stats.captures
 
 
 def test_cache_capacity_and_position_limit(model):
@@ -168,4 +169,4 @@ def test_capture_failure_falls_back_to_eager(model, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert_batches_identical(rollout.generate(_good_request(), SAMPLING), eager)
-    assert rollout.last_stats["graph_captures"] == 1
+    assert rollout.last_stats["graph_captures"] == len(rollout.graph_stats.buckets) >= 1
