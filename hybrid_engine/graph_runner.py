@@ -55,7 +55,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .accelerator import accelerator_for
-from .admission import AdmissionStage, admit_staged, width_bucket
+from .admission import AdmissionStage, admit_staged
 from .config import EngineConfig
 from .decode_state import DecodeSlots
 from .graph_policy import GraphRefusedWarning, graph_attention, refusal_reason
@@ -205,8 +205,8 @@ class DecodeGraphRunner:
 
         ``graphs`` says whether the caller wants graphs; the policy may still
         refuse (warned once, recorded in ``last_refusal_reason``).
-        ``prompt_width`` (the staged width of the call's longest prompt) sets up
-        :meth:`admit`.
+        ``prompt_width`` (the width admission rounds are staged at, at least the
+        longest real prompt) sets up :meth:`admit`.
         """
         device = self._device()
         acc = accelerator_for(device)
@@ -287,11 +287,11 @@ class DecodeGraphRunner:
         bucket of the :class:`~hybrid_engine.admission.AdmissionStage` and run
         like a decode step (graph replay where allowed).
         """
-        p, w = ids.shape
-        # Rows are staged at their decode bucket and widths at a power of two, so the number of
-        # admission graphs stays small and bounded over a long run.
-        prompts, requests = self.bucket_for(p), self.bucket_for(len(meta[0]))
-        width = min(width_bucket(w), self._prompt_width)
+        # Rows are staged at their decode bucket and every round of a call at the call's prompt width, so
+        # the admission graphs depend on the call's shape only and stay few over a long run.
+        width = self._prompt_width
+        ids, mask = ids[:, -width:], mask[:, -width:]  # only left padding is cut: width >= every real prompt
+        prompts, requests = self.bucket_for(ids.shape[0]), self.bucket_for(len(meta[0]))
         round_ = self.stage.stage(ids, mask, meta, prompts, requests, width)
         self._run(AdmissionKey(prompts, requests, width, sampling_key),
                   lambda: admit_staged(self.slots, self.model, round_, sampling_key))

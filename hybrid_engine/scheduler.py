@@ -87,7 +87,6 @@ def _admit(
     reqs: list[RequestSpec],
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
-    prompt_lengths: list[int],
     sampling_key: tuple[float, float, int],
     seed: int,
     *,
@@ -106,10 +105,8 @@ def _admit(
     index = _index(prompts, prompt_ids.device)
     meta = [slots, source, [r.rng_index for r in reqs], [r.budget for r in reqs], [r.min_tokens for r in reqs],
             [seed] * len(reqs)]
-    if staged:  # trimmed to the round's longest prompt, staged into a bucket, run as one (graphed) round
-        width = max(prompt_lengths[p] for p in prompts)
-        runner.admit(prompt_ids.index_select(0, index)[:, -width:], prompt_mask.index_select(0, index)[:, -width:],
-                     meta, sampling_key)
+    if staged:  # staged into a bucket at the call's prompt width, run as one (graphed) round
+        runner.admit(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index), meta, sampling_key)
         return
     # The whole batch at its own width into slots 0..n-1, exactly as transformers prefills it (never graphed).
     state = runner.slots
@@ -196,10 +193,10 @@ def run_schedule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate every request on ``runner.slots``; return device ``(tokens, logprobs)`` ``[R, width]``.
 
-    Lengths go to ``counters.lengths``. ``staged`` admits each round trimmed to its
-    longest real prompt and staged through :meth:`DecodeGraphRunner.admit` (graph
-    replay where allowed); otherwise the batch is prefilled eagerly at its full
-    width, as transformers does.
+    Lengths go to ``counters.lengths``. ``staged`` admits each round through
+    :meth:`DecodeGraphRunner.admit`, staged at the call's prompt width (graph replay
+    where allowed); otherwise the batch is prefilled eagerly at its own width, as
+    transformers does.
     """
     state = runner.slots
     device = state.device
@@ -214,7 +211,6 @@ def run_schedule(
     num_requests = len(requests)
     out_tokens = torch.zeros(num_requests, width, dtype=torch.int64, device=device)
     out_logprobs = torch.zeros(num_requests, width, dtype=torch.float32, device=device)
-    prompt_lengths = prompt_mask.sum(dim=1).tolist()
     queue = deque(requests)
 
     def early_stops(active: dict[int, RequestSpec]) -> bool:
@@ -233,7 +229,7 @@ def run_schedule(
             slots = [free.pop(0) for _ in range(room)]
             reqs = [queue.popleft() for _ in range(room)]
             with counters.timer.phase("prefill"):
-                _admit(runner, slots, reqs, prompt_ids, prompt_mask, prompt_lengths, sampling_key, seed,
+                _admit(runner, slots, reqs, prompt_ids, prompt_mask, sampling_key, seed,
                        shared_prefill=shared_prefill, staged=staged, counters=counters)
             for slot, req in zip(slots, reqs):
                 active[slot] = req

@@ -179,13 +179,13 @@ class HybridEngineRollout:
         vocab = getattr(model.config, "vocab_size", None)
         if isinstance(vocab, int) and int(request.prompt_ids.max()) >= vocab:
             raise ValueError(f"generate: prompt_ids hold ids >= the model's vocab_size {vocab}")
-        # Admission prompts are staged at a power-of-two width (see hybrid_engine.admission): the cache holds that
-        # plus the responses, within a configured capacity.
+        # Admission rounds are staged at the prompts' padded width, rounded up to a power of two (see
+        # hybrid_engine.admission): the cache holds that plus the responses, within a configured capacity.
+        prompt_width = width_bucket(request.prompt_ids.shape[1])
         if cfg.cache_capacity is not None:
             capacity = cfg.cache_capacity
-            prompt_width = min(width_bucket(longest), capacity - max_new)
+            prompt_width = min(prompt_width, capacity - max_new)  # still >= the longest real prompt
         else:
-            prompt_width = width_bucket(longest)
             capacity = prompt_width + max_new
 
         n = sampling.n_samples_per_prompt
