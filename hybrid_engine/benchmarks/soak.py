@@ -160,10 +160,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ax.plot(its, [p["rss_mb"] for p in samples], "o-", label="host memory (MiB)")
         ax.set_xlabel("iteration")
         ax.set_ylabel("MiB")
+        ax.set_ylim(bottom=0)  # from zero: flatness is the point, not a few MiB of noise
         ax2 = ax.twinx()
         ax2.step(its, [p["captures"] + p["admission_captures"] for p in samples], "r-", where="post",
                  label="graphs captured")
         ax2.set_ylabel("graphs captured")
+        ax2.set_ylim(bottom=0)
         ax.legend(loc="upper left")
         ax2.legend(loc="lower right")
 
