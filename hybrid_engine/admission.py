@@ -10,8 +10,8 @@ replays per :class:`~hybrid_engine.graph_runner.AdmissionKey`.
 
 What a round's capture freezes: the number of prompt rows and request rows
 (decode buckets), the staged width (the call's padded prompt width, rounded up
-to a power of two, the same for every round of a call) and the sampling knobs. Everything per round is device data
-in the stage: the prompts (right-aligned, the columns before them masked out)
+to a power of two, the same for every round of a call) and the sampling knobs.
+Everything per round is device data in the stage: the prompts (right-aligned, the columns before them masked out)
 and one ``meta`` column per request (slot, source prompt row, request index,
 budget, min_tokens, seed). Prompt rows past the round's prompts keep stale
 prompts that no request reads; request columns past its requests repeat the
@@ -35,7 +35,7 @@ from .decode_state import DecodeSlots, choose_tokens
 from .model_step import prefill
 from .static_cache import StaticKVCache
 
-__all__ = ["AdmissionStage", "StagedRound", "admit_staged", "width_bucket"]
+__all__ = ["AdmissionStage", "StagedRound", "admit_from_logits", "admit_staged", "width_bucket"]
 
 
 def width_bucket(width: int) -> int:
@@ -111,8 +111,17 @@ def admit_staged(slots: DecodeSlots, model: PreTrainedModel, stage: StagedRound,
     prompt's logits with the decode step's sampler, and admit it.
     """
     logits = prefill(model, stage.cache, stage.ids, stage.mask, checked=True)
-    slot, source, request_index, budget, min_tokens, seed = stage.meta
+    slot, source = stage.meta[0], stage.meta[1]
     slots.cache.load_rows(slot, stage.cache, sources=source, checked=True)
+    admit_from_logits(slots, logits, stage.meta, sampling_key)
+
+
+def admit_from_logits(slots: DecodeSlots, logits: torch.Tensor, meta: torch.Tensor,
+                      sampling_key: tuple[float, float, int]) -> None:
+    """Admit the requests of ``meta`` (``[6, R]``, see :class:`StagedRound`), whose prompts are already in
+    their slots: each one's first token is picked from its source row of the prefill ``logits`` with the
+    decode step's sampler (token 0 of its counters). Capture-safe."""
+    slot, source, request_index, budget, min_tokens, seed = meta
     tokens, logprobs = choose_tokens(
         logits.index_select(0, source), sampling_key, eos_mask=slots.eos_mask, suppress_eos=min_tokens > 0,
         seed=seed, request_index=request_index, token_index=0,

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .inputs import model_device
+
 if TYPE_CHECKING:
     from .engine import HybridEngine
 
@@ -67,11 +69,6 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         module.set_rng_state(state["device"])
 
 
-def _model_device(engine: HybridEngine) -> torch.device:
-    p = next(engine.module.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
 def save(engine: HybridEngine, save_dir: Any, tag: str | None, client_state: dict[str, Any] | None,
          save_latest: bool) -> bool:
     root = _directory(save_dir, "save_checkpoint: save_dir")
@@ -87,7 +84,7 @@ def save(engine: HybridEngine, save_dir: Any, tag: str | None, client_state: dic
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
-        "rng": _rng_state(_model_device(engine)),
+        "rng": _rng_state(model_device(engine.module)),
         "client_state": client_state or {},
     }
     directory = root / tag
@@ -129,5 +126,5 @@ def load(engine: HybridEngine, load_dir: Any, tag: str | None, *, load_module_st
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         engine.global_steps = int(state["global_steps"])
         engine.micro_steps = int(state["micro_steps"])
-        _set_rng_state(state["rng"], _model_device(engine))
+        _set_rng_state(state["rng"], model_device(engine.module))
     return str(root / tag), state["client_state"]

@@ -33,6 +33,7 @@ from .config import ConfigSource, EngineConfig, load_config
 from .exclusive import exclusive_generation
 from .generation import Generator
 from .graph_runner import GraphStats
+from .inputs import model_device
 
 __all__ = ["HybridEngine", "initialize"]
 
@@ -66,7 +67,7 @@ class HybridEngine(nn.Module):
         self.lr_scheduler = lr_scheduler
         self.global_steps = 0
         self.micro_steps = 0
-        self._device_type = self._param_device().type
+        self._device_type = model_device(model).type
         self._amp_dtype = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
         self._scaler = None
         if config.fp16.enabled:
@@ -79,10 +80,6 @@ class HybridEngine(nn.Module):
         self._generator = Generator(model, config)
 
     # ---------------------------------------------------------------- helpers
-    def _param_device(self) -> torch.device:
-        p = next(self.module.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
-
     def _autocast(self):
         if self._amp_dtype is None:
             return contextlib.nullcontext()

@@ -36,7 +36,7 @@ from transformers import GenerationConfig
 
 from .config import EngineConfig
 from .graph_runner import DecodeGraphRunner, GraphStats
-from .inputs import check_device
+from .inputs import check_device, model_device
 from .model_step import check_model_supported, max_positions, token_ids
 from .sampling import validate_sampling
 from .scheduler import Counters, RequestSpec, gather_responses, run_schedule
@@ -232,7 +232,7 @@ class Generator:
 
     def _plan(self, input_ids, mask, kwargs, max_new, min_new) -> _Plan:
         gen = self.model.generation_config
-        device = next(self.model.parameters()).device
+        device = model_device(self.model)
         ids = input_ids.to(device=device, dtype=torch.long)
         eos = list(token_ids(kwargs.get("eos_token_id", gen.eos_token_id)))
         pad = kwargs.get("pad_token_id", gen.pad_token_id)

@@ -60,6 +60,7 @@ from .config import EngineConfig
 from .decode_state import DecodeSlots
 from .graph_policy import GraphRefusedWarning, graph_attention, refusal_reason
 from .graph_safety import HookCaptureError, attributed_hooks, graph_fingerprint, hook_fingerprint
+from .inputs import model_device
 from .model_step import max_positions
 
 __all__ = ["MAX_CAPTURE_FAILURES", "AdmissionKey", "DecodeGraphRunner", "GraphKey", "GraphStats",
@@ -150,7 +151,7 @@ class DecodeGraphRunner:
         self.model = model
         self.config = config
         self.buckets = tuple(sorted(set(buckets))) if buckets else None
-        self.accelerator = accelerator_for(self._device())
+        self.accelerator = accelerator_for(model_device(model))
         self.slots: DecodeSlots | None = None
         self.stage: AdmissionStage | None = None
         #: Whether the current call may use graphs (set by :meth:`prepare`).
@@ -171,10 +172,6 @@ class DecodeGraphRunner:
         self._switch_logged = False
 
     # ---------------------------------------------------------------- policy
-    def _device(self) -> torch.device:
-        p = next(self.model.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
-
     def refusal(self) -> str | None:
         """Why graphs may not run now (``None``: they may). The whole policy, static and learnt."""
         reason = refusal_reason(self.model, self.accelerator, self.config)
@@ -208,7 +205,7 @@ class DecodeGraphRunner:
         ``prompt_width`` (the width admission rounds are staged at, at least the
         longest real prompt) sets up :meth:`admit`.
         """
-        device = self._device()
+        device = model_device(self.model)
         acc = accelerator_for(device)
         if acc is not self.accelerator:
             self.invalidate()

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_device"]
+__all__ = ["check_device", "model_device"]
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s parameters (the CPU for a model without any)."""
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
 

@@ -22,7 +22,7 @@ bucket, rows above it move into free slots below it (:meth:`DecodeSlots.move`,
 as vLLM compacts its batch), so finished rows stop costing compute.
 
 Continuous batching admits waiting requests into the lowest free slots in
-rounds, one prefill forward each. A round costs about ``admission_cost``
+rounds, one prefill forward each. A round costs about ``ADMISSION_COST``
 decode steps, so the scheduler holds free slots back until idling them would
 cost more than another round (:func:`_steps_to_admission`). Rollouts stage
 each round into an admission bucket and run it on the runner, graphed like a
@@ -40,16 +40,23 @@ does not change what it samples.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from .decode_state import DecodeSlots, choose_tokens
+from .admission import admit_from_logits
+from .decode_state import DecodeSlots
 from .graph_runner import DecodeGraphRunner
 from .model_step import prefill
 from .timing import PhaseTimer
 
-__all__ = ["Counters", "RequestSpec", "gather_responses", "run_schedule"]
+__all__ = ["ADMISSION_COST", "Counters", "RequestSpec", "gather_responses", "run_schedule"]
+
+#: What one admission round costs, in decode steps, for the continuous-batching admission rule
+#: (:func:`_steps_to_admission`). Measured about 1.5-2.5 on CPU; the schedules it yields change little
+#: between 1 and 8 (simulated on the long-tailed workload), so one value serves every backend.
+ADMISSION_COST = 2.0
 
 
 @dataclass
@@ -114,11 +121,7 @@ def _admit(
         raise ValueError("unstaged admission takes one prompt per request into slots 0..n-1")
     logits = prefill(runner.model, state.head(len(slots)).cache, prompt_ids.index_select(0, index),
                      prompt_mask.index_select(0, index), checked=True)
-    slot, _, request_index, budget, min_tokens, seeds = torch.tensor(meta, dtype=torch.int64, device=state.device)
-    tokens, logprobs = choose_tokens(logits, sampling_key, eos_mask=state.eos_mask, suppress_eos=min_tokens > 0,
-                                     seed=seeds, request_index=request_index, token_index=0)
-    state.admit(slot, tokens, logprobs, seed=seeds, request_index=request_index, budget=budget,
-                min_tokens=min_tokens)
+    admit_from_logits(state, logits, torch.tensor(meta, dtype=torch.int64, device=state.device), sampling_key)
 
 
 def _compact(state: DecodeSlots, active: dict[int, RequestSpec], left: dict[int, int], free: list[int],
@@ -134,6 +137,11 @@ def _compact(state: DecodeSlots, active: dict[int, RequestSpec], left: dict[int,
     counters.compactions += 1
     counters.rows_moved += len(movers)
     return sorted((set(free) - set(holes)) | set(movers))
+
+
+def _may_stop_early(state: DecodeSlots, requests: Iterable[RequestSpec]) -> bool:
+    """Whether a row may stop on EOS before its budget: then the host must look, and rows end unevenly."""
+    return state.eos_reachable and any(r.min_tokens < r.budget for r in requests)
 
 
 def _steps_to_admission(room: int, waiting: int, left: dict[int, int], max_active: int, cost: float,
@@ -189,7 +197,6 @@ def run_schedule(
     staged: bool,
     sync_interval: int,
     counters: Counters,
-    admission_cost: float = 2.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate every request on ``runner.slots``; return device ``(tokens, logprobs)`` ``[R, width]``.
 
@@ -204,28 +211,22 @@ def run_schedule(
     state.release(torch.arange(state.rows, device=device))
     # Rows can finish at different times (EOS, unequal budgets, more requests than slots): the call may
     # compact into every smaller bucket, so those are captured up front too.
-    shrink = (state.eos_reachable and any(r.min_tokens < r.budget for r in requests)) or \
-        len({r.budget for r in requests}) > 1 or len(requests) > max_active
+    shrink = _may_stop_early(state, requests) or len({r.budget for r in requests}) > 1 or len(requests) > max_active
     if any(r.budget > 1 for r in requests):  # some row decodes at all
         runner.capture_buckets(runner.bucket_for(min(max_active, len(requests))), sampling_key, shrink)
     num_requests = len(requests)
     out_tokens = torch.zeros(num_requests, width, dtype=torch.int64, device=device)
     out_logprobs = torch.zeros(num_requests, width, dtype=torch.float32, device=device)
     queue = deque(requests)
-
-    def early_stops(active: dict[int, RequestSpec]) -> bool:
-        """Whether a live row may still stop on EOS before its budget (then the host must look)."""
-        return state.eos_reachable and any(r.min_tokens < r.budget for r in active.values())
-
     free = list(range(max_active))
     active: dict[int, RequestSpec] = {}  # slot -> request
     left: dict[int, int] = {}  # slot -> upper bound on decode steps before it must have finished
 
     while queue or active:
         room = min(len(queue), max_active - len(active), len(free))
-        cap = sync_interval if early_stops(active) else None
+        cap = sync_interval if _may_stop_early(state, active.values()) else None
         if room and (not active or (continuous and _steps_to_admission(room, len(queue), left, max_active,
-                                                                       admission_cost, cap) == 0)):
+                                                                       ADMISSION_COST, cap) == 0)):
             slots = [free.pop(0) for _ in range(room)]
             reqs = [queue.popleft() for _ in range(room)]
             with counters.timer.phase("prefill"):
@@ -240,10 +241,10 @@ def run_schedule(
         if max(active) >= target:
             free = _compact(state, active, left, free, target, counters)
         bucket = runner.bucket_for(max(active) + 1)
-        cap = sync_interval if early_stops(active) else None
+        cap = sync_interval if _may_stop_early(state, active.values()) else None
         if continuous and queue:
             room = min(len(queue), max_active - len(active), len(free))
-            n_steps = _steps_to_admission(room, len(queue), left, max_active, admission_cost, cap)
+            n_steps = _steps_to_admission(room, len(queue), left, max_active, ADMISSION_COST, cap)
         else:
             n_steps = _steps_to_shrink(runner, left, bucket)
         if cap is not None:

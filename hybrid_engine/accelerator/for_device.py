@@ -8,8 +8,6 @@ step) asks :func:`is_capturing`, which covers every accelerator handed out here.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .base import Accelerator
@@ -33,7 +31,7 @@ def accelerator_for(device: torch.device | str) -> Accelerator:
     return acc
 
 
-def is_capturing(*_: Any) -> bool:
+def is_capturing() -> bool:
     """True while any accelerator (the process one or one from :func:`accelerator_for`) is capturing."""
     from . import get_accelerator
 

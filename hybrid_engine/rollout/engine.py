@@ -40,11 +40,6 @@ from .types import RolloutBatch, RolloutConfig, RolloutRequest, SamplingConfig
 
 __all__ = ["HybridEngineRollout", "UnsupportedModelError"]
 
-#: What one admission round costs, in decode steps, for the continuous-batching admission rule
-#: (:func:`hybrid_engine.scheduler.run_schedule`). Measured about 1.5-2.5 on CPU; the schedules it
-#: yields change little between 1 and 8, so one value serves every backend.
-ADMISSION_COST = 2.0
-
 
 class UnsupportedModelError(ValueError, TypeError):
     """The model cannot run on the static cache (raised before any work)."""
@@ -214,7 +209,7 @@ class HybridEngineRollout:
             out_tokens, out_logprobs = run_schedule(
                 runner, requests, prompt_ids, prompt_mask, sampling.sampling_key, sampling.seed,
                 width=max_new, max_active=max_active, continuous=cfg.continuous_batching,
-                shared_prefill=cfg.use_shared_prefill, staged=True, admission_cost=ADMISSION_COST,
+                shared_prefill=cfg.use_shared_prefill, staged=True,
                 sync_interval=cfg.sync_interval, counters=counters,
             )
             responses, logprobs, lengths = gather_responses(out_tokens, counters.lengths, pad_id, out_logprobs)
