@@ -15,9 +15,11 @@ cmd="${1:-demo}"
 [ $# -gt 0 ] && shift
 if [ "$cmd" = "test-transformers-4.57" ]; then
   venv="${HYBRID_ENGINE_VENV:-.venv-tf457}"
+  extras="dev"
   extra_req="transformers==4.57.*"
 else
   venv="${HYBRID_ENGINE_VENV:-.venv}"
+  extras="dev,deepspeed,trl"
   extra_req=""
 fi
 python_bin="${PYTHON:-python3}"
@@ -31,7 +33,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   if ! "$py" -c "import torch" 2>/dev/null; then
     "$py" -m pip install -q --disable-pip-version-check "${HYBRID_ENGINE_TORCH:-torch==2.13.0}"
   fi
-  "$py" -m pip install -q --disable-pip-version-check -e ".[dev]" $extra_req
+  if [[ ",$extras," == *",deepspeed,"* ]] && ! "$py" -c "import deepspeed" 2>/dev/null; then
+    # DeepSpeed ships as a source archive whose build imports torch: build it against the torch
+    # installed above (an isolated build would fetch another torch), with no C++ ops (DS_BUILD_OPS=0).
+    DS_BUILD_OPS=0 "$py" -m pip install -q --disable-pip-version-check --no-build-isolation "deepspeed>=0.19"
+  fi
+  "$py" -m pip install -q --disable-pip-version-check -e ".[$extras]" $extra_req
   touch "$stamp"
 fi
 
