@@ -1,9 +1,12 @@
-"""Engine checkpoints (ZeRO stage 0): everything a resumed run needs to continue bit for bit.
+"""Engine checkpoints: everything a resumed run needs to continue bit for bit.
 
-Layout, as DeepSpeed's: ``save_dir/<tag>/hybrid_engine_states.pt`` and a
-``save_dir/latest`` file naming the last tag. One file holds the model and
-optimizer state dicts, the fp16 loss scaler, the LR scheduler, the step
-counters, torch's RNG states and the caller's ``client_state``.
+Under ZeRO 1-3 DeepSpeed's own ``save_checkpoint``/``load_checkpoint`` do the
+work (every rank must call them), with torch's RNG states carried in its
+``client_state``. At stage 0 the layout is DeepSpeed's too:
+``save_dir/<tag>/hybrid_engine_states.pt`` and a ``save_dir/latest`` file
+naming the last tag. One file holds the model and optimizer state dicts, the
+fp32 master weights (bf16/fp16), the fp16 loss scaler, the LR scheduler, the
+step counters, torch's RNG states and the caller's ``client_state``.
 
 Why the RNG states: a sampled ``engine.generate`` draws its seed from torch's
 global generator, and dropout in the training forward draws from it too. A
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .inputs import model_device
+from .training import LocalTraining
 
 if TYPE_CHECKING:
     from .engine import HybridEngine
@@ -35,7 +39,7 @@ __all__ = ["STATE_FILE", "load", "save"]
 
 STATE_FILE = "hybrid_engine_states.pt"
 LATEST_FILE = "latest"
-FORMAT = 1
+FORMAT = 2
 
 
 def _directory(path: Any, name: str) -> Path:
@@ -76,15 +80,20 @@ def save(engine: HybridEngine, save_dir: Any, tag: str | None, client_state: dic
     if client_state is not None and not isinstance(client_state, dict):
         raise TypeError(f"save_checkpoint: client_state must be a dict or None, got {type(client_state).__name__}")
     tag = tag or f"global_step{engine.global_steps}"
+    rng = _rng_state(model_device(engine.module))
+    training = engine.training_backend
+    if not isinstance(training, LocalTraining):
+        return training.save_checkpoint(root, tag, client_state or {}, save_latest, rng)
     state = {
         "format": FORMAT,
         "module": engine.module.state_dict(),
-        "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
-        "loss_scaler": engine._scaler.state_dict() if engine._scaler is not None else None,
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "global_steps": engine.global_steps,
-        "micro_steps": engine.micro_steps,
-        "rng": _rng_state(model_device(engine.module)),
+        "optimizer": training.optimizer.state_dict() if training.optimizer is not None else None,
+        "master_weights": training.masters.state_dict() if training.masters is not None else None,
+        "loss_scaler": training.scaler.state_dict() if training.scaler is not None else None,
+        "lr_scheduler": training.lr_scheduler.state_dict() if training.lr_scheduler is not None else None,
+        "global_steps": training.global_steps,
+        "micro_steps": training.micro_steps,
+        "rng": rng,
         "client_state": client_state or {},
     }
     directory = root / tag
@@ -102,6 +111,15 @@ def load(engine: HybridEngine, load_dir: Any, tag: str | None, *, load_module_st
          load_module_only: bool) -> tuple[str | None, dict[str, Any] | None]:
     root = _directory(load_dir, "load_checkpoint: load_dir")
     _check_tag(tag)
+    training = engine.training_backend
+    device = model_device(engine.module)
+    if not isinstance(training, LocalTraining):
+        path, client_state, rng = training.load_checkpoint(
+            root, tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        if rng is not None and not load_module_only:
+            _set_rng_state(rng, device)
+        return path, client_state
     if tag is None:
         latest = root / LATEST_FILE
         if not latest.is_file():
@@ -116,15 +134,21 @@ def load(engine: HybridEngine, load_dir: Any, tag: str | None, *, load_module_st
     state = torch.load(path, map_location="cpu", weights_only=True)
     if state.get("format") != FORMAT:
         raise ValueError(f"load_checkpoint: {path} is not a hybrid-engine checkpoint of format {FORMAT}")
+    if (state["master_weights"] is None) != (training.masters is None):
+        raise ValueError(f"load_checkpoint: {path} was saved with bf16/fp16 "
+                         f"{'off' if state['master_weights'] is None else 'on'}, but this engine has it "
+                         f"{'on' if training.masters is not None else 'off'}; use the same precision setting")
     engine.module.load_state_dict(state["module"], strict=load_module_strict)
+    if training.masters is not None:
+        training.masters.load_state_dict(state["master_weights"])
     if not load_module_only:
-        if load_optimizer_states and engine.optimizer is not None and state["optimizer"] is not None:
-            engine.optimizer.load_state_dict(state["optimizer"])
-        if engine._scaler is not None and state["loss_scaler"] is not None:
-            engine._scaler.load_state_dict(state["loss_scaler"])
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        engine.global_steps = int(state["global_steps"])
-        engine.micro_steps = int(state["micro_steps"])
-        _set_rng_state(state["rng"], model_device(engine.module))
+        if load_optimizer_states and training.optimizer is not None and state["optimizer"] is not None:
+            training.optimizer.load_state_dict(state["optimizer"])
+        if training.scaler is not None and state["loss_scaler"] is not None:
+            training.scaler.load_state_dict(state["loss_scaler"])
+        if load_lr_scheduler_states and training.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            training.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        training.global_steps = int(state["global_steps"])
+        training.micro_steps = int(state["micro_steps"])
+        _set_rng_state(state["rng"], device)
     return str(root / tag), state["client_state"]

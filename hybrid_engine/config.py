@@ -25,6 +25,7 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -40,10 +41,39 @@ __all__ = [
     "graph_capture_requested",
     "load_config",
     "validate_graph_capture_support",
+    "world_size",
 ]
 
-#: Batch sizes are derived as DeepSpeed does, for a single process.
-WORLD_SIZE = 1
+
+#: Why graphs are refused under ZeRO-3 (from the config, or found on the parameters).
+ZERO3_REFUSAL = (
+    "ZeRO stage 3 partitions parameters and re-gathers them every step, so a captured graph "
+    "would replay stale parameter addresses; use zero_optimization.stage 0, 1 or 2."
+)
+
+
+def world_size() -> int:
+    """The data-parallel world size: torch.distributed's when initialised, else the launcher's ``WORLD_SIZE``.
+
+    Batch sizes are derived and checked as DeepSpeed does, against this; a config
+    loaded in a ``torchrun``/``deepspeed`` rank is checked before any work.
+    """
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+    except ImportError:  # pragma: no cover - torch without distributed
+        pass
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"the WORLD_SIZE environment variable must be an integer, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"the WORLD_SIZE environment variable must be >= 1, got {value}")
+    return value
+
 
 _DEPRECATED_ALIAS = "enable_cuda_graph"
 _ALIAS_TARGET = "enable_graph_capture"
@@ -107,7 +137,16 @@ class ZeroConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    stage: StrictInt = Field(default=0, ge=0, le=3)
+    stage: StrictInt = Field(default=0)
+
+    @field_validator("stage")
+    @classmethod
+    def _known_stage(cls, value: int) -> int:
+        if not 0 <= value <= 3:
+            raise ValueError(
+                f"zero_optimization.stage must be 0, 1, 2 or 3 (got {value}); DeepSpeed ZeRO has no other stage"
+            )
+        return value
 
 
 class FP16Config(BaseModel):
@@ -236,42 +275,49 @@ class EngineConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check_consistency(self) -> EngineConfig:
+    def _check_consistency(self, info: ValidationInfo) -> EngineConfig:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
-        self._derive_batch_sizes()
+        world = (info.context or {}).get("world_size") or world_size()
+        tp = self.hybrid_engine.inference_tp_size
+        if tp > world:
+            raise ValueError(
+                f"hybrid_engine.inference_tp_size ({tp}) is larger than the world size ({world}); it must divide "
+                "the ranks that share one inference copy, so use at most the number of ranks launched"
+            )
+        self._derive_batch_sizes(world)
         return self
 
-    def _derive_batch_sizes(self) -> None:
+    def _derive_batch_sizes(self, world: int) -> None:
         given = self.model_fields_set
         total = self.train_batch_size
         micro = self.train_micro_batch_size_per_gpu
         accum = self.gradient_accumulation_steps if "gradient_accumulation_steps" in given else None
         if total is not None and micro is not None and accum is not None:
-            if total != micro * accum * WORLD_SIZE:
+            if total != micro * accum * world:
                 raise ValueError(
                     f"train_batch_size ({total}) must equal train_micro_batch_size_per_gpu ({micro}) * "
-                    f"gradient_accumulation_steps ({accum}) * world_size ({WORLD_SIZE}) = "
-                    f"{micro * accum * WORLD_SIZE}; fix one of them or omit one to have it derived"
+                    f"gradient_accumulation_steps ({accum}) * world_size ({world}) = "
+                    f"{micro * accum * world}; fix one of them or omit one to have it derived"
                 )
         elif total is not None and micro is not None:
-            if total % (micro * WORLD_SIZE):
+            if total % (micro * world):
                 raise ValueError(
                     f"train_batch_size ({total}) is not divisible by train_micro_batch_size_per_gpu "
-                    f"({micro}) * world_size ({WORLD_SIZE}); gradient_accumulation_steps cannot be derived"
+                    f"({micro}) * world_size ({world}); gradient_accumulation_steps cannot be derived"
                 )
-            self.gradient_accumulation_steps = total // (micro * WORLD_SIZE)
+            self.gradient_accumulation_steps = total // (micro * world)
         elif total is not None and accum is not None:
-            if total % (accum * WORLD_SIZE):
+            if total % (accum * world):
                 raise ValueError(
                     f"train_batch_size ({total}) is not divisible by gradient_accumulation_steps "
-                    f"({accum}) * world_size ({WORLD_SIZE}); train_micro_batch_size_per_gpu cannot be derived"
+                    f"({accum}) * world_size ({world}); train_micro_batch_size_per_gpu cannot be derived"
                 )
-            self.train_micro_batch_size_per_gpu = total // (accum * WORLD_SIZE)
+            self.train_micro_batch_size_per_gpu = total // (accum * world)
         elif micro is not None:
-            self.train_batch_size = micro * (accum or 1) * WORLD_SIZE
+            self.train_batch_size = micro * (accum or 1) * world
         elif total is not None:
-            self.train_micro_batch_size_per_gpu = total // WORLD_SIZE
+            self.train_micro_batch_size_per_gpu = total // world
         # Neither size given: both stay None and the trainer chooses.
 
     def to_dict(self) -> dict[str, Any]:
@@ -312,8 +358,11 @@ def _read_json(path: str | os.PathLike[str]) -> Any:
     return data
 
 
-def load_config(source: ConfigSource) -> EngineConfig:
+def load_config(source: ConfigSource, world_size: int | None = None) -> EngineConfig:
     """Validate ``source`` (dict, JSON file path or ``EngineConfig``) into an ``EngineConfig``.
+
+    Batch sizes and ``inference_tp_size`` are checked against ``world_size``
+    (default: :func:`world_size`, the launched data-parallel ranks).
 
     An ``EngineConfig`` is re-validated from its dump, so a config mutated after
     loading is checked again; the result is a new object. Every validation
@@ -333,7 +382,7 @@ def load_config(source: ConfigSource) -> EngineConfig:
             f"EngineConfig, not {type(source).__name__}"
         )
     try:
-        return EngineConfig.model_validate(data)
+        return EngineConfig.model_validate(data, context={"world_size": world_size})
     except ValidationError as exc:
         raise ValueError(f"invalid engine config{where}: {_format_validation_error(exc)}") from exc
 
@@ -362,10 +411,7 @@ def validate_graph_capture_support(config: ConfigSource, accelerator: Any = None
         detail = f" ({reason})" if reason else ""
         return f"The accelerator cannot capture graphs{detail}, so decode must run eagerly."
     if cfg.zero_optimization.stage == 3:
-        return (
-            "ZeRO stage 3 partitions parameters and re-gathers them every step, so a captured graph "
-            "would replay stale parameter addresses; use zero_optimization.stage 0, 1 or 2."
-        )
+        return ZERO3_REFUSAL
     if cfg.hybrid_engine.release_inference_cache:
         return (
             "Setting hybrid_engine.release_inference_cache frees the inference buffers after each generation, "

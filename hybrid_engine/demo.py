@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     special = set(getattr(tokenizer, "all_special_ids", []) or []) | {pad_id, eos_id}
     target = word_token_ids(tokenizer, vocab)
     prompt_len = 12
-    engine, _ = hybrid_engine.initialize(model=model, config={
+    engine, *_ = hybrid_engine.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": args.batch_size * args.samples,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr}},
         "gradient_clipping": 1.0,

@@ -1,17 +1,20 @@
 """HybridEngine: one module that trains a causal LM and generates its rollouts.
 
-The engine holds the Hugging Face model once. Training is plain PyTorch (ZeRO
-stage 0): a forward under autocast when fp16/bf16 is configured, a backward
-scaled by ``1 / gradient_accumulation_steps`` (and by the fp16 loss scale), and
-an optimizer step only at accumulation boundaries. Generation goes through
-:mod:`hybrid_engine.generation`, which decodes on the engine's graph runner
-(:mod:`hybrid_engine.graph_runner`): one captured step per batch bucket and
-sampling mode, replayed at every position.
+The engine holds the Hugging Face model once. Training goes to one of two
+backends, chosen from ``zero_optimization.stage``: plain PyTorch for stage 0
+(:mod:`hybrid_engine.training`), DeepSpeed's engine for ZeRO 1-3
+(:mod:`hybrid_engine.zero`). With ``bf16``/``fp16`` both keep low-precision
+module parameters and fp32 master weights in the optimizer, so rollouts run at
+low precision too. Generation goes through :mod:`hybrid_engine.generation`,
+which decodes on the engine's graph runner (:mod:`hybrid_engine.graph_runner`):
+one captured step per batch bucket and sampling mode, replayed at every position.
 
-Why the two sides can share one model safely: optimizer updates are in place,
-so captured graphs, which read weights by address, see them on the next
-replay; anything that re-allocates a parameter or buffer changes the weight
-fingerprint, and the runner drops its graphs before the next replay.
+Why the two sides can share one model safely: every optimizer update lands in
+the module's parameters in place, so captured graphs, which read weights by
+address, see them on the next replay; anything that re-allocates a parameter or
+buffer changes the weight fingerprint, and the runner drops its graphs before
+the next replay. Under ZeRO-3 graphs are refused and each generate call runs
+eagerly on parameters gathered for that call.
 
 Train/eval: ``eval()`` selects the inference path, ``train()`` the training
 forward. ``generate`` called in train mode runs that one call in eval mode (no
@@ -20,7 +23,6 @@ dropout) under ``torch.no_grad`` and restores train mode afterwards.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from typing import Any
@@ -33,57 +35,70 @@ from .config import ConfigSource, EngineConfig, load_config
 from .exclusive import exclusive_generation
 from .generation import Generator
 from .graph_runner import GraphStats
-from .inputs import model_device
+from .precision import MasterWeights
+from .training import LocalTraining, build_optimizer
+from .zero import DeepSpeedTraining, gathered_for_inference
 
 __all__ = ["HybridEngine", "initialize"]
 
 
-def _build_optimizer(config: EngineConfig, params: Any) -> torch.optim.Optimizer | None:
-    spec = config.optimizer
-    if spec is None:
-        return None
-    kwargs = dict(spec.params)
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
-    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}[spec.type]
-    if spec.type == "SGD" and "lr" not in kwargs:
-        kwargs["lr"] = 1e-3  # torch's SGD needs an explicit learning rate
-    try:
-        return cls(params, **kwargs)
-    except TypeError as exc:
-        raise ValueError(f"optimizer.params are not valid for {spec.type}: {exc}") from exc
-
-
 class HybridEngine(nn.Module):
-    """Wraps ``module`` (a causal LM) for training and fast rollout generation."""
+    """Wraps ``module`` (a causal LM) for training and fast rollout generation.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, config: EngineConfig,
-                 lr_scheduler: Any = None):
+    Built by :func:`initialize` or :meth:`from_deepspeed`; ``training`` is the
+    backend that owns the optimizer and the step counters.
+    """
+
+    def __init__(self, model: nn.Module, config: EngineConfig, training: LocalTraining | DeepSpeedTraining):
         super().__init__()
         self.module = model
         self.config = config
-        self.optimizer = optimizer
-        #: Stepped once per optimizer step (not on fp16 overflow-skipped steps), as DeepSpeed does.
-        self.lr_scheduler = lr_scheduler
-        self.global_steps = 0
-        self.micro_steps = 0
-        self._device_type = model_device(model).type
-        self._amp_dtype = torch.float16 if config.fp16.enabled else torch.bfloat16 if config.bf16.enabled else None
-        self._scaler = None
-        if config.fp16.enabled:
-            static = config.fp16.loss_scale > 0
-            init = config.fp16.loss_scale if static else float(2**config.fp16.initial_scale_power)
-            # A static loss scale never grows; overflowing steps are skipped (the scale halves then).
-            self._scaler = torch.amp.GradScaler(
-                self._device_type, init_scale=init, growth_interval=2**31 - 1 if static else 2000
-            )
+        self.training_backend = training
         self._generator = Generator(model, config)
 
-    # ---------------------------------------------------------------- helpers
-    def _autocast(self):
-        if self._amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self._device_type, dtype=self._amp_dtype)
+    @classmethod
+    def from_deepspeed(cls, ds_engine: Any, config: ConfigSource | None = None) -> HybridEngine:
+        """Wrap a ``deepspeed.DeepSpeedEngine`` the caller already built (after ``deepspeed.initialize``).
+
+        The config defaults to the DeepSpeed engine's own; its ``hybrid_engine``
+        section (e.g. ``enable_graph_capture``) applies to generation. The ZeRO
+        stage is the DeepSpeed engine's, whatever the config says.
+        """
+        module = getattr(ds_engine, "module", None)
+        if not isinstance(module, nn.Module) or not callable(getattr(ds_engine, "backward", None)):
+            raise TypeError("HybridEngine.from_deepspeed: ds_engine must be the DeepSpeedEngine returned by "
+                            f"deepspeed.initialize, got {type(ds_engine).__name__}")
+        training = DeepSpeedTraining(ds_engine)
+        if config is None:
+            config = getattr(getattr(ds_engine, "_config", None), "_param_dict", None) or {}
+        cfg = load_config(config)
+        if cfg.zero_optimization.stage != training.zero_stage:
+            data = cfg.model_dump()
+            data["zero_optimization"]["stage"] = training.zero_stage
+            cfg = load_config(data)
+        return cls(module, cfg, training)
+
+    # --------------------------------------------------------------- training
+    @property
+    def optimizer(self) -> Any:
+        return self.training_backend.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """Stepped once per optimizer step (not on fp16 overflow-skipped steps), as DeepSpeed does."""
+        return self.training_backend.lr_scheduler
+
+    @property
+    def global_steps(self) -> int:
+        return self.training_backend.global_steps
+
+    @property
+    def micro_steps(self) -> int:
+        return self.training_backend.micro_steps
+
+    @property
+    def zero_stage(self) -> int:
+        return self.config.zero_optimization.stage
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -91,60 +106,28 @@ class HybridEngine(nn.Module):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` call will update the weights."""
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return self.training_backend.is_gradient_accumulation_boundary()
 
-    # --------------------------------------------------------------- training
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The training forward of ``module`` (under autocast when fp16/bf16 is on)."""
-        with self._autocast():
-            return self.module(*args, **kwargs)
+        """The training forward of ``module`` (through DeepSpeed's engine under ZeRO)."""
+        return self.training_backend.forward(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss / gradient_accumulation_steps`` (loss-scaled under fp16)."""
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor")
-        loss = loss / self.gradient_accumulation_steps
-        if self._scaler is not None:
-            loss = self._scaler.scale(loss)
-        loss.backward()
+        self.training_backend.backward(loss)
 
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary clip, step the optimizer and zero grads."""
-        boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
-        if not boundary:
-            return
-        if self.optimizer is None:
-            raise RuntimeError(
-                "engine.step(): no optimizer; pass optimizer= to initialize() or set config.optimizer"
-            )
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if self._scaler is not None:
-            self._scaler.unscale_(self.optimizer)
-        if self.config.gradient_clipping > 0:
-            torch.nn.utils.clip_grad_norm_(params, self.config.gradient_clipping)
-        stepped = True
-        if self._scaler is not None:
-            scale = self._scaler.get_scale()
-            self._scaler.step(self.optimizer)
-            self._scaler.update()
-            stepped = self._scaler.get_scale() >= scale  # the scale drops only when the step was skipped
-        else:
-            self.optimizer.step()
-        if stepped and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.global_steps += 1
+        self.training_backend.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-        else:
-            self.module.zero_grad(set_to_none=set_to_none)
+        self.training_backend.zero_grad(set_to_none=set_to_none)
 
     @property
     def loss_scale(self) -> float:
-        return float(self._scaler.get_scale()) if self._scaler is not None else 1.0
+        return self.training_backend.loss_scale
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
@@ -192,7 +175,7 @@ class HybridEngine(nn.Module):
             if was_training:
                 self.module.eval()
             try:
-                with torch.no_grad():
+                with torch.no_grad(), gathered_for_inference(self.module):
                     return self._generator.generate(*args, **kwargs)
             finally:
                 if was_training:
@@ -213,15 +196,18 @@ def initialize(
     config: ConfigSource | None = None,
     model_parameters: Any = None,
     **kwargs: Any,
-) -> tuple[HybridEngine, torch.optim.Optimizer | None]:
-    """Build a :class:`HybridEngine`; returns ``(engine, optimizer)`` (cf. ``deepspeed.initialize``).
+) -> tuple[HybridEngine, Any, None, Any]:
+    """Build a :class:`HybridEngine`; returns ``(engine, optimizer, None, lr_scheduler)`` as ``deepspeed.initialize``.
 
-    ``config`` is a dict, a JSON path or an ``EngineConfig``. The optimizer is
-    ``optimizer`` if given, else one built from ``config.optimizer`` (AdamW, Adam
-    or SGD) over ``model_parameters`` (default: the model's trainable parameters),
+    ``config`` is a dict, a JSON path or an ``EngineConfig`` (DeepSpeed's keys).
+    ``zero_optimization.stage`` 1-3 trains on DeepSpeed (``hybrid-engine[deepspeed]``),
+    built with ``deepspeed.initialize`` from the same config; stage 0 is plain
+    PyTorch. The optimizer is ``optimizer`` if given, else the one ``config.optimizer``
+    describes over ``model_parameters`` (default: the model's trainable parameters),
     else ``None`` (generation only). ``lr_scheduler`` (a scheduler, or a callable
-    building one from the optimizer) is stepped with the optimizer and kept as
-    ``engine.lr_scheduler``. ZeRO stages 1-3 are not implemented yet.
+    building one from the optimizer) is stepped with the optimizer. With ``bf16`` or
+    ``fp16`` enabled the module's parameters are cast to that dtype and the optimizer
+    steps fp32 master weights. The third item (DeepSpeed's data loader) is always ``None``.
     """
     if kwargs.get("config_params") is not None and config is None:
         config = kwargs.pop("config_params")
@@ -233,44 +219,48 @@ def initialize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(): model must be a torch.nn.Module, got {type(model).__name__}")
     cfg = load_config(config if config is not None else {})
-    stage = cfg.zero_optimization.stage
-    if stage != 0:
-        raise ValueError(
-            f"zero_optimization.stage={stage} is not supported yet: the ZeRO integration is not there; "
-            "use stage 0 (or omit zero_optimization) for plain PyTorch training"
-        )
-    if cfg.fp16.enabled and any(p.dtype == torch.float16 for p in model.parameters() if p.requires_grad):
-        raise ValueError(
-            "fp16.enabled trains fp32 weights under fp16 autocast with a gradient scaler, but the model has "
-            "float16 parameters (the scaler cannot unscale fp16 gradients); keep the model in float32, or "
-            "set fp16.enabled=false to train the float16 weights directly"
-        )
-    if cfg.hybrid_engine.inference_tp_size > 1:
-        warnings.warn(
-            f"hybrid_engine.inference_tp_size={cfg.hybrid_engine.inference_tp_size}: tensor-parallel inference "
-            "is not implemented (single process); generation runs unsharded and eagerly",
-            UserWarning,
-            stacklevel=2,
-        )
-    if optimizer is None:
-        params = model_parameters if model_parameters is not None else [
-            p for p in model.parameters() if p.requires_grad
-        ]
-        optimizer = _build_optimizer(cfg, params)
-    elif cfg.optimizer is not None:
+    lr_scheduler = kwargs.get("lr_scheduler")
+    if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and not callable(lr_scheduler):
+        raise TypeError("initialize(): lr_scheduler must be a scheduler (with .step()) or a callable that "
+                        f"builds one from the optimizer, got {type(lr_scheduler).__name__}")
+    if optimizer is not None and cfg.optimizer is not None:
         warnings.warn(
             "initialize(): both an optimizer and config.optimizer were given; using the optimizer passed in",
             UserWarning,
             stacklevel=2,
         )
-    lr_scheduler = kwargs.get("lr_scheduler")
+    if cfg.hybrid_engine.inference_tp_size > 1:
+        warnings.warn(
+            f"hybrid_engine.inference_tp_size={cfg.hybrid_engine.inference_tp_size}: tensor-parallel inference "
+            "is not implemented; each rank generates unsharded and eagerly",
+            UserWarning,
+            stacklevel=2,
+        )
+    if cfg.zero_optimization.stage > 0:
+        from . import zero
+
+        training: LocalTraining | DeepSpeedTraining = zero.build(model, optimizer, cfg, lr_scheduler,
+                                                                 model_parameters)
+    else:
+        training = _local_training(model, optimizer, cfg, lr_scheduler, model_parameters)
+    engine = HybridEngine(model, cfg, training)
+    return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def _local_training(model: nn.Module, optimizer: torch.optim.Optimizer | None, cfg: EngineConfig,
+                    lr_scheduler: Any, model_parameters: Any) -> LocalTraining:
+    dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
+    masters = MasterWeights(model, dtype) if dtype is not None else None
+    if optimizer is None:
+        params = model_parameters if model_parameters is not None else [
+            p for p in model.parameters() if p.requires_grad
+        ]
+        optimizer = build_optimizer(cfg, masters.master_params(params) if masters is not None else params)
+    elif masters is not None:
+        masters.adopt(optimizer)
     if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
-        if not callable(lr_scheduler):
-            raise TypeError("initialize(): lr_scheduler must be a scheduler (with .step()) or a callable that "
-                            f"builds one from the optimizer, got {type(lr_scheduler).__name__}")
         if optimizer is None:
             raise ValueError("initialize(): lr_scheduler was given as a callable but there is no optimizer to "
                              "build it for; pass optimizer= or config.optimizer")
         lr_scheduler = lr_scheduler(optimizer)
-    engine = HybridEngine(model, optimizer, cfg, lr_scheduler=lr_scheduler)
-    return engine, optimizer
+    return LocalTraining(model, optimizer, cfg, lr_scheduler, masters)

@@ -38,6 +38,7 @@ from .config import EngineConfig
 from .graph_runner import DecodeGraphRunner, GraphStats
 from .inputs import check_device, model_device
 from .model_step import check_model_supported, max_positions, token_ids
+from .ranks import rank_seed
 from .sampling import validate_sampling
 from .scheduler import Counters, RequestSpec, gather_responses, run_schedule
 from .timing import PhaseTimer
@@ -270,8 +271,9 @@ class Generator:
                 kwargs["attention_mask"] = mask
             return self.model.generate(input_ids=input_ids, **kwargs)
         plan = self._plan(input_ids, mask, kwargs, max_new, min_new)
-        # One seed per call, from torch's global generator (torch.manual_seed makes it reproducible).
-        seed = int(torch.randint(0, 2**62, (1,)).item()) if plan.sampling[0] > 0 else 0
+        # One seed per call, from torch's global generator (torch.manual_seed makes it reproducible), made
+        # distinct per data-parallel rank (ranks usually seed alike).
+        seed = rank_seed(int(torch.randint(0, 2**62, (1,)).item())) if plan.sampling[0] > 0 else 0
         try:
             return self._run(plan, seed)
         finally:

@@ -7,7 +7,7 @@ Both front ends (``engine.generate`` and ``HybridEngineRollout``) ask the
 * the accelerator of the model's device cannot capture (found by probing, never
   by device name);
 * the engine config makes captured graphs unsafe: ZeRO stage 3 (parameters are
-  re-gathered at new addresses), ``release_inference_cache`` (the buffers a
+  re-gathered at new addresses; also found by probing the parameters), ``release_inference_cache`` (the buffers a
   graph replays into are freed), ``inference_tp_size > 1`` (see
   :func:`~hybrid_engine.config.validate_graph_capture_support`); a rollout
   built on a ``HybridEngine`` honours its engine's config;
@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from .config import EngineConfig, validate_graph_capture_support
+from .config import ZERO3_REFUSAL, EngineConfig, validate_graph_capture_support
 from .npu_attention import NPU_GRAPH_ATTENTION, npu_graph_available
+from .zero import is_zero3_partitioned
 
 __all__ = ["CAPTURABLE_ATTENTION", "NPU_SWITCHED_ATTENTION", "GraphRefusedWarning", "graph_attention",
            "refusal_reason"]
@@ -61,6 +62,8 @@ def refusal_reason(model: torch.nn.Module, accelerator: Any, config: EngineConfi
     reason = validate_graph_capture_support(config, accelerator) if config is not None else _capability(accelerator)
     if reason is not None:
         return reason
+    if is_zero3_partitioned(model):  # e.g. a rollout built on ``ds_engine.module`` directly
+        return ZERO3_REFUSAL
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if impl not in CAPTURABLE_ATTENTION:
         return (

@@ -21,7 +21,7 @@ def main(mode: str, ckpt_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(1234)
     model = build_model("tiny-gpt2", seed=5)  # GPT-2 has dropout: the training forward draws from the RNG
-    engine, _ = initialize(
+    engine, *_ = initialize(
         model=model,
         config={"optimizer": {"type": "AdamW", "params": {"lr": 5e-3}}, "gradient_accumulation_steps": 1,
                 "hybrid_engine": {"enable_graph_capture": True}},

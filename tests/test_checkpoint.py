@@ -51,7 +51,7 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
 
 def engine_with_state(**config):
     model = build_model("tiny-llama", seed=3)
-    engine, _ = initialize(model=model, config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    engine, *_ = initialize(model=model, config={"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
                                                 "hybrid_engine": {"enable_graph_capture": True}, **config},
                            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s))
     return model, engine
@@ -94,11 +94,16 @@ def test_optimizer_state_and_fp16_scaler_round_trip(tmp_path):
     train_once(engine, ids)
     engine.save_checkpoint(tmp_path)
     opt_state = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.optimizer.state_dict()["state"].items()}
+    masters = [m.detach().clone() for m in engine.training_backend.masters.masters]
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
     scale = engine.loss_scale
     train_once(engine, ids)
-    engine._scaler.update(new_scale=3.0)
+    engine.training_backend.scaler.update(new_scale=3.0)
     engine.load_checkpoint(tmp_path)
     assert engine.loss_scale == scale
+    # The fp32 masters come back exactly (not re-derived from the fp16 module), and the module with them.
+    assert all(torch.equal(a, b) for a, b in zip(engine.training_backend.masters.masters, masters))
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
     for k, v in engine.optimizer.state_dict()["state"].items():
         for n, t in v.items():
             assert torch.equal(t, opt_state[k][n]), (k, n)
@@ -126,7 +131,7 @@ def test_lr_scheduler_is_stepped_with_the_optimizer_not_per_micro_step():
     model = build_model("tiny-gpt2", seed=1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    engine, _ = initialize(model=model, optimizer=opt, lr_scheduler=sched, config={"gradient_accumulation_steps": 2})
+    engine, *_ = initialize(model=model, optimizer=opt, lr_scheduler=sched, config={"gradient_accumulation_steps": 2})
     assert engine.lr_scheduler is sched
     ids, _ = prompts(2, 4)
     for _ in range(4):

@@ -371,13 +371,15 @@ def test_refuses_release_inference_cache():
     assert "release_inference_cache" in reason
 
 
-def test_refuses_tensor_parallel_inference():
+def test_refuses_tensor_parallel_inference(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = {"hybrid_engine": {"inference_tp_size": 2}}
     reason = _assert_sentence(validate_graph_capture_support(cfg, CPUAccelerator()))
     assert "inference_tp_size" in reason
 
 
-def test_refusals_checked_in_order():
+def test_refusals_checked_in_order(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
     everything = {
         "zero_optimization": {"stage": 3},
         "hybrid_engine": {"release_inference_cache": True, "inference_tp_size": 4},
@@ -414,3 +416,29 @@ def test_gate_does_not_compare_device_names():
 def test_gate_rejects_bad_config():
     with pytest.raises(ValueError, match="hybrid_engine"):
         validate_graph_capture_support({"hybrid_engin": {}}, CPUAccelerator())
+
+
+def test_inference_tp_size_beyond_the_world_size_is_an_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert load_config({"hybrid_engine": {"inference_tp_size": 2}}).hybrid_engine.inference_tp_size == 2
+    with pytest.raises(ValueError, match=r"inference_tp_size \(4\) is larger than the world size \(2\)"):
+        load_config({"hybrid_engine": {"inference_tp_size": 4}})
+    with pytest.raises(ValueError, match=r"world size \(1\)"):
+        load_config({"hybrid_engine": {"inference_tp_size": 2}}, world_size=1)
+
+
+def test_batch_sizes_are_checked_against_the_launched_world_size(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3})
+    assert cfg.train_batch_size == 12
+    assert load_config({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}).gradient_accumulation_steps == 2
+    with pytest.raises(ValueError, match=r"must equal .* world_size \(2\) = 8"):
+        load_config({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2})
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE environment variable must be an integer"):
+        load_config({})
+
+
+def test_zero_stage_beyond_three_names_the_stages():
+    with pytest.raises(ValueError, match=r"zero_optimization.stage must be 0, 1, 2 or 3 \(got 4\)"):
+        load_config({"zero_optimization": {"stage": 4}})

@@ -10,7 +10,7 @@ from hybrid_engine.tiny_models import build_model
 @pytest.fixture(scope="module")
 def setup():
     model = build_model("tiny-gpt2", seed=1)
-    engine, _ = initialize(
+    engine, *_ = initialize(
         model=model, config={"hybrid_engine": {"enable_graph_capture": True, "max_out_tokens": 64}}
     )
     ids = torch.randint(4, 384, (2, 4))
@@ -49,7 +49,7 @@ def test_bad_input_is_a_clear_error_and_engine_still_works(setup, change, exc, m
 
 def test_prompt_longer_than_model_positions():
     model = build_model("tiny-opt", seed=2, max_position_embeddings=16)
-    engine, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
     ids = torch.randint(4, 384, (1, 14))
     with pytest.raises(ValueError, match="exceeds the model's 16 positions"):
         engine.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3)
@@ -58,7 +58,7 @@ def test_prompt_longer_than_model_positions():
 
 
 def test_bad_sampling_params():
-    engine, _ = initialize(model=build_model("tiny-gpt2"), config={})
+    engine, *_ = initialize(model=build_model("tiny-gpt2"), config={})
     ids = torch.randint(4, 384, (1, 3))
     with pytest.raises(ValueError, match="top_p"):
         engine.generate(input_ids=ids, max_new_tokens=2, do_sample=True, top_p=1.5)
@@ -66,7 +66,7 @@ def test_bad_sampling_params():
 
 
 def test_two_prompts_given_and_extra_positional():
-    engine, _ = initialize(model=build_model("tiny-gpt2"), config={})
+    engine, *_ = initialize(model=build_model("tiny-gpt2"), config={})
     ids = torch.randint(4, 384, (1, 3))
     with pytest.raises(ValueError, match="pass the prompt once"):
         engine.generate(ids, input_ids=ids, max_new_tokens=2)

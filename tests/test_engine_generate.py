@@ -18,7 +18,7 @@ ARCHS = ["tiny-gpt2", "tiny-opt", "tiny-llama", "tiny-qwen2"]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_matches_transformers(arch, dtype):
     model = build_model(arch, seed=11, dtype=dtype)
-    engine, _ = initialize(model=model, config={})
+    engine, *_ = initialize(model=model, config={})
     ids, mask = prompts(4, 5)
     for lo, hi in ((6, 6), (0, 6)):
         kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=hi, min_new_tokens=lo, do_sample=False)
@@ -28,7 +28,7 @@ def test_greedy_matches_transformers(arch, dtype):
 @pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama"])
 def test_eos_stops_rows_and_pads_like_transformers(arch):
     model = build_model(arch, seed=12)
-    engine, _ = initialize(model=model, config={})
+    engine, *_ = initialize(model=model, config={})
     ids, mask = prompts(3, 4)
     free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     # Declare tokens the model actually emits as EOS: rows stop at different steps.
@@ -46,7 +46,7 @@ def test_eos_stops_rows_and_pads_like_transformers(arch):
 
 def test_pinned_length_suppresses_eos():
     model = build_model("tiny-opt", seed=2)
-    engine, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
     ids, mask = prompts(2, 3)
     free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     eos = int(free[0, 3])
@@ -59,7 +59,7 @@ def test_pinned_length_suppresses_eos():
 
 def test_sampling_is_seeded_by_torch_manual_seed_and_uses_generation_config():
     model = build_model("tiny-qwen2", seed=3)
-    engine, _ = initialize(model=model, config={})
+    engine, *_ = initialize(model=model, config={})
     ids, mask = prompts(2, 3)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=True)
     torch.manual_seed(0)
@@ -76,7 +76,7 @@ def test_sampling_is_seeded_by_torch_manual_seed_and_uses_generation_config():
 
 def test_prompt_without_mask_and_positional_input():
     model = build_model("tiny-llama", seed=4)
-    engine, _ = initialize(model=model, config={})
+    engine, *_ = initialize(model=model, config={})
     ids = torch.randint(4, 384, (2, 5))
     assert torch.equal(engine.generate(ids, max_new_tokens=4), model.generate(ids, max_new_tokens=4))
 
@@ -91,7 +91,7 @@ def test_prompt_without_mask_and_positional_input():
 )
 def test_unsupported_kwargs_delegate_to_transformers(extra, name):
     model = build_model("tiny-gpt2", seed=5)
-    engine, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
     ids, mask = prompts(2, 4)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, **extra)
     with pytest.warns(UserWarning, match=name):
@@ -108,7 +108,7 @@ def test_unsupported_kwargs_delegate_to_transformers(extra, name):
 
 def test_right_padded_prompts_delegate():
     model = build_model("tiny-llama", seed=6)
-    engine, _ = initialize(model=model, config={})
+    engine, *_ = initialize(model=model, config={})
     ids, mask = prompts(2, 4)
     ids, mask = ids.flip(1), mask.flip(1)
     with warnings.catch_warnings():
@@ -120,7 +120,7 @@ def test_right_padded_prompts_delegate():
 
 def test_generate_in_train_mode_restores_train_mode():
     model = build_model("tiny-gpt2", seed=7)
-    engine, _ = initialize(model=model, config={})
+    engine, *_ = initialize(model=model, config={})
     ids, mask = prompts(2, 4)
     engine.eval()
     ref = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4)

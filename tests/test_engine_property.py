@@ -44,8 +44,8 @@ def test_graph_tokens_equal_eager(case):
     set_accelerator(CPUAccelerator())
     try:
         model = model_for(arch)
-        graph, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
-        eager, _ = initialize(model=model, config={})
+        graph, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+        eager, *_ = initialize(model=model, config={})
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(4, 384, (batch, width), generator=g)
         mask = torch.ones_like(ids)

@@ -1,7 +1,8 @@
-"""The training side of HybridEngine: initialize, optimizer, autocast, loss scaling, accumulation, clipping."""
+"""The training side of HybridEngine at stage 0: initialize, optimizer, fp32 masters, loss scaling, accumulation, clipping."""
 
 import copy
 import json
+import sys
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ def batch(seed=0):
 
 @pytest.mark.parametrize("kind,cls", [("AdamW", torch.optim.AdamW), ("adam", torch.optim.Adam), ("SGD", torch.optim.SGD)])
 def test_optimizer_built_from_config(kind, cls):
-    engine, opt = initialize(model=build_model("tiny-gpt2"), config={"optimizer": {"type": kind, "params": {"lr": 0.01}}})
+    engine, opt, _, _ = initialize(model=build_model("tiny-gpt2"), config={"optimizer": {"type": kind, "params": {"lr": 0.01}}})
     assert isinstance(engine, HybridEngine) and isinstance(opt, cls) and engine.optimizer is opt
     assert opt.param_groups[0]["lr"] == 0.01
 
@@ -28,20 +29,34 @@ def test_passed_optimizer_is_used_and_config_path_accepted(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({"gradient_accumulation_steps": 2}))
-    engine, out = initialize(model=model, optimizer=opt, config=str(path))
+    engine, out, _, _ = initialize(model=model, optimizer=opt, config=str(path))
     assert out is opt and engine.config.gradient_accumulation_steps == 2 and engine.module is model
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_are_a_clear_error(stage):
-    with pytest.raises(ValueError, match="ZeRO integration is not there"):
-        initialize(model=build_model("tiny-gpt2"), config={"zero_optimization": {"stage": stage}})
+def test_zero_stages_without_deepspeed_say_how_to_install_it(stage, monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if it were not installed
+    model = build_model("tiny-gpt2")
+    with pytest.raises(ImportError, match=r"pip install 'hybrid-engine\[deepspeed\]'"):
+        initialize(model=model, config={"zero_optimization": {"stage": stage}})
+    engine, *_ = initialize(model=model, config={"zero_optimization": {"stage": 0}})  # stage 0 needs none
+    assert engine.zero_stage == 0 and next(model.parameters()).dtype == torch.float32
+
+
+def test_initialize_returns_what_deepspeed_initialize_returns():
+    model = build_model("tiny-gpt2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, optimizer, loader, sched = initialize(
+        model=model, optimizer=opt, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1), config={})
+    assert optimizer is opt and loader is None
+    assert isinstance(sched, torch.optim.lr_scheduler.StepLR) and sched is engine.lr_scheduler
+    assert sched.optimizer is opt
 
 
 def test_stage0_and_no_section_are_plain_pytorch():
     ref = build_model("tiny-llama", seed=1)
     model = copy.deepcopy(ref)
-    engine, _ = initialize(
+    engine, *_ = initialize(
         model=model, config={"zero_optimization": {"stage": 0}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -62,7 +77,7 @@ def test_stage0_and_no_section_are_plain_pytorch():
 def test_gradient_accumulation_and_clipping():
     model = build_model("tiny-gpt2", seed=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     ref = copy.deepcopy(model)
-    engine, _ = initialize(
+    engine, *_ = initialize(
         model=model,
         config={"gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
                 "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
@@ -87,19 +102,35 @@ def test_gradient_accumulation_and_clipping():
         assert torch.allclose(a, b, atol=1e-6)
 
 
-def test_bf16_autocast():
-    engine, _ = initialize(
-        model=build_model("tiny-llama"), config={"bf16": {"enabled": True}, "optimizer": {"type": "AdamW"}}
-    )
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_low_precision_parameters_train_through_fp32_masters(precision, dtype):
+    model = build_model("tiny-llama")
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    engine, *_ = initialize(model=model, optimizer=opt, config={precision: {"enabled": True}})
+    params = [p for p in model.parameters()]
+    addresses = [p.data_ptr() for p in params]
+    assert all(p.dtype == dtype for p in params)
+    masters = [p for group in opt.param_groups for p in group["params"]]
+    assert all(m.dtype == torch.float32 for m in masters) and not {id(m) for m in masters} & {id(p) for p in params}
+    assert all(torch.equal(m, r) for m, r in zip(masters, reference.parameters()))  # the fp32 values, not rounded
     out = engine(**batch())
-    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
-    engine.backward(out.loss)
-    engine.step()
-    assert engine.global_steps == 1 and next(engine.module.parameters()).dtype == torch.float32
+    assert out.logits.dtype == dtype and torch.isfinite(out.loss)
+    for step in range(3):
+        engine.backward(engine(**batch(step)).loss)
+        engine.step()
+    assert engine.global_steps == 3
+    assert [p.data_ptr() for p in params] == addresses  # updated in place: captured graphs see the new weights
+    assert all(torch.equal(p, m.to(dtype)) for p, m in zip(params, masters))
+    # The masters keep updates below the low-precision resolution, which bf16/fp16 weights alone would lose.
+    moved = sum(int(not torch.equal(m, r)) for m, r in zip(masters, reference.parameters()))
+    lost = sum(int(not torch.equal(m, r) and torch.equal(m.to(dtype), r.to(dtype)))
+               for m, r in zip(masters, reference.parameters()))
+    assert moved == len(masters) and lost > 0
 
 
 def test_fp16_uses_grad_scaler():
-    engine, _ = initialize(
+    engine, *_ = initialize(
         model=build_model("tiny-gpt2"),
         config={"fp16": {"enabled": True, "initial_scale_power": 8}, "optimizer": {"type": "SGD", "params": {"lr": 0.01}}},
     )
@@ -113,9 +144,22 @@ def test_fp16_uses_grad_scaler():
     assert changed or engine.loss_scale < 256.0  # stepped, or skipped an overflow and backed off
 
 
+def test_fp16_overflow_skips_the_step_and_halves_the_scale():
+    model = build_model("tiny-gpt2")
+    engine, *_ = initialize(model=model, config={"fp16": {"enabled": True, "initial_scale_power": 8},
+                                                 "optimizer": {"type": "SGD", "params": {"lr": 0.01}}})
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = engine(**batch()).loss
+    engine.backward(loss * float("inf"))
+    engine.step()
+    assert engine.loss_scale == 128.0 and engine.global_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_train_eval_switch():
     model = build_model("tiny-gpt2")
-    engine, _ = initialize(model=model, config={})
+    engine, *_ = initialize(model=model, config={})
     engine.train()
     assert model.training
     engine.eval()
@@ -131,7 +175,24 @@ def test_initialize_rejects_bad_arguments():
         initialize(model=build_model("tiny-gpt2"), config={"optimizer": {"type": "Lion"}})
 
 
-def test_fp16_mode_with_half_weights_is_a_clear_error():
+def test_a_half_model_gets_fp32_masters_from_its_own_values():
     model = build_model("tiny-gpt2").half()
-    with pytest.raises(ValueError, match="float16 parameters"):
-        initialize(model=model, config={"fp16": {"enabled": True}, "optimizer": {"type": "AdamW"}})
+    engine, opt, _, _ = initialize(model=model, config={"fp16": {"enabled": True}, "optimizer": {"type": "AdamW"}})
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    assert all(m.dtype == torch.float32 and torch.equal(m.half(), p) for m, p in zip(masters, model.parameters()))
+    engine.backward(engine(**batch()).loss)
+    engine.step()
+    assert engine.global_steps == 1
+
+
+def test_an_optimizer_with_state_or_foreign_parameters_is_refused_under_bf16():
+    model = build_model("tiny-gpt2")
+    used = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(**batch()).loss.backward()
+    used.step()
+    with pytest.raises(ValueError, match="already has state"):
+        initialize(model=build_model("tiny-gpt2"), optimizer=used, config={"bf16": {"enabled": True}})
+    foreign = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="parameter outside the model"):
+        initialize(model=build_model("tiny-gpt2"), model_parameters=[foreign],
+                   config={"bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})

@@ -108,7 +108,7 @@ def test_rollout_replays_admission_rounds_and_engine_generate_does_not_stage():
         assert torch.equal(batch.response_logprobs, expected.response_logprobs)
     st = rollout.last_stats
     assert st["admission_graph_replays"] == st["prefill_forwards"] > 1 and st["admission_graph_captures"] == 0
-    engine, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
     engine.generate(input_ids=request.prompt_ids, attention_mask=request.prompt_attention_mask, max_new_tokens=4)
     s = engine.graph_stats
     assert s.admission_captures == 0 and s.admission_replays == 0 and s.captures >= 1
@@ -173,25 +173,26 @@ def test_cpu_model_on_a_gpu_host_never_gets_gpu_graphs():
     cuda = TorchBackendAccelerator("cuda", stub)
     set_accelerator(cuda)
     model = build_model("tiny-gpt2", seed=1)
-    engine, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
     ids, mask = prompts(2, 4)
     out = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5)
     runner = engine._generator.runner
     assert isinstance(runner.accelerator, CPUAccelerator) and runner.accelerator is not cuda
     assert engine.graph_stats.captures == 1 and log == []
     set_accelerator(CPUAccelerator())
-    eager, _ = initialize(model=model, config={})
+    eager, *_ = initialize(model=model, config={})
     assert torch.equal(out, eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5))
 
 
 # ------------------------------------------------------------ shared policy
 @pytest.mark.parametrize("he,match", [({"inference_tp_size": 2}, "inference_tp_size"),
                                        ({"release_inference_cache": True}, "release_inference_cache")])
-def test_rollout_honours_the_engine_config_gates(he, match):
+def test_rollout_honours_the_engine_config_gates(he, match, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # inference_tp_size may not exceed the launched ranks
     model = build_model("tiny-opt", seed=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine, _ = initialize(model=model, config={"hybrid_engine": he})
+        engine, *_ = initialize(model=model, config={"hybrid_engine": he})
     request = RolloutRequest(*prompts(2, 4))
     sampling = SamplingConfig(max_new_tokens=4)
     rollout = HybridEngineRollout(engine, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,

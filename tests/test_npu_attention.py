@@ -150,8 +150,8 @@ def npu_backend(npu_sdpa):
 
 
 def engine_pair(model):
-    graph, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
-    eager, _ = initialize(model=model, config={})
+    graph, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    eager, *_ = initialize(model=model, config={})
     return graph, eager
 
 

@@ -71,7 +71,7 @@ def test_engine_and_rollout_on_one_model_are_serialised_too():
     """They share the model's train/eval mode: interleaved, the first to return would put the model back in
     train mode (dropout on) under the other's feet."""
     model = build_model("tiny-gpt2", seed=2)  # GPT-2 has dropout 0.1
-    engine, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
     ids, mask = prompts(2, 4, seed=3)
     req = RolloutRequest(*prompts(3, 6, seed=4))
     greedy = SamplingConfig(max_new_tokens=12, temperature=0.0)
@@ -141,7 +141,7 @@ def test_generate_from_inside_generate_is_refused_not_deadlocked():
 @pytest.mark.parametrize("device", ["meta", "cpu-but-model-elsewhere"])
 def test_inputs_on_another_device_are_refused_naming_both(device, monkeypatch):
     model = build_model("tiny-gpt2", seed=1)
-    engine, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
     rollout = rollout_for(engine)
     ids, mask = prompts(2, 4)
     if device == "meta":
@@ -159,7 +159,7 @@ def test_inputs_on_another_device_are_refused_naming_both(device, monkeypatch):
         engine.generate(input_ids=bad_ids, max_new_tokens=3)
     monkeypatch.undo()
     # Nothing was touched: both still work and agree with a fresh eager engine.
-    eager, _ = initialize(model=model, config={})
+    eager, *_ = initialize(model=model, config={})
     assert torch.equal(engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5),
                        eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5))
     req = RolloutRequest(ids, mask)
@@ -232,8 +232,8 @@ def test_an_interrupted_call_propagates_and_the_next_calls_are_exact(path, kind,
     ids_a, mask_a = prompts(3, 5, seed=1)
     ids_b, mask_b = prompts(2, 6, seed=2)
     if path == "engine":
-        graph, _ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
-        eager, _ = initialize(model=model, config={})
+        graph, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+        eager, *_ = initialize(model=model, config={})
 
         def call(obj, ids, mask):
             return obj.generate(input_ids=ids, attention_mask=mask, max_new_tokens=9, do_sample=False)

@@ -32,7 +32,7 @@ def engine_config(*, graphs: bool, max_out_tokens: int, batch_size: int, dtype: 
 
 def make_engine(model: torch.nn.Module, *, graphs: bool, max_out_tokens: int, batch_size: int,
                 dtype: torch.dtype, lr: float = 1e-5):
-    engine, _ = initialize(
+    engine, *_ = initialize(
         model=model, optimizer=None,
         config=engine_config(graphs=graphs, max_out_tokens=max_out_tokens, batch_size=batch_size, dtype=dtype, lr=lr),
     )

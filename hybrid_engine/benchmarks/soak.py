@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             m.p = 0.0
     vocab = int(model.config.vocab_size)
     pad, eos = C.special_ids(model)
-    engine, _ = initialize(model=model, config={
+    engine, *_ = initialize(model=model, config={
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "eps": C.adam_eps(dtype)}},
         **C.precision_config(dtype)})
     rollout = HybridEngineRollout(engine, config=RolloutConfig(use_graph_capture=True, pad_token_id=pad,

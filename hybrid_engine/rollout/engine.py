@@ -33,8 +33,10 @@ from hybrid_engine.exclusive import exclusive_generation
 from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats
 from hybrid_engine.inputs import check_device
 from hybrid_engine.model_step import check_model_supported, max_positions, token_ids
+from hybrid_engine.ranks import rank_seed
 from hybrid_engine.scheduler import Counters, RequestSpec, gather_responses, run_schedule
 from hybrid_engine.timing import PhaseTimer
+from hybrid_engine.zero import gathered_for_inference
 
 from .types import RolloutBatch, RolloutConfig, RolloutRequest, SamplingConfig
 
@@ -134,8 +136,11 @@ class HybridEngineRollout:
 
         Concurrent calls on one model (this rollout, other rollouts or the engine built on it) are
         serialised: each returns exactly what it would alone (:mod:`hybrid_engine.exclusive`).
+        In a data-parallel run each rank samples with its own seed derived from ``sampling.seed``
+        (:func:`hybrid_engine.ranks.rank_seed`). On a ZeRO-3 model the call gathers the parameters
+        once (collective: every rank must call) and decodes eagerly on them.
         """
-        with exclusive_generation(self.model, "HybridEngineRollout.generate"):
+        with exclusive_generation(self.model, "HybridEngineRollout.generate"), gathered_for_inference(self.model):
             return self._generate(request, sampling)
 
     def _generate(self, request: RolloutRequest, sampling: SamplingConfig | None) -> RolloutBatch:
@@ -207,7 +212,7 @@ class HybridEngineRollout:
             prompt_ids = request.prompt_ids.to(state.device)
             prompt_mask = request.prompt_attention_mask.to(state.device)
             out_tokens, out_logprobs = run_schedule(
-                runner, requests, prompt_ids, prompt_mask, sampling.sampling_key, sampling.seed,
+                runner, requests, prompt_ids, prompt_mask, sampling.sampling_key, rank_seed(sampling.seed),
                 width=max_new, max_active=max_active, continuous=cfg.continuous_batching,
                 shared_prefill=cfg.use_shared_prefill, staged=True,
                 sync_interval=cfg.sync_interval, counters=counters,

@@ -105,7 +105,7 @@ def test_hybrid_engine_train_steps_between_rollouts_reuse_the_capture():
     import hybrid_engine
 
     model = build_model("tiny-qwen2", seed=5)
-    engine, _ = hybrid_engine.initialize(
+    engine, *_ = hybrid_engine.initialize(
         model=model, config={"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     )
     rollout = hybrid_engine.HybridEngineRollout(

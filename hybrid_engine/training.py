@@ -1,0 +1,124 @@
+"""The training side of ZeRO stage 0: plain PyTorch, no DeepSpeed needed.
+
+:class:`LocalTraining` and :class:`hybrid_engine.zero.DeepSpeedTraining` are the
+two backends behind ``HybridEngine.forward/backward/step``; the engine picks one
+in :func:`hybrid_engine.engine.initialize` from ``zero_optimization.stage``.
+
+Graph safety: every update is in place. The optimizer steps the parameters
+themselves (fp32) or their fp32 masters, which are then copied into the
+low-precision parameters in place (:mod:`hybrid_engine.precision`). Nothing
+here re-allocates a parameter, so decode graphs captured before a step replay
+the new weights after it.
+
+Semantics follow DeepSpeed: the loss is divided by
+``gradient_accumulation_steps``, the optimizer steps at accumulation
+boundaries only, gradients are clipped to ``gradient_clipping`` (0 = off) and
+the LR scheduler steps with the optimizer, except on fp16 steps skipped for
+overflow.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import EngineConfig
+from .inputs import model_device
+from .precision import MasterWeights
+
+__all__ = ["LocalTraining", "build_optimizer"]
+
+
+def build_optimizer(config: EngineConfig, params: Any) -> torch.optim.Optimizer | None:
+    """The optimizer ``config.optimizer`` describes (AdamW, Adam or SGD) over ``params``, or ``None``."""
+    spec = config.optimizer
+    if spec is None:
+        return None
+    kwargs = dict(spec.params)
+    kwargs.pop("torch_adam", None)  # DeepSpeed's switch between its fused Adam and torch's; torch's here
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}[spec.type]
+    if spec.type == "SGD" and "lr" not in kwargs:
+        kwargs["lr"] = 1e-3  # torch's SGD needs an explicit learning rate
+    try:
+        return cls(params, **kwargs)
+    except TypeError as exc:
+        raise ValueError(f"optimizer.params are not valid for {spec.type}: {exc}") from exc
+
+
+class LocalTraining:
+    """Stage-0 training of ``module``: optimizer, optional fp32 masters and fp16 loss scaling."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, config: EngineConfig,
+                 lr_scheduler: Any, masters: MasterWeights | None) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.config = config
+        self.lr_scheduler = lr_scheduler
+        self.masters = masters
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.scaler: torch.amp.GradScaler | None = None
+        if config.fp16.enabled:
+            static = config.fp16.loss_scale > 0
+            init = config.fp16.loss_scale if static else float(2**config.fp16.initial_scale_power)
+            # A static loss scale never grows; overflowing steps are skipped (the scale halves then).
+            self.scaler = torch.amp.GradScaler(
+                model_device(module).type, init_scale=init, growth_interval=2**31 - 1 if static else 2000
+            )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss = loss / self.config.gradient_accumulation_steps
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+        if self.masters is not None:
+            self.masters.fold_gradients()
+
+    def step(self) -> None:
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        optimizer = self.optimizer
+        if optimizer is None:
+            raise RuntimeError(
+                "engine.step(): no optimizer; pass optimizer= to initialize() or set config.optimizer"
+            )
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        if self.config.gradient_clipping > 0:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.config.gradient_clipping)
+        stepped = True
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            stepped = self.scaler.get_scale() >= scale  # the scale drops only when the step was skipped
+        else:
+            optimizer.step()
+        if self.masters is not None and stepped:
+            self.masters.publish()
+        if stepped and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.zero_grad()
+        self.global_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.scaler.get_scale()) if self.scaler is not None else 1.0

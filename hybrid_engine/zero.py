@@ -1,0 +1,174 @@
+"""Training on DeepSpeed ZeRO 1/2/3, and generation from ZeRO-3 partitioned parameters.
+
+We write no partitioning of our own: for ``zero_optimization.stage`` 1-3,
+:func:`build` hands the model and the same config to ``deepspeed.initialize``,
+and :class:`DeepSpeedTraining` forwards ``forward/backward/step``, gradient
+accumulation, clipping, the LR scheduler and checkpoints to DeepSpeed's engine.
+``deepspeed`` is the optional extra ``hybrid-engine[deepspeed]``.
+
+What this means for graphs:
+
+* ZeRO 1/2 (and DeepSpeed's bf16/fp16): ``deepspeed.initialize`` moves the
+  parameters into flat low-precision buffers, once. After that the optimizer
+  writes each step's weights into those buffers in place, so decode graphs,
+  captured only after ``initialize``, read every update through the same
+  addresses: no copy and no recapture per step.
+* ZeRO 3: a parameter outside a gather is a 0-element shard, and every gather
+  allocates new memory, so graphs are refused (:mod:`hybrid_engine.graph_policy`)
+  and generation runs eagerly inside :func:`gathered_for_inference`. The one
+  collective (the all-gather) happens when a generate call starts, on every
+  rank; the forwards that follow are local, so ranks whose rollouts finish at
+  different lengths never wait for each other and cannot desynchronise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import EngineConfig
+
+__all__ = ["DeepSpeedTraining", "build", "deepspeed_config", "gathered_for_inference", "import_deepspeed",
+           "is_zero3_partitioned"]
+
+#: Key under which the engine keeps torch's RNG states inside DeepSpeed's ``client_state``.
+RNG_CLIENT_KEY = "hybrid_engine_rng"
+
+
+def import_deepspeed() -> Any:
+    """``deepspeed``, with its C++ ops that would be JIT-built on first use on a CPU turned off."""
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ImportError(
+            "zero_optimization.stage 1-3 trains on DeepSpeed, which is not installed; install it with "
+            "`pip install 'hybrid-engine[deepspeed]'` (or use zero_optimization.stage 0)"
+        ) from exc
+    # The shared-memory CPU collective is a C++ op built at first use; plain torch.distributed does its job.
+    compatible = getattr(getattr(deepspeed, "ops", None), "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def is_zero3_partitioned(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters are ZeRO-3 partitioned (DeepSpeed tags each with ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+@contextlib.contextmanager
+def gathered_for_inference(module: nn.Module) -> Iterator[None]:
+    """Run the block with ``module``'s ZeRO-3 parameters gathered whole (no-op for other modules).
+
+    Collective: every rank must enter it. Inside, the parameters are marked
+    persistent so that ZeRO-3's per-module forward hooks neither release nor
+    re-gather them, which keeps each forward local to its rank.
+    """
+    if not is_zero3_partitioned(module):
+        yield
+        return
+    deepspeed = import_deepspeed()
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        persist = [p.ds_persist for p in params]
+        for p in params:
+            p.ds_persist = True
+        try:
+            yield
+        finally:
+            for p, keep in zip(params, persist):
+                p.ds_persist = keep
+
+
+def deepspeed_config(config: EngineConfig) -> dict[str, Any]:
+    """The dict handed to ``deepspeed.initialize``: our config without our own ``hybrid_engine`` section.
+
+    DeepSpeed's Adam/AdamW default to its fused kernel, a C++ op compiled at first
+    use; unless the config chooses (``optimizer.params.torch_adam``), torch's is used.
+    """
+    data = config.to_dict()
+    data.pop("hybrid_engine", None)  # ours; DeepSpeed's own section of that name would build its engine
+    optimizer = data.get("optimizer")
+    if optimizer is not None and optimizer["type"] in ("Adam", "AdamW"):
+        optimizer.setdefault("params", {}).setdefault("torch_adam", True)
+    return data
+
+
+def build(model: nn.Module, optimizer: Any, config: EngineConfig, lr_scheduler: Any,
+          model_parameters: Any) -> DeepSpeedTraining:
+    """``deepspeed.initialize`` on ``model`` with ``config``; the engine it returns, wrapped."""
+    deepspeed = import_deepspeed()
+    if model_parameters is None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    ds_engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+        config=deepspeed_config(config),
+    )
+    return DeepSpeedTraining(ds_engine)
+
+
+class DeepSpeedTraining:
+    """The training calls of a ``HybridEngine``, delegated to a ``deepspeed.DeepSpeedEngine``."""
+
+    def __init__(self, ds_engine: Any) -> None:
+        self.ds_engine = ds_engine
+        self.module = ds_engine.module
+
+    @property
+    def optimizer(self) -> Any:
+        return self.ds_engine.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self.ds_engine.lr_scheduler
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.ds_engine.global_steps)
+
+    @property
+    def micro_steps(self) -> int:
+        return int(self.ds_engine.micro_steps)
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds_engine.zero_optimization_stage())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ds_engine(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return bool(self.ds_engine.is_gradient_accumulation_boundary())
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds_engine.backward(loss)
+
+    def step(self) -> None:
+        self.ds_engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.ds_engine.zero_grad()
+
+    @property
+    def loss_scale(self) -> float:
+        scale = getattr(self.ds_engine.optimizer, "cur_scale", None)
+        return float(scale) if scale is not None else 1.0
+
+    def save_checkpoint(self, save_dir: Any, tag: str | None, client_state: dict[str, Any],
+                        save_latest: bool, rng: dict[str, Any]) -> bool:
+        state = {**client_state, RNG_CLIENT_KEY: rng}
+        return bool(self.ds_engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest))
+
+    def load_checkpoint(self, load_dir: Any, tag: str | None, **options: Any
+                        ) -> tuple[str | None, dict[str, Any] | None, dict[str, Any] | None]:
+        """DeepSpeed's ``load_checkpoint``; returns ``(path, client_state, rng states or None)``."""
+        path, client_state = self.ds_engine.load_checkpoint(load_dir, tag=tag, **options)
+        if client_state is None:
+            return path, None, None
+        client_state = dict(client_state)
+        rng = client_state.pop(RNG_CLIENT_KEY, None)
+        return path, client_state, rng
