@@ -8,9 +8,14 @@ disagree with eager decoding without any error:
   ``.to(dtype)``, ``param.data = ...``, a LoRA merge): the graph keeps reading
   the old storage;
 * a forward hook or pre-hook added or removed: the graph keeps running the
-  hooks it recorded, and no others.
+  hooks it recorded, and no others;
+* the host-side state of an adapter layer (PEFT's LoRA layers): its forward
+  branches on whether the adapter is merged, active or disabled and bakes its
+  scaling in as a constant, so an in-place ``merge_adapter()`` (no
+  re-allocation) would otherwise replay the unmerged branch on merged weights
+  and count the adapter twice.
 
-:func:`graph_fingerprint` covers both (plus the attention implementation);
+:func:`graph_fingerprint` covers all three (plus the attention implementation);
 the runner compares it before replaying and recaptures when it changed.
 
 Hooks are captured like any other device work, never suspended, so graph
@@ -30,7 +35,8 @@ from typing import Any
 import torch
 from torch.nn.modules import module as _module_mod
 
-__all__ = ["HookCaptureError", "attributed_hooks", "graph_fingerprint", "hook_fingerprint", "weight_fingerprint"]
+__all__ = ["HookCaptureError", "adapter_fingerprint", "attributed_hooks", "graph_fingerprint", "hook_fingerprint",
+           "weight_fingerprint"]
 
 # Hook tables a forward consults: per module, and process-wide (``register_module_forward_hook``).
 _HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook"}
@@ -79,10 +85,34 @@ def hook_fingerprint(model: torch.nn.Module) -> tuple:
     )
 
 
+# Host-side attributes of a PEFT tuner layer (found by duck typing: no peft import) that its forward branches on
+# or freezes into a captured graph.
+_ADAPTER_STATE = ("merged_adapters", "_active_adapter", "_disable_adapters", "scaling")
+
+
+def _host_value(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _host_value(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_host_value(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__name__, id(value)
+
+
+def adapter_fingerprint(model: torch.nn.Module) -> tuple:
+    """Merged/active/disabled adapters and scaling of every adapter layer: changes on an in-place merge or switch."""
+    return tuple(
+        (name, *(_host_value(getattr(m, attr, None)) for attr in _ADAPTER_STATE))
+        for name, m in model.named_modules()
+        if hasattr(m, "merged_adapters")
+    )
+
+
 def graph_fingerprint(model: torch.nn.Module) -> tuple:
-    """Everything a captured decode step bakes in from the model: weights, hooks, attention implementation."""
+    """Everything a captured decode step bakes in from the model: weights, hooks, adapter state, attention."""
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    return weight_fingerprint(model), hook_fingerprint(model), str(attn)
+    return weight_fingerprint(model), hook_fingerprint(model), adapter_fingerprint(model), str(attn)
 
 
 def _attributed(hook: Callable[..., Any], where: str, kind: str) -> Callable[..., Any]:

@@ -1,0 +1,329 @@
+"""TRL's ``GRPOTrainer(..., rollout_func=fn)`` with hybrid-engine rollouts on the trainer's own model.
+
+:func:`make_rollout_func` returns a callable that TRL (1.16) calls as
+``fn(prompts, trainer)`` in place of its own generation. It drives one
+:class:`~hybrid_engine.rollout.HybridEngineRollout` built, on first use, around
+``trainer.accelerator.unwrap_model(trainer.model)`` (for a PEFT model, the base
+transformers model with its LoRA layers injected).
+
+Why nothing is copied or synced: the rollout holds the very module the trainer
+optimises. Its decode graphs read every weight by address, and the optimizer
+updates weights in place, so the graphs are captured once (one per batch bucket
+and sampling mode, plus the admission rounds) and replayed at every later
+training step, and each replay sees the weights of that step. Whatever would
+make a replay disagree with an eager forward (a re-allocated weight, an added
+hook, a merged or switched LoRA adapter) changes the graph fingerprint
+(:mod:`hybrid_engine.graph_safety`) and the runner recaptures before replaying.
+
+What lives on the device: the model, and the rollout's decode slots (a KV cache
+of the padded prompt width plus ``max_completion_length`` at the largest batch
+bucket) with its graphs and their pool; they stay allocated across calls.
+Prompts cross host to device once per call, and tokens and log-probabilities
+come back once per call, as the lists TRL wants.
+
+Per call: TRL passes this process's prompts, each repeated ``num_generations``
+times in a row (its ``RepeatSampler``). Each run of identical prompts is folded
+into one prompt sampled ``n`` times (``n`` = ``num_generations`` on one process;
+in general the greatest common divisor of the run lengths), so every group
+shares one prefill. Prompts are tokenized with ``trainer.processing_class``
+without special tokens (conversational prompts through its chat template) and
+left-padded. The seed mixes the trainer's seed, its global step, the process
+index and the train/eval mode, so every step and every process samples anew and
+a rerun of the same step samples the same tokens. The result is TRL's dict:
+``prompt_ids``, ``completion_ids`` (EOS included) and ``logprobs`` (of each
+sampled token under the sampling distribution), one unpadded list per
+completion, in TRL's order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
+
+__all__ = ["HybridEngineRolloutFunc", "make_rollout_func", "rollout_seed"]
+
+#: Keyword overrides :func:`make_rollout_func` accepts (``max_new_tokens`` is an alias of ``max_completion_length``).
+SAMPLING_KEYS = ("max_completion_length", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+def rollout_seed(base_seed: int, global_step: int, process_index: int = 0, mode: str = "train") -> int:
+    """The sampling seed of one call: a 64-bit hash of the trainer's seed, step, process and mode."""
+    key = f"{int(base_seed)}:{int(global_step)}:{int(process_index)}:{mode}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little", signed=True)
+
+
+def _check_overrides(sampling: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+    if unknown:
+        raise TypeError(
+            f"make_rollout_func: unknown sampling override(s) {', '.join(unknown)}; accepted: {', '.join(SAMPLING_KEYS)}"
+        )
+    out = dict(sampling)
+    if "max_new_tokens" in out:
+        if "max_completion_length" in out:
+            raise TypeError("make_rollout_func: pass max_completion_length or its alias max_new_tokens, not both")
+        out["max_completion_length"] = out.pop("max_new_tokens")
+    seed = out.get("seed")
+    if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
+        raise TypeError(f"make_rollout_func: seed must be an int, got {type(seed).__name__} ({seed!r})")
+    probe = {k: out[k] for k in ("temperature", "top_p", "top_k") if k in out}
+    if "max_completion_length" in out:
+        probe["max_new_tokens"] = out["max_completion_length"]
+    try:
+        SamplingConfig(**probe)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"make_rollout_func: invalid sampling override ({exc})") from None
+    return out
+
+
+def _policy_model(trainer: Any) -> PreTrainedModel:
+    """The transformers model the trainer optimises (a PEFT model's base model, LoRA layers included)."""
+    accelerator = getattr(trainer, "accelerator", None)
+    model = getattr(trainer, "model", None)
+    if accelerator is None or model is None:
+        raise TypeError(
+            "rollout_func: trainer must be a TRL GRPOTrainer (with .accelerator and .model), "
+            f"got {type(trainer).__name__}"
+        )
+    model = accelerator.unwrap_model(model)
+    if not isinstance(model, PreTrainedModel) and callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()  # peft.PeftModel: LoRA layers live inside the base model
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            "rollout_func: trainer.model must unwrap to a transformers PreTrainedModel (or a PEFT model around "
+            f"one), got {type(model).__name__}"
+        )
+    if getattr(trainer, "is_fsdp_enabled", False) or any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ValueError(
+            "rollout_func: the trainer shards the model's parameters (FSDP or DeepSpeed ZeRO-3), so decode graphs "
+            "cannot read them by address; train with ZeRO stage 0-2 or plain DDP to use hybrid-engine rollouts"
+        )
+    return model
+
+
+def _tokenizer_of(processing_class: Any) -> Any:
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a processor wraps its tokenizer
+    if not callable(tokenizer) or not hasattr(tokenizer, "pad_token_id"):
+        raise TypeError(
+            "rollout_func: trainer.processing_class must be a transformers tokenizer or processor, "
+            f"got {type(processing_class).__name__}"
+        )
+    return tokenizer
+
+
+def _is_conversation(prompt: Any) -> bool:
+    return (isinstance(prompt, list) and bool(prompt)
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt))
+
+
+def _check_prompts(prompts: Any) -> bool:
+    """Validate TRL's prompt list; True when the prompts are conversations (lists of message dicts)."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise TypeError(
+            f"rollout_func: prompts must be a non-empty list of strings or of conversations, got {prompts!r:.80}"
+        )
+    chat = _is_conversation(prompts[0])
+    for i, p in enumerate(prompts):
+        if (chat and not _is_conversation(p)) or (not chat and not isinstance(p, str)):
+            kind = "conversations (lists of {'role', 'content'} dicts)" if chat else "strings"
+            raise TypeError(
+                f"rollout_func: prompts[{i}] is {type(p).__name__} but prompts[0] makes this a batch of {kind}; "
+                "pass one kind of prompt per batch"
+            )
+        if chat and any(not isinstance(m["content"], str) for m in p):
+            raise ValueError(
+                f"rollout_func: prompts[{i}] has non-text message content (images or content blocks); "
+                "hybrid-engine rollouts are text-only"
+            )
+    return chat
+
+
+def _fold(prompts: Sequence[Any]) -> tuple[list[Any], int]:
+    """Fold runs of identical consecutive prompts: (distinct prompts, samples per prompt).
+
+    ``n`` is the greatest common divisor of the run lengths, so a run of length
+    ``k * n`` becomes ``k`` prompts of ``n`` samples and row ``i`` of the output
+    is still prompt ``i``.
+    """
+    runs: list[tuple[Any, int]] = []
+    for p in prompts:
+        if runs and runs[-1][0] == p:
+            runs[-1] = (p, runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    n = 0
+    for _, length in runs:
+        n = math.gcd(n, length)
+    unique = [p for p, length in runs for _ in range(length // n)]
+    return unique, n
+
+
+class HybridEngineRolloutFunc:
+    """TRL's ``rollout_func``: ``fn(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs"}``.
+
+    Built by :func:`make_rollout_func`. :attr:`rollout` is the
+    :class:`~hybrid_engine.rollout.HybridEngineRollout` it drives (``None``
+    before the first call; a call whose trainer holds another model builds a
+    new one); :attr:`last_request` and :attr:`last_sampling` are the request
+    and sampling of the last call, so it can be replayed, e.g. eagerly for a
+    check.
+    """
+
+    def __init__(self, config: RolloutConfig | None = None, **sampling: Any) -> None:
+        if config is None:
+            config = RolloutConfig(use_graph_capture=True)
+        if not isinstance(config, RolloutConfig):
+            raise TypeError(
+                f"make_rollout_func: config must be a hybrid_engine.RolloutConfig or None, got {type(config).__name__}"
+            )
+        self.config = config
+        self.overrides = _check_overrides(sampling)
+        self.rollout: HybridEngineRollout | None = None
+        self.last_request: RolloutRequest | None = None
+        self.last_sampling: SamplingConfig | None = None
+
+    # ---------------------------------------------------------------- setup
+    def _rollout_for(self, model: PreTrainedModel, trainer: Any, tokenizer: Any) -> HybridEngineRollout:
+        if self.rollout is not None and self.rollout.model is model:
+            return self.rollout
+        config = self.config
+        eos = getattr(trainer, "eos_token_ids", None)  # TRL: the tokenizer's EOS plus the model's generation EOS ids
+        if config.eos_token_id is None and eos:
+            config = dataclasses.replace(config, eos_token_id=tuple(int(e) for e in eos))
+        if config.pad_token_id is None:  # the prompts are padded with it here, so it must be known now
+            pad = tokenizer.pad_token_id
+            if not isinstance(pad, int) and config.eos_token_id is not None:
+                pad = config.eos_token_id if isinstance(config.eos_token_id, int) else config.eos_token_id[0]
+            if isinstance(pad, int):
+                config = dataclasses.replace(config, pad_token_id=pad)
+        self.rollout = HybridEngineRollout(model, tokenizer=tokenizer, config=config)
+        return self.rollout
+
+    def _sampling(self, trainer: Any, n: int) -> SamplingConfig:
+        args = getattr(trainer, "args", None)
+        if args is None:
+            raise TypeError("rollout_func: trainer has no .args (expected a TRL GRPOTrainer with its GRPOConfig)")
+        for name, default in (("min_p", None), ("repetition_penalty", 1.0)):
+            value = getattr(args, name, default)
+            if value is not None and value != default:
+                raise ValueError(
+                    f"rollout_func: trainer.args.{name}={value!r} is not supported by hybrid-engine rollouts "
+                    f"(they sample with temperature, top_p and top_k); set {name}={default!r}"
+                )
+        if getattr(args, "generation_kwargs", None):
+            raise ValueError(
+                f"rollout_func: trainer.args.generation_kwargs={args.generation_kwargs!r} is not applied by "
+                "hybrid-engine rollouts; pass temperature/top_p/top_k/max_completion_length to make_rollout_func"
+            )
+        o = self.overrides
+        max_new = o.get("max_completion_length", getattr(args, "max_completion_length", None))
+        if max_new is None:
+            raise ValueError("rollout_func: trainer.args.max_completion_length is None; set it, or pass "
+                             "make_rollout_func(max_completion_length=...)")
+        top_k = o.get("top_k", getattr(args, "top_k", 0))
+        state = getattr(trainer, "state", None)
+        mode = "train" if getattr(trainer.model, "training", True) else "eval"
+        seed = rollout_seed(
+            o.get("seed", getattr(args, "seed", 0)),
+            getattr(state, "global_step", 0),
+            getattr(trainer.accelerator, "process_index", 0),
+            mode,
+        )
+        try:
+            return SamplingConfig(
+                max_new_tokens=max_new,
+                temperature=o.get("temperature", getattr(args, "temperature", 1.0)),
+                top_p=o.get("top_p", getattr(args, "top_p", 1.0)),
+                top_k=-1 if top_k is None else top_k,
+                n_samples_per_prompt=n,
+                seed=seed,
+            )
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(
+                f"rollout_func: trainer.args gives an invalid sampling setting ({exc}); fix it there or override "
+                "it in make_rollout_func(...)"
+            ) from None
+
+    def _tokenize(self, trainer: Any, prompts: list[Any], chat: bool, tokenizer: Any,
+                  device: torch.device) -> tuple[list[list[int]], RolloutRequest]:
+        if chat:
+            processing_class = trainer.processing_class
+            kwargs = dict(getattr(trainer, "chat_template_kwargs", None) or {})
+            template = getattr(trainer, "chat_template", None)
+            if template is not None:
+                kwargs["chat_template"] = template
+            tools = getattr(trainer, "tools", None)
+            try:
+                texts = [processing_class.apply_chat_template(p, tools=tools or None, add_generation_prompt=True,
+                                                              tokenize=False, **kwargs) for p in prompts]
+            except ValueError as exc:
+                raise ValueError(
+                    f"rollout_func: conversational prompts need a chat template ({exc}); set "
+                    "processing_class.chat_template or pass plain-text prompts"
+                ) from exc
+        else:
+            texts = list(prompts)
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        for i, row in enumerate(ids):
+            if not row:
+                raise ValueError(f"rollout_func: prompt {prompts[i]!r:.60} tokenizes to no tokens; drop empty prompts")
+        pad = self.rollout.config.pad_token_id if self.rollout is not None else None
+        pad = 0 if pad is None else pad  # no pad and no EOS: the rollout refuses the call with its own message
+        width = max(len(r) for r in ids)
+        tokens = torch.full((len(ids), width), pad, dtype=torch.int64)
+        mask = torch.zeros((len(ids), width), dtype=torch.int64)
+        for i, row in enumerate(ids):
+            tokens[i, width - len(row):] = torch.tensor(row, dtype=torch.int64)
+            mask[i, width - len(row):] = 1
+        return [list(r) for r in ids], RolloutRequest(tokens.to(device), mask.to(device))
+
+    # ----------------------------------------------------------------- call
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list]:
+        chat = _check_prompts(prompts)
+        model = _policy_model(trainer)
+        processing_class = getattr(trainer, "processing_class", None)
+        if processing_class is None:
+            raise TypeError("rollout_func: trainer.processing_class is None; GRPOTrainer needs a tokenizer")
+        tokenizer = _tokenizer_of(processing_class)
+        unique, n = _fold(prompts)
+        sampling = self._sampling(trainer, n)
+        rollout = self._rollout_for(model, trainer, tokenizer)
+        prompt_ids, request = self._tokenize(trainer, unique, chat, tokenizer, next(rollout.model.parameters()).device)
+        self.last_request, self.last_sampling = request, sampling
+        batch = rollout.generate(request, sampling)
+        lengths = batch.response_lengths.tolist()
+        responses = batch.responses.tolist()
+        logprobs = batch.response_logprobs.tolist()
+        return {
+            "prompt_ids": [prompt_ids[row // n] for row in range(len(lengths))],
+            "completion_ids": [r[:k] for r, k in zip(responses, lengths)],
+            "logprobs": [lp[:k] for lp, k in zip(logprobs, lengths)],
+        }
+
+    def __repr__(self) -> str:
+        return f"HybridEngineRolloutFunc(config={self.config!r}, overrides={self.overrides!r})"
+
+
+def make_rollout_func(config: RolloutConfig | None = None, **sampling: Any) -> HybridEngineRolloutFunc:
+    """A TRL ``rollout_func`` that generates with hybrid-engine on the trainer's model (graphs captured once).
+
+    ``config`` is the rollout's :class:`~hybrid_engine.RolloutConfig` (``None``:
+    graph capture on, everything else default; its pad/EOS ids default to the
+    tokenizer's and TRL's). ``sampling`` overrides what ``trainer.args`` says:
+    ``max_completion_length`` (alias ``max_new_tokens``), ``temperature``,
+    ``top_p``, ``top_k``, and ``seed`` (the base seed, mixed with the global
+    step as the trainer's seed would be).
+
+    Use: ``GRPOTrainer(model, reward_funcs, args=..., train_dataset=...,
+    processing_class=tokenizer, rollout_func=make_rollout_func())``.
+    """
+    return HybridEngineRolloutFunc(config, **sampling)

@@ -1,0 +1,290 @@
+"""make_rollout_func: TRL's GRPOTrainer generating through hybrid-engine rollouts, graphs on, on CPU.
+
+The end-to-end tests train a tiny model with a real ``GRPOTrainer`` (no network:
+a seeded tiny model and a locally built tokenizer). At every step the graphed
+rollout's completions and logprobs must equal what an eager rollout returns for
+the same request and seed on the same (just updated) weights, the graphs must
+be captured once and replayed at every later step, and a whole run with graphs
+must train to the same weights as one without. The unit tests drive the
+rollout func with a stand-in trainer (the attributes TRL's trainer has) for
+folding, tokenization, seeding, overrides and errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("trl", reason="needs the trl extra")
+
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from hybrid_engine import HybridEngineRollout, RolloutConfig  # noqa: E402
+from hybrid_engine.integrations.trl import HybridEngineRolloutFunc, make_rollout_func, rollout_seed  # noqa: E402
+from hybrid_engine.tiny_models import EOS_ID, build_model, build_tokenizer  # noqa: E402
+
+# Different lengths, so prompts are left-padded; every word is in the tiny tokenizer's vocabulary.
+PROMPTS = ["the cat is in the water", "you can find the day", "he was", "make some time for it now so"]
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+                 "{% if add_generation_prompt %}he said :{% endif %}")
+# Distinct, so every step's two prompts differ; all at most 8 tokens (one admission width bucket).
+TRAIN_PROMPTS = PROMPTS + ["we can see the oil", "what is it", "how long is one day", "all of them were out"]
+GROUP = 4  # num_generations
+
+
+def _tokenizer():
+    tok = build_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _reward(completions, **kwargs):
+    return [len(c) / 40.0 for c in completions]
+
+
+# ----------------------------------------------------------- GRPOTrainer, end to end
+
+
+def _train(tmp_path, fn, *, steps=3, check_eager=False):
+    """Train a fresh tiny GPT-2 ``steps`` GRPO steps through ``fn``; returns (trainer, model, per-call records)."""
+    model = build_model("tiny-gpt2", seed=0)
+    records = []
+    eager: list[HybridEngineRollout] = []
+
+    def rollout_func(prompts, trainer):
+        out = fn(prompts, trainer)
+        record = {"prompts": list(prompts), "out": out, "stats": dict(fn.rollout.last_stats),
+                  "sampling": fn.last_sampling, "rows": fn.last_request.prompt_ids.shape[0]}
+        if check_eager:  # the same request and seed, eagerly, on the same weights (before this step's update)
+            if not eager:
+                eager.append(HybridEngineRollout(
+                    fn.rollout.model, config=dataclasses.replace(fn.rollout.config, use_graph_capture=False)))
+            record["eager"] = eager[0].generate(fn.last_request, fn.last_sampling)
+        records.append(record)
+        return out
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2 * GROUP, num_generations=GROUP,
+        max_completion_length=8, max_steps=steps, learning_rate=1e-2, logging_steps=1, report_to="none",
+        use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no", disable_dropout=True,
+        seed=0, dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": TRAIN_PROMPTS}),
+                          processing_class=_tokenizer(), rollout_func=rollout_func)
+    trainer.train()
+    return trainer, model, records
+
+
+def test_grpo_trains_three_steps_through_graphed_rollouts(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    fn = make_rollout_func()
+    tok = _tokenizer()
+    model_ref = build_model("tiny-gpt2", seed=0)
+    trainer, model, records = _train(tmp_path, fn, check_eager=True)
+
+    assert trainer.state.global_step == 3 and len(records) == 3
+    # The rollout drives the trainer's own module: trained in place, nothing copied or re-allocated.
+    assert fn.rollout.model is model
+    changed = [n for (n, p), (_, p0) in zip(model.named_parameters(), model_ref.named_parameters())
+               if not torch.equal(p, p0)]
+    assert len(changed) == len(list(model.parameters()))
+
+    stats = fn.rollout.graph_stats
+    assert stats.captures == len(stats.buckets) >= 1  # one capture per bucket, all in the first call
+    assert stats.invalidations == 0 and stats.fallbacks == 0 and stats.eager_steps == 0
+    assert [r["stats"]["graph_captures"] for r in records][1:] == [0, 0]
+    # Admission rounds (one width bucket): warmed up in the first call, captured once in the second.
+    assert [r["stats"]["admission_graph_captures"] for r in records] == [0, 1, 0] == [0, stats.admission_captures, 0]
+    assert all(r["stats"]["graph_replays"] > 0 and r["stats"]["use_graph_capture"] for r in records)
+
+    seen_samples = set()
+    for step, r in enumerate(records):
+        prompts, out, eager = r["prompts"], r["out"], r["eager"]
+        # TRL repeats each prompt GROUP times; each group is folded into one prompt sampled GROUP times.
+        assert len(prompts) == 2 * GROUP and r["rows"] == 2 and r["sampling"].n_samples_per_prompt == GROUP
+        assert r["sampling"].seed == rollout_seed(0, step, 0, "train")
+        assert r["sampling"].max_new_tokens == 8 and r["sampling"].temperature == 1.0
+        assert [len(v) for v in out.values()] == [len(prompts)] * 3
+        for p, ids in zip(prompts, out["prompt_ids"]):
+            assert ids == tok(p, add_special_tokens=False)["input_ids"]
+        # Graph replay == eager for the same seed, on the weights of this step.
+        lengths = eager.response_lengths.tolist()
+        assert out["completion_ids"] == [row[:n] for row, n in zip(eager.responses.tolist(), lengths)]
+        for lp, row, n in zip(out["logprobs"], eager.response_logprobs, lengths):
+            assert torch.equal(torch.tensor(lp, dtype=torch.float32), row[:n])
+        # The samples of one group differ (one shared prefill, GROUP random streams).
+        groups = [out["completion_ids"][i:i + GROUP] for i in range(0, len(prompts), GROUP)]
+        assert all(len({tuple(c) for c in g}) > 1 for g in groups)
+        seen_samples.update(tuple(c) for c in out["completion_ids"])
+    assert len(seen_samples) == 3 * 2 * GROUP  # every step samples anew
+
+
+def test_graphs_on_and_off_train_identically(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    _, graphed, rec_g = _train(tmp_path / "g", make_rollout_func(), steps=2)
+    fn_eager = make_rollout_func(RolloutConfig(use_graph_capture=False))
+    _, eager, rec_e = _train(tmp_path / "e", fn_eager, steps=2)
+    assert fn_eager.rollout.graph_stats.captures == 0 and rec_g[0]["stats"]["graph_captures"] > 0
+    assert [r["out"] for r in rec_g] == [r["out"] for r in rec_e]
+    for (n, p), (_, q) in zip(graphed.named_parameters(), eager.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+# ------------------------------------------------------------- stand-in trainer
+
+
+_MODEL = {}
+
+
+def _model():
+    if "m" not in _MODEL:
+        _MODEL["m"] = build_model("tiny-gpt2", seed=0)
+    return _MODEL["m"]
+
+
+def _trainer(model=None, tokenizer=None, step=0, **args):
+    defaults = dict(max_completion_length=6, temperature=1.0, top_p=1.0, top_k=0, seed=0, min_p=None,
+                    repetition_penalty=1.0, generation_kwargs=None)
+    model = model if model is not None else _model()
+    model.train()  # as GRPOTrainer's model is while training (the rollout decodes in eval mode and restores it)
+    return SimpleNamespace(
+        model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m, process_index=0),
+        processing_class=tokenizer if tokenizer is not None else _tokenizer(),
+        args=SimpleNamespace(**{**defaults, **args}), state=SimpleNamespace(global_step=step),
+        eos_token_ids=[EOS_ID], chat_template_kwargs={},
+    )
+
+
+def test_fold_tokenize_and_order():
+    fn = make_rollout_func(config=RolloutConfig(use_graph_capture=True, eos_token_id=10_000))
+    tok = _tokenizer()
+    a, b = PROMPTS[0], PROMPTS[2]
+    prompts = [a, a, b, b, b, b]  # runs of 2 and 4: folded into a, b, b with 2 samples each
+    out = fn(prompts, _trainer(tokenizer=tok))
+    assert isinstance(fn, HybridEngineRolloutFunc) and fn.rollout.model is _model()
+    req = fn.last_request
+    assert req.prompt_ids.shape[0] == 3 and fn.last_sampling.n_samples_per_prompt == 2
+    a_ids, b_ids = (tok(p, add_special_tokens=False)["input_ids"] for p in (a, b))
+    width = req.prompt_ids.shape[1]
+    assert width == len(a_ids) > len(b_ids)
+    assert req.prompt_ids[1].tolist() == [0] * (width - len(b_ids)) + b_ids  # left-padded with the pad id
+    assert req.prompt_attention_mask[1].tolist() == [0] * (width - len(b_ids)) + [1] * len(b_ids)
+    assert out["prompt_ids"] == [a_ids] * 2 + [b_ids] * 4
+    assert all(len(c) == 6 and len(lp) == 6 for c, lp in zip(out["completion_ids"], out["logprobs"]))
+    # The two folded copies of b have their own request ids, hence their own samples.
+    assert out["completion_ids"][2:4] != out["completion_ids"][4:6]
+    assert all(lp <= 0 for row in out["logprobs"] for lp in row)
+
+
+def test_seed_from_trainer_seed_step_and_process():
+    fn = make_rollout_func()
+    prompts = [PROMPTS[1]] * GROUP
+    first = fn(prompts, _trainer(step=5))
+    assert fn.last_sampling.seed == rollout_seed(0, 5, 0, "train")
+    assert fn(prompts, _trainer(step=5)) == first  # the same step samples the same tokens
+    assert fn(prompts, _trainer(step=6))["completion_ids"] != first["completion_ids"]
+    assert fn(prompts, _trainer(step=5, seed=1))["completion_ids"] != first["completion_ids"]
+    assert fn.last_sampling.seed == rollout_seed(1, 5, 0, "train")
+    other_rank = _trainer(step=5)
+    other_rank.accelerator.process_index = 1
+    assert fn(prompts, other_rank)["completion_ids"] != first["completion_ids"]
+    evaluating = _trainer(step=5)
+    evaluating.model.eval()  # TRL's evaluation calls the rollout func with the model in eval mode
+    assert fn(prompts, evaluating)["completion_ids"] != first["completion_ids"]
+    assert fn.last_sampling.seed == rollout_seed(0, 5, 0, "eval") != rollout_seed(0, 5, 0, "train")
+
+
+def test_sampling_from_args_and_overrides():
+    fn = make_rollout_func()
+    fn([PROMPTS[0]] * 2, _trainer(temperature=0.7, top_p=0.9, top_k=5, max_completion_length=3))
+    s = fn.last_sampling
+    assert (s.max_new_tokens, s.temperature, s.top_p, s.top_k) == (3, 0.7, 0.9, 5)
+    greedy = make_rollout_func(temperature=0.0, max_new_tokens=4, seed=7)
+    out = greedy([PROMPTS[0]] * 3, _trainer(temperature=0.7, max_completion_length=3))
+    s = greedy.last_sampling
+    assert (s.max_new_tokens, s.temperature, s.seed) == (4, 0.0, rollout_seed(7, 0, 0, "train"))
+    assert out["completion_ids"][0] == out["completion_ids"][1] == out["completion_ids"][2]  # greedy
+    assert len(out["completion_ids"][0]) == 4
+
+
+def test_conversational_prompts_use_the_chat_template():
+    tok = _tokenizer()
+    conv = [{"role": "user", "content": "the cat is in the water"}]
+    fn = make_rollout_func()
+    out = fn([conv, conv], _trainer(tokenizer=tok))
+    text = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("he said :")
+    assert out["prompt_ids"] == [tok(text, add_special_tokens=False)["input_ids"]] * 2
+    assert fn.last_sampling.n_samples_per_prompt == 2
+
+
+def test_eos_ids_come_from_the_trainer():
+    fn = make_rollout_func()
+    trainer = _trainer()
+    trainer.eos_token_ids = [EOS_ID, 5]
+    fn([PROMPTS[0]], trainer)
+    assert fn.rollout.config.eos_token_id == (EOS_ID, 5) and fn.rollout.config.pad_token_id == 0
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"foo": 1}, TypeError, "unknown sampling override.*foo"),
+    ({"temperature": -1.0}, ValueError, "temperature"),
+    ({"top_p": 0.0}, ValueError, "top_p"),
+    ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
+    ({"max_new_tokens": 4, "max_completion_length": 4}, TypeError, "not both"),
+    ({"seed": "0"}, TypeError, "seed must be an int"),
+    ({"config": {"use_graph_capture": True}}, TypeError, "RolloutConfig"),
+])
+def test_bad_arguments_fail_at_construction(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        make_rollout_func(**kwargs)
+
+
+def _no_template():
+    return build_tokenizer()
+
+
+@pytest.mark.parametrize("prompts,trainer_kw,exc,match", [
+    ([], {}, TypeError, "non-empty list"),
+    ("the cat", {}, TypeError, "non-empty list"),
+    (["the cat", [{"role": "user", "content": "x"}]], {}, TypeError, r"prompts\[1\]"),
+    ([[{"role": "user", "content": [{"type": "image"}]}]], {}, ValueError, "text-only"),
+    ([""], {}, ValueError, "tokenizes to no tokens"),
+    (["the cat"], {"min_p": 0.1}, ValueError, "min_p"),
+    (["the cat"], {"repetition_penalty": 1.2}, ValueError, "repetition_penalty"),
+    (["the cat"], {"generation_kwargs": {"num_beams": 2}}, ValueError, "generation_kwargs"),
+    (["the cat"], {"max_completion_length": None}, ValueError, "max_completion_length"),
+    (["the cat"], {"top_k": 1.5}, ValueError, "top_k"),
+    ([[{"role": "user", "content": "the cat"}]], {"tokenizer": _no_template()}, ValueError, "chat template"),
+])
+def test_bad_calls_name_the_problem(prompts, trainer_kw, exc, match):
+    fn = make_rollout_func()
+    with pytest.raises(exc, match=match):
+        fn(prompts, _trainer(**trainer_kw))
+
+
+def test_not_a_trainer_or_not_a_transformers_model():
+    fn = make_rollout_func()
+    with pytest.raises(TypeError, match="GRPOTrainer"):
+        fn(["the cat"], object())
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        fn(["the cat"], _trainer(model=torch.nn.Linear(2, 2)))
+
+
+def test_example_script_runs_and_graphs_match_eager(monkeypatch, capsys):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    path = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
+    spec = importlib.util.spec_from_file_location("trl_grpo_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--compare", "--steps", "2", "--max-completion-length", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "completions identical at every step: yes" in out
+    assert "| on | 2 | 4 | 1 |" in out and "| off | 2 | 0 | 0 |" in out
