@@ -35,6 +35,7 @@ from .config import ConfigSource, EngineConfig, load_config
 from .exclusive import exclusive_generation
 from .generation import Generator
 from .graph_runner import GraphStats
+from .inputs import decode_model
 from .precision import MasterWeights
 from .training import LocalTraining, build_optimizer
 from .zero import DeepSpeedTraining, gathered_for_inference
@@ -54,7 +55,7 @@ class HybridEngine(nn.Module):
         self.module = model
         self.config = config
         self.training_backend = training
-        self._generator = Generator(model, config)
+        self._generator = Generator(decode_model(model), config)
 
     @classmethod
     def from_deepspeed(cls, ds_engine: Any, config: ConfigSource | None = None) -> HybridEngine:
@@ -152,7 +153,7 @@ class HybridEngine(nn.Module):
         engine's graphs are dropped and recaptured by the next ``generate``
         (loading may re-allocate; rollouts compare weight addresses before replaying).
         """
-        with exclusive_generation(self.module, "HybridEngine.load_checkpoint"):
+        with exclusive_generation(decode_model(self.module), "HybridEngine.load_checkpoint"):
             result = checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
                                      load_optimizer_states=load_optimizer_states,
                                      load_lr_scheduler_states=load_lr_scheduler_states,
@@ -170,7 +171,7 @@ class HybridEngine(nn.Module):
         (:mod:`hybrid_engine.exclusive`). See :mod:`hybrid_engine.generation` for the paths
         and :mod:`hybrid_engine.graph_policy` for when graphs are refused.
         """
-        with exclusive_generation(self.module, "HybridEngine.generate"):
+        with exclusive_generation(decode_model(self.module), "HybridEngine.generate"):
             was_training = self.module.training
             if was_training:
                 self.module.eval()

@@ -10,7 +10,24 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_device", "model_device"]
+__all__ = ["check_device", "decode_model", "model_device"]
+
+
+def decode_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model that decodes for ``model``: a PEFT wrapper's base model, else ``model`` itself.
+
+    A ``PeftModel`` forwards to its base model, whose LoRA layers were injected in
+    place, so decoding the base model runs the adapters (found by duck typing: no
+    peft import).
+    """
+    from transformers import PreTrainedModel
+
+    get_base = getattr(model, "get_base_model", None)
+    if not isinstance(model, PreTrainedModel) and callable(get_base):
+        base = get_base()
+        if isinstance(base, PreTrainedModel):
+            return base
+    return model
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -17,14 +17,14 @@ from typing import Any
 import torch
 
 from .. import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig, initialize
-from .common import adam_eps, precision_config
+from .common import precision_config
 
 
 def engine_config(*, graphs: bool, max_out_tokens: int, batch_size: int, dtype: torch.dtype,
                   lr: float = 1e-5) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": batch_size,
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "eps": adam_eps(dtype)}},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr}},
         **precision_config(dtype),
         "hybrid_engine": {"enabled": True, "max_out_tokens": max_out_tokens, "enable_graph_capture": graphs},
     }

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     vocab = int(model.config.vocab_size)
     pad, eos = C.special_ids(model)
     engine, *_ = initialize(model=model, config={
-        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "eps": C.adam_eps(dtype)}},
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr}},
         **C.precision_config(dtype)})
     rollout = HybridEngineRollout(engine, config=RolloutConfig(use_graph_capture=True, pad_token_id=pad,
                                                                eos_token_id=eos))

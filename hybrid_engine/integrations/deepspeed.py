@@ -191,22 +191,6 @@ def _rollout_config(config: Any) -> RolloutConfig | None:
     )
 
 
-def _check_not_partitioned(model: torch.nn.Module) -> None:
-    """Refuse ZeRO stage 3: its parameters are gathered by collectives inside every forward.
-
-    Each data-parallel rank would then have to run the same number of decode
-    forwards (DeepSpeed's own rollout ignores EOS for that), while this rollout
-    stops as soon as its rows finish; and the gathered weights move every step,
-    so no graph could be replayed.
-    """
-    if any(hasattr(p, "ds_id") for p in model.parameters()):
-        raise ValueError(
-            "DeepSpeedRolloutEngine: the model's parameters are partitioned by DeepSpeed ZeRO stage 3 (they carry "
-            "ds_id); its per-forward parameter gathers need every rank to decode in lockstep, which this rollout "
-            "does not do: use ZeRO stage 0-2 for the rolled-out model"
-        )
-
-
 # ----------------------------------------------------------------------- engine
 class DeepSpeedRolloutEngine(DSRolloutEngine):
     """DeepSpeed's ``RolloutEngine`` on a :class:`~hybrid_engine.rollout.HybridEngineRollout`.
@@ -242,7 +226,6 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
             rollout = source
         else:
             rollout = HybridEngineRollout(source, tokenizer=tokenizer, config=_rollout_config(config))
-        _check_not_partitioned(rollout.model)
         self.rollout: HybridEngineRollout = rollout
         self.seed = seed
         #: Our batch of the last call (with ``response_logprobs`` and ``response_lengths``).

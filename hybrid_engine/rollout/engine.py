@@ -31,7 +31,7 @@ from hybrid_engine.admission import width_bucket
 from hybrid_engine.config import EngineConfig
 from hybrid_engine.exclusive import exclusive_generation
 from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats
-from hybrid_engine.inputs import check_device
+from hybrid_engine.inputs import check_device, decode_model
 from hybrid_engine.model_step import check_model_supported, max_positions, token_ids
 from hybrid_engine.ranks import rank_seed
 from hybrid_engine.scheduler import Counters, RequestSpec, gather_responses, run_schedule
@@ -48,9 +48,11 @@ class UnsupportedModelError(ValueError, TypeError):
 
 
 def _unwrap_model(engine: Any) -> PreTrainedModel:
-    if isinstance(engine, PreTrainedModel):
-        return engine
+    model = decode_model(engine) if isinstance(engine, torch.nn.Module) else engine
+    if isinstance(model, PreTrainedModel):
+        return model
     module = getattr(engine, "module", None)
+    module = decode_model(module) if isinstance(module, torch.nn.Module) else module
     if isinstance(module, PreTrainedModel):
         return module
     raise TypeError(

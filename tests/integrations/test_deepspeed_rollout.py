@@ -345,11 +345,6 @@ def test_bad_inputs_give_clear_errors_before_any_work():
     with pytest.raises(ValueError, match="serves 'hybrid_engine' only"):
         DeepSpeedRolloutEngine(model, config=DSRolloutConfig(engine="vllm"))
 
-    partitioned = build_model("tiny-gpt2", seed=0)
-    next(partitioned.parameters()).ds_id = 0  # what ZeRO stage 3 marks its partitioned parameters with
-    with pytest.raises(ValueError, match="ZeRO stage 3"):
-        DeepSpeedRolloutEngine(partitioned)
-
     # The adapter is still usable after every refusal.
     batch = adapter.generate(request, ok)
     assert batch.batch_size == 3 and adapter.calls == 1

@@ -222,12 +222,22 @@ def test_trl_grpo_trains_a_lora_model_through_the_rollout_func(tmp_path, monkeyp
     assert all(not torch.equal(p, lora_before[n]) for n, p in _lora_params(base).items())
 
 
-@pytest.mark.xfail(strict=True, reason="engine.generate and HybridEngineRollout take the transformers model, not "
-                   "the PeftModel wrapper (pass peft_model.get_base_model()); unwrapping it needs a core change")
 def test_the_peft_wrapper_itself_is_accepted():
     pm = _lora("tiny-gpt2")
-    engine = _engine(pm, graphs=True)
+    engine = _engine(pm, graphs=True, lr=1e-2)
+    base_engine = _engine(pm.get_base_model(), graphs=False)
     req = _request()
-    _generate(engine, req, sample=False)
-    assert engine.graph_stats.captures > 0
-    HybridEngineRollout(engine, config=RolloutConfig(use_graph_capture=True, pad_token_id=0))
+    for _ in range(2):
+        for sample in (False, True):
+            assert torch.equal(_generate(engine, req, sample=sample), _generate(base_engine, req, sample=sample))
+        engine.train()
+        ids = req.prompt_ids
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        engine.eval()
+    assert engine.graph_stats.captures > 0 and engine.graph_stats.fallbacks == 0
+    graphed, eager = _rollouts(engine, pm.get_base_model())
+    assert graphed.model is pm.get_base_model()
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=3)
+    _assert_same(graphed.generate(req, sampling), eager.generate(req, sampling))
+    _assert_same(HybridEngineRollout(pm, config=graphed.config).generate(req, sampling), eager.generate(req, sampling))

@@ -1,0 +1,97 @@
+"""Start N data-parallel ranks on this machine, as torchrun would, with a hard timeout.
+
+Used by ``hybrid-engine bench rlhf --zero-stage N`` and by the distributed
+tests. Each rank gets the environment torchrun gives (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), so the ranks
+talk over loopback only. Unlike torchrun, which puts every worker in a session
+of its own, all ranks share one process group: at the timeout, or as soon as
+one rank fails, the whole group is killed, so a hang can never outlive the call.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["RanksTimedOut", "free_port", "run_ranks"]
+
+
+class RanksTimedOut(RuntimeError):
+    """The ranks did not finish within the timeout; their process group was killed."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_ranks(args: Sequence[str], nproc: int, timeout_s: float, env: Mapping[str, str] | None = None,
+              capture: bool = True) -> subprocess.CompletedProcess:
+    """Run ``python <args>`` as ``nproc`` ranks; returns once all exit, or one fails (then the rest are killed).
+
+    ``args`` is a script path or ``-c``/``-m`` and their arguments. Each rank
+    gets ``OMP_NUM_THREADS=1`` unless ``env`` sets it. ``returncode`` is the
+    first non-zero exit code, else 0; ``stdout`` is every rank's output, rank by
+    rank (``capture=False`` lets the ranks print to this terminal instead).
+    Raises :class:`RanksTimedOut` after ``timeout_s`` seconds, with the output so far.
+    """
+    if nproc < 1:
+        raise ValueError(f"run_ranks: nproc must be >= 1, got {nproc}")
+    base_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+    with tempfile.TemporaryDirectory(prefix="hybrid-engine-ranks-") as tmp:
+        logs = [Path(tmp) / f"rank{r}.log" for r in range(nproc)]
+        procs: list[subprocess.Popen] = []
+        group = 0
+        try:
+            for r in range(nproc):
+                rank_env = {**base_env, "RANK": str(r), "LOCAL_RANK": str(r)}
+                out = open(logs[r], "w") if capture else None  # noqa: SIM115 - closed with the process
+                proc = subprocess.Popen([sys.executable, *args], env=rank_env, stdout=out,
+                                        stderr=subprocess.STDOUT if capture else None,
+                                        process_group=group)
+                if out is not None:
+                    out.close()
+                group = group or proc.pid  # rank 0 leads the group; the others join it
+                procs.append(proc)
+            code = _wait(procs, time.monotonic() + timeout_s)
+        finally:
+            if group:
+                _kill_group(group, procs)
+        text = "".join(f"[rank {r}]\n{log.read_text(errors='replace')}" for r, log in enumerate(logs)
+                       if log.exists()) if capture else None
+    if code is None:
+        raise RanksTimedOut(f"{nproc} ranks of {' '.join(args)} did not finish in {timeout_s:.0f} s; "
+                            f"killed their process group. Output so far:\n{text or ''}")
+    return subprocess.CompletedProcess([sys.executable, *args], code, text, None)
+
+
+def _wait(procs: list[subprocess.Popen], deadline: float) -> int | None:
+    """The first non-zero exit code, 0 when all succeeded, or ``None`` at the deadline."""
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            return failed[0]
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.05)
+    return None
+
+
+def _kill_group(group: int, procs: list[subprocess.Popen]) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # every rank already exited
+    for p in procs:
+        p.wait()

@@ -1,0 +1,169 @@
+"""One rank of the ZeRO tests (run under torchrun by tests/distributed/test_zero.py).
+
+``python zero_worker.py STAGE PRECISION OUT_DIR``: trains a tiny Llama on
+DeepSpeed ZeRO ``STAGE`` through ``hybrid_engine.initialize``, beside a
+single-process stage-0 reference trained on the same global batch, generates
+rollouts with graphs and eagerly, and saves what the test asserts to
+``OUT_DIR/rank<R>.pt``. Every check that compares ranks is made by the test.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hybrid_engine import (
+    HybridEngine,
+    HybridEngineRollout,
+    RolloutConfig,
+    RolloutRequest,
+    SamplingConfig,
+    initialize,
+)
+from hybrid_engine.config import load_config
+from hybrid_engine.graph_policy import GraphRefusedWarning
+from hybrid_engine.ranks import rank, shard
+from hybrid_engine.tiny_models import build_model
+from hybrid_engine.zero import deepspeed_config, gathered_for_inference, import_deepspeed
+
+STEPS = 3
+MICRO = 2
+
+
+def global_batch(step: int, world: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(4, 384, (MICRO * world, 8), generator=g)
+
+
+def prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(4, 384, (6, 5), generator=g)
+    mask = torch.ones_like(ids)
+    ids[0, :2] = 0
+    mask[0, :2] = 0
+    return ids, mask
+
+
+def config(stage: int, precision: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+        "hybrid_engine": {"enable_graph_capture": True},
+    }
+
+
+def full_params(engine: HybridEngine) -> list[torch.Tensor]:
+    with gathered_for_inference(engine.module):
+        return [p.detach().float().clone() for p in engine.module.parameters()]
+
+
+def rollout(obj, graphs: bool) -> HybridEngineRollout:
+    return HybridEngineRollout(obj, config=RolloutConfig(use_graph_capture=graphs, pad_token_id=0, eos_token_id=2))
+
+
+def main() -> None:
+    stage, precision, out_dir = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    torch.set_num_threads(1)
+    model = build_model("tiny-llama", seed=1)
+    reference = copy.deepcopy(model)
+    engine, optimizer, _, _ = initialize(model=model, config=config(stage, precision))
+    # The single-process reference: stage 0, same precision, trained on the whole global batch.
+    ref_engine, *_ = initialize(model=reference, config=config(0, precision))
+    r, world = rank(), dist.get_world_size()
+    result: dict = {"rank": r, "world": world, "zero_stage": engine.zero_stage,
+                    "param_dtype": str(next(model.parameters()).dtype),
+                    "optimizer": type(optimizer).__name__}
+    addresses = [p.data_ptr() for p in model.parameters()]
+
+    ids, mask = prompts()
+    mine, offset = shard(list(range(ids.shape[0])))
+    request = RolloutRequest(ids[list(mine)], mask[list(mine)], request_ids=[offset + i for i in range(len(mine))])
+    graph_rollout, eager_rollout = rollout(engine, True), rollout(engine, False)
+    greedy = SamplingConfig(max_new_tokens=6)
+    sampled = SamplingConfig(max_new_tokens=6, temperature=1.0, top_k=50, seed=11)
+
+    def generate_both(label: str) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for name, sampling in (("greedy", greedy), ("sampled", sampled)):
+                g = graph_rollout.generate(request, sampling)
+                e = eager_rollout.generate(request, sampling)
+                result[f"{label}_{name}_graph"] = g.input_ids
+                result[f"{label}_{name}_eager"] = e.input_ids
+                result[f"{label}_{name}_logprobs_graph"] = g.response_logprobs
+                result[f"{label}_{name}_logprobs_eager"] = e.response_logprobs
+            out = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+            result[f"{label}_engine_generate"] = out
+        result[f"{label}_captures"] = graph_rollout.graph_stats.captures
+        result[f"{label}_refusal"] = graph_rollout.graph_stats.last_refusal_reason
+        result[f"{label}_warnings"] = [str(w.message) for w in caught if issubclass(w.category, GraphRefusedWarning)]
+
+    def train_step(step: int) -> None:
+        batch = global_batch(step, world)
+        rows = batch[r * MICRO:(r + 1) * MICRO]
+        engine.train()
+        loss = engine(input_ids=rows, labels=rows).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = sum(ref_engine(input_ids=batch[k * MICRO:(k + 1) * MICRO],
+                                  labels=batch[k * MICRO:(k + 1) * MICRO]).loss for k in range(world)) / world
+        ref_engine.backward(ref_loss)
+        ref_engine.step()
+        engine.eval()
+
+    generate_both("before")
+    for step in range(STEPS):
+        train_step(step)
+    result["global_steps"] = engine.global_steps
+    result["addresses_kept"] = [p.data_ptr() for p in model.parameters()] == addresses
+    generate_both("after")
+    result["weights_max_diff"] = max(float((a - b.detach().float()).abs().max())
+                                     for a, b in zip(full_params(engine), reference.parameters()))
+    # The stage-0 reference generates from its own weights: with equal weights, equal tokens.
+    result["reference_greedy"] = rollout(reference, False).generate(request, greedy).input_ids
+
+    # Ranks finishing at different lengths: rank 0 stops after 2 tokens, the others run 24.
+    uneven = SamplingConfig(max_new_tokens=2 if r == 0 else 24)
+    result["uneven_width"] = eager_rollout.generate(request, uneven).input_ids.shape[1] - request.prompt_ids.shape[1]
+    train_step(STEPS)  # a collective right after: it would deadlock if a rank were left in a gather
+    result["after_uneven_steps"] = engine.global_steps
+
+    # Same prompt, same seed, same request id on every rank: per-rank seeds must still differ.
+    same = RolloutRequest(ids[:1], mask[:1], request_ids=[0])
+    result["same_request_tokens"] = graph_rollout.generate(same, sampled).input_ids
+    result["same_request_again"] = graph_rollout.generate(same, sampled).input_ids
+
+    if stage in (1, 2):
+        # Checkpoints go through DeepSpeed's save/load; weights and steps come back.
+        ckpt = out_dir / "ckpt"
+        saved = full_params(engine)
+        engine.save_checkpoint(ckpt, tag="t")
+        train_step(STEPS + 1)
+        path, client = engine.load_checkpoint(ckpt, tag="t")
+        result["checkpoint_restored"] = all(torch.equal(a, b) for a, b in zip(full_params(engine), saved))
+        result["checkpoint_steps"] = engine.global_steps
+        # An engine the user built with deepspeed.initialize, wrapped.
+        deepspeed = import_deepspeed()
+        other = build_model("tiny-llama", seed=1)
+        ds_engine, *_ = deepspeed.initialize(model=other, config=deepspeed_config(load_config(config(stage, precision))),
+                                             model_parameters=other.parameters())
+        wrapped = HybridEngine.from_deepspeed(ds_engine, config={"hybrid_engine": {"enable_graph_capture": True}})
+        result["wrapped_stage"] = wrapped.zero_stage
+        out = wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        result["wrapped_generate"] = out
+        result["wrapped_captures"] = wrapped.graph_stats.captures
+    dist.barrier()
+    torch.save(result, out_dir / f"rank{r}.pt")
+
+
+if __name__ == "__main__":
+    main()
