@@ -21,9 +21,10 @@ from .common import precision_config
 
 
 def engine_config(*, graphs: bool, max_out_tokens: int, batch_size: int, dtype: torch.dtype,
-                  lr: float = 1e-5) -> dict[str, Any]:
+                  lr: float = 1e-5, zero_stage: int = 0) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": batch_size,
+        "zero_optimization": {"stage": zero_stage, "stage3_param_persistence_threshold": 0},
         "optimizer": {"type": "AdamW", "params": {"lr": lr}},
         **precision_config(dtype),
         "hybrid_engine": {"enabled": True, "max_out_tokens": max_out_tokens, "enable_graph_capture": graphs},
@@ -31,10 +32,11 @@ def engine_config(*, graphs: bool, max_out_tokens: int, batch_size: int, dtype: 
 
 
 def make_engine(model: torch.nn.Module, *, graphs: bool, max_out_tokens: int, batch_size: int,
-                dtype: torch.dtype, lr: float = 1e-5):
+                dtype: torch.dtype, lr: float = 1e-5, zero_stage: int = 0):
     engine, *_ = initialize(
         model=model, optimizer=None,
-        config=engine_config(graphs=graphs, max_out_tokens=max_out_tokens, batch_size=batch_size, dtype=dtype, lr=lr),
+        config=engine_config(graphs=graphs, max_out_tokens=max_out_tokens, batch_size=batch_size, dtype=dtype, lr=lr,
+                             zero_stage=zero_stage),
     )
     return engine
 

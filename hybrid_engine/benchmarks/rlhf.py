@@ -1,4 +1,4 @@
-"""``hybrid-engine bench rlhf``: the reference's RLHF-style iteration, eager vs graph, in one process.
+"""``hybrid-engine bench rlhf``: the reference's RLHF-style iteration, eager vs graph, in one process per rank.
 
 One iteration is ``eval -> generate (pinned length, greedy) -> train -> forward /
 backward / step`` on the generated sequences (prompt tokens masked out of the
@@ -12,6 +12,14 @@ Reported: the phase table (generate, train step, iteration; eager, graph,
 speedup), peak memory per mode where the backend reports it, the one-time
 capture cost (the first graph generate minus the eager mean, and the engine's
 own ``capture_seconds``) and the token agreement ``N/N``.
+
+``--zero-stage N`` (1-3) trains on DeepSpeed ZeRO N across ``--world-size``
+ranks (default 2) that the bench starts on this machine over loopback, as
+torchrun would (:mod:`hybrid_engine.launch`); every rank runs the iteration on
+its own prompts (``--batch-size`` per rank) and rank 0 reports, with the token
+agreement summed over all ranks. Under ZeRO-3 graphs are refused (every
+parameter is partitioned here: ``stage3_param_persistence_threshold`` 0), so the
+"graph" column then measures the eager fallback.
 
 Captures per iteration: ``engine.graph_stats.captures`` and
 ``capture_seconds`` are read just before and just after every generate, and
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 from typing import Any
 
 import torch
@@ -45,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="warm-up iterations per mode (default 1)")
     p.add_argument("--iterations", type=int, default=4, help="measured iterations per mode (default 4)")
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default 1e-5)")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="0: plain PyTorch, one process (default); 1-3: DeepSpeed ZeRO on --world-size ranks")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks started on this machine for --zero-stage 1-3 (default 2)")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds before the ranks of --zero-stage 1-3 are killed (default 3600)")
 
 
 def _capture_counters(engine: Any) -> tuple[int, float]:
@@ -63,7 +78,7 @@ def _run_mode(args: argparse.Namespace, graphs: bool, dtype: torch.dtype, device
     acc.reset_peak_memory_stats()
     model = C.build_bench_model(args, dtype, device, seed=args.seed)
     engine = make_engine(model, graphs=graphs, max_out_tokens=args.prompt_len + args.new_tokens,
-                         batch_size=args.batch_size, dtype=dtype, lr=args.lr)
+                         batch_size=args.batch_size, dtype=dtype, lr=args.lr, zero_stage=args.zero_stage)
     # Same RNG stream in both modes: dropout masks match, so the weights stay equal and every
     # iteration's tokens can be compared, not only the first one's.
     torch.manual_seed(args.seed)
@@ -110,9 +125,38 @@ def _run_mode(args: argparse.Namespace, graphs: bool, dtype: torch.dtype, device
     }
 
 
+def _launch_ranks(args: argparse.Namespace) -> dict[str, Any]:
+    """Start ``--world-size`` ranks that each run this same command; they print (rank 0 reports)."""
+    from ..launch import run_ranks
+
+    world = args.world_size or 2
+    print(f"bench rlhf: ZeRO stage {args.zero_stage} on {world} ranks (loopback) ...", flush=True)
+    proc = run_ranks(["-m", "hybrid_engine", *args.argv], nproc=world, timeout_s=args.timeout, capture=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: a rank of bench rlhf --zero-stage {args.zero_stage} exited with {proc.returncode}")
+    return {"benchmark": "rlhf", "world_size": world, "zero_stage": args.zero_stage}
+
+
+def _summed_over_ranks(*values: int) -> list[int]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t)
+    return [int(v) for v in t]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.iterations < 1 or args.warmup < 1:
         raise SystemExit("error: --warmup and --iterations must be >= 1 (the first warm-up call captures)")
+    if args.world_size is not None and (args.world_size < 1 or args.zero_stage == 0):
+        raise SystemExit("error: --world-size needs --zero-stage 1-3 and must be >= 1")
+    if args.zero_stage > 0 and "RANK" not in os.environ:
+        return _launch_ranks(args)
+    from ..ranks import rank
+
+    reporting = rank() == 0
     acc, device, dtype, env = C.prepare(args)
     probe = C.build_bench_model(args, dtype, torch.device("cpu") if device.type != "cpu" else device, seed=args.seed)
     pad, _ = C.special_ids(probe)
@@ -121,14 +165,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n_iter = args.warmup + args.iterations
     prompts = [C.random_prompts(args.batch_size, args.prompt_len, vocab, seed=args.seed + 100 + i, device=device,
                                 avoid=(pad,)) for i in range(n_iter)]
-    print(f"bench rlhf: eager, {args.warmup} warm-up + {args.iterations} measured iterations ...", flush=True)
-    eager = _run_mode(args, False, dtype, device, prompts)
-    print(f"bench rlhf: graph, {args.warmup} warm-up + {args.iterations} measured iterations ...", flush=True)
-    graph = _run_mode(args, True, dtype, device, prompts)
+    if args.zero_stage > 0:  # each rank its own prompts
+        prompts = [C.random_prompts(args.batch_size, args.prompt_len, vocab, seed=args.seed + 100 + i + 7919 * rank(),
+                                    device=device, avoid=(pad,)) for i in range(n_iter)]
+    results = {}
+    for mode, graphs in (("eager", False), ("graph", True)):
+        if reporting:
+            print(f"bench rlhf: {mode}, {args.warmup} warm-up + {args.iterations} measured iterations ...", flush=True)
+        results[mode] = _run_mode(args, graphs, dtype, device, prompts)
+    eager, graph = results["eager"], results["graph"]
 
     same0, total0 = C.agreement(eager["tokens"][0], graph["tokens"][0])
     same_all = sum(C.agreement(a, b)[0] for a, b in zip(eager["tokens"], graph["tokens"]))
     total_all = sum(C.agreement(a, b)[1] for a, b in zip(eager["tokens"], graph["tokens"]))
+    same0, total0, same_all, total_all = _summed_over_ranks(same0, total0, same_all, total_all)
     capture_ms = graph["first_generate_ms"] - eager["generate_mean_ms"]
     for mode in (eager, graph):
         mode.pop("tokens")
@@ -137,11 +187,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ("train step", eager["train_mean_ms"], graph["train_mean_ms"]),
         ("iteration", eager["iteration_mean_ms"], graph["iteration_mean_ms"]),
     ]
+    world = _summed_over_ranks(1)[0]
     payload = {
         "benchmark": "rlhf", "environment": env,
         "settings": {"model": C.model_label(args), "dtype": C.dtype_name(dtype), "batch_size": args.batch_size,
                      "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "warmup": args.warmup,
-                     "iterations": args.iterations, "lr": args.lr},
+                     "iterations": args.iterations, "lr": args.lr, "zero_stage": args.zero_stage,
+                     "world_size": world},
         "phases": {name: {"eager_ms": e, "graph_ms": g, "speedup": C.speedup(e, g)} for name, e, g in phases},
         "eager": eager, "graph": graph,
         "peak_memory": {"eager_bytes": eager["peak_memory_bytes"], "graph_bytes": graph["peak_memory_bytes"]},
@@ -169,8 +221,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     mem = (f"{C.gib(pe)} -> {C.gib(pg)} ({(pg - pe) / 2**30:+.2f} GiB)" if pe and pg
            else "n/a (this backend reports no allocator statistics)")
     cap_s = graph["graph"].get("capture_seconds")
+    refusal = graph["graph"].get("refusal")
+    scale = (f"ZeRO stage {args.zero_stage} (DeepSpeed) on {world} ranks, batch {args.batch_size} per rank; "
+             if args.zero_stage else "")
     text = (
-        f"\nbench rlhf: {C.model_label(args)} {C.dtype_name(dtype)}, batch {args.batch_size}, "
+        f"\nbench rlhf: {scale}{C.model_label(args)} {C.dtype_name(dtype)}, batch {args.batch_size}, "
         f"{args.prompt_len}-token prompt, {args.new_tokens} new tokens, greedy; "
         f"mean of {args.iterations} iterations after {args.warmup} warm-up\n{C.environment_lines(env)}\n\n{table}\n\n"
         f"token agreement (first generate, same weights and input): {same0}/{total0} "
@@ -181,10 +236,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{cap_s if cap_s is None else f'{cap_s:.2f} s'}, captures {graph['graph'].get('captures')}\n\n"
         f"{per_iter}\n\n"
         f"captures per iteration: {caps}; capture time per iteration: {cap_times} ms"
+        + (f"\ngraphs refused, the graph column ran eagerly: {refusal}" if refusal and not graph["graph"].get("captures")
+           else "")
     )
 
     def draw(plt: Any) -> None:
         C.bar_pairs(plt, [p[0] for p in phases], [p[1] for p in phases], [p[2] for p in phases], "ms (mean)")
 
-    C.finish(args, payload, text, draw, f"RLHF iteration: {C.model_label(args)} batch {args.batch_size}")
+    if reporting:
+        C.finish(args, payload, text, draw, f"RLHF iteration: {C.model_label(args)} batch {args.batch_size}")
     return payload
