@@ -17,3 +17,17 @@ def test_readme_usage_example_runs():
     assert rollout.last_stats["graph_captures"] == len(rollout.graph_stats.buckets) == 5
     assert batch.response_logprobs.shape[0] == 16  # 4 prompts x 4 samples
     assert engine.global_steps == 1
+
+
+def test_readme_deepspeed_rollout_example_runs():
+    import pytest
+
+    pytest.importorskip("deepspeed")
+    text = README.read_text()
+    block = re.search(r"## Use with DeepSpeed's rollout interface\n.*?```python\n(.*?)```", text, re.S).group(1)
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    engine, rollout = scope["engine"], scope["rollout"]
+    assert engine.global_steps == 3
+    stats = rollout.rollout.graph_stats
+    assert stats.captures > 0 and stats.fallbacks == 0
