@@ -39,6 +39,7 @@ from .inputs import decode_model
 from .precision import MasterWeights
 from .training import LocalTraining, build_optimizer
 from .zero import DeepSpeedTraining, gathered_for_inference
+from .zero import build as build_deepspeed_training
 
 __all__ = ["HybridEngine", "initialize"]
 
@@ -46,8 +47,8 @@ __all__ = ["HybridEngine", "initialize"]
 class HybridEngine(nn.Module):
     """Wraps ``module`` (a causal LM) for training and fast rollout generation.
 
-    Built by :func:`initialize` or :meth:`from_deepspeed`; ``training`` is the
-    backend that owns the optimizer and the step counters.
+    Built by :func:`initialize` or :meth:`from_deepspeed`; ``training_backend``
+    owns the optimizer, the LR scheduler and the step counters.
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig, training: LocalTraining | DeepSpeedTraining):
@@ -238,10 +239,8 @@ def initialize(
             stacklevel=2,
         )
     if cfg.zero_optimization.stage > 0:
-        from . import zero
-
-        training: LocalTraining | DeepSpeedTraining = zero.build(model, optimizer, cfg, lr_scheduler,
-                                                                 model_parameters)
+        training: LocalTraining | DeepSpeedTraining = build_deepspeed_training(model, optimizer, cfg, lr_scheduler,
+                                                                               model_parameters)
     else:
         training = _local_training(model, optimizer, cfg, lr_scheduler, model_parameters)
     engine = HybridEngine(model, cfg, training)

@@ -67,6 +67,7 @@ def test_zero_1_2_train_on_deepspeed_and_replay_graphs_across_steps(tmp_path, st
         # HybridEngine.from_deepspeed around an engine built with deepspeed.initialize directly.
         assert d["wrapped_stage"] == stage and d["wrapped_captures"] > 0
         assert torch.equal(d["wrapped_generate"], d["before_engine_generate"])  # same seeded weights
+        assert d["adapter_matches"]  # DeepSpeedRolloutEngine on the same engine
     assert_ranks_independent(ranks)
 
 
@@ -84,4 +85,5 @@ def test_zero_3_refuses_graphs_and_generates_from_gathered_parameters(tmp_path):
         # shards, which could not run at all), and training stays with it.
         assert torch.equal(d["reference_greedy"], d["after_greedy_eager"])
         assert d["weights_max_diff"] < 1e-4
+        assert d["adapter_matches"]  # DeepSpeedRolloutEngine decodes on the gathered parameters too
     assert_ranks_independent(ranks)

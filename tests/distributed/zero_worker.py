@@ -142,6 +142,19 @@ def main() -> None:
     result["same_request_tokens"] = graph_rollout.generate(same, sampled).input_ids
     result["same_request_again"] = graph_rollout.generate(same, sampled).input_ids
 
+    # DeepSpeed's rollout interface on the same engine: the same tokens as our rollout (ZeRO-3: gathered).
+    from deepspeed.runtime.rollout.base import RolloutRequest as DSRequest
+    from deepspeed.runtime.rollout.base import SamplingConfig as DSSampling
+
+    from hybrid_engine.integrations.deepspeed import DeepSpeedRolloutEngine
+
+    adapter = DeepSpeedRolloutEngine(engine, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,
+                                                                  eos_token_id=2))
+    adapter.sync_weights(engine.global_steps)
+    ds_batch = adapter.generate(DSRequest(request.prompt_ids, request.prompt_attention_mask), DSSampling(6, 0.0))
+    ours = eager_rollout.generate(request, greedy)
+    result["adapter_matches"] = torch.equal(ds_batch.input_ids[:, :ours.input_ids.shape[1]], ours.input_ids)
+
     if stage in (1, 2):
         # Checkpoints go through DeepSpeed's save/load; weights and steps come back.
         ckpt = out_dir / "ckpt"
