@@ -48,7 +48,8 @@ __all__ = [
 #: Why graphs are refused under ZeRO-3 (from the config, or found on the parameters).
 ZERO3_REFUSAL = (
     "ZeRO stage 3 partitions parameters and re-gathers them every step, so a captured graph "
-    "would replay stale parameter addresses; use zero_optimization.stage 0, 1 or 2."
+    "would replay stale parameter addresses; use zero_optimization.stage 0, 1 or 2 (or, under ZeRO-3, "
+    "hybrid_engine.zero3_gathered_inference_copy, which keeps a full copy of the weights for generation)."
 )
 
 
@@ -201,6 +202,8 @@ class HybridEngineConfig(BaseModel):
     pin_parameters: StrictBool = True
     tp_gather_partition_size: StrictInt = Field(default=8, gt=0)
     enable_graph_capture: StrictBool = False
+    #: Under ZeRO-3, keep an unpartitioned copy for generation, refreshed in place after each step (graphs allowed).
+    zero3_gathered_inference_copy: StrictBool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -410,7 +413,7 @@ def validate_graph_capture_support(config: ConfigSource, accelerator: Any = None
         reason = getattr(accelerator, "graph_unavailable_reason", None)
         detail = f" ({reason})" if reason else ""
         return f"The accelerator cannot capture graphs{detail}, so decode must run eagerly."
-    if cfg.zero_optimization.stage == 3:
+    if cfg.zero_optimization.stage == 3 and not cfg.hybrid_engine.zero3_gathered_inference_copy:
         return ZERO3_REFUSAL
     if cfg.hybrid_engine.release_inference_cache:
         return (

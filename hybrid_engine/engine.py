@@ -35,6 +35,7 @@ from .config import ConfigSource, EngineConfig, load_config
 from .exclusive import exclusive_generation
 from .generation import Generator
 from .graph_runner import GraphStats
+from .inference_copy import InferenceCopy
 from .inputs import decode_model
 from .precision import MasterWeights
 from .training import LocalTraining, build_optimizer
@@ -56,7 +57,18 @@ class HybridEngine(nn.Module):
         self.module = model
         self.config = config
         self.training_backend = training
-        self._generator = Generator(decode_model(model), config)
+        self._inference_copy = (InferenceCopy(model) if config.zero_optimization.stage == 3
+                                and config.hybrid_engine.zero3_gathered_inference_copy else None)
+        self._generator = Generator(self.inference_module, config)
+
+    @property
+    def inference_module(self) -> nn.Module:
+        """The transformers model that generation runs on (and rollouts built on this engine).
+
+        ``module`` itself, a PEFT wrapper's base model, or under ZeRO-3 with
+        ``zero3_gathered_inference_copy`` the unpartitioned copy (:mod:`hybrid_engine.inference_copy`).
+        """
+        return self._inference_copy.module if self._inference_copy is not None else decode_model(self.module)
 
     @classmethod
     def from_deepspeed(cls, ds_engine: Any, config: ConfigSource | None = None) -> HybridEngine:
@@ -122,7 +134,10 @@ class HybridEngine(nn.Module):
 
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary clip, step the optimizer and zero grads."""
+        steps = self.training_backend.global_steps
         self.training_backend.step()
+        if self._inference_copy is not None and self.training_backend.global_steps != steps:
+            self._inference_copy.refresh()  # in place: graphs on the copy replay the new weights
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         self.training_backend.zero_grad(set_to_none=set_to_none)
@@ -154,13 +169,15 @@ class HybridEngine(nn.Module):
         engine's graphs are dropped and recaptured by the next ``generate``
         (loading may re-allocate; rollouts compare weight addresses before replaying).
         """
-        with exclusive_generation(decode_model(self.module), "HybridEngine.load_checkpoint"):
+        with exclusive_generation(self.inference_module, "HybridEngine.load_checkpoint"):
             result = checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
                                      load_optimizer_states=load_optimizer_states,
                                      load_lr_scheduler_states=load_lr_scheduler_states,
                                      load_module_only=load_module_only)
             if result[0] is not None:
                 self._generator.runner.invalidate()
+                if self._inference_copy is not None:
+                    self._inference_copy.refresh()
         return result
 
     # ------------------------------------------------------------- generation
@@ -172,12 +189,12 @@ class HybridEngine(nn.Module):
         (:mod:`hybrid_engine.exclusive`). See :mod:`hybrid_engine.generation` for the paths
         and :mod:`hybrid_engine.graph_policy` for when graphs are refused.
         """
-        with exclusive_generation(decode_model(self.module), "HybridEngine.generate"):
+        with exclusive_generation(self.inference_module, "HybridEngine.generate"):
             was_training = self.module.training
             if was_training:
                 self.module.eval()
             try:
-                with torch.no_grad(), gathered_for_inference(self.module):
+                with torch.no_grad(), gathered_for_inference(self.inference_module):
                     return self._generator.generate(*args, **kwargs)
             finally:
                 if was_training:

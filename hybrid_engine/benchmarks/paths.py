@@ -21,22 +21,23 @@ from .common import precision_config
 
 
 def engine_config(*, graphs: bool, max_out_tokens: int, batch_size: int, dtype: torch.dtype,
-                  lr: float = 1e-5, zero_stage: int = 0) -> dict[str, Any]:
+                  lr: float = 1e-5, zero_stage: int = 0, inference_copy: bool = False) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": batch_size,
         "zero_optimization": {"stage": zero_stage, "stage3_param_persistence_threshold": 0},
         "optimizer": {"type": "AdamW", "params": {"lr": lr}},
         **precision_config(dtype),
-        "hybrid_engine": {"enabled": True, "max_out_tokens": max_out_tokens, "enable_graph_capture": graphs},
+        "hybrid_engine": {"enabled": True, "max_out_tokens": max_out_tokens, "enable_graph_capture": graphs,
+                          "zero3_gathered_inference_copy": inference_copy},
     }
 
 
 def make_engine(model: torch.nn.Module, *, graphs: bool, max_out_tokens: int, batch_size: int,
-                dtype: torch.dtype, lr: float = 1e-5, zero_stage: int = 0):
+                dtype: torch.dtype, lr: float = 1e-5, zero_stage: int = 0, inference_copy: bool = False):
     engine, *_ = initialize(
         model=model, optimizer=None,
         config=engine_config(graphs=graphs, max_out_tokens=max_out_tokens, batch_size=batch_size, dtype=dtype, lr=lr,
-                             zero_stage=zero_stage),
+                             zero_stage=zero_stage, inference_copy=inference_copy),
     )
     return engine
 

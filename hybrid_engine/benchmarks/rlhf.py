@@ -19,7 +19,8 @@ torchrun would (:mod:`hybrid_engine.launch`); every rank runs the iteration on
 its own prompts (``--batch-size`` per rank) and rank 0 reports, with the token
 agreement summed over all ranks. Under ZeRO-3 graphs are refused (every
 parameter is partitioned here: ``stage3_param_persistence_threshold`` 0), so the
-"graph" column then measures the eager fallback.
+"graph" column then measures the eager fallback, unless ``--zero3-inference-copy``
+generates on a gathered copy refreshed after each step (graphs allowed).
 
 Captures per iteration: ``engine.graph_stats.captures`` and
 ``capture_seconds`` are read just before and just after every generate, and
@@ -58,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="0: plain PyTorch, one process (default); 1-3: DeepSpeed ZeRO on --world-size ranks")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks started on this machine for --zero-stage 1-3 (default 2)")
+    p.add_argument("--zero3-inference-copy", action="store_true",
+                   help="with --zero-stage 3: generate on a gathered inference copy (graphs allowed; one full "
+                        "copy of the weights per rank)")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds before the ranks of --zero-stage 1-3 are killed (default 3600)")
 
@@ -78,7 +82,8 @@ def _run_mode(args: argparse.Namespace, graphs: bool, dtype: torch.dtype, device
     acc.reset_peak_memory_stats()
     model = C.build_bench_model(args, dtype, device, seed=args.seed)
     engine = make_engine(model, graphs=graphs, max_out_tokens=args.prompt_len + args.new_tokens,
-                         batch_size=args.batch_size, dtype=dtype, lr=args.lr, zero_stage=args.zero_stage)
+                         batch_size=args.batch_size, dtype=dtype, lr=args.lr, zero_stage=args.zero_stage,
+                         inference_copy=args.zero3_inference_copy)
     # Same RNG stream in both modes: dropout masks match, so the weights stay equal and every
     # iteration's tokens can be compared, not only the first one's.
     torch.manual_seed(args.seed)
@@ -152,6 +157,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("error: --warmup and --iterations must be >= 1 (the first warm-up call captures)")
     if args.world_size is not None and (args.world_size < 1 or args.zero_stage == 0):
         raise SystemExit("error: --world-size needs --zero-stage 1-3 and must be >= 1")
+    if args.zero3_inference_copy and args.zero_stage != 3:
+        raise SystemExit("error: --zero3-inference-copy needs --zero-stage 3")
     if args.zero_stage > 0 and "RANK" not in os.environ:
         return _launch_ranks(args)
     from ..ranks import rank
@@ -193,6 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {"model": C.model_label(args), "dtype": C.dtype_name(dtype), "batch_size": args.batch_size,
                      "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "warmup": args.warmup,
                      "iterations": args.iterations, "lr": args.lr, "zero_stage": args.zero_stage,
+                     "zero3_inference_copy": args.zero3_inference_copy,
                      "world_size": world},
         "phases": {name: {"eager_ms": e, "graph_ms": g, "speedup": C.speedup(e, g)} for name, e, g in phases},
         "eager": eager, "graph": graph,
@@ -222,7 +230,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            else "n/a (this backend reports no allocator statistics)")
     cap_s = graph["graph"].get("capture_seconds")
     refusal = graph["graph"].get("refusal")
-    scale = (f"ZeRO stage {args.zero_stage} (DeepSpeed) on {world} ranks, batch {args.batch_size} per rank; "
+    copy = " with a gathered inference copy" if args.zero3_inference_copy else ""
+    scale = (f"ZeRO stage {args.zero_stage}{copy} (DeepSpeed) on {world} ranks, batch {args.batch_size} per rank; "
              if args.zero_stage else "")
     text = (
         f"\nbench rlhf: {scale}{C.model_label(args)} {C.dtype_name(dtype)}, batch {args.batch_size}, "

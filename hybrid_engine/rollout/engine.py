@@ -48,6 +48,9 @@ class UnsupportedModelError(ValueError, TypeError):
 
 
 def _unwrap_model(engine: Any) -> PreTrainedModel:
+    inference = getattr(engine, "inference_module", None)  # a HybridEngine: the model it generates with
+    if isinstance(inference, PreTrainedModel):
+        return inference
     model = decode_model(engine) if isinstance(engine, torch.nn.Module) else engine
     if isinstance(model, PreTrainedModel):
         return model

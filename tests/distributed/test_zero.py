@@ -24,8 +24,8 @@ TIMEOUT_S = 240
 STEPS = 3
 
 
-def run_worker(tmp_path: Path, stage: int, precision: str) -> list[dict]:
-    proc = run_ranks([str(WORKER), str(stage), precision, str(tmp_path)], nproc=2, timeout_s=TIMEOUT_S)
+def run_worker(tmp_path: Path, stage: int, precision: str, *extra: str) -> list[dict]:
+    proc = run_ranks([str(WORKER), str(stage), precision, str(tmp_path), *extra], nproc=2, timeout_s=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
@@ -86,4 +86,18 @@ def test_zero_3_refuses_graphs_and_generates_from_gathered_parameters(tmp_path):
         assert torch.equal(d["reference_greedy"], d["after_greedy_eager"])
         assert d["weights_max_diff"] < 1e-4
         assert d["adapter_matches"]  # DeepSpeedRolloutEngine decodes on the gathered parameters too
+    assert_ranks_independent(ranks)
+
+
+def test_zero_3_with_a_gathered_inference_copy_replays_graphs_across_steps(tmp_path):
+    ranks = run_worker(tmp_path, 3, "fp32", "copy")
+    for d in ranks:
+        assert d["zero_stage"] == 3 and d["generates_on_copy"] and d["global_steps"] == STEPS
+        assert_graph_equals_eager(d)
+        # The copy is refreshed in place after each step: captured once, replayed with the new weights.
+        assert d["before_captures"] > 0 and d["after_captures"] == d["before_captures"]
+        assert d["after_refusal"] is None and not d["before_warnings"]
+        assert not torch.equal(d["before_greedy_graph"], d["after_greedy_graph"])
+        assert torch.equal(d["reference_greedy"], d["after_greedy_eager"])
+        assert d["adapter_matches"]
     assert_ranks_independent(ranks)

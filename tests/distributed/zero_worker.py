@@ -1,6 +1,6 @@
 """One rank of the ZeRO tests (run under torchrun by tests/distributed/test_zero.py).
 
-``python zero_worker.py STAGE PRECISION OUT_DIR``: trains a tiny Llama on
+``python zero_worker.py STAGE PRECISION OUT_DIR [copy]``: trains a tiny Llama on
 DeepSpeed ZeRO ``STAGE`` through ``hybrid_engine.initialize``, beside a
 single-process stage-0 reference trained on the same global batch, generates
 rollouts with graphs and eagerly, and saves what the test asserts to
@@ -49,7 +49,7 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def config(stage: int, precision: str) -> dict:
+def config(stage: int, precision: str, inference_copy: bool = False) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_clipping": 0.0,
@@ -57,7 +57,7 @@ def config(stage: int, precision: str) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16"},
-        "hybrid_engine": {"enable_graph_capture": True},
+        "hybrid_engine": {"enable_graph_capture": True, "zero3_gathered_inference_copy": inference_copy},
     }
 
 
@@ -72,16 +72,18 @@ def rollout(obj, graphs: bool) -> HybridEngineRollout:
 
 def main() -> None:
     stage, precision, out_dir = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    inference_copy = sys.argv[4:] == ["copy"]
     torch.set_num_threads(1)
     model = build_model("tiny-llama", seed=1)
     reference = copy.deepcopy(model)
-    engine, optimizer, _, _ = initialize(model=model, config=config(stage, precision))
+    engine, optimizer, _, _ = initialize(model=model, config=config(stage, precision, inference_copy))
     # The single-process reference: stage 0, same precision, trained on the whole global batch.
     ref_engine, *_ = initialize(model=reference, config=config(0, precision))
     r, world = rank(), dist.get_world_size()
     result: dict = {"rank": r, "world": world, "zero_stage": engine.zero_stage,
                     "param_dtype": str(next(model.parameters()).dtype),
-                    "optimizer": type(optimizer).__name__}
+                    "optimizer": type(optimizer).__name__,
+                    "generates_on_copy": engine.inference_module is not model}
     addresses = [p.data_ptr() for p in model.parameters()]
 
     ids, mask = prompts()
