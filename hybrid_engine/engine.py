@@ -255,6 +255,13 @@ def initialize(
             UserWarning,
             stacklevel=2,
         )
+    if cfg.hybrid_engine.zero3_gathered_inference_copy and cfg.zero_optimization.stage != 3:
+        warnings.warn(
+            "hybrid_engine.zero3_gathered_inference_copy has no effect below ZeRO stage 3 (the parameters are "
+            "whole already, and graphs read them directly); remove it or set zero_optimization.stage to 3",
+            UserWarning,
+            stacklevel=2,
+        )
     if cfg.zero_optimization.stage > 0:
         training: LocalTraining | DeepSpeedTraining = build_deepspeed_training(model, optimizer, cfg, lr_scheduler,
                                                                                model_parameters)

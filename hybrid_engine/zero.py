@@ -19,6 +19,9 @@ What this means for graphs:
   collective (the all-gather) happens when a generate call starts, on every
   rank; the forwards that follow are local, so ranks whose rollouts finish at
   different lengths never wait for each other and cannot desynchronise.
+  With ``hybrid_engine.zero3_gathered_inference_copy`` generation runs instead
+  on an unpartitioned copy refreshed after each step
+  (:mod:`hybrid_engine.inference_copy`), and graphs are allowed.
 """
 
 from __future__ import annotations

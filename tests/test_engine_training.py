@@ -196,3 +196,17 @@ def test_an_optimizer_with_state_or_foreign_parameters_is_refused_under_bf16():
     with pytest.raises(ValueError, match="parameter outside the model"):
         initialize(model=build_model("tiny-gpt2"), model_parameters=[foreign],
                    config={"bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+
+
+def test_from_deepspeed_refuses_anything_but_a_deepspeed_engine():
+    with pytest.raises(TypeError, match="DeepSpeedEngine returned by deepspeed.initialize"):
+        HybridEngine.from_deepspeed(build_model("tiny-gpt2"))
+    with pytest.raises(TypeError, match="got object"):
+        HybridEngine.from_deepspeed(object())
+
+
+def test_the_zero3_inference_copy_key_below_stage_3_warns_and_changes_nothing():
+    model = build_model("tiny-gpt2")
+    with pytest.warns(UserWarning, match="no effect below ZeRO stage 3"):
+        engine, *_ = initialize(model=model, config={"hybrid_engine": {"zero3_gathered_inference_copy": True}})
+    assert engine.inference_module is model
