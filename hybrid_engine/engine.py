@@ -200,6 +200,17 @@ class HybridEngine(nn.Module):
                 if was_training:
                     self.module.train()
 
+    def destroy(self) -> None:
+        """Release the engine's decode buffers and graphs and, under ZeRO, DeepSpeed's engine state.
+
+        Call it on every rank when training is over, before
+        ``torch.distributed.destroy_process_group()``. The engine cannot train or
+        generate with DeepSpeed afterwards.
+        """
+        self._generator.runner.release()
+        if isinstance(self.training_backend, DeepSpeedTraining):
+            self.training_backend.destroy()
+
     @property
     def graph_stats(self) -> GraphStats:
         return self._generator.stats()

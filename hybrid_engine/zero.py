@@ -27,6 +27,7 @@ What this means for graphs:
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,8 +119,14 @@ class DeepSpeedTraining:
     """The training calls of a ``HybridEngine``, delegated to a ``deepspeed.DeepSpeedEngine``."""
 
     def __init__(self, ds_engine: Any) -> None:
-        self.ds_engine = ds_engine
+        self._ds_engine = ds_engine
         self.module = ds_engine.module
+
+    @property
+    def ds_engine(self) -> Any:
+        if self._ds_engine is None:
+            raise RuntimeError("the engine was destroyed (engine.destroy()); build a new one to train again")
+        return self._ds_engine
 
     @property
     def optimizer(self) -> Any:
@@ -160,6 +167,20 @@ class DeepSpeedTraining:
     def loss_scale(self) -> float:
         scale = getattr(self.ds_engine.optimizer, "cur_scale", None)
         return float(scale) if scale is not None else 1.0
+
+    def destroy(self) -> None:
+        """DeepSpeed's own teardown of its engine, then drop it and collect it now.
+
+        DeepSpeed's engine sits in reference cycles that hold its process
+        groups. Left to the garbage collection at interpreter shutdown, after the
+        other ranks have exited, a ZeRO-3 engine's gloo groups abort the process
+        in a C++ destructor (``terminate called without an active exception``).
+        """
+        if self._ds_engine is None:
+            return
+        self._ds_engine.destroy()
+        self._ds_engine = None
+        gc.collect()
 
     def save_checkpoint(self, save_dir: Any, tag: str | None, client_state: dict[str, Any],
                         save_latest: bool, rng: dict[str, Any]) -> bool:

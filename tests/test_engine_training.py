@@ -210,3 +210,13 @@ def test_the_zero3_inference_copy_key_below_stage_3_warns_and_changes_nothing():
     with pytest.warns(UserWarning, match="no effect below ZeRO stage 3"):
         engine, *_ = initialize(model=model, config={"hybrid_engine": {"zero3_gathered_inference_copy": True}})
     assert engine.inference_module is model
+
+
+def test_destroy_releases_the_graphs_and_a_stage_0_engine_still_works():
+    engine, *_ = initialize(model=build_model("tiny-gpt2"), config={"hybrid_engine": {"enable_graph_capture": True}})
+    ids = batch()["input_ids"]
+    first = engine.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert engine.graph_stats.graph_keys > 0
+    engine.destroy()
+    assert engine.graph_stats.graph_keys == 0
+    assert torch.equal(engine.generate(input_ids=ids, max_new_tokens=4, do_sample=False), first)

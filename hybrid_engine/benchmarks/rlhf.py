@@ -117,6 +117,7 @@ def _run_mode(args: argparse.Namespace, graphs: bool, dtype: torch.dtype, device
             losses.append(float(loss.detach()))
     counts = graph_counts(engine)
     peak = acc.max_memory_allocated()
+    engine.destroy()
     del engine, model
     gc.collect()
     acc.empty_cache()
@@ -254,4 +255,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if reporting:
         C.finish(args, payload, text, draw, f"RLHF iteration: {C.model_label(args)} batch {args.batch_size}")
+    if args.zero_stage > 0:
+        import torch.distributed as dist
+
+        dist.barrier()  # rank 0 has written its report; then every rank leaves the group
+        dist.destroy_process_group()
     return payload

@@ -37,9 +37,11 @@ def train(stage: int, model: torch.nn.Module) -> dict:
         lrs.append(scheduler.get_last_lr()[0])
     with gathered_for_inference(model):
         weights = [p.detach().clone() for p in model.parameters()]
-    return {"boundaries": boundaries, "lrs": lrs, "global_steps": engine.global_steps,
-            "micro_steps": engine.micro_steps, "scheduler_is_engines": scheduler is engine.lr_scheduler,
-            "optimizer": type(optimizer).__name__, "loader": loader, "weights": weights}
+    result = {"boundaries": boundaries, "lrs": lrs, "global_steps": engine.global_steps,
+              "micro_steps": engine.micro_steps, "scheduler_is_engines": scheduler is engine.lr_scheduler,
+              "optimizer": type(optimizer).__name__, "loader": loader, "weights": weights}
+    engine.destroy()
+    return result
 
 
 def main() -> None:
@@ -47,6 +49,7 @@ def main() -> None:
     base = build_model("tiny-gpt2", seed=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     results = {stage: train(stage, copy.deepcopy(base)) for stage in (0, 1, 2, 3)}
     torch.save(results, sys.argv[1])
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -176,8 +176,15 @@ def main() -> None:
         out = wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
         result["wrapped_generate"] = out
         result["wrapped_captures"] = wrapped.graph_stats.captures
-    dist.barrier()
+    if stage in (1, 2):
+        wrapped.destroy()
+    engine.destroy()  # DeepSpeed's teardown while every rank is still here
+    try:
+        engine.step()
+    except RuntimeError as exc:
+        result["after_destroy"] = str(exc)
     torch.save(result, out_dir / f"rank{r}.pt")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
