@@ -7,8 +7,9 @@ Both front ends (``engine.generate`` and ``HybridEngineRollout``) ask the
 * the accelerator of the model's device cannot capture (found by probing, never
   by device name);
 * the engine config makes captured graphs unsafe: ZeRO stage 3 (parameters are
-  re-gathered at new addresses; also found by probing the parameters), ``release_inference_cache`` (the buffers a
-  graph replays into are freed), ``inference_tp_size > 1`` (see
+  re-gathered at new addresses; also found by probing the parameters, unless
+  generation runs on the gathered inference copy), ``release_inference_cache``
+  (the buffers a graph replays into are freed), ``inference_tp_size > 1`` (see
   :func:`~hybrid_engine.config.validate_graph_capture_support`); a rollout
   built on a ``HybridEngine`` honours its engine's config;
 * the attention implementation is not one whose kernels capture.
