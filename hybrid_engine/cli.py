@@ -24,7 +24,22 @@ def _info(args: argparse.Namespace) -> int:
         print(f"graph capture  available via {acc.graph_api}")
     else:
         print(f"graph capture  unavailable: {acc.graph_unavailable_reason}")
+    for name, extra, use in (("deepspeed", "deepspeed", "ZeRO 1-3"), ("trl", "trl", "TRL rollout_func"),
+                             ("peft", "peft", "PEFT LoRA")):
+        version = _version_of(name)
+        status = f"{version} ({use})" if version else f"not installed (pip install 'hybrid-engine[{extra}]' for {use})"
+        print(f"{name:<14} {status}")
     return 0
+
+
+def _version_of(distribution: str) -> str | None:
+    """The installed version of ``distribution``, without importing it (DeepSpeed's import is slow)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _demo(args: argparse.Namespace) -> int:

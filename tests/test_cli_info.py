@@ -35,3 +35,20 @@ def test_python_dash_m_entry_point():
                           timeout=120, env={"HYBRID_ENGINE_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
     assert "available via hybrid_engine CPU graph emulation" in proc.stdout
+
+
+def test_info_names_the_optional_extras_and_how_to_install_a_missing_one(capsys, monkeypatch):
+    from importlib import metadata
+
+    import hybrid_engine.cli as cli
+
+    set_accelerator(CPUAccelerator())
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: (_ for _ in ()).throw(metadata.PackageNotFoundError(name))
+                        if name == "peft" else real(name))
+    main(["info"])
+    out = capsys.readouterr().out
+    ds = cli._version_of("deepspeed")
+    assert (f"deepspeed      {ds} (ZeRO 1-3)" if ds else "deepspeed      not installed (pip install") in out
+    assert "peft           not installed (pip install 'hybrid-engine[peft]' for PEFT LoRA)" in out
+    assert cli._version_of("no-such-distribution-here") is None
