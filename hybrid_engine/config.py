@@ -59,13 +59,10 @@ def world_size() -> int:
     Batch sizes are derived and checked as DeepSpeed does, against this; a config
     loaded in a ``torchrun``/``deepspeed`` rank is checked before any work.
     """
-    try:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size()
-    except ImportError:  # pragma: no cover - torch without distributed
-        pass
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
     raw = os.environ.get("WORLD_SIZE", "1")
     try:
         value = int(raw)

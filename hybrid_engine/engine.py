@@ -14,7 +14,8 @@ the module's parameters in place, so captured graphs, which read weights by
 address, see them on the next replay; anything that re-allocates a parameter or
 buffer changes the weight fingerprint, and the runner drops its graphs before
 the next replay. Under ZeRO-3 graphs are refused and each generate call runs
-eagerly on parameters gathered for that call.
+eagerly on parameters gathered for that call, unless generation runs on the
+gathered inference copy (:mod:`hybrid_engine.inference_copy`).
 
 Train/eval: ``eval()`` selects the inference path, ``train()`` the training
 forward. ``generate`` called in train mode runs that one call in eval mode (no
@@ -151,11 +152,12 @@ class HybridEngine(nn.Module):
                         client_state: dict[str, Any] | None = None, save_latest: bool = True) -> bool:
         """Save the training state under ``save_dir/tag`` (DeepSpeed's names; returns ``True``).
 
-        Saved: the model, the optimizer, the fp16 loss scaler, the LR scheduler, the
-        step counters, torch's RNG state (CPU and the accelerator's, which seeds
-        sampled ``generate`` calls and dropout) and ``client_state``. ``tag``
-        defaults to ``global_step<N>``; ``save_latest`` records it in
-        ``save_dir/latest`` for :meth:`load_checkpoint`.
+        Saved: the model, the optimizer, the fp32 master weights (bf16/fp16), the fp16
+        loss scaler, the LR scheduler, the step counters, torch's RNG state (CPU and
+        the accelerator's, which seeds sampled ``generate`` calls and dropout) and
+        ``client_state``. ``tag`` defaults to ``global_step<N>``; ``save_latest``
+        records it in ``save_dir/latest`` for :meth:`load_checkpoint`. Under ZeRO 1-3
+        this is DeepSpeed's ``save_checkpoint`` (every rank must call it).
         """
         return checkpoint.save(self, save_dir, tag, client_state, save_latest)
 

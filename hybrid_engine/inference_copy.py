@@ -34,10 +34,8 @@ class InferenceCopy:
     """An unpartitioned twin of a ZeRO-3 partitioned transformers model, refreshed in place."""
 
     def __init__(self, source: nn.Module) -> None:
-        params = dict(source.named_parameters())
-        first = next(iter(params.values()))
-        device = first.device
-        dtype = first.dtype
+        first = next(source.parameters())
+        device, dtype = first.device, first.dtype
         with torch.device("meta"):
             module = type(source)(source.config)  # the same class and config, no memory yet
         module = module.to_empty(device=device).to(dtype)

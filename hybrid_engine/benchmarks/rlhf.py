@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("error: --zero3-inference-copy needs --zero-stage 3")
     if args.zero_stage > 0 and "RANK" not in os.environ:
         return _launch_ranks(args)
-    from ..ranks import rank
+    from ..ranks import rank, world_size
 
     reporting = rank() == 0
     acc, device, dtype, env = C.prepare(args)
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ("train step", eager["train_mean_ms"], graph["train_mean_ms"]),
         ("iteration", eager["iteration_mean_ms"], graph["iteration_mean_ms"]),
     ]
-    world = _summed_over_ranks(1)[0]
+    world = world_size()
     payload = {
         "benchmark": "rlhf", "environment": env,
         "settings": {"model": C.model_label(args), "dtype": C.dtype_name(dtype), "batch_size": args.batch_size,

@@ -82,6 +82,7 @@ from hybrid_engine.rollout import (
     RolloutRequest,
     SamplingConfig,
 )
+from hybrid_engine.rollout.types import is_int
 
 __all__ = [
     "DeepSpeedRolloutEngine",
@@ -93,10 +94,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _SEED_RANGE = 1 << 62  # seeds drawn from torch's generator lie in [0, 2**62)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _type_name(obj: object) -> str:
@@ -141,7 +138,7 @@ def to_hybrid_sampling(sampling: DSSamplingConfig, seed: int = 0) -> tuple[Sampl
             raise TypeError(f"SamplingConfig.{name} must be a number, got {type(value).__name__} ({value!r})")
     if temperature <= 0:
         temperature, top_p, top_k = 0.0, 1.0, -1
-    elif _is_int(top_k) and top_k <= 0:
+    elif is_int(top_k) and top_k <= 0:
         top_k = -1
     ours = SamplingConfig(
         max_new_tokens=sampling.max_new_tokens,
@@ -152,7 +149,7 @@ def to_hybrid_sampling(sampling: DSSamplingConfig, seed: int = 0) -> tuple[Sampl
         seed=seed,
     )
     slots = sampling.continuous_batch_size
-    if slots is not None and (not _is_int(slots) or slots < 1):
+    if slots is not None and (not is_int(slots) or slots < 1):
         raise ValueError(
             f"SamplingConfig.continuous_batch_size must be None or a positive int (the rows decoding at once), "
             f"got {slots!r}"
@@ -215,7 +212,7 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
     name = "hybrid_engine.graphed"
 
     def __init__(self, source: Any, tokenizer: Any = None, config: Any = None, *, seed: int | None = None) -> None:
-        if seed is not None and not _is_int(seed):
+        if seed is not None and not is_int(seed):
             raise TypeError(f"DeepSpeedRolloutEngine: seed must be an int or None, got {seed!r}")
         if isinstance(source, HybridEngineRollout):
             if tokenizer is not None or config is not None:
@@ -254,7 +251,7 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
     # ---------------------------------------------------------------- generate
     def _call_seed(self, seed: int | None, sampling: DSSamplingConfig) -> int:
         if seed is not None:
-            if not _is_int(seed):
+            if not is_int(seed):
                 raise TypeError(f"seed must be an int or None, got {seed!r}")
             return int(seed)
         if self.seed is not None:
@@ -307,7 +304,7 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
         a re-allocation invalidates every captured graph now, and the next
         ``generate`` captures again.
         """
-        if not _is_int(step):
+        if not is_int(step):
             raise TypeError(f"DeepSpeedRolloutEngine.sync_weights: step must be an int, got {step!r}")
         with self._lock:
             fingerprint = weight_fingerprint(self.rollout.model)

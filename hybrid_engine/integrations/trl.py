@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,6 +47,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
+from hybrid_engine.rollout.types import is_int
 
 __all__ = ["HybridEngineRolloutFunc", "make_rollout_func", "rollout_seed"]
 
@@ -73,7 +73,7 @@ def _check_overrides(sampling: dict[str, Any]) -> dict[str, Any]:
             raise TypeError("make_rollout_func: pass max_completion_length or its alias max_new_tokens, not both")
         out["max_completion_length"] = out.pop("max_new_tokens")
     seed = out.get("seed")
-    if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
+    if seed is not None and not is_int(seed):
         raise TypeError(f"make_rollout_func: seed must be an int, got {type(seed).__name__} ({seed!r})")
     probe = {k: out[k] for k in ("temperature", "top_p", "top_k") if k in out}
     if "max_completion_length" in out:

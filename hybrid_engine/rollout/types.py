@@ -18,14 +18,15 @@ from hybrid_engine.sampling import validate_sampling
 __all__ = ["RolloutBatch", "RolloutConfig", "RolloutRequest", "SamplingConfig"]
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An int (or other integral number), but not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_int(owner: str, name: str, value: object, *, minimum: int, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if not _is_int(value):
+    if not is_int(value):
         none = " or None" if allow_none else ""
         raise TypeError(f"{owner}: {name} must be an int{none}, got {type(value).__name__} ({value!r})")
     if value < minimum:  # type: ignore[operator]
@@ -69,7 +70,7 @@ class RolloutConfig:
         _check_int(owner, "pad_token_id", self.pad_token_id, minimum=0, allow_none=True)
         _check_int(owner, "sync_interval", self.sync_interval, minimum=1)
         eos = self.eos_token_id
-        if eos is not None and not _is_int(eos):
+        if eos is not None and not is_int(eos):
             if not isinstance(eos, (list, tuple)) or not eos:
                 raise TypeError(f"{owner}: eos_token_id must be an int, a non-empty list of ints or None, got {eos!r}")
             for e in eos:
