@@ -50,7 +50,16 @@ class InferenceCopy:
         self.source = source
         self.module = module
         # Every name, tied ones included: a parameter the source ties is filled whatever the copy ties.
-        self._pairs = [(module.get_parameter(name), src) for name, src in source.named_parameters(remove_duplicate=False)]
+        names = dict(module.named_parameters(remove_duplicate=False))
+        extra = [name for name, _ in source.named_parameters(remove_duplicate=False) if name not in names]
+        if extra:
+            raise ValueError(
+                f"zero3_gathered_inference_copy: the model holds parameters that {type(source).__name__}(config) "
+                f"does not build ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}), e.g. injected LoRA "
+                "layers, so no copy can mirror it; turn the copy off (generation then gathers the ZeRO-3 "
+                "parameters and decodes eagerly)"
+            )
+        self._pairs = [(names[name], src) for name, src in source.named_parameters(remove_duplicate=False)]
         self.refresh()
 
     @torch.no_grad()

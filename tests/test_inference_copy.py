@@ -31,3 +31,11 @@ def test_the_copy_computes_what_its_source_does_and_follows_in_place_updates(nam
         copy.refresh()
         assert [p.data_ptr() for p in model.parameters()] == addresses  # in place: graphs stay valid
         assert torch.equal(model(input_ids=ids).logits, source(input_ids=ids).logits)
+
+
+def test_a_model_with_injected_layers_is_refused_by_name_with_the_way_out():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(build_model("tiny-llama", seed=0),
+                                peft.LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.0))
+    with pytest.raises(ValueError, match=r"lora_A.*injected LoRA layers.*turn the copy off"):
+        InferenceCopy(model.get_base_model())

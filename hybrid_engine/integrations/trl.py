@@ -21,6 +21,17 @@ bucket) with its graphs and their pool; they stay allocated across calls.
 Prompts cross host to device once per call, and tokens and log-probabilities
 come back once per call, as the lists TRL wants.
 
+Under DeepSpeed ZeRO-3 (accelerate's DeepSpeed plugin, or ``GRPOConfig(deepspeed=...)``)
+each parameter is a shard outside a gather, so there is nothing fixed to
+capture. By default each call gathers the parameters once (a collective: every
+process generates at the same point of a TRL step), decodes eagerly on them and
+warns once that graphs are refused. With ``zero3_gathered_inference_copy=True``
+the function keeps an unpartitioned copy of the model
+(:class:`~hybrid_engine.inference_copy.InferenceCopy`, no DeepSpeed hooks),
+refreshed in place at each call by one gather, and decodes on the copy with
+graphs captured once, as above; the cost is one full copy of the weights per
+process.
+
 Per call: TRL passes this process's prompts, each repeated ``num_generations``
 times in a row (its ``RepeatSampler``). Each run of identical prompts is folded
 into one prompt sampled ``n`` times (``n`` = ``num_generations`` on one process;
@@ -40,14 +51,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
+from hybrid_engine.inference_copy import InferenceCopy
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 from hybrid_engine.rollout.types import is_int
+from hybrid_engine.zero import is_zero3_partitioned
 
 __all__ = ["HybridEngineRolloutFunc", "make_rollout_func", "rollout_seed"]
 
@@ -102,10 +116,10 @@ def _policy_model(trainer: Any) -> PreTrainedModel:
             "rollout_func: trainer.model must unwrap to a transformers PreTrainedModel (or a PEFT model around "
             f"one), got {type(model).__name__}"
         )
-    if getattr(trainer, "is_fsdp_enabled", False) or any(hasattr(p, "ds_id") for p in model.parameters()):
+    if getattr(trainer, "is_fsdp_enabled", False):
         raise ValueError(
-            "rollout_func: the trainer shards the model's parameters (FSDP or DeepSpeed ZeRO-3), so decode graphs "
-            "cannot read them by address; train with ZeRO stage 0-2 or plain DDP to use hybrid-engine rollouts"
+            "rollout_func: the trainer shards the model's parameters with FSDP, which hybrid-engine rollouts do not "
+            "gather; train with DeepSpeed ZeRO (stage 0-3) or plain DDP to use hybrid-engine rollouts"
         )
     return model
 
@@ -178,20 +192,45 @@ class HybridEngineRolloutFunc:
     check.
     """
 
-    def __init__(self, config: RolloutConfig | None = None, **sampling: Any) -> None:
+    def __init__(self, config: RolloutConfig | None = None, *, zero3_gathered_inference_copy: bool = False,
+                 **sampling: Any) -> None:
         if config is None:
             config = RolloutConfig(use_graph_capture=True)
         if not isinstance(config, RolloutConfig):
             raise TypeError(
                 f"make_rollout_func: config must be a hybrid_engine.RolloutConfig or None, got {type(config).__name__}"
             )
+        if not isinstance(zero3_gathered_inference_copy, bool):
+            raise TypeError("make_rollout_func: zero3_gathered_inference_copy must be True or False, got "
+                            f"{zero3_gathered_inference_copy!r}")
         self.config = config
         self.overrides = _check_overrides(sampling)
+        self.zero3_gathered_inference_copy = zero3_gathered_inference_copy
+        #: The unpartitioned copy generated on under ZeRO-3 with ``zero3_gathered_inference_copy`` (else ``None``).
+        self.inference_copy: InferenceCopy | None = None
+        self._warned_no_zero3 = False
         self.rollout: HybridEngineRollout | None = None
         self.last_request: RolloutRequest | None = None
         self.last_sampling: SamplingConfig | None = None
 
     # ---------------------------------------------------------------- setup
+    def _generation_model(self, model: PreTrainedModel) -> PreTrainedModel:
+        """What to generate with: the trainer's model, or under ZeRO-3 with the copy on, the refreshed copy."""
+        if not is_zero3_partitioned(model):
+            if self.zero3_gathered_inference_copy and not self._warned_no_zero3:
+                self._warned_no_zero3 = True
+                warnings.warn("make_rollout_func: zero3_gathered_inference_copy has no effect: the trainer's model "
+                              "is not ZeRO-3 partitioned, so rollouts run on it directly", UserWarning, stacklevel=3)
+            return model
+        if not self.zero3_gathered_inference_copy:
+            return model  # the rollout gathers it per call and decodes eagerly (graphs refused, warned once)
+        copy = self.inference_copy
+        if copy is None or copy.source is not model:
+            self.inference_copy = copy = InferenceCopy(model)  # collective, like every refresh
+        else:
+            copy.refresh()  # in place: the graphs captured on the copy replay this step's weights
+        return copy.module
+
     def _rollout_for(self, model: PreTrainedModel, trainer: Any, tokenizer: Any) -> HybridEngineRollout:
         if self.rollout is not None and self.rollout.model is model:
             return self.rollout
@@ -289,7 +328,7 @@ class HybridEngineRolloutFunc:
     # ----------------------------------------------------------------- call
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list]:
         chat = _check_prompts(prompts)
-        model = _policy_model(trainer)
+        model = self._generation_model(_policy_model(trainer))
         processing_class = getattr(trainer, "processing_class", None)
         if processing_class is None:
             raise TypeError("rollout_func: trainer.processing_class is None; GRPOTrainer needs a tokenizer")
@@ -310,10 +349,12 @@ class HybridEngineRolloutFunc:
         }
 
     def __repr__(self) -> str:
-        return f"HybridEngineRolloutFunc(config={self.config!r}, overrides={self.overrides!r})"
+        return (f"HybridEngineRolloutFunc(config={self.config!r}, overrides={self.overrides!r}, "
+                f"zero3_gathered_inference_copy={self.zero3_gathered_inference_copy})")
 
 
-def make_rollout_func(config: RolloutConfig | None = None, **sampling: Any) -> HybridEngineRolloutFunc:
+def make_rollout_func(config: RolloutConfig | None = None, *, zero3_gathered_inference_copy: bool = False,
+                      **sampling: Any) -> HybridEngineRolloutFunc:
     """A TRL ``rollout_func`` that generates with hybrid-engine on the trainer's model (graphs captured once).
 
     ``config`` is the rollout's :class:`~hybrid_engine.RolloutConfig` (``None``:
@@ -323,7 +364,12 @@ def make_rollout_func(config: RolloutConfig | None = None, **sampling: Any) -> H
     ``top_p``, ``top_k``, and ``seed`` (the base seed, mixed with the global
     step as the trainer's seed would be).
 
+    Under DeepSpeed ZeRO-3, rollouts gather the parameters at each call and
+    decode eagerly; ``zero3_gathered_inference_copy=True`` decodes with graphs on
+    an unpartitioned copy refreshed at each call (one full copy of the weights
+    per process; not for PEFT models). See the module docstring.
+
     Use: ``GRPOTrainer(model, reward_funcs, args=..., train_dataset=...,
     processing_class=tokenizer, rollout_func=make_rollout_func())``.
     """
-    return HybridEngineRolloutFunc(config, **sampling)
+    return HybridEngineRolloutFunc(config, zero3_gathered_inference_copy=zero3_gathered_inference_copy, **sampling)

@@ -241,6 +241,7 @@ def test_eos_ids_come_from_the_trainer():
     ({"max_new_tokens": 4, "max_completion_length": 4}, TypeError, "not both"),
     ({"seed": "0"}, TypeError, "seed must be an int"),
     ({"config": {"use_graph_capture": True}}, TypeError, "RolloutConfig"),
+    ({"zero3_gathered_inference_copy": 1}, TypeError, "zero3_gathered_inference_copy must be True or False"),
 ])
 def test_bad_arguments_fail_at_construction(kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -276,6 +277,18 @@ def test_not_a_trainer_or_not_a_transformers_model():
         fn(["the cat"], object())
     with pytest.raises(TypeError, match="PreTrainedModel"):
         fn(["the cat"], _trainer(model=torch.nn.Linear(2, 2)))
+
+
+def test_fsdp_is_refused_and_the_zero3_copy_flag_warns_when_nothing_is_partitioned():
+    fsdp = _trainer()
+    fsdp.is_fsdp_enabled = True
+    with pytest.raises(ValueError, match="FSDP.*DeepSpeed ZeRO"):
+        make_rollout_func()(["the cat"], fsdp)
+    # Under ZeRO-3 the copy is used (tests/distributed/test_trl_zero3.py); on a whole model the flag does nothing.
+    fn = make_rollout_func(zero3_gathered_inference_copy=True, max_new_tokens=3)
+    with pytest.warns(UserWarning, match="zero3_gathered_inference_copy has no effect"):
+        fn(["the cat"], _trainer())
+    assert fn.inference_copy is None and fn.rollout.model is _model()
 
 
 def test_example_script_runs_and_graphs_match_eager(monkeypatch, capsys):
