@@ -5,7 +5,8 @@ kills their process group (:func:`hybrid_engine.launch.run_ranks`). At every
 training step the rollout's completions and log-probabilities must equal an
 eager rollout of the same request on the trainer's gathered parameters, and the
 weights must have moved between steps. By default graphs are refused with one
-warning and every call decodes eagerly on the gathered parameters; with
+warning and every call decodes eagerly on the gathered parameters (LoRA
+adapters trained through TRL's ``peft_config`` included); with
 ``zero3_gathered_inference_copy`` the copy is refreshed to the gathered weights
 at every call and graphs are captured once, then replayed.
 """
@@ -39,14 +40,17 @@ def run_worker(tmp_path: Path, mode: str) -> list[dict]:
         for c in calls:  # what trained equals an eager rollout on the gathered weights of that step
             assert c["completion_ids"] == c["eager_completion_ids"]
             assert c["logprobs"] == c["eager_logprobs"]
-            assert all(len(row) == 8 for row in c["completion_ids"])
+            assert all(1 <= len(row) <= 8 for row in c["completion_ids"])
         sums = [c["weight_sum"] for c in calls]
         assert len(set(sums)) == STEPS, sums  # every step trained the (partitioned) weights
     return ranks
 
 
-def test_rollouts_gather_the_partitioned_weights_and_decode_eagerly(tmp_path):
-    for d in run_worker(tmp_path, "gathered"):
+@pytest.mark.parametrize("mode", ["gathered", "lora"])
+def test_rollouts_gather_the_partitioned_weights_and_decode_eagerly(tmp_path, mode):
+    if mode == "lora":
+        pytest.importorskip("peft")
+    for d in run_worker(tmp_path, mode):
         assert d["graph_refused_warnings"] == 1
         for c in d["calls"]:
             assert c["generates_on_trainer_model"] and c["generation_model_partitioned"]

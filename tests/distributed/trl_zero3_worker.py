@@ -1,7 +1,8 @@
 """One rank of tests/distributed/test_trl_zero3.py: TRL's GRPOTrainer on DeepSpeed ZeRO-3, hybrid-engine rollouts.
 
 ``python trl_zero3_worker.py MODE OUT_DIR``: MODE ``gathered`` (rollouts gather
-the parameters per call and decode eagerly) or ``copy``
+the parameters per call and decode eagerly), ``lora`` (the same, training LoRA
+adapters on a tiny Llama through TRL's ``peft_config``) or ``copy``
 (``zero3_gathered_inference_copy=True``: graphs on an unpartitioned copy). At
 every rollout call it also generates the same request eagerly on the trainer's
 partitioned model (a collective gather, on every rank alike) and records both,
@@ -30,6 +31,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hybrid_engine import HybridEngineRollout  # noqa: E402
 from hybrid_engine.graph_policy import GraphRefusedWarning  # noqa: E402
+from hybrid_engine.inputs import decode_model  # noqa: E402
 from hybrid_engine.integrations.trl import make_rollout_func  # noqa: E402
 from hybrid_engine.tiny_models import build_model, build_tokenizer  # noqa: E402
 
@@ -62,7 +64,7 @@ def main(mode: str, out_dir: Path) -> None:
                   "eager_logprobs": _cut(ref.response_logprobs, ref.response_lengths),
                   "stats": {k: fn.rollout.last_stats.get(k) for k in ("use_graph_capture", "graph_captures",
                                                                       "graph_replays", "last_refusal_reason")},
-                  "generates_on_trainer_model": fn.rollout.model is source,
+                  "generates_on_trainer_model": fn.rollout.model is decode_model(source),
                   "generation_model_partitioned": any(hasattr(p, "ds_id") for p in fn.rollout.model.parameters())}
         with torch.no_grad(), gathered_for_inference(source):
             record["weight_sum"] = float(sum(p.double().sum() for p in source.parameters()))
@@ -72,7 +74,13 @@ def main(mode: str, out_dir: Path) -> None:
         calls.append(record)
         return out
 
-    model = build_model("tiny-gpt2", seed=0)  # before the config: it is partitioned by deepspeed.initialize
+    # Built before the config, so that deepspeed.initialize partitions it.
+    model = build_model("tiny-llama" if mode == "lora" else "tiny-gpt2", seed=0)
+    peft_config = None
+    if mode == "lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     args = GRPOConfig(
         output_dir=str(out_dir / "trainer"), per_device_train_batch_size=4, num_generations=4,
         max_completion_length=8, max_steps=STEPS, learning_rate=1e-2, logging_steps=1, report_to="none",
@@ -81,7 +89,7 @@ def main(mode: str, out_dir: Path) -> None:
     )
     trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=args,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=build_tokenizer(),
-                          rollout_func=rollout_func)
+                          rollout_func=rollout_func, peft_config=peft_config)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", GraphRefusedWarning)
         trainer.train()
