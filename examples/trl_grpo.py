@@ -9,15 +9,26 @@ updates are what the next replay reads: no weight copy, no sync, no recapture.
     python examples/trl_grpo.py                  # 5 steps, graphs on
     python examples/trl_grpo.py --no-graphs      # the same run, eager decoding
     python examples/trl_grpo.py --compare        # both, side by side, and whether every completion matched
+    torchrun --nproc-per-node 2 examples/trl_grpo.py --zero3 --compare
+                                                 # on DeepSpeed ZeRO-3: an inference copy with graphs vs
+                                                 # the gathered parameters, eagerly
 
 Per step it prints the loss, the mean reward, the rollout time, the step time and
 the captures so far; at the end steps, captures (decode graphs / admission
 graphs) and the time per step. Needs ``pip install 'hybrid-engine[trl]'``.
+
+``--zero3`` trains on DeepSpeed ZeRO-3 (``pip install 'hybrid-engine[deepspeed]'``;
+one process under plain ``python``, or as many as ``torchrun`` starts, printing on
+rank 0). There "graphs on" generates on an unpartitioned copy of the model
+refreshed at each step (``zero3_gathered_inference_copy=True``) and "graphs off"
+on the parameters gathered for each call.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import statistics
 import sys
@@ -28,6 +39,10 @@ from typing import Any
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.16
 
 import torch  # noqa: E402
+
+#: DeepSpeed config for ``--zero3`` ("auto" values come from the GRPOConfig).
+ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+         "gradient_clipping": "auto", "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
 PROMPTS = [
     "the water is", "you can find the", "he was not what we", "make some time for",
@@ -56,9 +71,15 @@ def train(args: argparse.Namespace, *, graphs: bool) -> dict[str, Any]:
     from hybrid_engine.integrations.trl import make_rollout_func
     from hybrid_engine.tiny_models import build_model, build_tokenizer
 
+    if args.zero3:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        # A GRPOConfig with ZeRO-3 makes later models initialise under deepspeed.zero.Init, which draws other
+        # random weights; clear it so that every run starts from the same weights (DeepSpeed partitions them).
+        unset_hf_deepspeed_config()
     model = build_model(f"tiny-{args.model}", seed=args.seed)
     tokenizer = build_tokenizer(int(model.config.vocab_size))
-    fn = make_rollout_func(RolloutConfig(use_graph_capture=graphs))
+    fn = make_rollout_func(RolloutConfig(use_graph_capture=graphs), zero3_gathered_inference_copy=graphs and args.zero3)
     calls: list[dict[str, Any]] = []
 
     def rollout_func(prompts: list, trainer: Any) -> dict[str, list]:
@@ -84,7 +105,7 @@ def train(args: argparse.Namespace, *, graphs: bool) -> dict[str, Any]:
         num_generations=args.num_generations, max_completion_length=args.max_completion_length,
         temperature=1.0, learning_rate=args.lr, logging_steps=1, report_to="none", save_strategy="no",
         use_cpu=args.device == "cpu", bf16=False, gradient_checkpointing=False, disable_dropout=True,
-        disable_tqdm=True, seed=args.seed,
+        disable_tqdm=True, seed=args.seed, deepspeed=ZERO3 if args.zero3 else None,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=english_word_reward, args=config, processing_class=tokenizer,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}), rollout_func=rollout_func,
@@ -135,12 +156,29 @@ def main(argv: list[str] | None = None) -> int:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--no-graphs", action="store_true", help="decode eagerly")
     mode.add_argument("--compare", action="store_true", help="run with graphs on, then off, and compare")
+    p.add_argument("--zero3", action="store_true",
+                   help="train on DeepSpeed ZeRO-3; graphs run on an inference copy refreshed at each step")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if not args.compare:
-        train(args, graphs=not args.no_graphs)
-        return 0
-    on, off = train(args, graphs=True), train(args, graphs=False)
+    quiet = contextlib.nullcontext()
+    if args.zero3:
+        from hybrid_engine.launch import free_port
+        from hybrid_engine.zero import import_deepspeed
+
+        import_deepspeed()  # before TRL imports it: no C++ op is built on a CPU
+        if "RANK" not in os.environ:  # plain `python`: one process
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        if os.environ["RANK"] != "0":
+            quiet = contextlib.redirect_stdout(io.StringIO())  # rank 0 prints
+    with quiet:
+        if not args.compare:
+            train(args, graphs=not args.no_graphs)
+            return 0
+        return _compare(train(args, graphs=True), train(args, graphs=False))
+
+
+def _compare(on: dict[str, Any], off: dict[str, Any]) -> int:
     same = on["completions"] == off["completions"]
     print("\n| graphs | steps | decode captures | admission captures | first step ms | ms/step (median) | "
           "rollout ms/call |")

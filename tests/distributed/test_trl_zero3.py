@@ -68,3 +68,13 @@ def test_the_inference_copy_follows_every_step_and_replays_graphs_captured_once(
             assert c["stats"]["use_graph_capture"] is True and c["stats"]["last_refusal_reason"] is None
         assert calls[0]["stats"]["graph_captures"] > 0
         assert all(c["stats"]["graph_captures"] == 0 and c["stats"]["graph_replays"] > 0 for c in calls[1:])
+
+
+def test_the_example_trains_identically_on_the_copy_with_graphs_and_on_gathered_weights():
+    example = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
+    proc = run_ranks([str(example), "--zero3", "--compare", "--steps", "2", "--max-completion-length", "8"],
+                     nproc=2, timeout_s=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    rank0 = proc.stdout.split("[rank 1]")[0]
+    assert "completions identical at every step: yes" in rank0  # rank 1 compares too: it would exit 1
+    assert "| on | 2 | 4 | 1 |" in rank0 and "| off | 2 | 0 | 0 |" in rank0
