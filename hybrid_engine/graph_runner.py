@@ -63,11 +63,15 @@ from .graph_safety import HookCaptureError, attributed_hooks, graph_fingerprint,
 from .inputs import model_device
 from .model_step import max_positions
 
-__all__ = ["MAX_CAPTURE_FAILURES", "AdmissionKey", "DecodeGraphRunner", "GraphKey", "GraphStats",
+__all__ = ["EXACT_PROMPT_ROWS", "MAX_CAPTURE_FAILURES", "AdmissionKey", "DecodeGraphRunner", "GraphKey", "GraphStats",
            "default_graph_buckets"]
 
 #: Capture failures after which a runner stops trying graphs.
 MAX_CAPTURE_FAILURES = 3
+
+#: Admission rounds of up to this many prompts run at their exact count (above it, in the decode buckets):
+#: a padding row costs a whole prefill of the staged width, where a decode step's padding row costs one token.
+EXACT_PROMPT_ROWS = 8
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +199,11 @@ class DecodeGraphRunner:
         sizes = self.buckets or default_graph_buckets(n)
         return next((s for s in sizes if s >= n), n)
 
+    def prompt_rows_for(self, n: int) -> int:
+        """The prompt rows an admission round of ``n`` prompts runs: ``n`` up to :data:`EXACT_PROMPT_ROWS`,
+        else the smallest decode bucket holding them."""
+        return n if n <= EXACT_PROMPT_ROWS else self.bucket_for(n)
+
     # ------------------------------------------------------------- lifecycle
     def prepare(self, *, rows: int, capacity: int, width: int, num_eos: int, graphs: bool,
                 prompt_width: int | None = None) -> DecodeSlots:
@@ -288,7 +297,7 @@ class DecodeGraphRunner:
         # the admission graphs depend on the call's shape only and stay few over a long run.
         width = self._prompt_width
         ids, mask = ids[:, -width:], mask[:, -width:]  # only left padding is cut: width >= every real prompt
-        prompts, requests = self.bucket_for(ids.shape[0]), self.bucket_for(len(meta[0]))
+        prompts, requests = self.prompt_rows_for(ids.shape[0]), self.bucket_for(len(meta[0]))
         round_ = self.stage.stage(ids, mask, meta, prompts, requests, width)
         self._run(AdmissionKey(prompts, requests, width, sampling_key),
                   lambda: admit_staged(self.slots, self.model, round_, sampling_key))

@@ -19,7 +19,12 @@ from hybrid_engine.admission import AdmissionStage, admit_staged, width_bucket
 from hybrid_engine.decode_state import DecodeSlots
 from hybrid_engine.engine import initialize
 from hybrid_engine.graph_policy import GraphRefusedWarning
-from hybrid_engine.graph_runner import DecodeGraphRunner, default_graph_buckets
+from hybrid_engine.graph_runner import (
+    EXACT_PROMPT_ROWS,
+    AdmissionKey,
+    DecodeGraphRunner,
+    default_graph_buckets,
+)
 from hybrid_engine.model_step import prefill
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 from hybrid_engine.sampling import counter_uniform, sample_tokens
@@ -112,6 +117,24 @@ def test_rollout_replays_admission_rounds_and_engine_generate_does_not_stage():
     engine.generate(input_ids=request.prompt_ids, attention_mask=request.prompt_attention_mask, max_new_tokens=4)
     s = engine.graph_stats
     assert s.admission_captures == 0 and s.admission_replays == 0 and s.captures >= 1
+
+
+def test_admission_rounds_run_their_exact_prompt_count_up_to_eight_then_decode_buckets():
+    model = build_model("tiny-gpt2", seed=3)
+    # 3 prompts in one round: 3 prompt rows (no padding prefill), requests in their decode bucket (4).
+    request = RolloutRequest(*prompts(3, 6, seed=4))
+    cfg = dict(pad_token_id=0, eos_token_id=10_000, max_batch_size=3)
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, **cfg))
+    eager = HybridEngineRollout(model, config=RolloutConfig(**cfg)).generate(request, SamplingConfig(max_new_tokens=5))
+    for _ in range(3):  # warm-up, capture, replay
+        batch = rollout.generate(request, SamplingConfig(max_new_tokens=5))
+        assert torch.equal(batch.input_ids, eager.input_ids)
+    keys = [k for k in rollout.runner._graphs if isinstance(k, AdmissionKey)]
+    assert [(k.prompts, k.requests) for k in keys] == [(3, 4)]
+    assert rollout.last_stats["admission_graph_replays"] == 1
+    runner = rollout.runner
+    assert [runner.prompt_rows_for(n) for n in (1, 3, 5, 7, 8, 9, 17)] == [1, 3, 5, 7, 8, 16, 24]
+    assert EXACT_PROMPT_ROWS == 8
 
 
 # ----------------------------------------------------------------- scheduling
