@@ -46,6 +46,7 @@ case "$cmd" in
   test) exec "$py" -m pytest -q "$@" ;;
   test-transformers-4.57)
     exec "$py" -m pytest -q tests/test_static_cache.py tests/test_model_step.py tests/test_engine_generate.py \
-      tests/test_engine_graphs.py tests/test_engine_training.py tests/test_inference_copy.py tests/rollout "$@" ;;
+      tests/test_engine_graphs.py tests/test_engine_training.py tests/test_inference_copy.py tests/test_graph_runner.py \
+      tests/rollout "$@" ;;
   *) exec "$py" -m hybrid_engine "$cmd" "$@" ;;
 esac
