@@ -11,8 +11,9 @@ replays per :class:`~hybrid_engine.graph_runner.AdmissionKey`.
 What a round's capture freezes: the number of prompt rows (exact up to
 :data:`~hybrid_engine.graph_runner.EXACT_PROMPT_ROWS`, since a padding row
 would cost a whole prefill, then the decode buckets), the number of request
-rows (decode buckets: a request row costs only its sampling), the staged width (the call's padded prompt width, rounded up
-to a power of two, the same for every round of a call) and the sampling knobs.
+rows (decode buckets: a request row costs only its sampling), the staged
+width (the call's padded prompt width, rounded up to a power of two, the same
+for every round of a call) and the sampling knobs.
 Everything per round is device data in the stage: the prompts (right-aligned, the columns before them masked out)
 and one ``meta`` column per request (slot, source prompt row, request index,
 budget, min_tokens, seed). Prompt rows past the round's prompts keep stale
