@@ -27,12 +27,11 @@
 #   bench/gpu_check.sh              the real run (needs a CUDA device)
 #   bench/gpu_check.sh --dry-run    print the steps and the exact commands, run nothing
 #   bench/gpu_check.sh --cpu-mini   the same steps on CPU with tiny models and tiny sizes (checks the script)
-#
-# The pydantic wheels are not in git (bench/wheels/ is ignored). Fetch them once, on a machine with
-# network access, from the repository root:
-#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#       -d bench/wheels pydantic
-# and carry bench/wheels along (the device tool: carry=["bench/wheels"]).
+#   bench/gpu_check.sh --fetch-wheels
+#                                   here, before the device run: download pydantic and its dependencies
+#                                   for the GPU image's Python ($GPU_PYTHON_VERSION, default 3.12) into
+#                                   bench/wheels/, which is git-ignored: carry it along (the device tool:
+#                                   carry=["bench/wheels"]); a fresh work tree has to fetch again
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -41,19 +40,27 @@ MODE=gpu
 case "${1:-}" in
   --dry-run) MODE=dry ;;
   --cpu-mini) MODE=mini ;;
+  --fetch-wheels) MODE=fetch ;;
   "") ;;
-  *) echo "usage: $0 [--dry-run|--cpu-mini]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--dry-run|--cpu-mini|--fetch-wheels]" >&2; exit 2 ;;
 esac
 
 OUT="${OUT:-$REPO/bench/results/gpu_check}"
 WORK="${GPU_CHECK_WORK:-/tmp/gpu_check_work}"
 BUDGET="${GPU_CHECK_BUDGET_S:-470}"
-# $PYTHON, else (--cpu-mini only) the checkout's .venv, else python3 (the GPU image's).
+# $PYTHON, else (--cpu-mini and --fetch-wheels) the checkout's .venv, else python3 (the GPU image's).
 if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
-elif [ "$MODE" = mini ] && [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"
+elif [ "$MODE" = mini ] || [ "$MODE" = fetch ] && [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"
 else PY=python3; fi
 TARGET="${HYBRID_ENGINE_TARGET:-/tmp/hybrid-engine-site}"
 WHEELS="$REPO/bench/wheels"
+if [ "$MODE" = fetch ]; then
+  "$PY" -m pip download -q --disable-pip-version-check --only-binary=:all: \
+    --python-version "${GPU_PYTHON_VERSION:-3.12}" --platform manylinux2014_x86_64 -d "$WHEELS" pydantic || exit 1
+  ls "$WHEELS"
+  echo "now run bench/gpu_check.sh on the device with carry=[\"bench/wheels\"]"
+  exit 0
+fi
 START=$(date +%s)
 FAILED=0
 if [ "$MODE" != dry ]; then

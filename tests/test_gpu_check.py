@@ -1,0 +1,55 @@
+"""bench/gpu_check.sh, the prepared device run: its dry run, its argument check, and its CPU rehearsal.
+
+Device time is scarce (minutes per task), so the script must not fail for a reason
+CPU CI could have caught. ``--cpu-mini`` runs every step of the real run (install
+check, info, parity, decode, continuous with the long-tailed workload, rlhf,
+headlines) on CPU with tiny models and sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh"
+STEPS = ("info", "parity", "decode_gpt2", "continuous", "rlhf_opt13b", "decode_opt13b")
+
+
+def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHON": sys.executable, **(env or {})})
+
+
+def test_dry_run_prints_every_step_for_cuda_in_fp16_and_runs_nothing(tmp_path):
+    proc = _run("--dry-run", env={"OUT": str(tmp_path / "out")})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for name in STEPS:
+        line = next(x for x in lines if x.startswith(f"step {name} "))
+        if name != "info":
+            assert "--device cuda --dtype fp16" in line, line
+    assert "--longtail-requests 64" in proc.stdout and "--longtail-model same" in proc.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_argument_is_refused_with_the_usage():
+    proc = _run("--gpu")
+    assert proc.returncode == 2 and "usage:" in proc.stderr and "--fetch-wheels" in proc.stderr
+
+
+def test_cpu_rehearsal_runs_every_step_and_writes_the_headlines(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = _run("--cpu-mini", env={"OUT": str(out), "GPU_CHECK_WORK": str(work)}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = (out / "summary.txt").read_text()
+    for name in STEPS:
+        assert f"step {name}: ok" in summary, summary
+    assert "all steps ok" in summary
+    headlines = (work / "headlines.txt").read_text()
+    assert "parity: ok=True" in headlines and "long tail (tiny-gpt2, 64 requests, 8 slots)" in headlines
+    continuous = json.loads((out / "continuous.json").read_text())
+    assert continuous["long_tail"]["step_ratio"] > 3  # the workload's shape, not a timing
+    assert (out / "gpu_check_results.tgz").stat().st_size > 0
