@@ -135,11 +135,23 @@ def train(args: argparse.Namespace, *, graphs: bool) -> dict[str, Any]:
         "rollout_ms": statistics.median(c["stats"]["total_ms"] for c in calls[1:] or calls),
         "completions": [c["completions"] for c in calls],
     }
+    if args.zero3:
+        _tear_down(trainer)
     print(f"steps {result['steps']}, captures {stats.captures} decode (buckets {stats.buckets}) + "
           f"{stats.admission_captures} admission, replays {stats.replays}, eager decode steps {stats.eager_steps}; "
           f"first step {result['first_step_ms']:.0f} ms (captures included), then {result['step_ms']:.1f} ms/step "
           f"(median), rollout {result['rollout_ms']:.1f} ms/call")
     return result
+
+
+def _tear_down(trainer: Any) -> None:
+    """DeepSpeed's teardown of the trainer's engine, now, while every rank is alive (a ZeRO-3 engine left to
+    interpreter shutdown can abort the process on gloo, after its last line)."""
+    from hybrid_engine.zero import destroy_deepspeed_engine
+
+    trainer.accelerator.free_memory()  # accelerate's references to the engine and its optimizer
+    trainer.deepspeed = trainer.optimizer = trainer.lr_scheduler = None
+    destroy_deepspeed_engine(trainer, "model_wrapped")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,8 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     with quiet:
         if not args.compare:
             train(args, graphs=not args.no_graphs)
-            return 0
-        return _compare(train(args, graphs=True), train(args, graphs=False))
+            code = 0
+        else:
+            code = _compare(train(args, graphs=True), train(args, graphs=False))
+    if args.zero3:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    return code
 
 
 def _compare(on: dict[str, Any], off: dict[str, Any]) -> int:

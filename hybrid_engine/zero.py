@@ -36,8 +36,8 @@ from torch import nn
 
 from .config import EngineConfig
 
-__all__ = ["DeepSpeedTraining", "build", "deepspeed_config", "gathered_for_inference", "import_deepspeed",
-           "is_zero3_partitioned"]
+__all__ = ["DeepSpeedTraining", "build", "deepspeed_config", "destroy_deepspeed_engine", "gathered_for_inference",
+           "import_deepspeed", "is_zero3_partitioned"]
 
 #: Key under which the engine keeps torch's RNG states inside DeepSpeed's ``client_state``.
 RNG_CLIENT_KEY = "hybrid_engine_rng"
@@ -57,6 +57,24 @@ def import_deepspeed() -> Any:
     if isinstance(compatible, dict):
         compatible["deepspeed_shm_comm"] = False
     return deepspeed
+
+
+def destroy_deepspeed_engine(owner: Any, attr: str) -> None:
+    """DeepSpeed's own teardown of the engine at ``owner.<attr>`` (ours, or one a trainer built); the
+    attribute is set to ``None`` and the engine collected now.
+
+    DeepSpeed's engine sits in reference cycles that hold its process groups. Left
+    to the garbage collection at interpreter shutdown, after the other ranks have
+    exited, a ZeRO-3 engine's gloo groups abort the process in a C++ destructor
+    (``terminate called without an active exception``). Call it on every rank while
+    all are alive, once nothing else refers to the engine.
+    """
+    engine = getattr(owner, attr, None)
+    setattr(owner, attr, None)
+    if callable(getattr(engine, "destroy", None)):
+        engine.destroy()
+    del engine  # no reference left here when the cycles are collected
+    gc.collect()
 
 
 def is_zero3_partitioned(module: nn.Module) -> bool:
@@ -176,11 +194,8 @@ class DeepSpeedTraining:
         other ranks have exited, a ZeRO-3 engine's gloo groups abort the process
         in a C++ destructor (``terminate called without an active exception``).
         """
-        if self._ds_engine is None:
-            return
-        self._ds_engine.destroy()
-        self._ds_engine = None
-        gc.collect()
+        if self._ds_engine is not None:
+            destroy_deepspeed_engine(self, "_ds_engine")
 
     def save_checkpoint(self, save_dir: Any, tag: str | None, client_state: dict[str, Any],
                         save_latest: bool, rng: dict[str, Any]) -> bool:

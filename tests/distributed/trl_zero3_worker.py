@@ -19,10 +19,11 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from hybrid_engine.zero import gathered_for_inference, import_deepspeed  # noqa: E402
+from hybrid_engine.zero import destroy_deepspeed_engine, gathered_for_inference, import_deepspeed  # noqa: E402
 
 import_deepspeed()  # before TRL and accelerate import it: no C++ op is built on this CPU
 
@@ -100,6 +101,13 @@ def main(mode: str, out_dir: Path) -> None:
                 "global_step": trainer.state.global_step, "calls": calls,
                 "graph_refused_warnings": sum(issubclass(w.category, GraphRefusedWarning) for w in caught)},
                out_dir / f"rank{rank}.pt")
+    # DeepSpeed's teardown while both ranks are alive (left to interpreter shutdown, a ZeRO-3 engine can abort
+    # the process on gloo), then the process group.
+    trainer.accelerator.free_memory()
+    trainer.deepspeed = trainer.optimizer = trainer.lr_scheduler = None
+    destroy_deepspeed_engine(trainer, "model_wrapped")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _reward(completions, **kwargs):
