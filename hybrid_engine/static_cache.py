@@ -11,12 +11,15 @@ express rows of different lengths; this cache keeps per-row state on device.
 
 Invariants
 ----------
-* K/V buffers are allocated once in ``__init__`` and never reallocated or
-  swapped (``reset``/``copy_rows``/``load_rows`` write into them in place), so
-  a captured graph keeps reading the right storage. Per layer the shape is
-  ``[batch_size, num_kv_heads, capacity, head_dim]`` (``head_dim`` from the
-  config when it names one, e.g. Qwen3; otherwise hidden/heads; GPT-2/OPT have
-  no ``num_key_value_heads`` and use ``num_attention_heads``).
+* K/V live in one buffer, ``kv``, allocated once in ``__init__`` and never
+  reallocated or swapped (``reset``/``copy_rows``/``load_rows`` write into it in
+  place), so a captured graph keeps reading the right storage. Its shape is
+  ``[num_layers, 2, batch_size, num_kv_heads, capacity, head_dim]``; layer ``i``'s
+  keys and values are its contiguous ``[i, 0]`` and ``[i, 1]`` views
+  (``head_dim`` from the config when it names one, e.g. Qwen3; otherwise
+  hidden/heads; GPT-2/OPT have no ``num_key_value_heads`` and use
+  ``num_attention_heads``). Moving, loading or emptying rows is therefore one op
+  over every layer, whatever the depth (compaction and admission rounds).
 * Per-row device state, all ``[batch_size]``-leading and updated in place:
   ``write_pos`` (int64, next buffer slot each row writes), ``valid`` (bool
   ``[B, capacity]``, which slots a query may attend), ``position`` (int64, the
@@ -185,9 +188,7 @@ class StaticKVCache(Cache):
             dtype = cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.get_default_dtype()
         device = torch.device(device) if device is not None else torch.device("cpu")
         num_layers, num_kv_heads, head_dim = cache_geometry(config)
-        shape = (batch_size, num_kv_heads, capacity, head_dim)
-        kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-              for _ in range(num_layers)]
+        kv = torch.zeros((num_layers, 2, batch_size, num_kv_heads, capacity, head_dim), dtype=dtype, device=device)
         self._setup(
             kv,
             torch.zeros(batch_size, dtype=torch.int64, device=device),
@@ -195,16 +196,17 @@ class StaticKVCache(Cache):
             torch.zeros(batch_size, capacity, dtype=torch.bool, device=device),
         )
 
-    def _setup(self, kv: list[tuple[torch.Tensor, torch.Tensor]], write_pos: torch.Tensor, position: torch.Tensor,
-               valid: torch.Tensor, host: _HostCounters | None = None) -> None:
-        keys = kv[0][0]
-        super().__init__(layers=[_StaticKVLayer(self, i, k, v) for i, (k, v) in enumerate(kv)])
-        self._batch_size = keys.shape[0]
-        self._capacity = keys.shape[2]
-        self._dtype = keys.dtype
-        self._device = keys.device
-        self.num_kv_heads = keys.shape[1]
-        self.head_dim = keys.shape[3]
+    def _setup(self, kv: torch.Tensor, write_pos: torch.Tensor, position: torch.Tensor, valid: torch.Tensor,
+               host: _HostCounters | None = None) -> None:
+        super().__init__(layers=[_StaticKVLayer(self, i, kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])])
+        #: Every layer's K and V, ``[num_layers, 2, batch_size, num_kv_heads, capacity, head_dim]``.
+        self.kv = kv
+        self._batch_size = kv.shape[2]
+        self._capacity = kv.shape[4]
+        self._dtype = kv.dtype
+        self._device = kv.device
+        self.num_kv_heads = kv.shape[3]
+        self.head_dim = kv.shape[5]
         self.write_pos = write_pos
         self.position = position
         self.valid = valid
@@ -310,8 +312,7 @@ class StaticKVCache(Cache):
 
     def memory_bytes(self) -> int:
         """Bytes held by the K/V buffers and the per-row state."""
-        total = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
-        return total + self.write_pos.nbytes + self.position.nbytes + self.valid.nbytes
+        return self.kv.nbytes + self.write_pos.nbytes + self.position.nbytes + self.valid.nbytes
 
     def __repr__(self) -> str:
         return (
@@ -382,7 +383,7 @@ class StaticKVCache(Cache):
                              f"1 <= capacity <= {self._capacity}, got {start!r}, {stop!r}, {capacity!r}")
         view = StaticKVCache.__new__(StaticKVCache)
         view._setup(
-            [(layer.keys[start:stop, :, :capacity], layer.values[start:stop, :, :capacity]) for layer in self.layers],
+            self.kv[:, :, start:stop, :, :capacity],
             self.write_pos[start:stop],
             self.position[start:stop],
             self.valid[start:stop, :capacity],
@@ -392,9 +393,9 @@ class StaticKVCache(Cache):
         return view
 
     # -------------------------------------------------------------- row state
-    def _tensors(self) -> list[torch.Tensor]:
-        out = [t for layer in self.layers for t in (layer.keys, layer.values)]
-        return out + [self.valid, self.write_pos, self.position]
+    def _row_state(self) -> tuple[torch.Tensor, ...]:
+        """The per-row tensors besides ``kv`` (rows on dim 0; ``kv`` holds them on dim 2)."""
+        return self.valid, self.write_pos, self.position
 
     def _rows(self, rows: torch.Tensor | Any, name: str, checked: bool = False) -> torch.Tensor:
         """``rows`` as an int64 device tensor; its range is checked (two host reads) unless ``checked``."""
@@ -409,13 +410,15 @@ class StaticKVCache(Cache):
 
     def reset(self) -> None:
         """Empty every row (in place; addresses unchanged)."""
-        for t in self._tensors():
+        self.kv.zero_()
+        for t in self._row_state():
             t.zero_()
 
     def reset_rows(self, rows: torch.LongTensor) -> None:
         """Empty the given rows: K/V zeroed, nothing valid, write position and position id 0."""
         rows = self._rows(rows, "rows")
-        for t in self._tensors():
+        self.kv.index_fill_(2, rows, 0)
+        for t in self._row_state():
             t.index_fill_(0, rows, 0)
 
     def copy_rows(self, src_rows: torch.LongTensor, dst_rows: torch.LongTensor, *, checked: bool = False) -> None:
@@ -429,7 +432,8 @@ class StaticKVCache(Cache):
         dst = self._rows(dst_rows, "dst_rows", checked)
         if src.shape != dst.shape:
             raise ValueError(f"StaticKVCache.copy_rows: src_rows has {src.numel()} rows, dst_rows {dst.numel()}")
-        for t in self._tensors():
+        self.kv.index_copy_(2, dst, self.kv.index_select(2, src))
+        for t in self._row_state():
             t.index_copy_(0, dst, t.index_select(0, src))
 
     def load_rows(self, rows: torch.LongTensor, other: "StaticKVCache", sources: torch.LongTensor | None = None, *,
@@ -457,14 +461,12 @@ class StaticKVCache(Cache):
         ):
             raise ValueError("StaticKVCache.load_rows: the two caches have different layer/head geometry")
 
-        def pick(t: torch.Tensor) -> torch.Tensor:
-            return t[: rows.numel()] if sources is None else t.index_select(0, sources)
+        def pick(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+            return t.narrow(dim, 0, rows.numel()) if sources is None else t.index_select(dim, sources)
 
         self.valid.index_fill_(0, rows, False)
         n = other.capacity
-        for mine, theirs in zip(self.layers, other.layers):
-            mine.keys[:, :, :n].index_copy_(0, rows, pick(theirs.keys).to(self._dtype))
-            mine.values[:, :, :n].index_copy_(0, rows, pick(theirs.values).to(self._dtype))
+        self.kv[:, :, :, :, :n].index_copy_(2, rows, pick(other.kv, 2).to(self._dtype))
         self.valid[:, :n].index_copy_(0, rows, pick(other.valid))
         self.write_pos.index_copy_(0, rows, pick(other.write_pos))
         self.position.index_copy_(0, rows, pick(other.position))

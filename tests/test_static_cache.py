@@ -186,3 +186,35 @@ def test_reorder_cache_keeps_addresses():
     cache.reorder_cache(torch.tensor([1, 0]))
     assert cache.layers[0].keys.data_ptr() == ptr
     assert (cache.layers[0].keys[1] == 1).all() and (cache.layers[0].keys[0] == 0).all()
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_every_layer_lives_in_one_buffer_so_row_ops_cost_the_same_at_any_depth():
+    def row_ops(layers: int) -> list[str]:
+        cfg = build_config("tiny-llama")
+        cfg.num_hidden_layers = layers
+        cache = StaticKVCache(cfg, 4, 8, dtype=torch.float32)
+        assert cache.kv.shape == (layers, 2, 4, cfg.num_key_value_heads, 8, 16)
+        for i, layer in enumerate(cache.layers):  # contiguous views of the one buffer, as attention wants them
+            assert layer.keys.is_contiguous() and layer.keys.data_ptr() == cache.kv[i, 0].data_ptr()
+            assert layer.values.data_ptr() == cache.kv[i, 1].data_ptr()
+        stage = StaticKVCache(cfg, 2, 4, dtype=torch.float32)
+        stage.kv.normal_()
+        src, dst = torch.tensor([0, 3]), torch.tensor([1, 2])
+        with _CountOps() as count:
+            cache.copy_rows(src, dst, checked=True)
+            cache.load_rows(dst, stage, sources=torch.tensor([1, 1]), checked=True)
+            cache.reset_rows(src)
+        assert torch.equal(cache.layers[-1].values[2, :, :4], stage.layers[-1].values[1])  # fanned out, last layer
+        return count.ops
+
+    assert row_ops(2) == row_ops(6)
