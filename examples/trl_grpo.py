@@ -68,7 +68,7 @@ def train(args: argparse.Namespace, *, graphs: bool) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     from hybrid_engine import RolloutConfig
-    from hybrid_engine.integrations.trl import make_rollout_func
+    from hybrid_engine.integrations.trl import destroy_trainer_deepspeed, make_rollout_func
     from hybrid_engine.tiny_models import build_model, build_tokenizer
 
     if args.zero3:
@@ -136,22 +136,12 @@ def train(args: argparse.Namespace, *, graphs: bool) -> dict[str, Any]:
         "completions": [c["completions"] for c in calls],
     }
     if args.zero3:
-        _tear_down(trainer)
+        destroy_trainer_deepspeed(trainer)  # now, while every rank is alive (gloo can abort at exit otherwise)
     print(f"steps {result['steps']}, captures {stats.captures} decode (buckets {stats.buckets}) + "
           f"{stats.admission_captures} admission, replays {stats.replays}, eager decode steps {stats.eager_steps}; "
           f"first step {result['first_step_ms']:.0f} ms (captures included), then {result['step_ms']:.1f} ms/step "
           f"(median), rollout {result['rollout_ms']:.1f} ms/call")
     return result
-
-
-def _tear_down(trainer: Any) -> None:
-    """DeepSpeed's teardown of the trainer's engine, now, while every rank is alive (a ZeRO-3 engine left to
-    interpreter shutdown can abort the process on gloo, after its last line)."""
-    from hybrid_engine.zero import destroy_deepspeed_engine
-
-    trainer.accelerator.free_memory()  # accelerate's references to the engine and its optimizer
-    trainer.deepspeed = trainer.optimizer = trainer.lr_scheduler = None
-    destroy_deepspeed_engine(trainer, "model_wrapped")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -187,13 +187,7 @@ class DeepSpeedTraining:
         return float(scale) if scale is not None else 1.0
 
     def destroy(self) -> None:
-        """DeepSpeed's own teardown of its engine, then drop it and collect it now.
-
-        DeepSpeed's engine sits in reference cycles that hold its process
-        groups. Left to the garbage collection at interpreter shutdown, after the
-        other ranks have exited, a ZeRO-3 engine's gloo groups abort the process
-        in a C++ destructor (``terminate called without an active exception``).
-        """
+        """DeepSpeed's own teardown of its engine, dropped and collected now (see :func:`destroy_deepspeed_engine`)."""
         if self._ds_engine is not None:
             destroy_deepspeed_engine(self, "_ds_engine")
 

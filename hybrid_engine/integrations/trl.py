@@ -61,9 +61,9 @@ from transformers import PreTrainedModel
 from hybrid_engine.inference_copy import InferenceCopy
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 from hybrid_engine.rollout.types import is_int
-from hybrid_engine.zero import is_zero3_partitioned
+from hybrid_engine.zero import destroy_deepspeed_engine, is_zero3_partitioned
 
-__all__ = ["HybridEngineRolloutFunc", "make_rollout_func", "rollout_seed"]
+__all__ = ["HybridEngineRolloutFunc", "destroy_trainer_deepspeed", "make_rollout_func", "rollout_seed"]
 
 #: Keyword overrides :func:`make_rollout_func` accepts (``max_new_tokens`` is an alias of ``max_completion_length``).
 SAMPLING_KEYS = ("max_completion_length", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
@@ -351,6 +351,19 @@ class HybridEngineRolloutFunc:
     def __repr__(self) -> str:
         return (f"HybridEngineRolloutFunc(config={self.config!r}, overrides={self.overrides!r}, "
                 f"zero3_gathered_inference_copy={self.zero3_gathered_inference_copy})")
+
+
+def destroy_trainer_deepspeed(trainer: Any) -> None:
+    """Tear down the DeepSpeed engine a transformers/TRL trainer built, now (call it on every rank, after
+    training, before ``destroy_process_group()``).
+
+    Left to interpreter shutdown, a ZeRO-3 engine on gloo can abort the process after
+    its last line (see :func:`hybrid_engine.zero.destroy_deepspeed_engine`); the
+    trainer and accelerate hold it in several places, all dropped here first.
+    """
+    trainer.accelerator.free_memory()  # accelerate's references to the engine and its optimizer
+    trainer.deepspeed = trainer.optimizer = trainer.lr_scheduler = None
+    destroy_deepspeed_engine(trainer, "model_wrapped")
 
 
 def make_rollout_func(config: RolloutConfig | None = None, *, zero3_gathered_inference_copy: bool = False,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from hybrid_engine.zero import destroy_deepspeed_engine, gathered_for_inference, import_deepspeed  # noqa: E402
+from hybrid_engine.zero import gathered_for_inference, import_deepspeed  # noqa: E402
 
 import_deepspeed()  # before TRL and accelerate import it: no C++ op is built on this CPU
 
@@ -33,7 +33,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from hybrid_engine import HybridEngineRollout  # noqa: E402
 from hybrid_engine.graph_policy import GraphRefusedWarning  # noqa: E402
 from hybrid_engine.inputs import decode_model  # noqa: E402
-from hybrid_engine.integrations.trl import make_rollout_func  # noqa: E402
+from hybrid_engine.integrations.trl import destroy_trainer_deepspeed, make_rollout_func  # noqa: E402
 from hybrid_engine.tiny_models import build_model, build_tokenizer  # noqa: E402
 
 STEPS = 3
@@ -103,9 +103,7 @@ def main(mode: str, out_dir: Path) -> None:
                out_dir / f"rank{rank}.pt")
     # DeepSpeed's teardown while both ranks are alive (left to interpreter shutdown, a ZeRO-3 engine can abort
     # the process on gloo), then the process group.
-    trainer.accelerator.free_memory()
-    trainer.deepspeed = trainer.optimizer = trainer.lr_scheduler = None
-    destroy_deepspeed_engine(trainer, "model_wrapped")
+    destroy_trainer_deepspeed(trainer)
     dist.barrier()
     dist.destroy_process_group()
 
