@@ -58,7 +58,7 @@ class HybridEngine(nn.Module):
         self.module = model
         self.config = config
         self.training_backend = training
-        self._inference_copy = (InferenceCopy(model) if config.zero_optimization.stage == 3
+        self._inference_copy = (InferenceCopy(decode_model(model)) if config.zero_optimization.stage == 3
                                 and config.hybrid_engine.zero3_gathered_inference_copy else None)
         self._generator = Generator(self.inference_module, config)
 

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch.nn.modules import module as _module_mod
 
-__all__ = ["HookCaptureError", "adapter_fingerprint", "attributed_hooks", "graph_fingerprint", "hook_fingerprint",
-           "weight_fingerprint"]
+__all__ = ["ADAPTER_STATE", "HookCaptureError", "adapter_fingerprint", "attributed_hooks", "graph_fingerprint",
+           "hook_fingerprint", "weight_fingerprint"]
 
 # Hook tables a forward consults: per module, and process-wide (``register_module_forward_hook``).
 _HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook"}
@@ -87,7 +87,7 @@ def hook_fingerprint(model: torch.nn.Module) -> tuple:
 
 # Host-side attributes of a PEFT tuner layer (found by duck typing: no peft import) that its forward branches on
 # or freezes into a captured graph.
-_ADAPTER_STATE = ("merged_adapters", "_active_adapter", "_disable_adapters", "scaling")
+ADAPTER_STATE = ("merged_adapters", "_active_adapter", "_disable_adapters", "scaling")
 
 
 def _host_value(value: Any) -> Any:
@@ -103,7 +103,7 @@ def _host_value(value: Any) -> Any:
 def adapter_fingerprint(model: torch.nn.Module) -> tuple:
     """Merged/active/disabled adapters and scaling of every adapter layer: changes on an in-place merge or switch."""
     return tuple(
-        (name, *(_host_value(getattr(m, attr, None)) for attr in _ADAPTER_STATE))
+        (name, *(_host_value(getattr(m, attr, None)) for attr in ADAPTER_STATE))
         for name, m in model.named_modules()
         if hasattr(m, "merged_adapters")
     )

@@ -30,7 +30,7 @@ the function keeps an unpartitioned copy of the model
 (:class:`~hybrid_engine.inference_copy.InferenceCopy`, no DeepSpeed hooks),
 refreshed in place at each call by one gather, and decodes on the copy with
 graphs captured once, as above; the cost is one full copy of the weights per
-process.
+process. A PEFT model's copy carries the same adapters.
 
 Per call: TRL passes this process's prompts, each repeated ``num_generations``
 times in a row (its ``RepeatSampler``). Each run of identical prompts is folded
@@ -380,7 +380,7 @@ def make_rollout_func(config: RolloutConfig | None = None, *, zero3_gathered_inf
     Under DeepSpeed ZeRO-3, rollouts gather the parameters at each call and
     decode eagerly; ``zero3_gathered_inference_copy=True`` decodes with graphs on
     an unpartitioned copy refreshed at each call (one full copy of the weights
-    per process; not for PEFT models). See the module docstring.
+    per process, PEFT adapters included). See the module docstring.
 
     Use: ``GRPOTrainer(model, reward_funcs, args=..., train_dataset=...,
     processing_class=tokenizer, rollout_func=make_rollout_func())``.

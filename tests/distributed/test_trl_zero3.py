@@ -7,8 +7,9 @@ eager rollout of the same request on the trainer's gathered parameters, and the
 weights must have moved between steps. By default graphs are refused with one
 warning and every call decodes eagerly on the gathered parameters (LoRA
 adapters trained through TRL's ``peft_config`` included); with
-``zero3_gathered_inference_copy`` the copy is refreshed to the gathered weights
-at every call and graphs are captured once, then replayed.
+``zero3_gathered_inference_copy`` the copy (with the same LoRA adapters, where
+the trainer trains some) is refreshed to the gathered weights at every call and
+graphs are captured once, then replayed.
 """
 
 from __future__ import annotations
@@ -58,8 +59,11 @@ def test_rollouts_gather_the_partitioned_weights_and_decode_eagerly(tmp_path, mo
             assert "ZeRO stage 3" in c["stats"]["last_refusal_reason"]
 
 
-def test_the_inference_copy_follows_every_step_and_replays_graphs_captured_once(tmp_path):
-    for d in run_worker(tmp_path, "copy"):
+@pytest.mark.parametrize("mode", ["copy", "lora_copy"])
+def test_the_inference_copy_follows_every_step_and_replays_graphs_captured_once(tmp_path, mode):
+    if mode == "lora_copy":
+        pytest.importorskip("peft")
+    for d in run_worker(tmp_path, mode):
         assert d["graph_refused_warnings"] == 0
         calls = d["calls"]
         for c in calls:

@@ -91,9 +91,13 @@ def test_zero_3_refuses_graphs_and_generates_from_gathered_parameters(tmp_path):
     assert_ranks_independent(ranks)
 
 
-def test_zero_3_with_a_gathered_inference_copy_replays_graphs_across_steps(tmp_path):
-    ranks = run_worker(tmp_path, 3, "fp32", "copy")
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_zero_3_with_a_gathered_inference_copy_replays_graphs_across_steps(tmp_path, lora):
+    if lora:
+        pytest.importorskip("peft")
+    ranks = run_worker(tmp_path, 3, "fp32", "copy", *(["lora"] if lora else []))
     for d in ranks:
+        assert d["trainable"] == (8 if lora else 21)  # LoRA A/B on q and v of 2 layers, or every parameter
         assert d["zero_stage"] == 3 and d["generates_on_copy"] and d["global_steps"] == STEPS
         assert_graph_equals_eager(d)
         # The copy is refreshed in place after each step: captured once, replayed with the new weights.

@@ -2,8 +2,9 @@
 
 ``python trl_zero3_worker.py MODE OUT_DIR``: MODE ``gathered`` (rollouts gather
 the parameters per call and decode eagerly), ``lora`` (the same, training LoRA
-adapters on a tiny Llama through TRL's ``peft_config``) or ``copy``
-(``zero3_gathered_inference_copy=True``: graphs on an unpartitioned copy). At
+adapters on a tiny Llama through TRL's ``peft_config``), ``copy``
+(``zero3_gathered_inference_copy=True``: graphs on an unpartitioned copy) or
+``lora_copy`` (LoRA adapters, graphs on a copy with the same adapters). At
 every rollout call it also generates the same request eagerly on the trainer's
 partitioned model (a collective gather, on every rank alike) and records both,
 with the rollout's stats and a checksum of the gathered weights, to
@@ -49,7 +50,8 @@ def _cut(rows: torch.Tensor, lengths: torch.Tensor) -> list[list]:
 
 
 def main(mode: str, out_dir: Path) -> None:
-    fn = make_rollout_func(zero3_gathered_inference_copy=(mode == "copy"))
+    lora = mode.startswith("lora")
+    fn = make_rollout_func(zero3_gathered_inference_copy=mode.endswith("copy"))
     calls: list[dict] = []
     eager: list[HybridEngineRollout] = []
 
@@ -71,14 +73,15 @@ def main(mode: str, out_dir: Path) -> None:
             record["weight_sum"] = float(sum(p.double().sum() for p in source.parameters()))
             if fn.inference_copy is not None:
                 mine = dict(fn.inference_copy.module.named_parameters())
-                record["copy_equals_gathered"] = all(torch.equal(mine[n], p) for n, p in source.named_parameters())
+                record["copy_equals_gathered"] = all(torch.equal(mine[n], p)
+                                                     for n, p in decode_model(source).named_parameters())
         calls.append(record)
         return out
 
     # Built before the config, so that deepspeed.initialize partitions it.
-    model = build_model("tiny-llama" if mode == "lora" else "tiny-gpt2", seed=0)
+    model = build_model("tiny-llama" if lora else "tiny-gpt2", seed=0)
     peft_config = None
-    if mode == "lora":
+    if lora:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)

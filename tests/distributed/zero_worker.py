@@ -1,6 +1,7 @@
 """One rank of the ZeRO tests (run under torchrun by tests/distributed/test_zero.py).
 
-``python zero_worker.py STAGE PRECISION OUT_DIR [copy]``: trains a tiny Llama on
+``python zero_worker.py STAGE PRECISION OUT_DIR [copy] [lora]``: trains a tiny
+Llama (``lora``: LoRA adapters on it, through ``peft.get_peft_model``) on
 DeepSpeed ZeRO ``STAGE`` through ``hybrid_engine.initialize``, beside a
 single-process stage-0 reference trained on the same global batch, generates
 rollouts with graphs and eagerly, and saves what the test asserts to
@@ -27,6 +28,7 @@ from hybrid_engine import (
 )
 from hybrid_engine.config import load_config
 from hybrid_engine.graph_policy import GraphRefusedWarning
+from hybrid_engine.inputs import decode_model
 from hybrid_engine.ranks import rank, shard
 from hybrid_engine.tiny_models import build_model
 from hybrid_engine.zero import deepspeed_config, gathered_for_inference, import_deepspeed
@@ -72,9 +74,17 @@ def rollout(obj, graphs: bool) -> HybridEngineRollout:
 
 def main() -> None:
     stage, precision, out_dir = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
-    inference_copy = sys.argv[4:] == ["copy"]
+    flags = set(sys.argv[4:])
+    inference_copy = "copy" in flags
     torch.set_num_threads(1)
     model = build_model("tiny-llama", seed=1)
+    if "lora" in flags:
+        from peft import LoraConfig, get_peft_model
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                                     init_lora_weights=False))
     reference = copy.deepcopy(model)
     engine, optimizer, _, _ = initialize(model=model, config=config(stage, precision, inference_copy))
     # The single-process reference: stage 0, same precision, trained on the whole global batch.
@@ -83,7 +93,8 @@ def main() -> None:
     result: dict = {"rank": r, "world": world, "zero_stage": engine.zero_stage,
                     "param_dtype": str(next(model.parameters()).dtype),
                     "optimizer": type(optimizer).__name__,
-                    "generates_on_copy": engine.inference_module is not model}
+                    "generates_on_copy": engine.inference_module is not decode_model(model),
+                    "trainable": sum(p.requires_grad for p in model.parameters())}
     addresses = [p.data_ptr() for p in model.parameters()]
 
     ids, mask = prompts()
