@@ -12,6 +12,7 @@ updates are what the next replay reads: no weight copy, no sync, no recapture.
     torchrun --nproc-per-node 2 examples/trl_grpo.py --zero3 --compare
                                                  # on DeepSpeed ZeRO-3: an inference copy with graphs vs
                                                  # the gathered parameters, eagerly
+    python examples/trl_grpo.py --lora 8         # train LoRA adapters of rank 8 (TRL's peft_config)
 
 Per step it prints the loss, the mean reward, the rollout time, the step time and
 the captures so far; at the end steps, captures (decode graphs / admission
@@ -21,7 +22,9 @@ graphs) and the time per step. Needs ``pip install 'hybrid-engine[trl]'``.
 one process under plain ``python``, or as many as ``torchrun`` starts, printing on
 rank 0). There "graphs on" generates on an unpartitioned copy of the model
 refreshed at each step (``zero3_gathered_inference_copy=True``) and "graphs off"
-on the parameters gathered for each call.
+on the parameters gathered for each call. ``--lora R`` trains LoRA adapters of
+rank ``R`` on every linear layer instead of the whole model (``pip install
+'hybrid-engine[trl]'`` brings PEFT); under ZeRO-3 the copy carries them too.
 """
 
 from __future__ import annotations
@@ -107,11 +110,17 @@ def train(args: argparse.Namespace, *, graphs: bool) -> dict[str, Any]:
         use_cpu=args.device == "cpu", bf16=False, gradient_checkpointing=False, disable_dropout=True,
         disable_tqdm=True, seed=args.seed, deepspeed=ZERO3 if args.zero3 else None,
     )
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear", lora_dropout=0.0)
     trainer = GRPOTrainer(model=model, reward_funcs=english_word_reward, args=config, processing_class=tokenizer,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}), rollout_func=rollout_func,
-                          callbacks=[timer])
+                          callbacks=[timer], peft_config=peft_config)
     trainer.remove_callback(PrinterCallback)
-    print(f"\n== graphs {'on' if graphs else 'off'}: tiny-{args.model}, {args.steps} steps, "
+    print(f"\n== graphs {'on' if graphs else 'off'}: tiny-{args.model}{f' LoRA r={args.lora}' if args.lora else ''}, "
+          f"{args.steps} steps, "
           f"{args.prompts_per_step} prompts x {args.num_generations} completions x {args.max_completion_length} "
           f"tokens per step")
     t0 = time.perf_counter()
@@ -158,9 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--no-graphs", action="store_true", help="decode eagerly")
     mode.add_argument("--compare", action="store_true", help="run with graphs on, then off, and compare")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="train LoRA adapters of rank R on every linear layer (0: the whole model)")
     p.add_argument("--zero3", action="store_true",
                    help="train on DeepSpeed ZeRO-3; graphs run on an inference copy refreshed at each step")
     args = p.parse_args(argv)
+    if args.lora < 0:
+        p.error(f"--lora must be a LoRA rank >= 1 (or 0 for none), got {args.lora}")
     torch.set_num_threads(args.threads)
     quiet = contextlib.nullcontext()
     if args.zero3:

@@ -291,13 +291,17 @@ def test_fsdp_is_refused_and_the_zero3_copy_flag_warns_when_nothing_is_partition
     assert fn.inference_copy is None and fn.rollout.model is _model()
 
 
-def test_example_script_runs_and_graphs_match_eager(monkeypatch, capsys):
+@pytest.mark.parametrize("lora", [[], ["--lora", "4"]], ids=["full", "lora"])
+def test_example_script_runs_and_graphs_match_eager(monkeypatch, capsys, lora):
+    if lora:
+        pytest.importorskip("peft")
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     path = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
     spec = importlib.util.spec_from_file_location("trl_grpo_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    assert example.main(["--compare", "--steps", "2", "--max-completion-length", "4"]) == 0
+    assert example.main(["--compare", "--steps", "2", "--max-completion-length", "4", *lora]) == 0
     out = capsys.readouterr().out
     assert "completions identical at every step: yes" in out
     assert "| on | 2 | 4 | 1 |" in out and "| off | 2 | 0 | 0 |" in out
+    assert ("LoRA r=4" in out) == bool(lora)
