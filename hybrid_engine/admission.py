@@ -13,7 +13,8 @@ What a round's capture freezes: the number of prompt rows (exact up to
 would cost a whole prefill, then the decode buckets), the number of request
 rows (decode buckets: a request row costs only its sampling), the staged
 width (the call's padded prompt width, rounded up to a power of two, the same
-for every round of a call) and the sampling knobs.
+for every round of a call) and the sampling mode (the knobs' values are device
+data, :class:`~hybrid_engine.sampling.SamplingKnobs`).
 Everything per round is device data in the stage: the prompts (right-aligned, the columns before them masked out)
 and one ``meta`` column per request (slot, source prompt row, request index,
 budget, min_tokens, seed). Prompt rows past the round's prompts keep stale
@@ -127,7 +128,7 @@ def admit_from_logits(slots: DecodeSlots, logits: torch.Tensor, meta: torch.Tens
     slot, source, request_index, budget, min_tokens, seed = meta
     tokens, logprobs = choose_tokens(
         logits.index_select(0, source), sampling_key, eos_mask=slots.eos_mask, suppress_eos=min_tokens > 0,
-        seed=seed, request_index=request_index, token_index=0,
+        seed=seed, request_index=request_index, token_index=0, knobs=slots.knobs,
     )
     slots.admit(slot, tokens, logprobs, seed=seed, request_index=request_index, budget=budget,
                 min_tokens=min_tokens)

@@ -13,7 +13,8 @@ once here and only ever updated in place:
   ``finished`` flag, and the output rows ``out_tokens``/``out_logprobs``
   ``[S, width]`` that the step scatters into at ``token_index``;
 * the EOS ids (``eos_ids``, padded with -1 to a fixed length, and ``eos_mask``
-  over the vocabulary) and the pad id (``pad_id``).
+  over the vocabulary), the pad id (``pad_id``) and the sampling knobs' values
+  (``knobs``: temperature, top-p, top-k), all written before a call.
 
 Everything is allocated for the largest batch bucket ``S``. The bucket of ``n``
 rows is :meth:`DecodeSlots.head`: the ``[:n]`` view of every tensor, at the same
@@ -21,8 +22,9 @@ addresses, so graphs of every bucket share one allocation and a request can
 move to a smaller bucket by moving its row (:meth:`DecodeSlots.move`).
 
 What a capture freezes: the bucket size, the cache capacity and output width
-(shapes), and the sampling knobs (temperature, top-p, top-k). No position,
-length or counter is a host value, so one graph serves every decode position.
+(shapes), and the sampling mode (greedy or sampled, top-k and top-p on or
+off: which ops run). No position, length, counter or knob value is a host
+value, so one graph serves every decode position and every temperature.
 
 The eager path runs exactly the same :meth:`DecodeSlots.step` without capture,
 so eager and graph results are bit-identical by construction. Finished and
@@ -37,7 +39,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .model_step import decode_one_token
-from .sampling import sample_tokens
+from .sampling import SamplingKnobs, sample_tokens
 from .static_cache import StaticKVCache
 
 __all__ = ["DecodeSlots", "choose_tokens", "logits_width"]
@@ -68,16 +70,19 @@ def choose_tokens(
     seed: torch.Tensor | int,
     request_index: torch.Tensor,
     token_index: torch.Tensor | int,
+    knobs: SamplingKnobs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens [B], logprobs [B])`` from ``logits [B, V]``; EOS is masked out on rows where ``suppress_eos``.
 
-    Capture-safe: every per-row input is a device tensor. Prefill admission and
-    the decode step both pick through here, so they cannot diverge.
+    Capture-safe: every per-row input is a device tensor, and so are the knob
+    values (``knobs``, set to ``sampling_key`` before the call; the key only
+    picks the filters). Prefill admission and the decode step both pick
+    through here, so they cannot diverge.
     """
     temperature, top_p, top_k = sampling_key
     logits = logits.masked_fill(suppress_eos[:, None] & eos_mask, float("-inf"))
     return sample_tokens(logits, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                         request_index=request_index, token_index=token_index)
+                         request_index=request_index, token_index=token_index, knobs=knobs)
 
 
 class DecodeSlots:
@@ -114,7 +119,12 @@ class DecodeSlots:
         self.num_eos_slots = max(MIN_EOS_SLOTS, num_eos)
         self.eos_ids = torch.full((self.num_eos_slots,), -1, **i64)
         self.eos_mask = torch.zeros(logits_width(model), dtype=torch.bool, device=device)
+        #: The token fed to rows that are not live (what they emit is never read): the pad id where the
+        #: embedding has it, else 0, since configs may carry any int there (old Llama ones: -1).
         self.pad_id = torch.zeros((), **i64)
+        self.knobs = SamplingKnobs(device)
+        embeddings = model.get_input_embeddings()
+        self._embedding_rows = getattr(embeddings, "num_embeddings", None) or self.eos_mask.numel()
         self.eos_reachable = False
         # Parking spot for rows that are not live: the last cache slot and a legal position id.
         park = capacity - 1
@@ -157,17 +167,19 @@ class DecodeSlots:
         return int(self.cache.memory_bytes()) + extra + self.eos_ids.nbytes + self.eos_mask.nbytes
 
     def set_special_ids(self, pad_id: int, eos_ids: tuple[int, ...]) -> None:
-        """Pad and EOS ids for the next call (outside capture; EOS ids beyond the vocabulary never match)."""
-        self.pad_id.fill_(pad_id)
+        """Pad and EOS ids for the next call (outside capture). EOS ids outside the vocabulary (negative
+        ones included, as transformers ignores them) never match."""
+        self.pad_id.fill_(pad_id if 0 <= pad_id < self._embedding_rows else 0)
         self.eos_ids.fill_(-1)
         self.eos_mask.zero_()
+        vocab = self.eos_mask.numel()
+        reachable = [e for e in eos_ids if 0 <= e < vocab]
         #: Whether a row can emit an EOS at all (host-side; then the scheduler must look for early stops).
-        self.eos_reachable = any(e < self.eos_mask.numel() for e in eos_ids)
+        self.eos_reachable = bool(reachable)
         if eos_ids:
-            ids = torch.tensor(eos_ids, dtype=torch.int64, device=self.device)
-            self.eos_ids[: ids.numel()].copy_(ids)
-            reachable = ids[ids < self.eos_mask.numel()]
-            self.eos_mask.index_fill_(0, reachable, True)
+            self.eos_ids[: len(eos_ids)].copy_(torch.tensor(eos_ids, dtype=torch.int64))
+        if reachable:
+            self.eos_mask.index_fill_(0, torch.tensor(reachable, dtype=torch.int64, device=self.device), True)
 
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens[:, None] == self.eos_ids[None, :]).any(dim=-1)
@@ -179,7 +191,7 @@ class DecodeSlots:
         logits = decode_one_token(model, cache, self.tokens)
         new_tokens, logprobs = choose_tokens(
             logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
-            seed=self.seed, request_index=self.request_index, token_index=self.token_index,
+            seed=self.seed, request_index=self.request_index, token_index=self.token_index, knobs=self.knobs,
         )
         live = ~self.finished
         column = self.token_index.clamp(max=self.width - 1)[:, None]

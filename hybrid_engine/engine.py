@@ -35,7 +35,7 @@ from . import checkpoint
 from .config import ConfigSource, EngineConfig, load_config
 from .exclusive import exclusive_generation
 from .generation import Generator
-from .graph_runner import GraphStats
+from .graph_runner import GraphStats, decode_grad_mode
 from .inference_copy import InferenceCopy
 from .inputs import decode_model
 from .precision import MasterWeights
@@ -196,7 +196,7 @@ class HybridEngine(nn.Module):
             if was_training:
                 self.module.eval()
             try:
-                with torch.no_grad(), gathered_for_inference(self.inference_module):
+                with decode_grad_mode(), gathered_for_inference(self.inference_module):
                     return self._generator.generate(*args, **kwargs)
             finally:
                 if was_training:

@@ -96,6 +96,17 @@ class _Plan:
     pad: int | None
 
 
+def _default_max_new_tokens(config: Any, gen: Any, width: int) -> int:
+    """What transformers generates when the call names no length: ``max_length - width`` when the model's
+    generation config sets a ``max_length`` of its own, else 20 new tokens, within the model's positions."""
+    default = GenerationConfig().max_length  # None on transformers 5, 20 on 4.x
+    if gen.max_length is not None and gen.max_length != default:
+        return gen.max_length - width
+    total = (default or 20) + width
+    limit = getattr(config, "max_position_embeddings", None)
+    return (min(total, limit) if isinstance(limit, int) else total) - width
+
+
 class Generator:
     """Runs one engine's ``generate`` calls on its graph runner (see module docstring)."""
 
@@ -171,7 +182,7 @@ class Generator:
             elif gen.max_new_tokens is not None:
                 max_new = gen.max_new_tokens
             else:
-                max_new = (gen.max_length or 20) - width
+                max_new = _default_max_new_tokens(self.model.config, gen, width)
         min_new = kwargs.get("min_new_tokens")
         if min_new is None:
             min_new = gen.min_new_tokens or 0

@@ -8,7 +8,7 @@ Both generation paths run on this one runner: ``engine.generate``
 * the buffers: one :class:`~hybrid_engine.decode_state.DecodeSlots` allocated
   at the largest bucket a call needs (it only grows, as gpt-fast's caches do);
   bucket ``n`` runs on its ``[:n]`` head, at the same addresses;
-* the graphs, keyed by :class:`GraphKey` ``(bucket, sampling knobs)`` for
+* the graphs, keyed by :class:`GraphKey` ``(bucket, sampling mode)`` for
   decode steps and :class:`AdmissionKey` for staged admission rounds
   (continuous batching admits often, and an eager prefill forward costs
   several replayed steps), all captured into one shared memory pool on the
@@ -39,6 +39,9 @@ Graph-safety invariants kept here:
   model's choice and the fingerprint, taken outside the switch, stays stable.
 * Hooks are captured, never dropped. A hook that cannot be captured makes the
   runner refuse graphs while that hook set is registered, naming the module.
+* The buffers and graphs outlive the call that made them, so calls run under
+  :func:`decode_grad_mode`: no autograd, and never ``torch.inference_mode``,
+  whose tensors a later call made outside it could not write in place.
 """
 
 from __future__ import annotations
@@ -62,9 +65,10 @@ from .graph_policy import GraphRefusedWarning, graph_attention, refusal_reason
 from .graph_safety import HookCaptureError, attributed_hooks, graph_fingerprint, hook_fingerprint
 from .inputs import model_device
 from .model_step import max_positions
+from .sampling import sampling_mode
 
 __all__ = ["EXACT_PROMPT_ROWS", "MAX_CAPTURE_FAILURES", "AdmissionKey", "DecodeGraphRunner", "GraphKey", "GraphStats",
-           "default_graph_buckets"]
+           "decode_grad_mode", "default_graph_buckets"]
 
 #: Capture failures after which a runner stops trying graphs.
 MAX_CAPTURE_FAILURES = 3
@@ -74,6 +78,13 @@ MAX_CAPTURE_FAILURES = 3
 EXACT_PROMPT_ROWS = 8
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def decode_grad_mode() -> Iterator[None]:
+    """No autograd and no inference mode, whatever the caller's: what a generation call runs under."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def default_graph_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -99,7 +110,7 @@ class GraphKey(NamedTuple):
     """Everything a captured decode step bakes in besides the buffers' shapes."""
 
     bucket: int
-    sampling: tuple[float, float, int]  # (temperature, top_p, top_k)
+    sampling: tuple[bool, bool, bool]  # :func:`~hybrid_engine.sampling.sampling_mode`; the values are device data
 
 
 class AdmissionKey(NamedTuple):
@@ -108,7 +119,7 @@ class AdmissionKey(NamedTuple):
     prompts: int
     requests: int
     width: int
-    sampling: tuple[float, float, int]
+    sampling: tuple[bool, bool, bool]
 
 
 @dataclasses.dataclass
@@ -282,7 +293,7 @@ class DecodeGraphRunner:
     def step(self, bucket: int, sampling_key: tuple[float, float, int]) -> None:
         """One decode step on slots ``[:bucket]``: replay its graph, or warm up / capture it, or run eagerly."""
         view = self.slots.head(bucket)
-        self._run(GraphKey(bucket, sampling_key), lambda: view.step(self.model, sampling_key))
+        self._run(GraphKey(bucket, sampling_mode(*sampling_key)), lambda: view.step(self.model, sampling_key))
 
     def admit(self, ids: torch.Tensor, mask: torch.Tensor, meta: list[list[int]],
               sampling_key: tuple[float, float, int]) -> None:
@@ -299,7 +310,7 @@ class DecodeGraphRunner:
         ids, mask = ids[:, -width:], mask[:, -width:]  # only left padding is cut: width >= every real prompt
         prompts, requests = self.prompt_rows_for(ids.shape[0]), self.bucket_for(len(meta[0]))
         round_ = self.stage.stage(ids, mask, meta, prompts, requests, width)
-        self._run(AdmissionKey(prompts, requests, width, sampling_key),
+        self._run(AdmissionKey(prompts, requests, width, sampling_mode(*sampling_key)),
                   lambda: admit_staged(self.slots, self.model, round_, sampling_key))
 
     def capture_buckets(self, top: int, sampling_key: tuple[float, float, int], shrink: bool) -> None:
@@ -315,7 +326,7 @@ class DecodeGraphRunner:
             return
         sizes = self.buckets or default_graph_buckets(top)
         for bucket in sorted((b for b in sizes if b == top or (shrink and b < top)), reverse=True):
-            key = GraphKey(bucket, sampling_key)
+            key = GraphKey(bucket, sampling_mode(*sampling_key))
             if key in self._graphs or self._call_eager:
                 continue
             view = self.slots.head(bucket)

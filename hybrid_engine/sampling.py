@@ -18,8 +18,12 @@ mixer built from int64 tensor ops. Because of that:
   in which row it sits;
 * the same values come out on every device (integer arithmetic is exact).
 
-The host-side knobs (temperature, top-p, top-k) are plain Python numbers and
-are frozen into a captured graph; a graph is keyed on them. Everything else is
+The knobs (temperature, top-p, top-k) decide which filters run (the
+:func:`sampling_mode`: greedy or not, top-k on or off, top-p on or off), which
+a captured graph freezes and is keyed on. Their values may instead come from
+device tensors (:class:`SamplingKnobs`, written before each call), so one graph
+per mode serves every temperature, top-p and top-k: a schedule that changes the
+temperature at every step recaptures nothing. Everything else is
 static-shape tensor work: a stable descending sort, masks built from positions
 and cumulative sums, and an inverse-CDF pick by counting -- no ``.item()``,
 ``nonzero``, boolean-mask indexing or ``torch.multinomial``.
@@ -48,7 +52,11 @@ import numbers
 
 import torch
 
-__all__ = ["SAMPLING_STREAM", "counter_uniform", "logprobs_of", "sample_tokens", "validate_sampling"]
+__all__ = ["MIN_TEMPERATURE", "SAMPLING_STREAM", "SamplingKnobs", "counter_uniform", "logprobs_of", "sample_tokens",
+           "sampling_mode", "validate_sampling"]
+
+#: The smallest positive temperature (as vLLM's sampling epsilon): below it, scaled logits overflow float32.
+MIN_TEMPERATURE = 1e-5
 
 #: ``stream`` used by :func:`sample_tokens` for its one uniform per token.
 SAMPLING_STREAM = 0
@@ -132,7 +140,8 @@ def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
 
     ``TypeError`` for a non-numeric value; ``ValueError`` (naming the argument)
     for ``temperature`` negative or non-finite, ``top_p`` outside ``(0, 1]``, or
-    ``top_k`` not an integer or below ``-1``. ``top_k`` of ``-1`` or ``0``
+    ``top_k`` not an integer or below ``-1``, and for a positive ``temperature``
+    below :data:`MIN_TEMPERATURE`. ``top_k`` of ``-1`` or ``0``
     disables top-k; ``top_p == 1`` disables top-p; ``temperature == 0`` is greedy.
     """
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
@@ -140,6 +149,9 @@ def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
             raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if 0 < temperature < MIN_TEMPERATURE:  # logits / T would overflow to inf: no distribution left
+        raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature!r}; "
+                         "pass temperature=0 for greedy decoding")
     if not (0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if not isinstance(top_k, numbers.Integral):  # a number, but not a whole one: a bad value
@@ -150,8 +162,35 @@ def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
         raise ValueError(f"top_k must be >= -1 (-1 or 0 disables it), got {top_k!r}")
 
 
+def sampling_mode(temperature: float, top_p: float, top_k: int) -> tuple[bool, bool, bool]:
+    """Which filters run: ``(sampled, top-k on, top-p on)``; greedy is ``(False, False, False)``.
+
+    What a captured graph freezes of the knobs (their values can live in :class:`SamplingKnobs`).
+    A ``top_k`` at or above the vocabulary masks nothing, so the same ops give the same result.
+    """
+    if temperature == 0:
+        return (False, False, False)
+    return (True, top_k > 0, top_p < 1)
+
+
+class SamplingKnobs:
+    """Temperature, top-p and top-k as 0-dim device tensors, written in place before a call (never during
+    capture), so that a graph captured for one :func:`sampling_mode` reads the values of every call."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.temperature = torch.ones((), dtype=torch.float32, device=device)
+        self.top_p = torch.ones((), dtype=torch.float32, device=device)
+        self.top_k = torch.zeros((), dtype=torch.int64, device=device)
+
+    def set(self, temperature: float, top_p: float, top_k: int) -> None:
+        validate_sampling(temperature, top_p, top_k)
+        self.temperature.fill_(temperature if temperature > 0 else 1.0)
+        self.top_p.fill_(top_p)
+        self.top_k.fill_(max(top_k, 0))
+
+
 def _filtered_sorted_logprobs(
-    logits: torch.Tensor, temperature: float, top_p: float, top_k: int
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, knobs: SamplingKnobs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampling distribution over the last dim, in descending order.
 
@@ -159,19 +198,23 @@ def _filtered_sorted_logprobs(
     temperature, top-k and top-p (removed entries are ``-inf``, the rest are
     renormalised), and the vocabulary index of each sorted position. Requires
     ``temperature > 0``. Shapes are static and no value is read on the host.
+    The Python knobs choose the filters (:func:`sampling_mode`); ``knobs``, when
+    given, supplies their values (the float32 values the Python ones round to).
     """
-    scaled = logits.float() / temperature
+    _, top_k_on, top_p_on = sampling_mode(temperature, top_p, top_k)
+    t, p, k = (knobs.temperature, knobs.top_p, knobs.top_k) if knobs is not None else (temperature, top_p, top_k)
+    scaled = logits.float() / t
     sorted_logits, sort_index = torch.sort(scaled, dim=-1, descending=True, stable=True)
     vocab = sorted_logits.shape[-1]
     neg_inf = float("-inf")
-    if 0 < top_k < vocab:
+    if top_k_on and (knobs is not None or top_k < vocab):
         position = torch.arange(vocab, device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(position >= top_k, neg_inf)
+        sorted_logits = sorted_logits.masked_fill(position >= k, neg_inf)
     logprobs = torch.log_softmax(sorted_logits, dim=-1)
-    if top_p < 1:
+    if top_p_on:
         probs = logprobs.exp()
         mass_before = torch.cumsum(probs, dim=-1) - probs  # exclusive prefix sum
-        drop = mass_before >= top_p
+        drop = mass_before >= p
         drop[..., 0] = False  # the top token is always kept
         logprobs = torch.log_softmax(logprobs.masked_fill(drop, neg_inf), dim=-1)
     return logprobs, sort_index
@@ -186,6 +229,7 @@ def sample_tokens(
     seed: torch.Tensor | int,
     request_index: torch.Tensor | int,
     token_index: torch.Tensor | int,
+    knobs: SamplingKnobs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` ``[B, V]``; capture-safe.
 
@@ -195,7 +239,9 @@ def sample_tokens(
     distribution, so its token depends only on its own logits and counters.
     ``temperature == 0`` is greedy: ``argmax`` (lowest index on ties) with the
     log-probability under ``softmax(logits)``. See the module docstring for
-    the filtering rules and what the returned log-probability means.
+    the filtering rules and what the returned log-probability means. With
+    ``knobs`` the filters read their values from those device tensors (see
+    :func:`_filtered_sorted_logprobs`): pass knobs set to the same values.
     """
     validate_sampling(temperature, top_p, top_k)
     if logits.dim() != 2:
@@ -204,7 +250,7 @@ def sample_tokens(
         tokens = torch.argmax(logits, dim=-1)
         logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         return tokens, logprobs
-    sorted_lp, sort_index = _filtered_sorted_logprobs(logits, temperature, top_p, top_k)
+    sorted_lp, sort_index = _filtered_sorted_logprobs(logits, temperature, top_p, top_k, knobs)
     u = counter_uniform(seed, request_index, token_index, SAMPLING_STREAM)
     u = u.expand(logits.shape[0]).unsqueeze(-1)
     cdf = torch.cumsum(sorted_lp.exp(), dim=-1)

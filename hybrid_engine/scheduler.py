@@ -209,6 +209,7 @@ def run_schedule(
     device = state.device
     # Every slot starts free, whatever an interrupted earlier call left live.
     state.release(torch.arange(state.rows, device=device))
+    state.knobs.set(*sampling_key)  # the values the graphs of this sampling mode read
     # Rows can finish at different times (EOS, unequal budgets, more requests than slots): the call may
     # compact into every smaller bucket, so those are captured up front too.
     shrink = _may_stop_early(state, requests) or len({r.budget for r in requests}) > 1 or len(requests) > max_active

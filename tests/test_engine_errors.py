@@ -62,6 +62,8 @@ def test_bad_sampling_params():
     ids = torch.randint(4, 384, (1, 3))
     with pytest.raises(ValueError, match="top_p"):
         engine.generate(input_ids=ids, max_new_tokens=2, do_sample=True, top_p=1.5)
+    with pytest.raises(ValueError, match="temperature must be 0 .greedy. or at least"):  # logits / T overflows
+        engine.generate(input_ids=ids, max_new_tokens=2, do_sample=True, temperature=1e-300)
     assert engine.generate(input_ids=ids, max_new_tokens=2).shape == (1, 5)
 
 
@@ -72,3 +74,84 @@ def test_two_prompts_given_and_extra_positional():
         engine.generate(ids, input_ids=ids, max_new_tokens=2)
     with pytest.raises(TypeError, match="at most one positional"):
         engine.generate(ids, ids, max_new_tokens=2)
+
+
+def _graph_engine(name="tiny-llama", seed=0):
+    model = build_model(name, seed=seed)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    return engine, build_model(name, seed=seed)
+
+
+def _prompts(rows=3, width=6, seed=0):
+    ids = torch.randint(4, 384, (rows, width), generator=torch.Generator().manual_seed(seed))
+    return ids, torch.ones_like(ids)
+
+
+def test_a_call_under_inference_mode_leaves_engine_and_rollout_usable_outside_it():
+    # The first call allocates the decode buffers and captures; under inference_mode those would be inference
+    # tensors, which no later call outside it could write in place.
+    from hybrid_engine import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
+
+    engine, _ = _graph_engine()
+    ids, mask = _prompts()
+    with torch.inference_mode():
+        first = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    again = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(first, again) and engine.graph_stats.replays > 0
+    rollout = HybridEngineRollout(build_model("tiny-llama"), config=RolloutConfig(use_graph_capture=True))
+    request, sampling = RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=5, temperature=1.0, seed=3)
+    with torch.inference_mode():
+        first = rollout.generate(request, sampling)
+    again = rollout.generate(request, sampling)
+    assert torch.equal(first.input_ids, again.input_ids) and rollout.last_stats["graph_replays"] > 0
+    with torch.inference_mode():  # and back inside it
+        assert torch.equal(rollout.generate(request, sampling).input_ids, first.input_ids)
+
+
+@pytest.mark.parametrize("pad", [-1, 400])
+def test_a_pad_id_outside_the_vocabulary_is_output_but_never_fed_to_the_model(pad):
+    # Old Llama configs carry pad_token_id=-1; idle and finished rows are fed a token the embedding has.
+    engine, reference = _graph_engine()
+    ids, mask = _prompts()
+    expected = reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                  pad_token_id=pad)
+    out = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=pad)
+    assert torch.equal(out, expected)
+    # With a reachable EOS, rows that stop early are padded with the pad id itself, as transformers does.
+    first = int(expected[0, ids.shape[1]])
+    out = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=pad,
+                          eos_token_id=first)
+    assert out.shape[1] == ids.shape[1] + 4 and int(out[0, -1]) == pad
+    if pad < 0:
+        return  # RolloutConfig takes pad ids >= 0 only
+    from hybrid_engine import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
+
+    rollout = HybridEngineRollout(build_model("tiny-llama"), config=RolloutConfig(
+        use_graph_capture=True, pad_token_id=pad, eos_token_id=first))
+    batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=4))
+    assert int(batch.responses[0, 0]) == first and int(batch.response_lengths[0]) == 1
+    assert (batch.responses[0, 1:] == pad).all()
+
+
+def test_negative_eos_ids_never_match_as_in_transformers():
+    # A negative id used as an index would alias token vocab - k and suppress it under min_new_tokens.
+    engine, reference = _graph_engine()
+    ids, mask = _prompts(rows=1)
+    first = int(reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False,
+                                   pad_token_id=0)[0, -1])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=3, do_sample=False,
+                  pad_token_id=0, eos_token_id=first - 384)
+    assert torch.equal(engine.generate(**kwargs), reference.generate(**kwargs))
+
+
+@pytest.mark.parametrize("width", [8, 24])
+def test_without_a_length_twenty_new_tokens_are_generated_as_in_transformers(width):
+    engine, reference = _graph_engine()
+    ids, mask = _prompts(rows=2, width=width, seed=width)
+    expected = reference.generate(input_ids=ids, attention_mask=mask, do_sample=False)
+    out = engine.generate(input_ids=ids, attention_mask=mask)
+    assert out.shape == (2, width + 20) and torch.equal(out, expected)
+    # A max_length of the model's own generation config is a total length, as there.
+    engine.module.generation_config.max_length = reference.generation_config.max_length = width + 5
+    assert torch.equal(engine.generate(input_ids=ids, attention_mask=mask),
+                       reference.generate(input_ids=ids, attention_mask=mask, do_sample=False))

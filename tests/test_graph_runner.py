@@ -2,6 +2,7 @@
 picks, the policy it shares with rollouts, and capture-safe sampling counters."""
 
 import contextlib
+import dataclasses
 import types
 import warnings
 
@@ -84,6 +85,8 @@ def test_staged_round_captured_equals_eager():
     stage_e = AdmissionStage(model, 2, 8, device=torch.device("cpu"), dtype=torch.float32)
     stage_g = AdmissionStage(model, 2, 8, device=torch.device("cpu"), dtype=torch.float32)
     sampled = (0.9, 0.95, 20)
+    for slots in (eager, graphed):
+        slots.knobs.set(*sampled)  # what run_schedule does at the start of a call
     with torch.no_grad():
         admit_staged(eager, model, stage_e.stage(ids, mask, meta, 2, 2, 8), sampled)
         round_g = stage_g.stage(ids, mask, meta, 2, 2, 8)
@@ -294,3 +297,26 @@ def test_a_call_interrupted_mid_decode_leaves_the_next_one_correct(monkeypatch):
     for request in (three, big):  # slots were left live: the next calls must not run them
         got = rollout.generate(request, sampling)
         assert torch.equal(got.input_ids, eager.generate(request, sampling).input_ids)
+
+
+def test_one_graph_per_bucket_and_sampling_mode_serves_every_temperature_of_a_schedule():
+    # An annealed temperature (or top-p, top-k) changes only device values: nothing is captured again.
+    model = build_model("tiny-llama", seed=2)
+    config = RolloutConfig(use_graph_capture=True, max_batch_size=4, pad_token_id=0, eos_token_id=10_000)
+    graphed, eager = HybridEngineRollout(model, config=config), HybridEngineRollout(
+        model, config=dataclasses.replace(config, use_graph_capture=False))
+    request = RolloutRequest(*prompts(6, 5, seed=4), max_new_tokens=[3, 6, 2, 6, 4, 5])
+    captures, outputs = [], []
+    # Two calls warm every key up and capture it (a key first seen once is captured by the next call).
+    schedule = [(1.0, 0.9, 40), (1.0, 0.9, 40), (0.9, 0.8, 20), (0.6, 0.95, 400), (0.3, 0.5, 5)]
+    for step, (t, p, k) in enumerate(schedule):
+        sampling = SamplingConfig(max_new_tokens=6, temperature=t, top_p=p, top_k=k, seed=step % 2)
+        batch = graphed.generate(request, sampling)
+        assert torch.equal(batch.input_ids, eager.generate(request, sampling).input_ids)
+        assert torch.equal(batch.response_logprobs, eager.generate(request, sampling).response_logprobs)
+        captures.append(graphed.last_stats["graph_captures"] + graphed.last_stats["admission_graph_captures"])
+        outputs.append(batch.response_logprobs)
+    assert captures[0] > 0 and captures[2:] == [0, 0, 0]
+    assert len({tuple(o.flatten().tolist()) for o in outputs[1:]}) == 4  # every call sampled with its own knobs
+    modes = {key.sampling for key in graphed.runner._graphs}
+    assert modes == {(True, True, True)}

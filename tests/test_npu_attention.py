@@ -362,7 +362,7 @@ def test_failed_capture_restores_counters_at_the_runner():
         if is_capturing():
             raise RuntimeError("fails after advancing host state")
 
-    key = GraphKey(2, (0.0, 1.0, 0))
+    key = GraphKey(2, (False, False, False))
     runner._run(key, step)  # warm-up (eager): counted
     assert slots.cache.num_updates == 1
     with pytest.warns(GraphRefusedWarning, match="fails after advancing host state"):

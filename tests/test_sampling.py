@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from hybrid_engine.accelerator import CPUAccelerator
-from hybrid_engine.sampling import counter_uniform, logprobs_of, sample_tokens, validate_sampling
+from hybrid_engine.sampling import (
+    SamplingKnobs,
+    counter_uniform,
+    logprobs_of,
+    sample_tokens,
+    sampling_mode,
+    validate_sampling,
+)
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 3.0])
 
@@ -269,6 +276,40 @@ def test_capture_replay_matches_eager(temperature, top_p, top_k):
         assert torch.equal(out_lp, eager_lp)
         seen.add(tuple(out_tokens.tolist()))
     assert len(seen) == 6  # replays really see the new inputs
+
+
+KNOB_VALUES = [(0.8, 0.9, 10), (1.3, 0.5, 3), (0.5, 0.99, 63), (2.0, 0.9, 200), (0.7, 0.3, 2)]
+
+
+def test_one_capture_per_sampling_mode_reads_the_knob_values_of_every_replay():
+    # Only which filters run is frozen (the mode); the values live in SamplingKnobs, so one graph serves
+    # every temperature, top-p and top-k of its mode, and gives what sample_tokens gives with those values.
+    b, v = 6, 64
+    g = torch.Generator().manual_seed(7)
+    seed, req, tidx = torch.tensor(3), torch.arange(b) * 2, torch.arange(b)
+    static_logits = torch.randn(b, v, generator=g)
+    knobs = SamplingKnobs(torch.device("cpu"))
+    knobs.set(*KNOB_VALUES[0])
+    acc = CPUAccelerator()
+    graph = acc.create_graph()
+    t, p, k = KNOB_VALUES[0]
+    with torch.no_grad(), acc.capture_to_graph(graph):
+        out_tokens, out_lp = sample_tokens(static_logits, temperature=t, top_p=p, top_k=k, seed=seed,
+                                           request_index=req, token_index=tidx, knobs=knobs)
+    logits = torch.randn(b, v, generator=g) * 3
+    static_logits.copy_(logits)
+    seen = set()
+    for t, p, k in KNOB_VALUES:
+        assert sampling_mode(t, p, k) == (True, True, True)
+        knobs.set(t, p, k)
+        acc.replay_graph(graph)
+        tokens, lp = sample_tokens(logits, temperature=t, top_p=p, top_k=k, seed=seed, request_index=req,
+                                   token_index=tidx)  # host values, no knobs: the same numbers
+        assert torch.equal(out_tokens, tokens) and torch.equal(out_lp, lp)
+        assert torch.equal(lp, logprobs_of(logits, tokens, temperature=t, top_p=p, top_k=k))
+        seen.add(tuple(lp.tolist()))
+    assert len(seen) == len(KNOB_VALUES)  # every replay read its own values
+    assert sampling_mode(0.0, 0.5, 3) == (False, False, False) and sampling_mode(1.0, 1.0, -1) == (True, False, False)
 
 
 def test_capture_replay_logprobs_of():

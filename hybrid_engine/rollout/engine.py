@@ -2,7 +2,7 @@
 
 The rollout owns one :class:`~hybrid_engine.graph_runner.DecodeGraphRunner`
 and keeps it (slots, cache and captured graphs) across ``generate`` calls, so a
-decode step is captured once per (batch bucket, sampling knobs) and replayed
+decode step is captured once per (batch bucket, sampling mode) and replayed
 for every later step of every later call, also after optimizer steps (in-place
 updates are read through the same addresses). Scheduling (continuous or static
 batching, shared prefill, compaction) is :mod:`hybrid_engine.scheduler`.
@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 from hybrid_engine.admission import width_bucket
 from hybrid_engine.config import EngineConfig
 from hybrid_engine.exclusive import exclusive_generation
-from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats
+from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats, decode_grad_mode
 from hybrid_engine.inputs import check_device, decode_model
 from hybrid_engine.model_step import check_model_supported, max_positions, token_ids
 from hybrid_engine.ranks import rank_seed
@@ -130,7 +130,7 @@ class HybridEngineRollout:
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad():
+            with decode_grad_mode():
                 yield
         finally:
             model.train(was_training)
@@ -197,6 +197,11 @@ class HybridEngineRollout:
         num_prompts = request.prompt_ids.shape[0]
         budgets = request.max_new_tokens or [max_new] * num_prompts
         uids = request.request_ids or list(range(num_prompts))
+        if (max(uids) + 1) * n > 2**63:  # each sample's random stream is request_id * n + sample, an int64
+            raise ValueError(
+                f"generate: RolloutRequest.request_ids up to {max(uids)} with n_samples_per_prompt={n} overflow "
+                f"int64 sampler counters (request_id * n + sample); keep request_ids below {2**63 // n}"
+            )
         requests = [
             RequestSpec(request_index=i * n + j, prompt_index=i, budget=min(budgets[i], max_new),
                         rng_index=uids[i] * n + j)

@@ -124,7 +124,7 @@ class SamplingConfig:
 
     @property
     def sampling_key(self) -> tuple[float, float, int]:
-        """The host values a captured decode graph freezes."""
+        """The knobs as host values (a captured graph freezes only their :func:`~hybrid_engine.sampling.sampling_mode`)."""
         return (self.temperature, self.top_p, self.top_k)
 
 
@@ -205,6 +205,8 @@ class RolloutRequest:
                 raise ValueError(f"{owner}: request_ids must be a list of {ids.shape[0]} ints (one per prompt) or None")
             for u in uids:
                 _check_int(owner, "request_ids", u, minimum=0)
+                if u >= 2**63:
+                    raise ValueError(f"{owner}: request_ids must be below 2**63 (int64), got {u!r}")
             if len(set(uids)) != len(uids):
                 raise ValueError(f"{owner}: request_ids must be distinct (each prompt needs its own random stream)")
             self.request_ids = [int(u) for u in uids]
