@@ -29,6 +29,7 @@ import torch
 
 DEMO_MODELS = ("gpt2", "opt", "llama", "qwen2")
 CLIP = 0.2  # PPO/GRPO ratio clip
+PROMPT_LEN = 12  # longest prompt, in tokens, of make_prompts (the demo's and bench soak's prompts)
 
 
 # ----------------------------------------------------------------- arguments
@@ -59,9 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_model_and_tokenizer(args: argparse.Namespace, device: torch.device):
     """The policy and its tokenizer: built from a tiny config with seeded weights, or loaded from a local path."""
     if args.model_path:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(args.model_path, local_files_only=True)
+        from .benchmarks.options import load_pretrained_model
+
+        model = load_pretrained_model(args.model_path)
         try:
             tokenizer = AutoTokenizer.from_pretrained(args.model_path, local_files_only=True)
         except (OSError, ValueError):
@@ -93,7 +96,7 @@ def word_token_ids(tokenizer: Any, vocab_size: int) -> torch.Tensor:
 
 
 def make_prompts(n: int, vocab_size: int, *, pad_id: int, special: set[int], seed: int, device: torch.device,
-                 min_len: int = 4, max_len: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+                 min_len: int = 4, max_len: int = PROMPT_LEN) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` random prompts of ``min_len..max_len`` tokens, left-padded, with their mask."""
     gen = torch.Generator().manual_seed(seed)
     allowed = torch.tensor([t for t in range(vocab_size) if t not in special])
@@ -158,16 +161,42 @@ def _ms(t0: float) -> float:
 # ---------------------------------------------------------------------- main
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every option checked before any work: a bad one is a one-line ``error:`` (exit status 2), no traceback.
+
+    ``--device`` is checked by :func:`~hybrid_engine.benchmarks.common.select_device`.
+    """
+    from .benchmarks.options import check_generation_length, load_pretrained_config, model_config
+    from .cli import UsageError
+
+    for option, value in (("--iterations", args.iterations), ("--batch-size", args.batch_size),
+                          ("--samples", args.samples), ("--new-tokens", args.new_tokens),
+                          ("--check-prompts", args.check_prompts), ("--check-tokens", args.check_tokens)):
+        if value < 1:
+            raise UsageError(f"{option} must be >= 1, got {value}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}; leave it out for the default")
+    if not args.lr >= 0:
+        raise UsageError(f"--lr must be >= 0, got {args.lr}")
+    if args.model_path:
+        label, config = args.model_path, load_pretrained_config(args.model_path)
+    else:
+        label, config = f"tiny-{args.model}", model_config(f"tiny-{args.model}")
+    check_generation_length(config, label, prompt_tokens=PROMPT_LEN, new_tokens=args.new_tokens)
+    if not args.no_graphs:  # the graph-vs-eager check after training generates --check-tokens
+        check_generation_length(config, label, prompt_tokens=PROMPT_LEN, new_tokens=args.check_tokens,
+                                new_option="--check-tokens")
+
+
 def run(args: argparse.Namespace) -> int:
     import hybrid_engine
 
     from .benchmarks.common import environment, format_table, median, select_device, write_json
 
-    if args.iterations < 1 or args.batch_size < 1 or args.samples < 1 or args.new_tokens < 1:
-        raise SystemExit("error: --iterations, --batch-size, --samples and --new-tokens must be >= 1")
+    check_arguments(args)
+    acc = select_device(args.device)
     if args.samples < 2:
         print("note: --samples 1 gives every group a zero advantage (GRPO needs >= 2 samples per prompt)")
-    acc = select_device(args.device)
     device = acc.device()
     graphs = not args.no_graphs
     t_start = time.perf_counter()
@@ -182,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else pad_id
     special = set(getattr(tokenizer, "all_special_ids", []) or []) | {pad_id, eos_id}
     target = word_token_ids(tokenizer, vocab)
-    prompt_len = 12
+    prompt_len = PROMPT_LEN
     engine, *_ = hybrid_engine.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": args.batch_size * args.samples,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr}},

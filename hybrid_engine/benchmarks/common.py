@@ -34,11 +34,30 @@ WARMUP_CALLS = 2
 
 
 def select_device(name: str | None) -> Any:
-    """Make ``name`` (cuda, npu, xpu, mps, cpu, or None = auto-detect) the process accelerator; return it."""
-    from ..accelerator import build_accelerator, get_accelerator, set_accelerator
+    """Make ``name`` (cuda, npu, xpu, mps, cpu, or None = auto-detect) the process accelerator; return it.
 
-    if name and name != get_accelerator().device().type:
-        set_accelerator(build_accelerator(name))
+    ``--device`` is checked first: a name the engine does not know, or an accelerator this machine does not
+    have, is a :class:`~hybrid_engine.cli.UsageError` that names what is available.
+    """
+    from ..accelerator import KNOWN_BACKENDS, build_accelerator, get_accelerator, set_accelerator
+    from ..cli import UsageError
+
+    if not name:
+        return get_accelerator()
+    key = name.strip().lower()
+    if key not in KNOWN_BACKENDS:
+        raise UsageError(f"--device {name!r} is not a device this engine knows: choose one of "
+                         f"{', '.join(KNOWN_BACKENDS)}, or leave --device out to auto-detect")
+    if key != "cpu":
+        from .options import available_devices
+
+        available = available_devices()
+        if key not in available:
+            raise UsageError(f"--device {key} is not available on this machine (torch {torch.__version__} finds no "
+                             f"{key} device); available: {', '.join(available)}. Use --device "
+                             f"{available[0]}, or leave --device out to auto-detect")
+    if key != get_accelerator().device().type:
+        set_accelerator(build_accelerator(key))
     return get_accelerator()
 
 
@@ -57,16 +76,18 @@ def synchronize() -> None:
     get_accelerator().synchronize()
 
 
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
 def parse_dtype(name: str | None, device_type: str) -> torch.dtype:
     """``auto`` is fp16 on an accelerator and fp32 on CPU."""
     name = (name or "auto").lower()
     if name == "auto":
         return torch.float32 if device_type == "cpu" else torch.float16
-    table = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-    if name not in table:
+    if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}: choose auto, fp32, fp16 or bf16")
-    return table[name]
+    return DTYPES[name]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -107,9 +128,9 @@ def build_bench_model(args: argparse.Namespace, dtype: torch.dtype, device: torc
     if key not in _MODEL_CACHE:
         _MODEL_CACHE.clear()  # one model at a time: a 1.3B master copy is big enough
         if getattr(args, "model_path", None):
-            from transformers import AutoModelForCausalLM
+            from .options import load_pretrained_model
 
-            model = AutoModelForCausalLM.from_pretrained(args.model_path, local_files_only=True, dtype=dtype)
+            model = load_pretrained_model(args.model_path, dtype=dtype)
             model.eval()
         else:
             from ..tiny_models import build_model
@@ -385,8 +406,11 @@ def finish(args: argparse.Namespace, payload: dict[str, Any], text: str, draw: C
 
 
 def prepare(args: argparse.Namespace) -> tuple[Any, torch.device, torch.dtype, dict[str, Any]]:
-    """The common start of every bench: plot check, accelerator, threads, dtype and environment header."""
+    """The common start of every bench: option checks, accelerator, threads, dtype and environment header."""
     check_plot_available(getattr(args, "plot", None))
+    from .options import check_common_args
+
+    check_common_args(args)
     acc = select_device(args.device)
     device = acc.device()
     apply_threads(args, device)

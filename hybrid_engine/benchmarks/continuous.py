@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 
+from ..cli import UsageError
 from . import common as C
 from .paths import make_rollout, rollout_generate, rollout_tokens, unreachable_eos
 
@@ -268,7 +269,7 @@ def _request_agreement(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tens
 def _long_tail(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     R, slots, repeats = args.longtail_requests, args.longtail_slots, max(1, args.longtail_repeats)
     if slots < 1 or args.longtail_long < 1 or args.longtail_prompt_len < 1:
-        raise SystemExit("error: --longtail-slots, --longtail-long and --longtail-prompt-len must be >= 1")
+        raise UsageError("--longtail-slots, --longtail-long and --longtail-prompt-len must be >= 1")
     margs, why = _long_tail_model(args, device)
     prev_threads = torch.get_num_threads()
     C.apply_threads(margs, device)  # 1 thread for a tiny model on CPU unless --threads

@@ -18,6 +18,7 @@ import argparse
 import gc
 from typing import Any
 
+from ..cli import UsageError
 from . import common as C
 from .paths import (
     engine_generate,
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     bad = set(paths) - {"engine", "rollout"}
     if bad or not paths:
-        raise SystemExit(f"error: --paths takes engine and/or rollout, got {args.paths!r}")
+        raise UsageError(f"--paths takes engine and/or rollout, got {args.paths!r}")
     T, N = args.prompt_len, args.new_tokens
     rows: list[dict[str, Any]] = []
     for path in paths:

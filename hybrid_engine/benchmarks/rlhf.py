@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ..cli import UsageError
 from . import common as C
 from .paths import engine_generate, graph_counts, make_engine
 
@@ -155,11 +156,11 @@ def _summed_over_ranks(*values: int) -> list[int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.iterations < 1 or args.warmup < 1:
-        raise SystemExit("error: --warmup and --iterations must be >= 1 (the first warm-up call captures)")
+        raise UsageError("--warmup and --iterations must be >= 1 (the first warm-up call captures)")
     if args.world_size is not None and (args.world_size < 1 or args.zero_stage == 0):
-        raise SystemExit("error: --world-size needs --zero-stage 1-3 and must be >= 1")
+        raise UsageError("--world-size needs --zero-stage 1-3 and must be >= 1")
     if args.zero3_inference_copy and args.zero_stage != 3:
-        raise SystemExit("error: --zero3-inference-copy needs --zero-stage 3")
+        raise UsageError("--zero3-inference-copy needs --zero-stage 3")
     if args.zero_stage > 0 and "RANK" not in os.environ:
         return _launch_ranks(args)
     from ..ranks import rank, world_size

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..cli import UsageError
 from . import common as C
 
 DEFAULT_MODEL = "tiny-gpt2"
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ..demo import group_advantages, make_prompts, policy_loss, rewards_of
 
     if args.iterations < 1 or args.checkpoints < 1 or not 0 <= args.warmup_fraction < 1:
-        raise SystemExit("error: --iterations and --checkpoints must be >= 1, --warmup-fraction in [0, 1)")
+        raise UsageError("--iterations and --checkpoints must be >= 1, --warmup-fraction in [0, 1)")
     acc, device, dtype, env = C.prepare(args)
     model = C.build_bench_model(args, dtype, device, seed=args.seed)
     for m in model.modules():  # RL fine-tuning runs without dropout (the training forward scores the sampler)

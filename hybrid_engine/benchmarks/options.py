@@ -1,0 +1,186 @@
+"""Command-line options of ``demo`` and ``bench``, checked before any work.
+
+A bad option (an accelerator this machine lacks, a model path that is no
+checkpoint, more tokens than the model has positions) is a
+:class:`~hybrid_engine.cli.UsageError`: one ``error:`` line naming the option
+and the fix, exit status 2, instead of a traceback from deep inside a run.
+Devices are probed, never assumed, and nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+
+from .common import DTYPES, resolve_model_name
+
+
+def available_devices() -> list[str]:
+    """The ``--device`` values this machine can run: each accelerator torch reports as available, then ``cpu``.
+
+    Probed, not assumed: ``torch.<backend>.is_available()`` for every backend the engine knows (``torch_npu``
+    imported first for NPUs, ``torch.backends.mps`` for MPS on older torch), plus ``torch.accelerator`` where
+    this torch has it.
+    """
+    import importlib
+    import importlib.util
+
+    from ..accelerator import KNOWN_BACKENDS
+
+    found: list[str] = []
+    for name in KNOWN_BACKENDS:
+        if name == "cpu":
+            continue
+        if name == "npu":
+            if importlib.util.find_spec("torch_npu") is None:
+                continue
+            try:
+                importlib.import_module("torch_npu")
+            except ImportError:
+                continue
+        module = getattr(torch, name, None)
+        probe = getattr(module, "is_available", None)
+        if probe is None and name == "mps":
+            probe = getattr(getattr(torch.backends, "mps", None), "is_available", None)
+        if callable(probe) and probe():
+            found.append(name)
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and callable(getattr(acc, "is_available", None)) and acc.is_available():
+        current = acc.current_accelerator()
+        if current is not None and current.type in KNOWN_BACKENDS and current.type not in found:
+            found.append(current.type)
+    return [*found, "cpu"]
+
+
+def check_model_path(path: str) -> None:
+    """``--model-path`` must name a local Hugging Face checkpoint directory (nothing is ever downloaded)."""
+    from ..cli import UsageError
+
+    fix = "pass a local Hugging Face checkpoint directory (config.json and weights), or leave --model-path out"
+    if not os.path.exists(path):
+        raise UsageError(f"--model-path {path} does not exist; {fix}")
+    if not os.path.isdir(path):
+        raise UsageError(f"--model-path {path} is not a directory; {fix}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"--model-path {path} has no config.json, so it is not a Hugging Face checkpoint "
+                         f"directory; {fix}")
+
+
+def _unloadable(path: str, exc: Exception) -> Exception:
+    from ..cli import UsageError
+
+    return UsageError(f"--model-path {path} is not a loadable causal LM checkpoint ({type(exc).__name__}: {exc}); "
+                      "pass a local Hugging Face checkpoint directory saved with save_pretrained, or leave "
+                      "--model-path out")
+
+
+def load_pretrained_config(path: str) -> Any:
+    """The config of the local checkpoint ``path`` (``--model-path``); a bad directory is a usage error."""
+    from transformers import AutoConfig
+
+    check_model_path(path)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:  # transformers' errors for an unreadable or unknown config.json
+        raise _unloadable(path, exc) from exc
+
+
+def load_pretrained_model(path: str, **kwargs: Any) -> Any:
+    """``AutoModelForCausalLM`` from the local checkpoint ``path`` (``--model-path``), never downloading."""
+    from transformers import AutoModelForCausalLM
+
+    check_model_path(path)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+    except (OSError, ValueError) as exc:  # missing/unreadable weights, a config no causal LM class takes
+        raise _unloadable(path, exc) from exc
+
+
+def model_config(name: str, *, option: str = "--model") -> Any:
+    """The config :func:`build_bench_model` would build for the model name ``name`` (no weights are built)."""
+    from ..cli import UsageError
+    from ..tiny_models import build_config, model_names
+
+    key = resolve_model_name(name).strip().lower()
+    if key not in model_names():
+        raise UsageError(f"{option} {name!r} is not a model name: choose tiny (=tiny-gpt2), "
+                         f"{', '.join(model_names())}, or pass --model-path for a local checkpoint")
+    return build_config(key)
+
+
+def check_generation_length(config: Any, label: str, *, prompt_tokens: int, new_tokens: int,
+                            new_option: str = "--new-tokens", prompt_option: str | None = None) -> None:
+    """Prompt plus new tokens must fit the model's position limit: say so, naming the options, before any work.
+
+    ``prompt_option`` names the option that set ``prompt_tokens``; ``None`` means the prompts are the
+    command's own (the demo's and soak's, up to ``prompt_tokens`` long), so only ``new_option`` can change.
+    """
+    from ..cli import UsageError
+    from ..model_step import max_positions
+
+    limit = max_positions(config)
+    if limit is None:
+        return
+    if prompt_option is not None and prompt_tokens >= limit:
+        raise UsageError(f"{prompt_option} {prompt_tokens} leaves no room for new tokens: the position limit of "
+                         f"{label} is {limit}; use {prompt_option} {limit - 1} or less")
+    if prompt_tokens >= limit:
+        raise UsageError(f"{label} has a position limit of {limit}, no room for {new_option} after prompts of up to "
+                         f"{prompt_tokens} tokens; use a model with more positions")
+    if prompt_tokens + new_tokens <= limit:
+        return
+    room = limit - prompt_tokens
+    if prompt_option is not None:
+        raise UsageError(f"{prompt_option} {prompt_tokens} plus {new_option} {new_tokens} is "
+                         f"{prompt_tokens + new_tokens} tokens, more than the position limit {limit} of {label}; "
+                         f"use {new_option} {room} or less (or a shorter {prompt_option})")
+    raise UsageError(f"{new_option} {new_tokens} is more than {label} can hold: prompts of up to {prompt_tokens} "
+                     f"tokens plus {new_tokens} new tokens exceed its position limit {limit}; "
+                     f"use {new_option} {room} or less")
+
+
+def check_common_args(args: argparse.Namespace) -> None:
+    """Up-front checks of the options every bench shares (``--dtype``, ``--threads``, ``--model``/``--models``,
+    ``--model-path``) and of ``--prompt-len``/``--new-tokens`` against each model's position limit.
+
+    Run by :func:`prepare` before any model is built, so a bad option is one ``error:`` line, not a traceback
+    from deep inside a run.
+    """
+    from ..cli import UsageError
+
+    dtype = (getattr(args, "dtype", None) or "auto").lower()
+    if dtype != "auto" and dtype not in DTYPES:
+        raise UsageError(f"--dtype {args.dtype!r} is not a dtype: choose auto, fp32, fp16 or bf16")
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {threads}; leave it out for the default")
+    if getattr(args, "model_path", None):
+        models = [(args.model_path, load_pretrained_config(args.model_path))]
+    elif getattr(args, "models", None):  # bench parity: a comma-separated list
+        names = [m.strip() for m in args.models.split(",") if m.strip()]
+        models = [(name, model_config(name, option="--models")) for name in names]
+    else:
+        models = [(resolve_model_name(args.model), model_config(args.model))]
+    new_tokens, prompt_len = getattr(args, "new_tokens", None), getattr(args, "prompt_len", None)
+    for option, value in (("--prompt-len", prompt_len), ("--new-tokens", new_tokens)):
+        if value is not None and value < 1:
+            raise UsageError(f"{option} must be >= 1, got {value}")
+    if new_tokens is None:
+        return
+    mixed = None  # bench continuous part 2 runs the main model too (part 3 picks its own, --longtail-model)
+    if getattr(args, "mixed_requests", 0) > 0 and min(args.mixed_prompt_len, args.mixed_max_new) >= 1:
+        mixed = (args.mixed_prompt_len, args.mixed_max_new)
+    for label, config in models:
+        if prompt_len is None:  # bench soak: the demo's prompts
+            from ..demo import PROMPT_LEN
+
+            check_generation_length(config, label, prompt_tokens=PROMPT_LEN, new_tokens=new_tokens)
+        else:
+            check_generation_length(config, label, prompt_tokens=prompt_len, new_tokens=new_tokens,
+                                    prompt_option="--prompt-len")
+        if mixed is not None:
+            check_generation_length(config, label, prompt_tokens=mixed[0], new_tokens=mixed[1],
+                                    new_option="--mixed-max-new", prompt_option="--mixed-prompt-len")

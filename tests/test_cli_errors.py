@@ -1,0 +1,157 @@
+"""Bad options of ``hybrid-engine demo`` and ``bench``: one ``error:`` line on stderr, exit status 2, no traceback.
+
+Every check runs before any model is built or any device is touched, so these run in well under a second each
+(in-process through ``cli.main``; one case also through ``python -m hybrid_engine``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybrid_engine.accelerator import KNOWN_BACKENDS, set_accelerator
+from hybrid_engine.benchmarks.options import available_devices, check_generation_length
+from hybrid_engine.cli import UsageError, main
+from hybrid_engine.tiny_models import build_config
+
+DEMO = ["demo", "--iterations", "1", "--batch-size", "1", "--samples", "2", "--check-prompts", "1",
+        "--check-tokens", "4"]
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    yield
+    set_accelerator(None)
+
+
+def _unavailable_device() -> str:
+    have = available_devices()
+    missing = [name for name in KNOWN_BACKENDS if name not in have]
+    if not missing:  # pragma: no cover - a machine with every backend at once
+        pytest.skip("every accelerator backend is available here")
+    return missing[0]
+
+
+def _usage_error(capsys, argv: list[str], *expected: str) -> str:
+    """Run the CLI in-process: exit status 2 and one ``error:`` line holding every ``expected`` piece."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: "), err
+    for piece in expected:
+        assert piece in lines[0], (piece, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", [DEMO, ["bench", "decode"], ["bench", "soak"]])
+def test_an_unavailable_device_is_a_usage_error_naming_what_is_available(capsys, command):
+    device = _unavailable_device()
+    _usage_error(capsys, [*command, "--device", device], f"--device {device}", "not available",
+                 f"available: {', '.join(available_devices())}.", "leave --device out")
+
+
+def test_cuda_without_a_cuda_device_says_so(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if "cuda" in available_devices():  # pragma: no cover - torch.accelerator still reports cuda
+        pytest.skip("torch.accelerator reports cuda")
+    _usage_error(capsys, [*DEMO, "--device", "cuda"], "--device cuda is not available", "available: ")
+
+
+def test_available_devices_probes_torch(monkeypatch):
+    assert available_devices()[-1] == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "cuda" in available_devices()
+
+
+@pytest.mark.parametrize("command", [DEMO, ["bench", "overhead"]])
+def test_an_unknown_device_lists_the_choices(capsys, command):
+    _usage_error(capsys, [*command, "--device", "tpu"], "--device 'tpu'", "cuda, npu, xpu, mps, cpu")
+
+
+def test_demo_new_tokens_past_the_position_limit(capsys):
+    _usage_error(capsys, [*DEMO, "--new-tokens", "600"], "--new-tokens 600", "position limit 512",
+                 "--new-tokens 500 or less")
+
+
+def test_demo_check_tokens_past_the_position_limit(capsys):
+    _usage_error(capsys, [*DEMO, "--check-tokens", "600"], "--check-tokens 600", "--check-tokens 500 or less")
+
+
+@pytest.mark.parametrize("bench", ["decode", "rlhf", "overhead", "parity"])
+def test_bench_prompt_plus_new_tokens_past_the_position_limit(capsys, bench):
+    args = ["--models", "tiny"] if bench == "parity" else ["--model", "tiny"]
+    _usage_error(capsys, ["bench", bench, *args, "--prompt-len", "16", "--new-tokens", "600"],
+                 "--prompt-len 16 plus --new-tokens 600", "position limit 512", "--new-tokens 496 or less")
+
+
+def test_bench_soak_new_tokens_past_the_position_limit(capsys):
+    _usage_error(capsys, ["bench", "soak", "--new-tokens", "600"], "--new-tokens 600", "--new-tokens 500 or less")
+
+
+def test_bench_continuous_mixed_budget_past_the_position_limit(capsys):
+    _usage_error(capsys, ["bench", "continuous", "--model", "tiny", "--mixed-max-new", "600"],
+                 "--mixed-prompt-len 32 plus --mixed-max-new 600", "--mixed-max-new 480 or less")
+
+
+@pytest.mark.parametrize("command", [DEMO, ["bench", "decode"], ["bench", "parity"]])
+def test_a_missing_model_path(capsys, command, tmp_path):
+    missing = tmp_path / "nonexistent"
+    _usage_error(capsys, [*command, "--model-path", str(missing)], f"--model-path {missing} does not exist")
+
+
+def test_a_model_path_that_is_not_a_checkpoint(capsys, tmp_path):
+    _usage_error(capsys, [*DEMO, "--model-path", str(tmp_path)], "--model-path", "no config.json")
+    (tmp_path / "weights.bin").write_text("x")
+    _usage_error(capsys, [*DEMO, "--model-path", str(tmp_path / "weights.bin")], "--model-path", "is not a directory")
+
+
+def test_a_model_path_without_weights(capsys, tmp_path):
+    build_config("tiny-gpt2").save_pretrained(tmp_path)  # config.json only
+    for command in (DEMO, ["bench", "decode"]):
+        _usage_error(capsys, [*command, "--model-path", str(tmp_path)], "--model-path",
+                     "not a loadable causal LM checkpoint")
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([*DEMO, "--iterations", "0"], "--iterations must be >= 1, got 0"),
+    ([*DEMO, "--check-prompts", "0"], "--check-prompts must be >= 1"),
+    ([*DEMO, "--threads", "0"], "--threads must be >= 1"),
+    ([*DEMO, "--lr", "-1"], "--lr must be >= 0"),
+    (["bench", "decode", "--dtype", "fp8"], "--dtype 'fp8'"),
+    (["bench", "decode", "--threads", "-1"], "--threads must be >= 1"),
+    (["bench", "decode", "--new-tokens", "0"], "--new-tokens must be >= 1"),
+    (["bench", "overhead", "--model", "tiny-nothing"], "--model 'tiny-nothing' is not a model name"),
+    (["bench", "parity", "--models", "tiny,nothing"], "--models 'nothing' is not a model name"),
+])
+def test_other_bad_options(capsys, argv, expected):
+    _usage_error(capsys, argv, expected)
+
+
+def test_usage_error_outside_main_still_exits_with_its_message():
+    err = UsageError("--x is wrong;\n use --y")
+    assert isinstance(err, SystemExit)
+    assert err.code == "error: --x is wrong; use --y"
+
+
+def test_position_limit_boundary_is_allowed():
+    config = build_config("tiny-gpt2")
+    check_generation_length(config, "tiny-gpt2", prompt_tokens=12, new_tokens=500)
+    with pytest.raises(UsageError, match="--new-tokens 500 or less"):
+        check_generation_length(config, "tiny-gpt2", prompt_tokens=12, new_tokens=501)
+
+
+def test_python_dash_m_prints_one_line_and_exits_2():
+    device = _unavailable_device()
+    env = {k: v for k, v in os.environ.items() if k != "HYBRID_ENGINE_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, "-m", "hybrid_engine", *DEMO, "--device", device],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith(f"error: --device {device} is not available")
+    assert len(proc.stderr.strip().splitlines()) == 1
