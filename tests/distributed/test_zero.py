@@ -78,6 +78,10 @@ def test_zero_3_refuses_graphs_and_generates_from_gathered_parameters(tmp_path):
     for d in ranks:
         assert d["zero_stage"] == 3 and d["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
         assert d["global_steps"] == STEPS
+        # ZeRO-3's fetch/release hooks are off while generation decodes on the gathered parameters (a user
+        # hook still runs), and back in their places afterwards, where training needs them.
+        assert d["offload_hooks_registered"] > 0 and d["offload_hooks_during_decode"]
+        assert set(d["offload_hooks_during_decode"]) == {0} and d["hook_tables_restored"]
         assert d["before_captures"] == d["after_captures"] == 0
         assert "ZeRO stage 3" in d["after_refusal"]
         # Warned once per runner (the rollout's and the engine's), not per call.

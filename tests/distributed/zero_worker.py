@@ -133,7 +133,26 @@ def main() -> None:
         ref_engine.step()
         engine.eval()
 
+    def hook_tables() -> list:
+        return [(name, list(m._forward_pre_hooks), list(m._forward_hooks)) for name, m in model.named_modules()]
+
+    tables_before = hook_tables()
+    offload_ids: set = set()
+    if stage == 3:  # DeepSpeed's own handles of its per-module fetch/release hooks
+        offload = engine.training_backend.ds_engine.optimizer.parameter_offload
+        offload_ids = {h.id for h in [*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook]}
+    seen_during_decode: list[int] = []
+
+    def count_offload_hooks(module, args):  # a user hook: it must keep running, and see DeepSpeed's hooks off
+        seen_during_decode.append(sum(k in offload_ids for m in model.modules()
+                                      for k in (*m._forward_pre_hooks, *m._forward_hooks)))
+
+    user_hook = decode_model(model).lm_head.register_forward_pre_hook(count_offload_hooks)
     generate_both("before")
+    user_hook.remove()
+    result["offload_hooks_registered"] = len(offload_ids)
+    result["offload_hooks_during_decode"] = seen_during_decode
+    result["hook_tables_restored"] = hook_tables() == tables_before
     for step in range(STEPS):
         train_step(step)
     result["global_steps"] = engine.global_steps
