@@ -7,20 +7,6 @@ import sys
 from collections.abc import Sequence
 
 
-class UsageError(SystemExit):
-    """A bad command-line option, found before any work starts.
-
-    :func:`main` prints it as one ``error: ...`` line on stderr, without a traceback, and returns 2, the exit
-    status of argparse's own errors. It is a ``SystemExit``, so called outside :func:`main` it still ends the
-    process with its message rather than a traceback. The message says what is wrong, names the option and
-    says the fix.
-    """
-
-    def __init__(self, message: str) -> None:
-        self.message = " ".join(message.split())  # one line, whatever the wrapped exception's text held
-        super().__init__(f"error: {self.message}")
-
-
 def _info(args: argparse.Namespace) -> int:
     import torch
     import transformers
@@ -98,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the exact command, for benchmark reports
+    from .benchmarks.options import UsageError
+
     try:
         return int(args.func(args) or 0)
     except UsageError as exc:

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
+from .benchmarks.options import DEMO_PROMPT_LEN
+
 DEMO_MODELS = ("gpt2", "opt", "llama", "qwen2")
 CLIP = 0.2  # PPO/GRPO ratio clip
-PROMPT_LEN = 12  # longest prompt, in tokens, of make_prompts (the demo's and bench soak's prompts)
 
 
 # ----------------------------------------------------------------- arguments
@@ -96,7 +97,7 @@ def word_token_ids(tokenizer: Any, vocab_size: int) -> torch.Tensor:
 
 
 def make_prompts(n: int, vocab_size: int, *, pad_id: int, special: set[int], seed: int, device: torch.device,
-                 min_len: int = 4, max_len: int = PROMPT_LEN) -> tuple[torch.Tensor, torch.Tensor]:
+                 min_len: int = 4, max_len: int = DEMO_PROMPT_LEN) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` random prompts of ``min_len..max_len`` tokens, left-padded, with their mask."""
     gen = torch.Generator().manual_seed(seed)
     allowed = torch.tensor([t for t in range(vocab_size) if t not in special])
@@ -166,8 +167,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
     ``--device`` is checked by :func:`~hybrid_engine.benchmarks.common.select_device`.
     """
-    from .benchmarks.options import check_generation_length, load_pretrained_config, model_config
-    from .cli import UsageError
+    from .benchmarks.options import UsageError, check_generation_length, load_pretrained_config, model_config
 
     for option, value in (("--iterations", args.iterations), ("--batch-size", args.batch_size),
                           ("--samples", args.samples), ("--new-tokens", args.new_tokens),
@@ -182,9 +182,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         label, config = args.model_path, load_pretrained_config(args.model_path)
     else:
         label, config = f"tiny-{args.model}", model_config(f"tiny-{args.model}")
-    check_generation_length(config, label, prompt_tokens=PROMPT_LEN, new_tokens=args.new_tokens)
+    check_generation_length(config, label, prompt_tokens=DEMO_PROMPT_LEN, new_tokens=args.new_tokens)
     if not args.no_graphs:  # the graph-vs-eager check after training generates --check-tokens
-        check_generation_length(config, label, prompt_tokens=PROMPT_LEN, new_tokens=args.check_tokens,
+        check_generation_length(config, label, prompt_tokens=DEMO_PROMPT_LEN, new_tokens=args.check_tokens,
                                 new_option="--check-tokens")
 
 
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else pad_id
     special = set(getattr(tokenizer, "all_special_ids", []) or []) | {pad_id, eos_id}
     target = word_token_ids(tokenizer, vocab)
-    prompt_len = PROMPT_LEN
+    prompt_len = DEMO_PROMPT_LEN
     engine, *_ = hybrid_engine.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": args.batch_size * args.samples,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr}},

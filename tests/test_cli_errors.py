@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hybrid_engine.accelerator import KNOWN_BACKENDS, set_accelerator
-from hybrid_engine.benchmarks.options import available_devices, check_generation_length
-from hybrid_engine.cli import UsageError, main
+from hybrid_engine.benchmarks.options import UsageError, available_devices, check_generation_length
+from hybrid_engine.cli import main
 from hybrid_engine.tiny_models import build_config
 
 DEMO = ["demo", "--iterations", "1", "--batch-size", "1", "--samples", "2", "--check-prompts", "1",

@@ -23,6 +23,15 @@ from typing import Any
 
 import torch
 
+from .options import (
+    DTYPES,
+    UsageError,
+    available_devices,
+    check_common_args,
+    load_pretrained_model,
+    resolve_model_name,
+)
+
 PLOT_HINT = "--plot needs matplotlib: pip install 'hybrid-engine[plot]' (or pip install matplotlib)"
 
 #: Calls before measuring a graph path: the runner warms a graph key up on its first use and captures
@@ -37,10 +46,9 @@ def select_device(name: str | None) -> Any:
     """Make ``name`` (cuda, npu, xpu, mps, cpu, or None = auto-detect) the process accelerator; return it.
 
     ``--device`` is checked first: a name the engine does not know, or an accelerator this machine does not
-    have, is a :class:`~hybrid_engine.cli.UsageError` that names what is available.
+    have, is a :class:`~hybrid_engine.benchmarks.options.UsageError` that names what is available.
     """
     from ..accelerator import KNOWN_BACKENDS, build_accelerator, get_accelerator, set_accelerator
-    from ..cli import UsageError
 
     if not name:
         return get_accelerator()
@@ -49,8 +57,6 @@ def select_device(name: str | None) -> Any:
         raise UsageError(f"--device {name!r} is not a device this engine knows: choose one of "
                          f"{', '.join(KNOWN_BACKENDS)}, or leave --device out to auto-detect")
     if key != "cpu":
-        from .options import available_devices
-
         available = available_devices()
         if key not in available:
             raise UsageError(f"--device {key} is not available on this machine (torch {torch.__version__} finds no "
@@ -74,10 +80,6 @@ def synchronize() -> None:
     from ..accelerator import get_accelerator
 
     get_accelerator().synchronize()
-
-
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
 def parse_dtype(name: str | None, device_type: str) -> torch.dtype:
@@ -107,11 +109,6 @@ def precision_config(dtype: torch.dtype) -> dict[str, Any]:
 # ---------------------------------------------------------------------- model
 
 
-def resolve_model_name(name: str) -> str:
-    """``tiny`` means tiny-gpt2; other names go to :func:`hybrid_engine.tiny_models.build_model` unchanged."""
-    return "tiny-gpt2" if name.strip().lower() == "tiny" else name
-
-
 _MODEL_CACHE: dict[tuple, Any] = {}
 
 
@@ -128,8 +125,6 @@ def build_bench_model(args: argparse.Namespace, dtype: torch.dtype, device: torc
     if key not in _MODEL_CACHE:
         _MODEL_CACHE.clear()  # one model at a time: a 1.3B master copy is big enough
         if getattr(args, "model_path", None):
-            from .options import load_pretrained_model
-
             model = load_pretrained_model(args.model_path, dtype=dtype)
             model.eval()
         else:
@@ -408,8 +403,6 @@ def finish(args: argparse.Namespace, payload: dict[str, Any], text: str, draw: C
 def prepare(args: argparse.Namespace) -> tuple[Any, torch.device, torch.dtype, dict[str, Any]]:
     """The common start of every bench: option checks, accelerator, threads, dtype and environment header."""
     check_plot_available(getattr(args, "plot", None))
-    from .options import check_common_args
-
     check_common_args(args)
     acc = select_device(args.device)
     device = acc.device()

@@ -64,8 +64,8 @@ from typing import Any
 
 import torch
 
-from ..cli import UsageError
 from . import common as C
+from .options import UsageError
 from .paths import make_rollout, rollout_generate, rollout_tokens, unreachable_eos
 
 DEFAULT_MODEL = "gpt2"

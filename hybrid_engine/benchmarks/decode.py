@@ -18,8 +18,8 @@ import argparse
 import gc
 from typing import Any
 
-from ..cli import UsageError
 from . import common as C
+from .options import UsageError
 from .paths import (
     engine_generate,
     graph_counts,

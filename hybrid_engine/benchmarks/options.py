@@ -2,7 +2,7 @@
 
 A bad option (an accelerator this machine lacks, a model path that is no
 checkpoint, more tokens than the model has positions) is a
-:class:`~hybrid_engine.cli.UsageError`: one ``error:`` line naming the option
+:class:`UsageError`: one ``error:`` line naming the option
 and the fix, exit status 2, instead of a traceback from deep inside a run.
 Devices are probed, never assumed, and nothing is ever downloaded.
 """
@@ -15,7 +15,31 @@ from typing import Any
 
 import torch
 
-from .common import DTYPES, resolve_model_name
+#: ``--dtype`` names.
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+#: The longest prompt, in tokens, of the demo's prompts (``demo.make_prompts``), which bench soak uses too.
+DEMO_PROMPT_LEN = 12
+
+
+class UsageError(SystemExit):
+    """A bad command-line option, found before any work starts.
+
+    :func:`hybrid_engine.cli.main` prints it as one ``error: ...`` line on stderr, without a traceback, and
+    returns 2, the exit status of argparse's own errors. It is a ``SystemExit``, so raised outside that
+    ``main`` it still ends the process with its message rather than a traceback. The message says what is
+    wrong, names the option and says the fix.
+    """
+
+    def __init__(self, message: str) -> None:
+        self.message = " ".join(message.split())  # one line, whatever the wrapped exception's text held
+        super().__init__(f"error: {self.message}")
+
+
+def resolve_model_name(name: str) -> str:
+    """``tiny`` means tiny-gpt2; other names go to :func:`hybrid_engine.tiny_models.build_model` unchanged."""
+    return "tiny-gpt2" if name.strip().lower() == "tiny" else name
 
 
 def available_devices() -> list[str]:
@@ -57,8 +81,6 @@ def available_devices() -> list[str]:
 
 def check_model_path(path: str) -> None:
     """``--model-path`` must name a local Hugging Face checkpoint directory (nothing is ever downloaded)."""
-    from ..cli import UsageError
-
     fix = "pass a local Hugging Face checkpoint directory (config.json and weights), or leave --model-path out"
     if not os.path.exists(path):
         raise UsageError(f"--model-path {path} does not exist; {fix}")
@@ -70,8 +92,6 @@ def check_model_path(path: str) -> None:
 
 
 def _unloadable(path: str, exc: Exception) -> Exception:
-    from ..cli import UsageError
-
     return UsageError(f"--model-path {path} is not a loadable causal LM checkpoint ({type(exc).__name__}: {exc}); "
                       "pass a local Hugging Face checkpoint directory saved with save_pretrained, or leave "
                       "--model-path out")
@@ -101,7 +121,6 @@ def load_pretrained_model(path: str, **kwargs: Any) -> Any:
 
 def model_config(name: str, *, option: str = "--model") -> Any:
     """The config :func:`build_bench_model` would build for the model name ``name`` (no weights are built)."""
-    from ..cli import UsageError
     from ..tiny_models import build_config, model_names
 
     key = resolve_model_name(name).strip().lower()
@@ -118,7 +137,6 @@ def check_generation_length(config: Any, label: str, *, prompt_tokens: int, new_
     ``prompt_option`` names the option that set ``prompt_tokens``; ``None`` means the prompts are the
     command's own (the demo's and soak's, up to ``prompt_tokens`` long), so only ``new_option`` can change.
     """
-    from ..cli import UsageError
     from ..model_step import max_positions
 
     limit = max_positions(config)
@@ -149,8 +167,6 @@ def check_common_args(args: argparse.Namespace) -> None:
     Run by :func:`prepare` before any model is built, so a bad option is one ``error:`` line, not a traceback
     from deep inside a run.
     """
-    from ..cli import UsageError
-
     dtype = (getattr(args, "dtype", None) or "auto").lower()
     if dtype != "auto" and dtype not in DTYPES:
         raise UsageError(f"--dtype {args.dtype!r} is not a dtype: choose auto, fp32, fp16 or bf16")
@@ -175,9 +191,7 @@ def check_common_args(args: argparse.Namespace) -> None:
         mixed = (args.mixed_prompt_len, args.mixed_max_new)
     for label, config in models:
         if prompt_len is None:  # bench soak: the demo's prompts
-            from ..demo import PROMPT_LEN
-
-            check_generation_length(config, label, prompt_tokens=PROMPT_LEN, new_tokens=new_tokens)
+            check_generation_length(config, label, prompt_tokens=DEMO_PROMPT_LEN, new_tokens=new_tokens)
         else:
             check_generation_length(config, label, prompt_tokens=prompt_len, new_tokens=new_tokens,
                                     prompt_option="--prompt-len")

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from ..cli import UsageError
 from . import common as C
+from .options import UsageError
 from .paths import engine_generate, graph_counts, make_engine
 
 DEFAULT_MODEL = "tiny-gpt2"

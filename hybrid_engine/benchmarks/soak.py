@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..cli import UsageError
 from . import common as C
+from .options import UsageError
 
 DEFAULT_MODEL = "tiny-gpt2"
 
