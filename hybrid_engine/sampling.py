@@ -178,13 +178,13 @@ class SamplingKnobs:
     capture), so that a graph captured for one :func:`sampling_mode` reads the values of every call."""
 
     def __init__(self, device: torch.device) -> None:
-        self.temperature = torch.ones((), dtype=torch.float32, device=device)
+        self.inv_temperature = torch.ones((), dtype=torch.float32, device=device)
         self.top_p = torch.ones((), dtype=torch.float32, device=device)
         self.top_k = torch.zeros((), dtype=torch.int64, device=device)
 
     def set(self, temperature: float, top_p: float, top_k: int) -> None:
         validate_sampling(temperature, top_p, top_k)
-        self.temperature.fill_(temperature if temperature > 0 else 1.0)
+        self.inv_temperature.fill_(1.0 / temperature if temperature > 0 else 1.0)
         self.top_p.fill_(top_p)
         self.top_k.fill_(max(top_k, 0))
 
@@ -202,8 +202,11 @@ def _filtered_sorted_logprobs(
     given, supplies their values (the float32 values the Python ones round to).
     """
     _, top_k_on, top_p_on = sampling_mode(temperature, top_p, top_k)
-    t, p, k = (knobs.temperature, knobs.top_p, knobs.top_k) if knobs is not None else (temperature, top_p, top_k)
-    scaled = logits.float() / t
+    inv_t, p, k = ((knobs.inv_temperature, knobs.top_p, knobs.top_k) if knobs is not None
+                   else (1.0 / temperature, top_p, top_k))
+    # Times the float32 reciprocal, with either kind of value: what a device computes for a tensor divided
+    # by a host scalar, so a Python temperature and a knob tensor give the same bits everywhere.
+    scaled = logits.float() * inv_t
     sorted_logits, sort_index = torch.sort(scaled, dim=-1, descending=True, stable=True)
     vocab = sorted_logits.shape[-1]
     neg_inf = float("-inf")
