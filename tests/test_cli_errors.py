@@ -90,6 +90,18 @@ def test_bench_prompt_plus_new_tokens_past_the_position_limit(capsys, bench):
                  "--prompt-len 16 plus --new-tokens 600", "position limit 512", "--new-tokens 496 or less")
 
 
+def test_bench_rlhf_on_zero_ranks_checks_before_starting_any_rank(capsys, monkeypatch):
+    import hybrid_engine.launch as launch
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started before the options were checked")
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(launch, "run_ranks", no_ranks)
+    _usage_error(capsys, ["bench", "rlhf", "--zero-stage", "2", "--model", "tiny", "--prompt-len", "16",
+                          "--new-tokens", "600"], "--prompt-len 16 plus --new-tokens 600")
+
+
 def test_bench_soak_new_tokens_past_the_position_limit(capsys):
     _usage_error(capsys, ["bench", "soak", "--new-tokens", "600"], "--new-tokens 600", "--new-tokens 500 or less")
 

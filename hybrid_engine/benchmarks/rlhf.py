@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from . import common as C
-from .options import UsageError
+from .options import UsageError, check_common_args
 from .paths import engine_generate, graph_counts, make_engine
 
 DEFAULT_MODEL = "tiny-gpt2"
@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.zero3_inference_copy and args.zero_stage != 3:
         raise UsageError("--zero3-inference-copy needs --zero-stage 3")
     if args.zero_stage > 0 and "RANK" not in os.environ:
+        check_common_args(args)  # here, once, rather than in every rank it would start
         return _launch_ranks(args)
     from ..ranks import rank, world_size
 
