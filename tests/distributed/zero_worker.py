@@ -147,9 +147,12 @@ def main() -> None:
         seen_during_decode.append(sum(k in offload_ids for m in model.modules()
                                       for k in (*m._forward_pre_hooks, *m._forward_hooks)))
 
-    user_hook = decode_model(model).lm_head.register_forward_pre_hook(count_offload_hooks)
+    # Stage 3 only: there every call decodes eagerly, while at stages 1-2 a hook would be captured into the
+    # graphs and its removal would (rightly) recapture them.
+    user_hook = decode_model(model).lm_head.register_forward_pre_hook(count_offload_hooks) if stage == 3 else None
     generate_both("before")
-    user_hook.remove()
+    if user_hook is not None:
+        user_hook.remove()
     result["offload_hooks_registered"] = len(offload_ids)
     result["offload_hooks_during_decode"] = seen_during_decode
     result["hook_tables_restored"] = hook_tables() == tables_before
