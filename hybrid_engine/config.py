@@ -77,6 +77,9 @@ _DEPRECATED_ALIAS = "enable_cuda_graph"
 _ALIAS_TARGET = "enable_graph_capture"
 
 _OPTIMIZER_TYPES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+#: DeepSpeed's other optimizer names (``deepspeed.runtime.config.DEEPSPEED_OPTIMIZERS`` and its 1-bit ones).
+_DEEPSPEED_OPTIMIZERS = ("adagrad", "lamb", "lion", "muadam", "muadamw", "musgd", "muon", "onebitadam",
+                         "zerooneadam", "onebitlamb")
 
 # Real DeepSpeed top-level keys we do not use: passed through untouched, never
 # reported as misspellings of our own keys.
@@ -131,11 +134,21 @@ def _suggest(key: str, valid: list[str]) -> str | None:
 
 
 class ZeroConfig(BaseModel):
-    """``zero_optimization``: the stage is checked, other DeepSpeed keys pass through."""
+    """``zero_optimization``: the stage is checked, other DeepSpeed keys pass through (DeepSpeed checks them
+    at stages 1-3); a key that looks like a misspelt ``stage`` is refused, since it would mean stage 0."""
 
     model_config = ConfigDict(extra="allow")
 
     stage: StrictInt = Field(default=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _misspelt_stage(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "stage" not in data:
+            for key in data:
+                if isinstance(key, str) and _suggest(key, ["stage"]) is not None:
+                    raise ValueError(f"unknown zero_optimization key {key!r}; did you mean 'stage'?")
+        return data
 
     @field_validator("stage")
     @classmethod
@@ -147,8 +160,25 @@ class ZeroConfig(BaseModel):
         return value
 
 
+#: DeepSpeed's own keys of the fp16 and bf16 sections (its models refuse any other), beyond those we read.
+_FP16_DEEPSPEED_KEYS = ("auto_cast", "loss_scale_window", "hysteresis", "consecutive_hysteresis", "min_loss_scale",
+                        "fp16_master_weights_and_grads")
+_BF16_DEEPSPEED_KEYS = ("immediate_grad_update",)
+
+
+def _refuse_unknown(section: str, data: Any, known: list[str]) -> Any:
+    if isinstance(data, Mapping):
+        for key in data:
+            if key not in known:
+                hint = _suggest(str(key), known)
+                raise ValueError(f"unknown {section} key {key!r}" + (f"; did you mean {hint!r}?" if hint else
+                                                                     f"; valid keys are {', '.join(known)}"))
+    return data
+
+
 class FP16Config(BaseModel):
-    """``fp16``: mixed precision with loss scaling (``loss_scale=0`` means dynamic)."""
+    """``fp16``: mixed precision with loss scaling (``loss_scale=0`` means dynamic). As in DeepSpeed, a key
+    that is not one of the section's is refused (a typo of ``enabled`` would silently train in fp32)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -156,13 +186,25 @@ class FP16Config(BaseModel):
     loss_scale: StrictFloat = Field(default=0.0, ge=0)
     initial_scale_power: StrictInt = Field(default=16, ge=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        return _refuse_unknown("fp16", data, [*cls.model_fields, *_FP16_DEEPSPEED_KEYS])
+
 
 class BF16Config(BaseModel):
-    """``bf16``: bfloat16 mixed precision."""
+    """``bf16``: bfloat16 mixed precision. ``check_grad_overflow`` (default on, as in DeepSpeed) skips an
+    optimizer step whose gradients are not finite. Unknown keys are refused, as in DeepSpeed."""
 
     model_config = ConfigDict(extra="allow")
 
     enabled: StrictBool = False
+    check_grad_overflow: StrictBool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        return _refuse_unknown("bf16", data, [*cls.model_fields, *_BF16_DEEPSPEED_KEYS])
 
 
 class OptimizerConfig(BaseModel):
@@ -181,10 +223,14 @@ class OptimizerConfig(BaseModel):
             raise ValueError(  # noqa: TRY004 - pydantic only converts ValueError into a field error
                 f"optimizer.type must be a string, one of {valid} (got {value!r})"
             )
-        canonical = _OPTIMIZER_TYPES.get(value.strip().lower())
-        if canonical is None:
-            raise ValueError(f"optimizer.type {value!r} is not supported; valid types are {valid}")
-        return canonical
+        key = value.strip().lower()
+        canonical = _OPTIMIZER_TYPES.get(key)
+        if canonical is not None:
+            return canonical
+        if key in _DEEPSPEED_OPTIMIZERS:  # DeepSpeed builds it (ZeRO 1-3); stage 0 says so when it builds
+            return value.strip()
+        raise ValueError(f"optimizer.type {value!r} is not supported; valid types are {valid} (any stage) and "
+                         f"{', '.join(_DEEPSPEED_OPTIMIZERS)} (built by DeepSpeed, ZeRO stages 1-3)")
 
 
 class HybridEngineConfig(BaseModel):

@@ -39,7 +39,7 @@ from .graph_runner import GraphStats, decode_grad_mode
 from .inference_copy import InferenceCopy
 from .inputs import decode_model
 from .precision import MasterWeights
-from .training import LocalTraining, build_optimizer
+from .training import LocalTraining, build_optimizer, build_scheduler
 from .zero import DeepSpeedTraining, gathered_for_inference
 from .zero import build as build_deepspeed_training
 
@@ -243,6 +243,9 @@ def initialize(
     """
     if kwargs.get("config_params") is not None and config is None:
         config = kwargs.pop("config_params")
+    args = kwargs.get("args")
+    if config is None and getattr(args, "deepspeed_config", None) is not None:
+        config = args.deepspeed_config  # deepspeed.add_config_arguments' --deepspeed_config, as deepspeed.initialize
     unknown = set(kwargs) - {"config_params", "args", "training_data", "lr_scheduler", "mpu", "dist_init_required"}
     if unknown:
         raise TypeError(f"initialize() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
@@ -300,4 +303,6 @@ def _local_training(model: nn.Module, optimizer: torch.optim.Optimizer | None, c
             raise ValueError("initialize(): lr_scheduler was given as a callable but there is no optimizer to "
                              "build it for; pass optimizer= or config.optimizer")
         lr_scheduler = lr_scheduler(optimizer)
+    elif lr_scheduler is None:
+        lr_scheduler = build_scheduler(cfg, optimizer)  # the config's "scheduler" section, as DeepSpeed's
     return LocalTraining(model, optimizer, cfg, lr_scheduler, masters)

@@ -13,8 +13,12 @@ the new weights after it.
 Semantics follow DeepSpeed: the loss is divided by
 ``gradient_accumulation_steps``, the optimizer steps at accumulation
 boundaries only, gradients are clipped to ``gradient_clipping`` (0 = off) and
-the LR scheduler steps with the optimizer, except on fp16 steps skipped for
-overflow.
+the LR scheduler steps with the optimizer, except on steps skipped for
+non-finite gradients (fp16 overflow; bf16 with ``check_grad_overflow``, on by
+default). The config's ``scheduler`` section is built with DeepSpeed's own LR
+schedule classes (:func:`build_scheduler`), and optimizer type ``Adam`` means
+AdamW's decoupled weight decay unless ``adam_w_mode`` is false, both as
+``deepspeed.initialize`` does.
 """
 
 from __future__ import annotations
@@ -28,25 +32,67 @@ from .config import EngineConfig
 from .inputs import model_device
 from .precision import MasterWeights
 
-__all__ = ["LocalTraining", "build_optimizer"]
+__all__ = ["LOCAL_OPTIMIZERS", "LocalTraining", "build_optimizer", "build_scheduler"]
+
+
+#: The optimizer types stage 0 builds itself (with torch's optimizers); ZeRO 1-3 hand any type to DeepSpeed.
+LOCAL_OPTIMIZERS = ("AdamW", "Adam", "SGD")
 
 
 def build_optimizer(config: EngineConfig, params: Any) -> torch.optim.Optimizer | None:
-    """The optimizer ``config.optimizer`` describes (AdamW, Adam or SGD) over ``params``, or ``None``."""
+    """The optimizer ``config.optimizer`` describes (AdamW, Adam or SGD) over ``params``, or ``None``.
+
+    As in DeepSpeed, ``Adam`` means AdamW's decoupled weight decay unless ``adam_w_mode`` is false.
+    """
     spec = config.optimizer
     if spec is None:
         return None
+    if spec.type not in LOCAL_OPTIMIZERS:
+        raise ValueError(
+            f"optimizer.type {spec.type!r} is built by DeepSpeed, at zero_optimization.stage 1-3; at stage 0 use "
+            f"one of {', '.join(LOCAL_OPTIMIZERS)}, or pass optimizer= to initialize()"
+        )
     kwargs = dict(spec.params)
     kwargs.pop("torch_adam", None)  # DeepSpeed's switch between its fused Adam and torch's; torch's here
+    adam_w_mode = kwargs.pop("adam_w_mode", True) if spec.type in ("Adam", "AdamW") else True
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}[spec.type]
+    decoupled = spec.type == "AdamW" or bool(adam_w_mode)
+    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.AdamW if decoupled else torch.optim.Adam,
+           "SGD": torch.optim.SGD}[spec.type]
     if spec.type == "SGD" and "lr" not in kwargs:
         kwargs["lr"] = 1e-3  # torch's SGD needs an explicit learning rate
     try:
         return cls(params, **kwargs)
     except TypeError as exc:
         raise ValueError(f"optimizer.params are not valid for {spec.type}: {exc}") from exc
+
+
+def build_scheduler(config: EngineConfig, optimizer: torch.optim.Optimizer | None) -> Any | None:
+    """The LR scheduler of the config's ``scheduler`` section, built with DeepSpeed's own classes
+    (``deepspeed.runtime.lr_schedules``: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest),
+    as ``deepspeed.initialize`` builds it at stages 1-3; ``None`` without that section."""
+    section = config.model_extra.get("scheduler") if config.model_extra else None
+    if section is None:
+        return None
+    if not isinstance(section, dict) or not isinstance(section.get("type"), str):
+        raise ValueError('scheduler must be {"type": "<DeepSpeed scheduler>", "params": {...}}, got '
+                         f"{section!r}")
+    if optimizer is None:
+        raise ValueError("scheduler: there is no optimizer to schedule; set config.optimizer or pass optimizer=")
+    from .zero import import_deepspeed
+
+    import_deepspeed(f"the config's scheduler {section['type']!r} is one of DeepSpeed's")
+    from deepspeed.runtime import lr_schedules
+
+    name = section["type"]
+    if name not in getattr(lr_schedules, "VALID_LR_SCHEDULES", ()) or not hasattr(lr_schedules, name):
+        valid = ", ".join(getattr(lr_schedules, "VALID_LR_SCHEDULES", ()))
+        raise ValueError(f"scheduler.type {name!r} is not a DeepSpeed LR schedule; valid types are {valid}")
+    try:
+        return getattr(lr_schedules, name)(optimizer, **dict(section.get("params") or {}))
+    except TypeError as exc:
+        raise ValueError(f"scheduler.params are not valid for {name}: {exc}") from exc
 
 
 class LocalTraining:
@@ -61,6 +107,8 @@ class LocalTraining:
         self.masters = masters
         self.global_steps = 0
         self.micro_steps = 0
+        #: Optimizer steps skipped for non-finite gradients (fp16 overflow, or bf16 with check_grad_overflow).
+        self.skipped_steps = 0
         self.scaler: torch.amp.GradScaler | None = None
         if config.fp16.enabled:
             static = config.fp16.loss_scale > 0
@@ -105,14 +153,22 @@ class LocalTraining:
             self.scaler.step(optimizer)
             self.scaler.update()
             stepped = self.scaler.get_scale() >= scale  # the scale drops only when the step was skipped
+        elif self.masters is not None and self.config.bf16.check_grad_overflow and not self._grads_finite():
+            stepped = False  # as DeepSpeed's bf16 check_grad_overflow: skip, so no NaN reaches the weights
         else:
             optimizer.step()
+        self.skipped_steps += not stepped
         if self.masters is not None and stepped:
             self.masters.publish()
         if stepped and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.zero_grad()
         self.global_steps += 1
+
+    def _grads_finite(self) -> bool:
+        """Whether every gradient the optimizer steps is finite (one host read, at boundaries only)."""
+        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.optimizer is not None:

@@ -281,10 +281,35 @@ def test_optimizer_type_is_case_insensitive():
 
 
 def test_unknown_optimizer_lists_valid_types():
-    with pytest.raises(ValueError, match="Lion") as info:
-        load_config({"optimizer": {"type": "Lion"}})
-    for name in ("AdamW", "Adam", "SGD"):
+    with pytest.raises(ValueError, match="Adamm") as info:
+        load_config({"optimizer": {"type": "Adamm"}})
+    for name in ("AdamW", "Adam", "SGD", "lion", "lamb"):
         assert name in str(info.value)
+
+
+def test_deepspeed_optimizers_are_accepted_for_deepspeed_to_build_and_refused_at_stage_0():
+    # At ZeRO 1-3 DeepSpeed builds the optimizer (Lion, Lamb, Adagrad...); stage 0 builds torch's only.
+    assert load_config({"optimizer": {"type": "Lion"}}).optimizer.type == "Lion"
+    from hybrid_engine import initialize
+    from hybrid_engine.tiny_models import build_model
+
+    with pytest.raises(ValueError, match=r"'Adagrad' is built by DeepSpeed, at zero_optimization.stage 1-3"):
+        initialize(model=build_model("tiny-gpt2"), config={"optimizer": {"type": "Adagrad"}})
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"bf16": {"enable": True}}, r"unknown bf16 key 'enable'; did you mean 'enabled'"),
+    ({"fp16": {"enabled": True, "loss_scal": 128}}, r"unknown fp16 key 'loss_scal'; did you mean 'loss_scale'"),
+    ({"zero_optimization": {"stgae": 2}}, r"unknown zero_optimization key 'stgae'; did you mean 'stage'"),
+])
+def test_typos_inside_the_precision_and_zero_sections_are_refused(config, match):
+    # Each would otherwise train silently in fp32 or at stage 0.
+    with pytest.raises(ValueError, match=match):
+        load_config(config)
+    # DeepSpeed's own keys of those sections are accepted.
+    load_config({"fp16": {"enabled": True, "loss_scale_window": 100, "hysteresis": 2, "min_loss_scale": 1},
+                 "bf16": {"immediate_grad_update": False},
+                 "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8}})
 
 
 def test_fp16_and_bf16_conflict():

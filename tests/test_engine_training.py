@@ -17,7 +17,7 @@ def batch(seed=0):
     return dict(input_ids=ids, labels=ids)
 
 
-@pytest.mark.parametrize("kind,cls", [("AdamW", torch.optim.AdamW), ("adam", torch.optim.Adam), ("SGD", torch.optim.SGD)])
+@pytest.mark.parametrize("kind,cls", [("AdamW", torch.optim.AdamW), ("adam", torch.optim.AdamW), ("SGD", torch.optim.SGD)])
 def test_optimizer_built_from_config(kind, cls):
     engine, opt, _, _ = initialize(model=build_model("tiny-gpt2"), config={"optimizer": {"type": kind, "params": {"lr": 0.01}}})
     assert isinstance(engine, HybridEngine) and isinstance(opt, cls) and engine.optimizer is opt
@@ -155,6 +155,66 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     assert engine.loss_scale == 128.0 and engine.global_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_adam_means_decoupled_weight_decay_unless_adam_w_mode_is_false_as_in_deepspeed():
+    # DeepSpeed: "Optimizer name of Adam forces AdamW logic unless adam_w_mode is explicitly set".
+    params = {"lr": 0.01, "weight_decay": 0.5}
+    _, opt, *_ = initialize(model=build_model("tiny-gpt2"), config={"optimizer": {"type": "Adam", "params": params}})
+    assert type(opt) is torch.optim.AdamW and opt.param_groups[0]["weight_decay"] == 0.5
+    _, opt, *_ = initialize(model=build_model("tiny-gpt2"),
+                            config={"optimizer": {"type": "Adam", "params": {**params, "adam_w_mode": False}}})
+    assert type(opt) is torch.optim.Adam
+
+
+def test_the_config_scheduler_section_is_built_with_deepspeeds_schedule_at_stage_0():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 10}}
+    model = build_model("tiny-gpt2")
+    engine, opt, _, scheduler = initialize(model=model, config={
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "scheduler": sched})
+    assert isinstance(scheduler, WarmupLR) and engine.lr_scheduler is scheduler
+    reference = torch.optim.SGD(build_model("tiny-gpt2").parameters(), lr=0.1)
+    expected = WarmupLR(reference, **sched["params"])
+    for step in range(3):
+        engine.backward(engine(**batch(step)).loss)
+        engine.step()
+        reference.step()
+        expected.step()
+        assert opt.param_groups[0]["lr"] == reference.param_groups[0]["lr"]
+    assert 0 < opt.param_groups[0]["lr"] < 0.1
+    with pytest.raises(ValueError, match="'WarmupLRR' is not a DeepSpeed LR schedule; valid types are .*WarmupLR"):
+        initialize(model=build_model("tiny-gpt2"), config={"optimizer": {"type": "SGD"},
+                                                            "scheduler": {"type": "WarmupLRR"}})
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_bf16_steps_with_non_finite_gradients_are_skipped_as_in_deepspeed(check):
+    model = build_model("tiny-gpt2")
+    engine, *_ = initialize(model=model, config={"bf16": {"enabled": True, "check_grad_overflow": check},
+                                                 "optimizer": {"type": "SGD", "params": {"lr": 0.01}}})
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.backward(engine(**batch()).loss * float("inf"))
+    engine.step()
+    assert engine.global_steps == 1 and engine.training_backend.skipped_steps == int(check)
+    finite = all(torch.isfinite(p).all() for p in model.parameters())
+    assert finite == check and all(torch.equal(a, b) for a, b in zip(before, model.parameters())) == check
+    if check:  # the next finite step trains
+        engine.backward(engine(**batch(1)).loss)
+        engine.step()
+        assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_initialize_reads_args_deepspeed_config_as_deepspeed_does(tmp_path):
+    import argparse
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.05}}, "gradient_accumulation_steps": 2}))
+    engine, opt, *_ = initialize(args=argparse.Namespace(deepspeed_config=str(path)), model=build_model("tiny-gpt2"))
+    assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["lr"] == 0.05
+    assert engine.config.gradient_accumulation_steps == 2
 
 
 def test_train_eval_switch():
