@@ -16,13 +16,25 @@ uninterrupted one. With them restored it continues the same streams: a fresh
 process that loads a checkpoint and keeps going produces bit-identical weights
 and tokens on CPU.
 
-Everything saved is tensors and plain Python values, so loading uses
-``torch.load(weights_only=True)``: a checkpoint cannot run code.
+What the engine saves is tensors and plain Python values, loaded with
+``torch.load(weights_only=True)``. The caller's ``client_state`` may hold any
+picklable value (numpy scalars and RNG states, dataclasses, sets), as with
+DeepSpeed, whose checkpoints load with ``weights_only=False``: it is pickled on
+its own into the file and only it is read back with the full unpickler, so a
+checkpoint saved with a ``client_state`` can run code when loaded (load only
+checkpoints you trust) and one saved without never can.
+
+The optimizer's class name is saved too: loading into an engine with another
+optimizer (or other param groups) is a ``ValueError`` that changes nothing, not a
+``KeyError`` at the next ``step()``. Checkpoints of format 2 (client_state
+inline, no optimizer class) still load.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +51,8 @@ __all__ = ["STATE_FILE", "load", "save"]
 
 STATE_FILE = "hybrid_engine_states.pt"
 LATEST_FILE = "latest"
-FORMAT = 2
+FORMAT = 3
+READABLE_FORMATS = (2, 3)  # 2: client_state inline (weights_only-safe values only), no optimizer class
 
 
 def _directory(path: Any, name: str) -> Path:
@@ -73,6 +86,42 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         module.set_rng_state(state["device"])
 
 
+def _pack_client_state(client_state: dict[str, Any]) -> torch.Tensor | None:
+    """``client_state`` pickled on its own (any picklable value), as bytes in a uint8 tensor; ``None`` if empty."""
+    if not client_state:
+        return None
+    buffer = io.BytesIO()
+    try:
+        torch.save(client_state, buffer)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise TypeError(f"save_checkpoint: client_state cannot be pickled ({type(exc).__name__}: {exc}); "
+                        "keep to values that pickle (no lambdas, open files or local classes)") from exc
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).clone()
+
+
+def _unpack_client_state(state: dict[str, Any]) -> dict[str, Any]:
+    packed = state["client_state"]
+    if state["format"] == 2 or packed is None:
+        return packed or {}
+    # The caller's own values, unpickled in full as DeepSpeed does (see the module docstring).
+    return torch.load(io.BytesIO(packed.numpy().tobytes()), map_location="cpu", weights_only=False)
+
+
+def _check_optimizer(state: dict[str, Any], optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Raise before anything is loaded if ``state``'s optimizer state cannot be loaded into ``optimizer``."""
+    mine, saved = type(optimizer).__name__, state.get("optimizer_class")  # None in format 2
+    fix = ("build the engine with the same optimizer, or pass load_optimizer_states=False to load the rest "
+           "and start the optimizer afresh")
+    if saved is not None and saved != mine:
+        raise ValueError(f"load_checkpoint: {path} holds {saved} optimizer state, but this engine's optimizer "
+                         f"is {mine}; {fix}")
+    saved_sizes = [len(group["params"]) for group in state["optimizer"]["param_groups"]]
+    sizes = [len(group["params"]) for group in optimizer.param_groups]
+    if saved_sizes != sizes:
+        raise ValueError(f"load_checkpoint: {path} holds {saved or 'optimizer'} state for param groups of "
+                         f"{saved_sizes} parameters, but this engine's {mine} has {sizes}; {fix}")
+
+
 def save(engine: HybridEngine, save_dir: Any, tag: str | None, client_state: dict[str, Any] | None,
          save_latest: bool) -> bool:
     root = _directory(save_dir, "save_checkpoint: save_dir")
@@ -84,17 +133,19 @@ def save(engine: HybridEngine, save_dir: Any, tag: str | None, client_state: dic
     training = engine.training_backend
     if not isinstance(training, LocalTraining):
         return training.save_checkpoint(root, tag, client_state or {}, save_latest, rng)
+    packed_client_state = _pack_client_state(client_state)  # before writing anything: it may not pickle
     state = {
         "format": FORMAT,
         "module": engine.module.state_dict(),
         "optimizer": training.optimizer.state_dict() if training.optimizer is not None else None,
+        "optimizer_class": type(training.optimizer).__name__ if training.optimizer is not None else None,
         "master_weights": training.masters.state_dict() if training.masters is not None else None,
         "loss_scaler": training.scaler.state_dict() if training.scaler is not None else None,
         "lr_scheduler": training.lr_scheduler.state_dict() if training.lr_scheduler is not None else None,
         "global_steps": training.global_steps,
         "micro_steps": training.micro_steps,
         "rng": rng,
-        "client_state": client_state or {},
+        "client_state": packed_client_state,
     }
     directory = root / tag
     directory.mkdir(parents=True, exist_ok=True)
@@ -132,17 +183,23 @@ def load(engine: HybridEngine, load_dir: Any, tag: str | None, *, load_module_st
         warnings.warn(f"load_checkpoint: no checkpoint at {path}", UserWarning, stacklevel=3)
         return None, None
     state = torch.load(path, map_location="cpu", weights_only=True)
-    if state.get("format") != FORMAT:
-        raise ValueError(f"load_checkpoint: {path} is not a hybrid-engine checkpoint of format {FORMAT}")
+    if state.get("format") not in READABLE_FORMATS:
+        raise ValueError(f"load_checkpoint: {path} is not a hybrid-engine checkpoint of format "
+                         f"{' or '.join(map(str, READABLE_FORMATS))}")
     if (state["master_weights"] is None) != (training.masters is None):
         raise ValueError(f"load_checkpoint: {path} was saved with bf16/fp16 "
                          f"{'off' if state['master_weights'] is None else 'on'}, but this engine has it "
                          f"{'on' if training.masters is not None else 'off'}; use the same precision setting")
+    load_optimizer = (not load_module_only and load_optimizer_states and training.optimizer is not None
+                      and state["optimizer"] is not None)
+    if load_optimizer:
+        _check_optimizer(state, training.optimizer, path)
+    client_state = _unpack_client_state(state)  # before the engine changes: it may fail to unpickle
     engine.module.load_state_dict(state["module"], strict=load_module_strict)
     if training.masters is not None:
         training.masters.load_state_dict(state["master_weights"])
     if not load_module_only:
-        if load_optimizer_states and training.optimizer is not None and state["optimizer"] is not None:
+        if load_optimizer:
             training.optimizer.load_state_dict(state["optimizer"])
         if training.scaler is not None and state["loss_scaler"] is not None:
             training.scaler.load_state_dict(state["loss_scaler"])
@@ -151,4 +208,4 @@ def load(engine: HybridEngine, load_dir: Any, tag: str | None, *, load_module_st
         training.global_steps = int(state["global_steps"])
         training.micro_steps = int(state["micro_steps"])
         _set_rng_state(state["rng"], device)
-    return str(root / tag), state["client_state"]
+    return str(root / tag), client_state

@@ -1,5 +1,7 @@
 """Checkpoint and resume (ZeRO stage 0): DeepSpeed's names and return values, bit-identical resume."""
 
+import copy
+import dataclasses
 import os
 import signal
 import subprocess
@@ -7,6 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import left_padded_prompts as prompts
@@ -139,3 +142,90 @@ def test_lr_scheduler_is_stepped_with_the_optimizer_not_per_micro_step():
     assert engine.global_steps == 2 and sched.get_last_lr() == [0.25]
     with pytest.raises(TypeError, match="lr_scheduler"):
         initialize(model=model, optimizer=opt, lr_scheduler=3)
+
+
+@dataclasses.dataclass
+class RunInfo:  # a client_state value that torch.load(weights_only=True) refuses
+    name: str
+    seen: set
+
+
+def test_client_state_of_any_picklable_values_round_trips_as_with_deepspeed(tmp_path, monkeypatch):
+    model, engine = engine_with_state()
+    train_once(engine, prompts(2, 5)[0])
+    client = {"epoch": 3, "best_loss": np.float64(1.25), "np_rng": np.random.get_state(),
+              "info": RunInfo("run", {1, 2}), "ids": torch.arange(4)}
+    assert engine.save_checkpoint(tmp_path, tag="np", client_state=client) is True
+    # The engine's own state still loads with the safe unpickler; client_state is a pickle of its own inside.
+    assert torch.load(tmp_path / "np" / STATE_FILE, weights_only=True)["global_steps"] == 1
+    fresh = engine_with_state()[1]
+    path, loaded = fresh.load_checkpoint(tmp_path)
+    assert path == str(tmp_path / "np") and sorted(loaded) == sorted(client)
+    assert loaded["best_loss"] == 1.25 and isinstance(loaded["best_loss"], np.float64)
+    assert loaded["np_rng"][0] == client["np_rng"][0] and np.array_equal(loaded["np_rng"][1], client["np_rng"][1])
+    assert loaded["info"] == client["info"] and torch.equal(loaded["ids"], client["ids"])
+    # Without a client_state nothing is read with the full unpickler.
+    engine.save_checkpoint(tmp_path, tag="plain")
+    calls = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(k.get("weights_only")) or real_load(*a, **k))
+    assert fresh.load_checkpoint(tmp_path, tag="plain") == (str(tmp_path / "plain"), {})
+    assert calls == [True]
+    monkeypatch.undo()
+    # A client_state that cannot be pickled fails at save time, and writes nothing.
+    with pytest.raises(TypeError, match="client_state cannot be pickled"):
+        engine.save_checkpoint(tmp_path / "bad", client_state={"fn": lambda: 0})
+    assert not (tmp_path / "bad").exists()
+
+
+def snapshot(engine):
+    return ({k: v.clone() for k, v in engine.module.state_dict().items()}, copy.deepcopy(engine.optimizer.state_dict()),
+            engine.global_steps, torch.get_rng_state())
+
+
+def assert_unchanged(engine, before):
+    weights, opt, steps, rng = before
+    assert all(torch.equal(v, weights[k]) for k, v in engine.module.state_dict().items())
+    now = engine.optimizer.state_dict()
+    assert now["param_groups"] == opt["param_groups"] and now["state"].keys() == opt["state"].keys()
+    assert engine.global_steps == steps and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_loading_another_optimizers_state_is_a_clear_error_that_changes_nothing(tmp_path):
+    _, adamw = engine_with_state()
+    ids = prompts(2, 5)[0]
+    train_once(adamw, ids)
+    adamw.save_checkpoint(tmp_path)
+    _, sgd = engine_with_state(optimizer={"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9}})
+    train_once(sgd, ids)
+    before = snapshot(sgd)
+    with pytest.raises(ValueError, match=r"AdamW optimizer state.*optimizer is SGD.*load_optimizer_states=False"):
+        sgd.load_checkpoint(tmp_path)
+    assert_unchanged(sgd, before)
+    train_once(sgd, ids)  # still usable: its own SGD state, no KeyError: 'momentum'
+    assert sgd.global_steps == 2
+    assert sgd.load_checkpoint(tmp_path, load_optimizer_states=False)[0] == str(tmp_path / "global_step1")
+    train_once(sgd, ids)
+    # Same class, other param groups: also refused before anything is loaded.
+    model = build_model("tiny-llama", seed=3)
+    params = list(model.parameters())
+    two_groups = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 1e-3}], lr=1e-2)
+    split, *_ = initialize(model=model, optimizer=two_groups)
+    before = snapshot(split)
+    with pytest.raises(ValueError, match=r"param groups of \[\d+\] parameters.*AdamW has \[2, \d+\]"):
+        split.load_checkpoint(tmp_path)
+    assert_unchanged(split, before)
+
+
+def test_format_2_checkpoints_still_load(tmp_path):
+    """Checkpoints written before format 3: client_state inline, no optimizer class."""
+    _, engine = engine_with_state()
+    train_once(engine, prompts(2, 5)[0])
+    engine.save_checkpoint(tmp_path)
+    file = tmp_path / "global_step1" / STATE_FILE
+    state = torch.load(file, weights_only=True)
+    state.pop("optimizer_class", None)
+    torch.save({**state, "format": 2, "client_state": {"epoch": 7}}, file)
+    train_once(engine, prompts(2, 5)[0])
+    assert engine.load_checkpoint(tmp_path) == (str(tmp_path / "global_step1"), {"epoch": 7})
+    assert engine.global_steps == 1
