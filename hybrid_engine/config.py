@@ -161,8 +161,7 @@ class ZeroConfig(BaseModel):
 
 
 #: DeepSpeed's own keys of the fp16 and bf16 sections (its models refuse any other), beyond those we read.
-_FP16_DEEPSPEED_KEYS = ("auto_cast", "loss_scale_window", "hysteresis", "consecutive_hysteresis", "min_loss_scale",
-                        "fp16_master_weights_and_grads")
+_FP16_DEEPSPEED_KEYS = ("auto_cast", "fp16_master_weights_and_grads")
 _BF16_DEEPSPEED_KEYS = ("immediate_grad_update",)
 
 
@@ -185,6 +184,11 @@ class FP16Config(BaseModel):
     enabled: StrictBool = False
     loss_scale: StrictFloat = Field(default=0.0, ge=0)
     initial_scale_power: StrictInt = Field(default=16, ge=0)
+    # The dynamic scale's policy, with DeepSpeed's defaults (hybrid_engine.training.LossScalePolicy).
+    loss_scale_window: StrictInt = Field(default=1000, gt=0)
+    hysteresis: StrictInt = Field(default=2, ge=1)
+    consecutive_hysteresis: StrictBool = False
+    min_loss_scale: StrictFloat = Field(default=1.0, gt=0)
 
     @model_validator(mode="before")
     @classmethod

@@ -32,7 +32,8 @@ from .config import EngineConfig
 from .inputs import model_device
 from .precision import MasterWeights
 
-__all__ = ["LOCAL_OPTIMIZERS", "LocalTraining", "build_optimizer", "build_scheduler"]
+__all__ = ["LOCAL_OPTIMIZERS", "LocalTraining", "LossScalePolicy", "PolicyGradScaler", "build_optimizer",
+           "build_scheduler"]
 
 
 #: The optimizer types stage 0 builds itself (with torch's optimizers); ZeRO 1-3 hand any type to DeepSpeed.
@@ -66,6 +67,66 @@ def build_optimizer(config: EngineConfig, params: Any) -> torch.optim.Optimizer 
         return cls(params, **kwargs)
     except TypeError as exc:
         raise ValueError(f"optimizer.params are not valid for {spec.type}: {exc}") from exc
+
+
+class LossScalePolicy:
+    """The fp16 loss scale from step to step, as DeepSpeed's loss scalers set it.
+
+    Static (``loss_scale > 0``): never changes; an overflowing step is only skipped.
+    Dynamic: starts at ``2**initial_scale_power``. An overflow halves it (never
+    below ``min_loss_scale``) once ``hysteresis`` overflows have been absorbed;
+    each overflow before that only uses one up. After ``loss_scale_window``
+    clean steps since the last overflow it doubles, and the hysteresis is
+    restored then (or after every clean step with ``consecutive_hysteresis``).
+    """
+
+    def __init__(self, fp16: Any) -> None:
+        self.static = fp16.loss_scale > 0
+        self.scale = float(fp16.loss_scale) if self.static else float(2 ** fp16.initial_scale_power)
+        self.window, self.min_scale = fp16.loss_scale_window, float(fp16.min_loss_scale)
+        self.hysteresis = self.hysteresis_left = fp16.hysteresis
+        self.consecutive = fp16.consecutive_hysteresis
+        self.iteration, self.last_overflow = 0, -1
+
+    def update(self, *, overflow: bool) -> float:
+        """The scale for the next step, after a step that did (``overflow``) or did not overflow."""
+        if self.static:
+            return self.scale
+        if overflow:
+            if self.hysteresis_left <= 1:
+                self.scale = max(self.scale / 2, self.min_scale)
+            else:
+                self.hysteresis_left -= 1
+            self.last_overflow = self.iteration
+        else:
+            if self.consecutive:
+                self.hysteresis_left = self.hysteresis
+            clean = self.iteration - self.last_overflow - 1
+            if clean > 0 and clean % self.window == 0:
+                self.hysteresis_left = self.hysteresis
+                self.scale *= 2
+        self.iteration += 1
+        return self.scale
+
+
+class PolicyGradScaler(torch.amp.GradScaler):
+    """A GradScaler whose scale a :class:`LossScalePolicy` sets, and whose state (checkpoints) includes it."""
+
+    def __init__(self, device_type: str, policy: LossScalePolicy) -> None:
+        super().__init__(device_type, init_scale=policy.scale)
+        self.policy = policy
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "policy": dict(vars(self.policy))}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        policy = state.pop("policy", None)
+        super().load_state_dict(state)
+        if policy is not None:
+            vars(self.policy).update(policy)
+        else:  # a checkpoint from before the policy: its scale, with the policy's counters fresh
+            self.policy.scale = float(self.get_scale())
 
 
 def build_scheduler(config: EngineConfig, optimizer: torch.optim.Optimizer | None) -> Any | None:
@@ -109,14 +170,10 @@ class LocalTraining:
         self.micro_steps = 0
         #: Optimizer steps skipped for non-finite gradients (fp16 overflow, or bf16 with check_grad_overflow).
         self.skipped_steps = 0
-        self.scaler: torch.amp.GradScaler | None = None
+        self.scaler: PolicyGradScaler | None = None
         if config.fp16.enabled:
-            static = config.fp16.loss_scale > 0
-            init = config.fp16.loss_scale if static else float(2**config.fp16.initial_scale_power)
-            # A static loss scale never grows; overflowing steps are skipped (the scale halves then).
-            self.scaler = torch.amp.GradScaler(
-                model_device(module).type, init_scale=init, growth_interval=2**31 - 1 if static else 2000
-            )
+            # GradScaler scales, unscales and skips; the scale itself follows DeepSpeed's policy.
+            self.scaler = PolicyGradScaler(model_device(module).type, LossScalePolicy(config.fp16))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -149,10 +206,9 @@ class LocalTraining:
             torch.nn.utils.clip_grad_norm_(params, self.config.gradient_clipping)
         stepped = True
         if self.scaler is not None:
-            scale = self.scaler.get_scale()
+            stepped = self._grads_finite()  # unscaled above; GradScaler skips exactly these steps
             self.scaler.step(optimizer)
-            self.scaler.update()
-            stepped = self.scaler.get_scale() >= scale  # the scale drops only when the step was skipped
+            self.scaler.update(new_scale=self.scaler.policy.update(overflow=not stepped))
         elif self.masters is not None and self.config.bf16.check_grad_overflow and not self._grads_finite():
             stepped = False  # as DeepSpeed's bf16 check_grad_overflow: skip, so no NaN reaches the weights
         else:

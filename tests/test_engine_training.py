@@ -144,17 +144,58 @@ def test_fp16_uses_grad_scaler():
     assert changed or engine.loss_scale < 256.0  # stepped, or skipped an overflow and backed off
 
 
-def test_fp16_overflow_skips_the_step_and_halves_the_scale():
+def test_fp16_overflow_skips_the_step_and_halves_the_scale_after_the_hysteresis():
+    # DeepSpeed's default hysteresis is 2: the first overflow only uses it up, the second halves the scale.
     model = build_model("tiny-gpt2")
     engine, *_ = initialize(model=model, config={"fp16": {"enabled": True, "initial_scale_power": 8},
                                                  "optimizer": {"type": "SGD", "params": {"lr": 0.01}}})
     before = [p.detach().clone() for p in model.parameters()]
-    loss = engine(**batch()).loss
-    engine.backward(loss * float("inf"))
-    engine.step()
-    assert engine.loss_scale == 128.0 and engine.global_steps == 1
+    scales = []
+    for _ in range(2):
+        engine.backward(engine(**batch()).loss * float("inf"))
+        engine.step()
+        scales.append(engine.loss_scale)
+    assert scales == [256.0, 128.0] and engine.global_steps == 2 and engine.training_backend.skipped_steps == 2
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
+
+
+def _fp16_scales(fp16: dict, steps: str) -> list[float]:
+    """Loss scales after each step of ``steps`` ("o": an overflowing step, ".": a clean one)."""
+    engine, *_ = initialize(model=build_model("tiny-gpt2"), config={
+        "fp16": {"enabled": True, **fp16}, "optimizer": {"type": "SGD", "params": {"lr": 1e-4}}})
+    out = []
+    for i, kind in enumerate(steps):
+        loss = engine(**batch(i)).loss
+        engine.backward(loss * float("inf") if kind == "o" else loss)
+        engine.step()
+        out.append(engine.loss_scale)
+    return out
+
+
+def test_fp16_loss_scale_follows_deepspeeds_policy():
+    # Values from DeepSpeed's LossScaler / DynamicLossScaler with the same settings.
+    assert _fp16_scales({"loss_scale": 128}, "o..o.") == [128.0] * 5  # static: only skips
+    window = {"initial_scale_power": 4, "loss_scale_window": 2, "hysteresis": 1}
+    assert _fp16_scales(window, "o...") == [8.0, 8.0, 8.0, 16.0]
+    assert _fp16_scales({**window, "min_loss_scale": 4}, "oooo") == [8.0, 4.0, 4.0, 4.0]
+    assert _fp16_scales({"initial_scale_power": 4, "loss_scale_window": 2}, "o.o") == [16.0, 16.0, 8.0]
+    assert _fp16_scales({"initial_scale_power": 4, "loss_scale_window": 2, "consecutive_hysteresis": True},
+                        "o.o") == [16.0, 16.0, 16.0]
+
+
+def test_the_loss_scale_policy_travels_with_the_scaler_state():
+    from hybrid_engine.training import LossScalePolicy, PolicyGradScaler
+
+    engine, *_ = initialize(model=build_model("tiny-gpt2"), config={
+        "fp16": {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 3},
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-4}}})
+    engine.backward(engine(**batch()).loss * float("inf"))
+    engine.step()
+    state = engine.training_backend.scaler.state_dict()
+    other = PolicyGradScaler("cpu", LossScalePolicy(engine.config.fp16))
+    other.load_state_dict(state)
+    assert vars(other.policy) == vars(engine.training_backend.scaler.policy) and other.policy.hysteresis_left == 1
 
 
 def test_adam_means_decoupled_weight_decay_unless_adam_w_mode_is_false_as_in_deepspeed():
