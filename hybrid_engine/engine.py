@@ -112,6 +112,11 @@ class HybridEngine(nn.Module):
         return self.training_backend.micro_steps
 
     @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for non-finite gradients (fp16 overflow, bf16 ``check_grad_overflow``)."""
+        return self.training_backend.skipped_steps
+
+    @property
     def zero_stage(self) -> int:
         return self.config.zero_optimization.stage
 

@@ -239,6 +239,10 @@ class DeepSpeedTraining:
         return int(self.ds_engine.micro_steps)
 
     @property
+    def skipped_steps(self) -> int:
+        return int(self.ds_engine.skipped_steps)
+
+    @property
     def zero_stage(self) -> int:
         return int(self.ds_engine.zero_optimization_stage())
 

@@ -159,6 +159,7 @@ def main() -> None:
     for step in range(STEPS):
         train_step(step)
     result["global_steps"] = engine.global_steps
+    result["skipped_steps"] = engine.skipped_steps  # DeepSpeed's own count
     result["addresses_kept"] = [p.data_ptr() for p in model.parameters()] == addresses
     generate_both("after")
     result["weights_max_diff"] = max(float((a - b.detach().float()).abs().max())
