@@ -55,11 +55,10 @@ def build_optimizer(config: EngineConfig, params: Any) -> torch.optim.Optimizer 
         )
     kwargs = dict(spec.params)
     kwargs.pop("torch_adam", None)  # DeepSpeed's switch between its fused Adam and torch's; torch's here
-    adam_w_mode = kwargs.pop("adam_w_mode", True) if spec.type in ("Adam", "AdamW") else True
+    adam_w_mode = kwargs.pop("adam_w_mode", True) if spec.type in ("Adam", "AdamW") else None
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    decoupled = spec.type == "AdamW" or bool(adam_w_mode)
-    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.AdamW if decoupled else torch.optim.Adam,
+    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.AdamW if adam_w_mode else torch.optim.Adam,
            "SGD": torch.optim.SGD}[spec.type]
     if spec.type == "SGD" and "lr" not in kwargs:
         kwargs["lr"] = 1e-3  # torch's SGD needs an explicit learning rate

@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.zero3_inference_copy and args.zero_stage != 3:
         raise UsageError("--zero3-inference-copy needs --zero-stage 3")
     if args.zero_stage > 0 and "RANK" not in os.environ:
-        check_common_args(args)  # here, once, rather than in every rank it would start
+        check_common_args(args)  # before any rank starts: a bad option is one error here, not one per rank
         return _launch_ranks(args)
     from ..ranks import rank, world_size
 

@@ -30,6 +30,8 @@ STEPS = 3
 
 
 def run_worker(tmp_path: Path, mode: str) -> list[dict]:
+    if mode.startswith("lora"):
+        pytest.importorskip("peft")
     proc = run_ranks([str(WORKER), mode, str(tmp_path)], nproc=2, timeout_s=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-6000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
@@ -49,8 +51,6 @@ def run_worker(tmp_path: Path, mode: str) -> list[dict]:
 
 @pytest.mark.parametrize("mode", ["gathered", "lora"])
 def test_rollouts_gather_the_partitioned_weights_and_decode_eagerly(tmp_path, mode):
-    if mode == "lora":
-        pytest.importorskip("peft")
     for d in run_worker(tmp_path, mode):
         assert d["graph_refused_warnings"] == 1
         for c in d["calls"]:
@@ -61,8 +61,6 @@ def test_rollouts_gather_the_partitioned_weights_and_decode_eagerly(tmp_path, mo
 
 @pytest.mark.parametrize("mode", ["copy", "lora_copy"])
 def test_the_inference_copy_follows_every_step_and_replays_graphs_captured_once(tmp_path, mode):
-    if mode == "lora_copy":
-        pytest.importorskip("peft")
     for d in run_worker(tmp_path, mode):
         assert d["graph_refused_warnings"] == 0
         calls = d["calls"]
