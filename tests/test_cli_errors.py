@@ -111,6 +111,19 @@ def test_bench_continuous_mixed_budget_past_the_position_limit(capsys):
                  "--mixed-prompt-len 32 plus --mixed-max-new 600", "--mixed-max-new 480 or less")
 
 
+@pytest.mark.parametrize("extra,expected", [
+    (["--longtail-long", "600"], ("--longtail-prompt-len 32 plus --longtail-long 600", "limit 512 of tiny-gpt2",
+                                  "--longtail-long 480 or less")),
+    (["--longtail-model", "same", "--longtail-long", "1000"], ("limit 1024 of gpt2", "--longtail-long 992 or less")),
+    (["--longtail-prompt-len", "512"], ("--longtail-prompt-len 512 leaves no room",)),
+    (["--longtail-model", "nope"], ("--longtail-model 'nope' is not a model name",)),
+    (["--longtail-slots", "0"], ("--longtail-slots", "must be >= 1")),
+])
+def test_bench_continuous_long_tail_options_are_checked_before_part_1_runs(capsys, extra, expected):
+    # Part 3 runs its own model (tiny-gpt2 on CPU unless --longtail-model), so the main model's check misses it.
+    _usage_error(capsys, ["bench", "continuous", "--mixed-requests", "0", *extra], *expected)
+
+
 @pytest.mark.parametrize("command", [DEMO, ["bench", "decode"], ["bench", "parity"]])
 def test_a_missing_model_path(capsys, command, tmp_path):
     missing = tmp_path / "nonexistent"

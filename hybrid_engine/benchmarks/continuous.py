@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from . import common as C
-from .options import UsageError
+from .options import UsageError, check_generation_length, load_pretrained_config, model_config
 from .paths import make_rollout, rollout_generate, rollout_tokens, unreachable_eos
 
 DEFAULT_MODEL = "gpt2"
@@ -266,10 +266,23 @@ def _request_agreement(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tens
     return {"identical": same_tok, "total": total_tok, "requests_identical": same_req, "requests": int(la.shape[0])}
 
 
+def _check_long_tail_args(args: argparse.Namespace, device: torch.device) -> None:
+    """Part 3's options, checked before part 1 runs: its own model (``--longtail-model``) must hold
+    ``--longtail-prompt-len`` plus ``--longtail-long`` positions."""
+    if args.longtail_slots < 1 or args.longtail_long < 1 or args.longtail_prompt_len < 1:
+        raise UsageError("--longtail-slots, --longtail-long and --longtail-prompt-len must be >= 1")
+    margs, _ = _long_tail_model(args, device)
+    if margs.model_path:
+        label, config = margs.model_path, load_pretrained_config(margs.model_path)
+    else:
+        option = "--model" if margs is args else "--longtail-model"
+        label, config = C.resolve_model_name(margs.model), model_config(margs.model, option=option)
+    check_generation_length(config, label, prompt_tokens=args.longtail_prompt_len, new_tokens=args.longtail_long,
+                            new_option="--longtail-long", prompt_option="--longtail-prompt-len")
+
+
 def _long_tail(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     R, slots, repeats = args.longtail_requests, args.longtail_slots, max(1, args.longtail_repeats)
-    if slots < 1 or args.longtail_long < 1 or args.longtail_prompt_len < 1:
-        raise UsageError("--longtail-slots, --longtail-long and --longtail-prompt-len must be >= 1")
     margs, why = _long_tail_model(args, device)
     prev_threads = torch.get_num_threads()
     C.apply_threads(margs, device)  # 1 thread for a tiny model on CPU unless --threads
@@ -382,6 +395,8 @@ def _long_tail_text(lt: dict[str, Any], dtype: torch.dtype) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     acc, device, dtype, env = C.prepare(args)
+    if args.longtail_requests > 0:
+        _check_long_tail_args(args, device)
     print("bench continuous: part 1, eager vs graph reuse ...", flush=True)
     p1 = _part1(args, device, dtype)
     p2 = None
