@@ -9,13 +9,16 @@ disagree with eager decoding without any error:
   the old storage;
 * a forward hook or pre-hook added or removed: the graph keeps running the
   hooks it recorded, and no others;
+* the precision a forward runs in: ``torch.autocast`` around the call, or a
+  forward replaced on the instance (accelerate's mixed-precision wrapper):
+  a capture bakes the dtypes of that run into every kernel;
 * the host-side state of an adapter layer (PEFT's LoRA layers): its forward
   branches on whether the adapter is merged, active or disabled and bakes its
   scaling in as a constant, so an in-place ``merge_adapter()`` (no
   re-allocation) would otherwise replay the unmerged branch on merged weights
   and count the adapter twice.
 
-:func:`graph_fingerprint` covers all three (plus the attention implementation);
+:func:`graph_fingerprint` covers all four (plus the attention implementation);
 the runner compares it before replaying and recaptures when it changed.
 
 Hooks are captured like any other device work, never suspended, so graph
@@ -36,7 +39,7 @@ import torch
 from torch.nn.modules import module as _module_mod
 
 __all__ = ["ADAPTER_STATE", "HookCaptureError", "adapter_fingerprint", "attributed_hooks", "graph_fingerprint",
-           "hook_fingerprint", "weight_fingerprint"]
+           "hook_fingerprint", "precision_fingerprint", "weight_fingerprint"]
 
 # Hook tables a forward consults: per module, and process-wide (``register_module_forward_hook``).
 _HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook"}
@@ -109,10 +112,22 @@ def adapter_fingerprint(model: torch.nn.Module) -> tuple:
     )
 
 
+def precision_fingerprint(model: torch.nn.Module) -> tuple:
+    """Autocast on the model's device at call time, and a forward set on the instance (which may enter
+    autocast itself, as accelerate's wrapper does): changes when either does."""
+    param = next(model.parameters(), None)
+    device_type = param.device.type if param is not None else "cpu"
+    enabled = torch.is_autocast_enabled(device_type)
+    forward = model.__dict__.get("forward")
+    return enabled, torch.get_autocast_dtype(device_type) if enabled else None, None if forward is None else id(forward)
+
+
 def graph_fingerprint(model: torch.nn.Module) -> tuple:
-    """Everything a captured decode step bakes in from the model: weights, hooks, adapter state, attention."""
+    """Everything a captured decode step bakes in from the model: weights, hooks, precision, adapter state,
+    attention."""
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    return weight_fingerprint(model), hook_fingerprint(model), adapter_fingerprint(model), str(attn)
+    return (weight_fingerprint(model), hook_fingerprint(model), precision_fingerprint(model),
+            adapter_fingerprint(model), str(attn))
 
 
 def _attributed(hook: Callable[..., Any], where: str, kind: str) -> Callable[..., Any]:

@@ -332,6 +332,10 @@ class StaticKVCache(Cache):
         """Write ``[B, H, q_len, D]`` states at each row's ``write_pos``; return the (``kv_len``-sliced) buffers."""
         layer = self.layers[layer_idx]
         q_len = key_states.shape[2]
+        if torch.is_autocast_enabled(key_states.device.type):
+            # Autocast mixes dtypes (bf16 projections, fp32 RoPE): store each in the cache's dtype, as exactly as
+            # transformers' DynamicCache keeps them, since attention under autocast casts its inputs down anyway.
+            key_states, value_states = key_states.to(self._dtype), value_states.to(self._dtype)
         if not is_capturing():
             self._check_update(layer, key_states, value_states, q_len)
         slots = self.write_pos[:, None] + torch.arange(q_len, device=self.write_pos.device)
@@ -353,8 +357,8 @@ class StaticKVCache(Cache):
             )
         if key_states.dtype != self._dtype or value_states.dtype != self._dtype:
             raise ValueError(
-                f"StaticKVCache.update: states have dtype {key_states.dtype}, the cache holds {self._dtype}; "
-                "build the cache with dtype=model.dtype"
+                f"StaticKVCache.update: key/value states have dtypes {key_states.dtype}/{value_states.dtype}, the "
+                f"cache holds {self._dtype}; build the cache with dtype=model.dtype"
             )
         if self.kv_len is not None and not 1 <= self.kv_len <= self._capacity:
             raise ValueError(f"StaticKVCache: kv_len={self.kv_len} is outside 1..capacity={self._capacity}")

@@ -517,3 +517,19 @@ def test_release_inference_cache_frees_the_buffers_after_each_call():
         ids, mask = prompts(2, 3)
         assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
     assert graph._generator.runner.slots is None and graph.graph_stats.cache_memory_bytes == 0
+
+
+def test_generate_under_autocast_equals_transformers_and_a_change_recaptures():
+    model = build_model("tiny-qwen2", seed=9)
+    graph, eager = engines(model)
+    ids, mask = prompts(3, 4)
+    outs = {}
+    for on in (True, False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+            ours = gen(graph, ids, mask, n=8, pinned=False)
+            assert torch.equal(ours, gen(eager, ids, mask, n=8, pinned=False))
+            assert torch.equal(ours, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                                                    do_sample=False))
+        outs.setdefault(on, ours)
+        assert torch.equal(ours, outs[on])
+    assert graph.graph_stats.replays > 0 and graph.graph_stats.invalidations == 2

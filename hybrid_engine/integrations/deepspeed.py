@@ -249,16 +249,14 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
         return self.rollout.last_stats
 
     # ---------------------------------------------------------------- generate
-    def _call_seed(self, seed: int | None, sampling: DSSamplingConfig) -> int:
+    def _call_seed(self, seed: int | None, sampling: SamplingConfig) -> int:
+        """This call's seed (``sampling`` already validated): given, counted from ``self.seed``, or drawn from
+        torch's generator, so ``torch.manual_seed`` makes a run reproducible."""
         if seed is not None:
-            if not is_int(seed):
-                raise TypeError(f"seed must be an int or None, got {seed!r}")
             return int(seed)
         if self.seed is not None:
             return int(self.seed) + self.calls
-        greedy = isinstance(sampling, DSSamplingConfig) and isinstance(sampling.temperature, numbers.Real) \
-            and sampling.temperature <= 0
-        if greedy:  # nothing is sampled: leave torch's generator where it is, as DeepSpeed's greedy path does
+        if sampling.temperature == 0:  # nothing is sampled: leave torch's generator alone, as DeepSpeed's greedy does
             return 0
         return int(torch.randint(0, _SEED_RANGE, (1,)).item())
 
@@ -273,23 +271,31 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
         where = "DeepSpeedRolloutEngine.generate"
         with self._lock:  # the seed counter and the per-call config belong to one call at a time
             try:
+                if seed is not None and not is_int(seed):
+                    raise TypeError(f"seed must be an int or None, got {seed!r}")
                 ours_request = to_hybrid_request(request)
-                ours_sampling, slots = to_hybrid_sampling(sampling, self._call_seed(seed, sampling))
+                ours_sampling, slots = to_hybrid_sampling(sampling)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"{where}: {exc}") from exc
             rollout, config = self.rollout, self.rollout.config
-            if slots is None or (slots == config.max_batch_size and config.continuous_batching):
-                batch = rollout.generate(ours_request, ours_sampling)
-            else:
+            call_config = config
+            if slots is not None and not (slots == config.max_batch_size and config.continuous_batching):
                 try:
                     call_config = dataclasses.replace(config, max_batch_size=slots, continuous_batching=True)
                 except ValueError as exc:
                     raise ValueError(f"{where}: SamplingConfig.continuous_batch_size={slots}: {exc}") from exc
-                rollout.config = call_config  # for this call only (the runner and its graphs are shared)
-                try:
-                    batch = rollout.generate(ours_request, ours_sampling)
-                finally:
-                    rollout.config = config
+            # Drawn only now, and given back if the rollout refuses the call: a rejected call leaves torch's
+            # generator, hence the next call's samples, as they were.
+            rng = torch.get_rng_state()
+            ours_sampling = dataclasses.replace(ours_sampling, seed=self._call_seed(seed, ours_sampling))
+            rollout.config = call_config  # for this call only (the runner and its graphs are shared)
+            try:
+                batch = rollout.generate(ours_request, ours_sampling)
+            except BaseException:
+                torch.set_rng_state(rng)
+                raise
+            finally:
+                rollout.config = config
             self.calls += 1
             self.last_seed = ours_sampling.seed
             self.last_rollout = batch

@@ -36,11 +36,14 @@ Per call: TRL passes this process's prompts, each repeated ``num_generations``
 times in a row (its ``RepeatSampler``). Each run of identical prompts is folded
 into one prompt sampled ``n`` times (``n`` = ``num_generations`` on one process;
 in general the greatest common divisor of the run lengths), so every group
-shares one prefill. Prompts are tokenized with ``trainer.processing_class``
-without special tokens (conversational prompts through its chat template) and
+shares one prefill. Prompts are tokenized with ``trainer.processing_class`` as
+TRL tokenizes them (plain text with the tokenizer's special tokens, e.g. a BOS;
+conversational prompts through its chat template, which writes its own) and
 left-padded. The seed mixes the trainer's seed, its global step, the process
-index and the train/eval mode, so every step and every process samples anew and
-a rerun of the same step samples the same tokens. The result is TRL's dict:
+index, the train/eval mode and the number of earlier calls at that step (TRL
+generates several times per step under gradient accumulation, and once per
+evaluation batch), so every call and every process samples anew and a rerun of
+the same steps samples the same tokens. The result is TRL's dict:
 ``prompt_ids``, ``completion_ids`` (EOS included) and ``logprobs`` (of each
 sampled token under the sampling distribution), one unpadded list per
 completion, in TRL's order.
@@ -69,10 +72,15 @@ __all__ = ["HybridEngineRolloutFunc", "destroy_trainer_deepspeed", "make_rollout
 SAMPLING_KEYS = ("max_completion_length", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
 
 
-def rollout_seed(base_seed: int, global_step: int, process_index: int = 0, mode: str = "train") -> int:
-    """The sampling seed of one call: a 64-bit hash of the trainer's seed, step, process and mode."""
-    key = f"{int(base_seed)}:{int(global_step)}:{int(process_index)}:{mode}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little", signed=True)
+def rollout_seed(base_seed: int, global_step: int, process_index: int = 0, mode: str = "train",
+                 call_index: int = 0) -> int:
+    """The sampling seed of one call: a 64-bit hash of the trainer's seed, step, process and mode, and of
+    ``call_index``, the number of earlier calls at that step in that mode (several under gradient accumulation
+    with ``steps_per_generation`` below it, or one per evaluation batch)."""
+    key = f"{int(base_seed)}:{int(global_step)}:{int(process_index)}:{mode}"
+    if call_index:
+        key += f":{int(call_index)}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def _check_overrides(sampling: dict[str, Any]) -> dict[str, Any]:
@@ -212,6 +220,7 @@ class HybridEngineRolloutFunc:
         self.rollout: HybridEngineRollout | None = None
         self.last_request: RolloutRequest | None = None
         self.last_sampling: SamplingConfig | None = None
+        self._calls: dict[tuple[int, str], tuple[int, int]] = {}  # (process, mode) -> (step, calls at it so far)
 
     # ---------------------------------------------------------------- setup
     def _generation_model(self, model: PreTrainedModel) -> PreTrainedModel:
@@ -247,7 +256,16 @@ class HybridEngineRolloutFunc:
         self.rollout = HybridEngineRollout(model, tokenizer=tokenizer, config=config)
         return self.rollout
 
-    def _sampling(self, trainer: Any, n: int) -> SamplingConfig:
+    def _position(self, trainer: Any) -> tuple[tuple[int, int, str], int]:
+        """Where in training a call is made, (global step, process index, "train" or "eval"), and how many
+        calls were made there before it."""
+        state = getattr(trainer, "state", None)
+        step, process = getattr(state, "global_step", 0), getattr(trainer.accelerator, "process_index", 0)
+        mode = "train" if getattr(trainer.model, "training", True) else "eval"
+        last_step, calls = self._calls.get((process, mode), (None, 0))
+        return (step, process, mode), calls if last_step == step else 0
+
+    def _sampling(self, trainer: Any, n: int, position: tuple[int, int, str], call_index: int) -> SamplingConfig:
         args = getattr(trainer, "args", None)
         if args is None:
             raise TypeError("rollout_func: trainer has no .args (expected a TRL GRPOTrainer with its GRPOConfig)")
@@ -269,14 +287,7 @@ class HybridEngineRolloutFunc:
             raise ValueError("rollout_func: trainer.args.max_completion_length is None; set it, or pass "
                              "make_rollout_func(max_completion_length=...)")
         top_k = o.get("top_k", getattr(args, "top_k", 0))
-        state = getattr(trainer, "state", None)
-        mode = "train" if getattr(trainer.model, "training", True) else "eval"
-        seed = rollout_seed(
-            o.get("seed", getattr(args, "seed", 0)),
-            getattr(state, "global_step", 0),
-            getattr(trainer.accelerator, "process_index", 0),
-            mode,
-        )
+        seed = rollout_seed(o.get("seed", getattr(args, "seed", 0)), *position, call_index=call_index)
         try:
             return SamplingConfig(
                 max_new_tokens=max_new,
@@ -311,7 +322,9 @@ class HybridEngineRolloutFunc:
                 ) from exc
         else:
             texts = list(prompts)
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        # As TRL tokenizes them: plain text with the tokenizer's special tokens (a BOS), chat text without (the
+        # template writes its own).
+        ids = tokenizer(texts, add_special_tokens=not chat)["input_ids"]
         for i, row in enumerate(ids):
             if not row:
                 raise ValueError(f"rollout_func: prompt {prompts[i]!r:.60} tokenizes to no tokens; drop empty prompts")
@@ -334,11 +347,14 @@ class HybridEngineRolloutFunc:
             raise TypeError("rollout_func: trainer.processing_class is None; GRPOTrainer needs a tokenizer")
         tokenizer = _tokenizer_of(processing_class)
         unique, n = _fold(prompts)
-        sampling = self._sampling(trainer, n)
+        position, calls = self._position(trainer)
+        sampling = self._sampling(trainer, n, position, calls)
         rollout = self._rollout_for(model, trainer, tokenizer)
         prompt_ids, request = self._tokenize(trainer, unique, chat, tokenizer, next(rollout.model.parameters()).device)
         self.last_request, self.last_sampling = request, sampling
         batch = rollout.generate(request, sampling)
+        step, process, mode = position
+        self._calls[(process, mode)] = (step, calls + 1)  # the next call at this step samples anew
         lengths = batch.response_lengths.tolist()
         responses = batch.responses.tolist()
         logprobs = batch.response_logprobs.tolist()

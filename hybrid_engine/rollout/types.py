@@ -172,9 +172,10 @@ class RolloutRequest:
                 f"{owner}: prompt_attention_mask shape {tuple(mask.shape)} does not match prompt_ids shape "
                 f"{tuple(ids.shape)}; pass the mask the tokenizer returned with the ids"
             )
-        m = mask.detach().to("cpu", torch.int64)
-        if bool(((m != 0) & (m != 1)).any()):
+        host = mask.detach().cpu()  # compared before the cast, which would turn 0.5 into 0
+        if bool(((host != 0) & (host != 1)).any()):
             raise ValueError(f"{owner}: prompt_attention_mask must hold only 0 and 1")
+        m = host.to(torch.int64)
         lengths = m.sum(dim=1)
         if bool((lengths == 0).any()):
             rows = (lengths == 0).nonzero().flatten().tolist()

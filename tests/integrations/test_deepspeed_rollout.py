@@ -350,6 +350,23 @@ def test_bad_inputs_give_clear_errors_before_any_work():
     assert batch.batch_size == 3 and adapter.calls == 1
 
 
+def test_a_refused_call_leaves_torchs_generator_for_the_next_one():
+    # Without a seed, each sampled call draws one from torch's generator (torch.manual_seed reproduces a run);
+    # a refused call, the rollout's own position-limit refusal included, must not have drawn it.
+    model = build_model("tiny-gpt2", seed=0)
+    adapter, reference = _adapter(model, graphs=True), _adapter(model, graphs=False)
+    request, ok = _request(), SamplingConfig(max_new_tokens=4)
+    assert ok.temperature > 0
+    torch.manual_seed(0)
+    first = reference.generate(request, ok).input_ids
+    torch.manual_seed(0)
+    for bad in (SamplingConfig(max_new_tokens=4, top_p=0.0), SamplingConfig(max_new_tokens=4, continuous_batch_size=0),
+                SamplingConfig(max_new_tokens=600)):
+        with pytest.raises(ValueError):
+            adapter.generate(request, bad)
+    assert torch.equal(adapter.generate(request, ok).input_ids, first)
+
+
 def test_import_error_names_the_extra_without_deepspeed(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     monkeypatch.setitem(sys.modules, "deepspeed.runtime.rollout.base", None)

@@ -51,7 +51,7 @@ def _reward(completions, **kwargs):
 # ----------------------------------------------------------- GRPOTrainer, end to end
 
 
-def _train(tmp_path, fn, *, steps=3, check_eager=False):
+def _train(tmp_path, fn, *, steps=3, check_eager=False, bf16=False):
     """Train a fresh tiny GPT-2 ``steps`` GRPO steps through ``fn``; returns (trainer, model, per-call records)."""
     model = build_model("tiny-gpt2", seed=0)
     records = []
@@ -72,7 +72,7 @@ def _train(tmp_path, fn, *, steps=3, check_eager=False):
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=2 * GROUP, num_generations=GROUP,
         max_completion_length=8, max_steps=steps, learning_rate=1e-2, logging_steps=1, report_to="none",
-        use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no", disable_dropout=True,
+        use_cpu=True, bf16=bf16, gradient_checkpointing=False, save_strategy="no", disable_dropout=True,
         seed=0, dataloader_num_workers=0,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=args,
@@ -124,6 +124,22 @@ def test_grpo_trains_three_steps_through_graphed_rollouts(tmp_path, monkeypatch)
         assert all(len({tuple(c) for c in g}) > 1 for g in groups)
         seen_samples.update(tuple(c) for c in out["completion_ids"])
     assert len(seen_samples) == 3 * 2 * GROUP  # every step samples anew
+
+
+def test_trl_default_bf16_autocast_rolls_out_with_graphs_equal_to_eager(tmp_path, monkeypatch):
+    # GRPOConfig's default bf16=True: accelerate wraps the model's forward in autocast, so the projections give
+    # bf16 K/V (and RoPE-less GPT-2 bf16 keys) against the model's fp32 cache; that used to fail on the first step.
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    fn = make_rollout_func()
+    trainer, model, records = _train(tmp_path, fn, steps=2, check_eager=True, bf16=True)
+    assert trainer.state.global_step == 2 and "forward" in vars(model)  # the instance forward enters autocast
+    stats = fn.rollout.graph_stats
+    assert stats.captures == len(stats.buckets) >= 1 and stats.invalidations == 0 and stats.eager_steps == 0
+    for r in records:
+        eager, lengths = r["eager"], r["eager"].response_lengths.tolist()
+        assert r["out"]["completion_ids"] == [row[:n] for row, n in zip(eager.responses.tolist(), lengths)]
+        for lp, row, n in zip(r["out"]["logprobs"], eager.response_logprobs, lengths):
+            assert torch.equal(torch.tensor(lp, dtype=torch.float32), row[:n])
 
 
 def test_graphs_on_and_off_train_identically(tmp_path, monkeypatch):
@@ -188,7 +204,11 @@ def test_seed_from_trainer_seed_step_and_process():
     prompts = [PROMPTS[1]] * GROUP
     first = fn(prompts, _trainer(step=5))
     assert fn.last_sampling.seed == rollout_seed(0, 5, 0, "train")
-    assert fn(prompts, _trainer(step=5)) == first  # the same step samples the same tokens
+    # A second call at the same step (gradient accumulation, steps_per_generation below it) samples anew ...
+    assert fn(prompts, _trainer(step=5))["completion_ids"] != first["completion_ids"]
+    assert fn.last_sampling.seed == rollout_seed(0, 5, 0, "train", call_index=1) != rollout_seed(0, 5, 0, "train")
+    # ... and a rerun of the step (a fresh function, as after a resume) samples what its first call did.
+    assert make_rollout_func()(prompts, _trainer(step=5)) == first
     assert fn(prompts, _trainer(step=6))["completion_ids"] != first["completion_ids"]
     assert fn(prompts, _trainer(step=5, seed=1))["completion_ids"] != first["completion_ids"]
     assert fn.last_sampling.seed == rollout_seed(1, 5, 0, "train")
@@ -212,6 +232,30 @@ def test_sampling_from_args_and_overrides():
     assert (s.max_new_tokens, s.temperature, s.seed) == (4, 0.0, rollout_seed(7, 0, 0, "train"))
     assert out["completion_ids"][0] == out["completion_ids"][1] == out["completion_ids"][2]  # greedy
     assert len(out["completion_ids"][0]) == 4
+
+
+def test_a_failed_call_does_not_count_as_a_call_at_its_step():
+    fn = make_rollout_func()
+    prompts = [PROMPTS[1]] * GROUP
+    with pytest.raises(ValueError, match="position limit"):  # refused by the rollout itself
+        fn(prompts, _trainer(step=3, max_completion_length=600))
+    first = fn(prompts, _trainer(step=3))
+    assert fn.last_sampling.seed == rollout_seed(0, 3, 0, "train")
+    assert first == make_rollout_func()(prompts, _trainer(step=3))
+
+
+def test_plain_text_prompts_get_the_tokenizers_special_tokens_as_in_trl():
+    from tokenizers.processors import TemplateProcessing
+
+    tok = _tokenizer()  # with a BOS, as Llama's tokenizer adds one; TRL tokenizes plain text with processing_class(text=)
+    tok._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    fn = make_rollout_func()
+    out = fn([PROMPTS[0]] * 2, _trainer(tokenizer=tok))
+    assert out["prompt_ids"] == [tok(text=[PROMPTS[0]])["input_ids"][0]] * 2
+    assert out["prompt_ids"][0][0] == tok.bos_token_id
+    conv = [{"role": "user", "content": PROMPTS[0]}]  # the chat template writes its own; nothing is added
+    text = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    assert fn([conv], _trainer(tokenizer=tok))["prompt_ids"] == [tok(text, add_special_tokens=False)["input_ids"]]
 
 
 def test_conversational_prompts_use_the_chat_template():

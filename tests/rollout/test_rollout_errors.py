@@ -54,6 +54,8 @@ def test_bad_requests_raise_then_next_call_works(rollout):
         (lambda: RolloutRequest(ids, torch.tensor([[1] * 5, [0] * 5])), ValueError, "all zero"),
         (lambda: RolloutRequest(ids[0], torch.ones(5, dtype=torch.int64)), ValueError, "2-D"),
         (lambda: RolloutRequest(ids, torch.tensor([[1, 1, 0, 1, 1]] * 2)), ValueError, "left-padded"),
+        (lambda: RolloutRequest(ids, torch.tensor([[0.5, 1, 1, 1, 1]] * 2)), ValueError, "only 0 and 1"),
+        (lambda: RolloutRequest(ids, torch.tensor([[1, 1, 1, 1, 1.7]] * 2)), ValueError, "only 0 and 1"),
         (lambda: RolloutRequest(ids.float()), TypeError, "integer"),
         (lambda: SamplingConfig(max_new_tokens=0), ValueError, "max_new_tokens"),
         (lambda: SamplingConfig(max_new_tokens=-3), ValueError, "max_new_tokens"),

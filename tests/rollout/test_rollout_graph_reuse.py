@@ -188,3 +188,65 @@ def test_host_reading_hook_refuses_graphs_and_device_hook_is_captured():
     assert rollout.last_stats["graph_captures"] == 0 and rollout.last_stats["graph_replays"] > 0
     assert rollout.graph_stats.captures >= 1 and rollout.graph_stats.fallbacks == 1
     handle.remove()
+
+
+def _autocast(on: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=on)
+
+
+def test_autocast_around_the_call_runs_in_its_precision_and_a_change_recaptures():
+    # A mixed-precision loop may call the rollout under autocast: K/V come out bf16 (V) and fp32 (K, after
+    # RoPE) against the fp32 cache. Graphs bake the precision in, so switching autocast on or off recaptures.
+    model = build_model("tiny-llama", seed=4)
+    config = RolloutConfig(use_graph_capture=True, pad_token_id=0, eos_token_id=10_000)
+    graphed = HybridEngineRollout(model, config=config)
+    eager = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=False, pad_token_id=0,
+                                                            eos_token_id=10_000))
+    request = left_padded_prompts([5, 3, 6], seed=12)
+    sampling = SamplingConfig(max_new_tokens=7, temperature=0.8, seed=3)
+    logprobs = {}
+    for on in (True, True, False, True):
+        with _autocast(on):
+            batch, ref = graphed.generate(request, sampling), eager.generate(request, sampling)
+        assert_batches_identical(batch, ref)
+        assert graphed.last_stats["graph_replays"] > 0
+        logprobs.setdefault(on, batch.response_logprobs)
+        assert torch.equal(batch.response_logprobs, logprobs[on])
+    assert not torch.equal(logprobs[True], logprobs[False])  # bf16 compute, not fp32, under autocast
+    assert graphed.graph_stats.invalidations == 2  # on -> off -> on
+
+    greedy = SamplingConfig(max_new_tokens=7, temperature=0.0)
+    with _autocast(True), torch.no_grad():
+        batch = graphed.generate(request, greedy)
+        hf = model.generate(request.prompt_ids, attention_mask=request.prompt_attention_mask, do_sample=False,
+                            max_new_tokens=7, pad_token_id=0, eos_token_id=10_000)
+    assert torch.equal(batch.input_ids, hf)
+
+
+def test_a_forward_replaced_on_the_instance_recaptures():
+    # accelerate's mixed precision replaces model.forward with one that enters autocast: graphs taken before
+    # it would replay fp32 kernels.
+    import types
+
+    model = build_model("tiny-gpt2", seed=4)
+    graphed = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,
+                                                              eos_token_id=10_000))
+    request = left_padded_prompts([4, 6], seed=13)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.7, seed=2)
+    before = graphed.generate(request, sampling)
+    plain = type(model).forward
+
+    def autocast_forward(self, *args, **kwargs):
+        with _autocast(True):
+            return plain(self, *args, **kwargs)
+
+    model.forward = types.MethodType(autocast_forward, model)
+    try:
+        after = graphed.generate(request, sampling)
+        assert graphed.graph_stats.invalidations == 1 and graphed.last_stats["graph_replays"] > 0
+        assert_batches_identical(after, _eager(model, request, sampling))
+        assert not torch.equal(after.response_logprobs, before.response_logprobs)
+    finally:
+        del model.forward
+    assert_batches_identical(graphed.generate(request, sampling), before)
+    assert graphed.graph_stats.invalidations == 2
