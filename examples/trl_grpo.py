@@ -195,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.zero3:
         import torch.distributed as dist
 
+        from hybrid_engine.zero import destroy_process_group
+
         if dist.is_initialized():
             dist.barrier()
-            dist.destroy_process_group()
+            destroy_process_group()  # DeepSpeed's teardown: it also drops the groups DeepSpeed holds
     return code
 
 

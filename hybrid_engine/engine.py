@@ -211,7 +211,8 @@ class HybridEngine(nn.Module):
         """Release the engine's decode buffers and graphs and, under ZeRO, DeepSpeed's engine state.
 
         Call it on every rank when training is over, before
-        ``torch.distributed.destroy_process_group()``. The engine cannot train or
+        :func:`hybrid_engine.zero.destroy_process_group` (or DeepSpeed's
+        ``deepspeed.comm.destroy_process_group()``). The engine cannot train or
         generate with DeepSpeed afterwards.
         """
         self._generator.runner.release()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,8 +38,8 @@ from torch import nn
 
 from .config import EngineConfig
 
-__all__ = ["DeepSpeedTraining", "build", "deepspeed_config", "destroy_deepspeed_engine", "gathered_for_inference",
-           "import_deepspeed", "is_zero3_partitioned"]
+__all__ = ["DeepSpeedTraining", "build", "deepspeed_config", "destroy_deepspeed_engine", "destroy_process_group",
+           "gathered_for_inference", "import_deepspeed", "is_zero3_partitioned"]
 
 #: Key under which the engine keeps torch's RNG states inside DeepSpeed's ``client_state``.
 RNG_CLIENT_KEY = "hybrid_engine_rng"
@@ -80,6 +81,26 @@ def destroy_deepspeed_engine(owner: Any, attr: str) -> None:
         engine.destroy()
     del engine  # no reference left here when the cycles are collected
     gc.collect()
+
+
+def destroy_process_group() -> None:
+    """Leave ``torch.distributed`` (call it on every rank, after a barrier), through DeepSpeed's own
+    ``deepspeed.comm.destroy_process_group`` once DeepSpeed has set up its communication.
+
+    DeepSpeed keeps module-level references to the groups it makes, a clone of
+    the world group above all (``deepspeed.utils.groups``). Its own teardown drops
+    them; ``torch.distributed.destroy_process_group`` does not, and a gloo group
+    kept alive that way is torn down at interpreter shutdown, possibly after the
+    peer rank has exited, where it can abort the process after its last line
+    (``terminate called without an active exception``).
+    """
+    import torch.distributed as dist
+
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None and comm.is_initialized():
+        comm.destroy_process_group()
+    elif dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def is_zero3_partitioned(module: nn.Module) -> bool:

@@ -260,6 +260,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.zero_stage > 0:
         import torch.distributed as dist
 
+        from ..zero import destroy_process_group
+
         dist.barrier()  # rank 0 has written its report; then every rank leaves the group
-        dist.destroy_process_group()
+        destroy_process_group()
     return payload

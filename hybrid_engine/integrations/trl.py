@@ -371,7 +371,7 @@ class HybridEngineRolloutFunc:
 
 def destroy_trainer_deepspeed(trainer: Any) -> None:
     """Tear down the DeepSpeed engine a transformers/TRL trainer built, now (call it on every rank, after
-    training, before ``destroy_process_group()``).
+    training, before :func:`hybrid_engine.zero.destroy_process_group`).
 
     Left to interpreter shutdown, a ZeRO-3 engine on gloo can abort the process after
     its last line (see :func:`hybrid_engine.zero.destroy_deepspeed_engine`); the

@@ -15,7 +15,7 @@ import torch
 
 from hybrid_engine import initialize
 from hybrid_engine.tiny_models import build_model
-from hybrid_engine.zero import gathered_for_inference
+from hybrid_engine.zero import destroy_process_group, gathered_for_inference
 
 
 def batch(i: int) -> torch.Tensor:
@@ -49,7 +49,7 @@ def main() -> None:
     base = build_model("tiny-gpt2", seed=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     results = {stage: train(stage, copy.deepcopy(base)) for stage in (0, 1, 2, 3)}
     torch.save(results, sys.argv[1])
-    torch.distributed.destroy_process_group()
+    destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from hybrid_engine.zero import gathered_for_inference, import_deepspeed  # noqa: E402
+from hybrid_engine.zero import destroy_process_group, gathered_for_inference, import_deepspeed  # noqa: E402
 
 import_deepspeed()  # before TRL and accelerate import it: no C++ op is built on this CPU
 
@@ -108,7 +108,7 @@ def main(mode: str, out_dir: Path) -> None:
     # the process on gloo), then the process group.
     destroy_trainer_deepspeed(trainer)
     dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 def _reward(completions, **kwargs):
