@@ -340,7 +340,7 @@ class DecodeGraphRunner:
 
     def _warm_up(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> None:
         """The one warm-up: a real run on the graph stream, so lazy kernels and workspaces exist before capture."""
-        with self.accelerator.on_graph_stream(), self._graph_attention():
+        with self.accelerator.on_graph_stream(), self._graph_attention(), _uncached_autocast(self.slots.device):
             run()
         self._warm.add(key)
         self._stats.warmups += isinstance(key, GraphKey)
@@ -376,7 +376,7 @@ class DecodeGraphRunner:
         saved = self._host_state()
         try:
             try:
-                with self._graph_attention(), attributed_hooks(self.model), \
+                with self._graph_attention(), _uncached_autocast(self.slots.device), attributed_hooks(self.model), \
                         acc.capture_to_graph(graph, pool=self._pool):
                     run()
             except BaseException:
@@ -454,6 +454,24 @@ class DecodeGraphRunner:
         s.buckets = tuple(sorted({k.bucket for k in decode}))
         s.cache_memory_bytes = sum(b.memory_bytes() for b in (self.slots, self.stage) if b is not None)
         return s
+
+
+@contextlib.contextmanager
+def _uncached_autocast(device: torch.device) -> Iterator[None]:
+    """Under autocast, warm-ups and captures cast the weights afresh, so a graph records the casts.
+
+    Autocast caches its casts of the weights until the outermost autocast block
+    exits; a capture served from that cache would replay copies made before it
+    (stale after an in-place optimizer step, and freed memory on a GPU once the
+    block exits), which is why torch's ``make_graphed_callables`` wants
+    ``cache_enabled=False``.
+    """
+    kind = device.type
+    if not (torch.is_autocast_enabled(kind) and torch.is_autocast_cache_enabled()):
+        yield
+        return
+    with torch.autocast(kind, dtype=torch.get_autocast_dtype(kind), cache_enabled=False):
+        yield
 
 
 def _attn_implementations(config: Any) -> list[tuple[Any, Any]]:

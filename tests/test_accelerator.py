@@ -406,3 +406,86 @@ def test_stub_npu_backend_graphs_sdpa_and_eager_models_with_npu_graph(monkeypatc
     model.config._attn_implementation = "sdpa"
     del fake.npu_fusion_attention_v3  # a torch_npu without the graph-mode kernel: nothing to switch to
     assert graph_attention(model, npu) is None
+
+
+INVALIDATED = "operation failed due to a previous error during capture"
+
+
+@pytest.mark.stub
+@pytest.mark.parametrize("api", ["module graph", "torch.accelerator.Graph"])
+def test_a_failed_capture_raises_the_bodys_error_not_the_failed_end(api, monkeypatch):
+    """On CUDA, a capture the body invalidated (a host read in a hook) fails again when it ends; the
+    stubs do the same. The body's exception is the cause the runner must see."""
+    log: list = []
+    native = make_stub_backend("CUDAGraph", log)
+    if api == "module graph":
+        plain = native.graph
+
+        @contextlib.contextmanager
+        def graph(g, pool=None, stream=None):  # torch.cuda.graph's __exit__ ends the capture whatever happened
+            with plain(g, pool=pool, stream=stream):
+                try:
+                    yield
+                except BaseException:
+                    raise RuntimeError(f"stub: CUDA {INVALIDATED}") from None
+
+        native.graph = graph
+    else:
+        class Invalidating(make_stub_accelerator_graph(native, log)):
+            def capture_end(self):
+                raise RuntimeError(f"stub: CUDA {INVALIDATED}")
+
+        monkeypatch.setattr(torch.accelerator, "Graph", Invalidating)
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    acc = TorchBackendAccelerator("cuda", native)
+    assert (acc.graph_api == "torch.accelerator.Graph") == (api != "module graph")
+    with pytest.raises(ValueError, match="the body's own error"), acc.capture_to_graph(acc.create_graph()):
+        raise ValueError("the body's own error")
+    assert acc.current_stream() is acc.default_stream() and not acc.is_current_stream_capturing()
+
+
+@pytest.mark.stub
+def test_an_uncapturable_hook_is_refused_by_name_when_ending_the_capture_fails_too(monkeypatch):
+    """A stub CUDA module that records with the CPU emulation and, like CUDA, fails to end a capture its body
+    broke: the runner still names the hook's module, and counts no generic capture failure."""
+    import warnings
+
+    from hybrid_engine.accelerator.cpu_graph import (
+        CPUGraph,
+        CPUStream,
+        capture_cpu_graph,
+        cpu_stream,
+        current_cpu_stream,
+        default_cpu_stream,
+        is_cpu_graph_capturing,
+    )
+    from hybrid_engine.graph_runner import DecodeGraphRunner, decode_grad_mode
+    from hybrid_engine.tiny_models import build_model
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        with cpu_stream(stream):
+            try:
+                with capture_cpu_graph(g, pool=pool):
+                    yield
+            except BaseException:
+                raise RuntimeError(f"stub: CUDA {INVALIDATED}") from None
+
+    stub = types.SimpleNamespace(CUDAGraph=CPUGraph, graph=graph, Stream=CPUStream, stream=cpu_stream,
+                                 current_stream=current_cpu_stream, default_stream=default_cpu_stream,
+                                 is_current_stream_capturing=is_cpu_graph_capturing, is_available=lambda: True)
+    set_accelerator(TorchBackendAccelerator("cpu", stub))
+    model = build_model("tiny-gpt2")
+    model.transformer.h[0].register_forward_hook(lambda mod, args, out: print(float(out[0].abs().max())))
+    runner, key = DecodeGraphRunner(model), (0.0, 1.0, -1)
+    with warnings.catch_warnings(), decode_grad_mode():
+        warnings.simplefilter("ignore")
+        for _ in range(4):
+            slots = runner.prepare(rows=2, capacity=32, width=16, num_eos=1, graphs=True)
+            slots.set_special_ids(0, (2,))
+            slots.knobs.set(*key)
+            for _ in range(3):
+                runner.step(2, key)
+    stats = runner.stats
+    assert "'transformer.h.0'" in stats.last_refusal_reason and INVALIDATED not in stats.last_refusal_reason
+    assert stats.captures == 0 and "disabled" not in stats.last_refusal_reason

@@ -18,6 +18,7 @@ current first.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -68,6 +69,20 @@ def _flag_capturing() -> Iterator[None]:
         _capture_flag.on = prev
 
 
+def _end_failed_capture(end: Callable[[], Any]) -> None:
+    """End a capture whose body raised, keeping the body's exception as the one that propagates.
+
+    On CUDA, work the body could not record (a host read in a hook, say)
+    invalidates the capture, and ending it then raises too ("operation failed due
+    to a previous error during capture"); raised while unwinding, that error
+    would replace the cause the runner reports and acts on.
+    """
+    try:
+        end()
+    except Exception:
+        pass
+
+
 def _probe_accelerator_graph(backend_name: str, synchronize: Callable[[], Any]) -> GraphAPI | None:
     """``torch.accelerator.Graph`` if the current backend implements it."""
     graph_cls = getattr(getattr(torch, "accelerator", None), "Graph", None)
@@ -91,8 +106,10 @@ def _probe_accelerator_graph(backend_name: str, synchronize: Callable[[], Any]) 
             graph.capture_begin()
             try:
                 yield
-            finally:
-                graph.capture_end()
+            except BaseException:
+                _end_failed_capture(graph.capture_end)
+                raise
+            graph.capture_end()
 
     return GraphAPI(
         name="torch.accelerator.Graph",
@@ -118,8 +135,15 @@ def _probe_module_graph(module: Any, module_label: str) -> GraphAPI | None:
 
     @contextlib.contextmanager
     def capture(graph: Any, pool: Any, stream: Any) -> Iterator[None]:
-        with _flag_capturing(), graph_ctx(graph, pool=pool, stream=stream):
-            yield
+        with _flag_capturing():
+            ctx = graph_ctx(graph, pool=pool, stream=stream)
+            ctx.__enter__()
+            try:
+                yield
+            except BaseException as exc:
+                _end_failed_capture(functools.partial(ctx.__exit__, type(exc), exc, exc.__traceback__))
+                raise
+            ctx.__exit__(None, None, None)
 
     native_capturing = getattr(module, "is_current_stream_capturing", None)
     return GraphAPI(

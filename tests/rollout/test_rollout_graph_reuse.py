@@ -215,6 +215,17 @@ def test_autocast_around_the_call_runs_in_its_precision_and_a_change_recaptures(
     assert not torch.equal(logprobs[True], logprobs[False])  # bf16 compute, not fp32, under autocast
     assert graphed.graph_stats.invalidations == 2  # on -> off -> on
 
+    # The captures cast the weights themselves (autocast's cache would have handed them copies made before
+    # them): an in-place update, as an optimizer step makes, is read by the next replay.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    with _autocast(True):
+        batch, ref = graphed.generate(request, sampling), eager.generate(request, sampling)
+    assert graphed.last_stats["graph_captures"] == 0 and graphed.last_stats["graph_replays"] > 0
+    assert_batches_identical(batch, ref)
+    assert not torch.equal(batch.response_logprobs, logprobs[True])
+
     greedy = SamplingConfig(max_new_tokens=7, temperature=0.0)
     with _autocast(True), torch.no_grad():
         batch = graphed.generate(request, greedy)
