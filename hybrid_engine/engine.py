@@ -62,6 +62,14 @@ class HybridEngine(nn.Module):
                                 and config.hybrid_engine.zero3_gathered_inference_copy else None)
         self._generator = Generator(self.inference_module, config)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "module" and "module" in self.__dict__.get("_modules", {}):
+            raise AttributeError(
+                "engine.module cannot be replaced: the optimizer, DeepSpeed and the decode graphs hold the model "
+                "the engine was built with; build a new engine with hybrid_engine.initialize(model=...) instead"
+            )
+        super().__setattr__(name, value)
+
     @property
     def inference_module(self) -> nn.Module:
         """The transformers model that generation runs on (and rollouts built on this engine).

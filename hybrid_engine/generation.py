@@ -4,9 +4,12 @@ Paths, decided once per call before any decode step:
 
 * **delegated** -- arguments the fast path does not cover (beams, scores,
   ``return_dict_in_generate``, logits processors, repetition penalty, a
-  non-default ``generation_config``, right-padded prompts, a model that cannot
-  use the static cache) go to transformers' ``model.generate``, eagerly; the
-  reason is recorded in ``graph_stats.last_refusal_reason``.
+  ``generation_config`` other than the model's own, ``inputs_embeds``,
+  right-padded prompts, a model that cannot use the static cache) go to
+  transformers' ``model.generate``, eagerly; the reason is recorded in
+  ``graph_stats.last_refusal_reason``. Arguments at transformers' defaults
+  (``repetition_penalty=1.0``, ``num_beams=1``...) change nothing and are not
+  delegated; unset sampling knobs take transformers' defaults (``top_k`` 50).
 * **ours** -- the whole batch is prefilled at once (never captured) and decoded
   on the engine's :class:`~hybrid_engine.graph_runner.DecodeGraphRunner` by the
   slot scheduler (:mod:`hybrid_engine.scheduler`), with transformers'
@@ -77,7 +80,24 @@ _GEN_CONFIG_FIELDS = (
     "max_time", "force_words_ids", "constraints", "watermarking_config", "diversity_penalty",
     "length_penalty", "prompt_lookup_num_tokens", "assistant_early_exit", "dola_layers", "cache_implementation",
 )
-_DEFAULT_GEN_CONFIG = GenerationConfig()
+
+def _transformers_defaults() -> dict[str, Any]:
+    """The values transformers generates with for fields nobody set: 5.x keeps them apart
+    (``_get_default_generation_params``; a fresh ``GenerationConfig`` holds ``None``), 4.x in ``GenerationConfig()``."""
+    fresh = GenerationConfig().to_dict()
+    extra = getattr(GenerationConfig, "_get_default_generation_params", None)
+    return {**fresh, **(extra() if callable(extra) else {})}
+
+
+_GEN_DEFAULTS = _transformers_defaults()
+
+
+def _effective(gen: Any, name: str) -> Any:
+    """``gen.<name>``, or transformers' default when it is unset (``None``), as transformers resolves it."""
+    value = getattr(gen, name, None)
+    return _GEN_DEFAULTS.get(name) if value is None else value
+
+
 GRAPHS_OFF = "hybrid_engine.enable_graph_capture is off, so decode runs eagerly."
 
 
@@ -175,12 +195,13 @@ class Generator:
     def _lengths(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> tuple[int, int]:
         gen = self.model.generation_config
         width = input_ids.shape[1]
+        # transformers' precedence: max_new_tokens (the call's, then the generation config's) over max_length.
         max_new = kwargs.get("max_new_tokens")
         if max_new is None:
-            if kwargs.get("max_length") is not None:
-                max_new = kwargs["max_length"] - width
-            elif gen.max_new_tokens is not None:
+            if gen.max_new_tokens is not None:
                 max_new = gen.max_new_tokens
+            elif kwargs.get("max_length") is not None:
+                max_new = kwargs["max_length"] - width
             else:
                 max_new = _default_max_new_tokens(self.model.config, gen, width)
         min_new = kwargs.get("min_new_tokens")
@@ -216,6 +237,10 @@ class Generator:
         odd = []
         for name, value in kwargs.items():
             if name not in _FAST_KWARGS:
+                if name in _GEN_DEFAULTS and value == _GEN_DEFAULTS[name]:
+                    continue  # a field at transformers' default (repetition_penalty=1.0...): nothing to implement
+                if name == "generation_config" and value == self.model.generation_config:
+                    continue  # the model's own, as the call would use anyway
                 odd.append(name)
             elif _FAST_KWARGS[name] is not None and value is not None and value != _FAST_KWARGS[name]:
                 odd.append(f"{name}={value!r}")
@@ -225,10 +250,7 @@ class Generator:
                 "generate, which runs eagerly."
             )
         gen = self.model.generation_config
-        changed = [
-            f for f in _GEN_CONFIG_FIELDS
-            if hasattr(gen, f) and getattr(gen, f) != getattr(_DEFAULT_GEN_CONFIG, f, None)
-        ]
+        changed = [f for f in _GEN_CONFIG_FIELDS if hasattr(gen, f) and _effective(gen, f) != _GEN_DEFAULTS.get(f)]
         if changed:
             return (
                 f"The model's generation_config sets {', '.join(changed)}, which the fast decode path does not "
@@ -257,22 +279,30 @@ class Generator:
             else:
                 mask = torch.ones_like(ids)
         mask = mask.to(device=device, dtype=torch.long)
-        do_sample = bool(kwargs.get("do_sample", gen.do_sample))
+        do_sample = bool(kwargs.get("do_sample", _effective(gen, "do_sample")))
         if do_sample:
-            temperature = kwargs.get("temperature", gen.temperature)
-            top_k = kwargs.get("top_k", gen.top_k)
-            top_p = kwargs.get("top_p", gen.top_p)
-            temperature = 1.0 if temperature is None else float(temperature)
-            top_k = 0 if top_k is None else int(top_k)
-            top_p = 1.0 if top_p is None else float(top_p)
+            # Unset knobs take transformers' defaults (top_k 50 on every version), as its generate does.
+            temperature, top_p, top_k = (
+                _effective(gen, name) if kwargs.get(name) is None else kwargs[name]
+                for name in ("temperature", "top_p", "top_k"))
             validate_sampling(temperature, top_p, top_k)
-            sampling = (temperature, top_p, top_k)
+            if temperature == 0:
+                raise ValueError("generate(): do_sample=True needs temperature > 0 (transformers refuses 0 too); "
+                                 "pass do_sample=False for greedy decoding")
+            if top_k < 0:
+                raise ValueError(f"generate(): top_k must be a positive int, or 0 for no top-k filter, got {top_k}")
+            sampling = (float(temperature), float(top_p), int(top_k))
         else:
             sampling = (0.0, 1.0, -1)
         return _Plan(ids, mask, max_new, min_new, sampling, eos, None if pad is None else int(pad))
 
     # ----------------------------------------------------------------- run
     def generate(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("inputs_embeds") is not None:  # the fast path starts from token ids
+            self.runner.note_refusal("generate(inputs_embeds=...) is not covered by the fast decode path; delegated "
+                                     "to transformers' generate, which runs eagerly.",
+                                     warn=self.config.hybrid_engine.enable_graph_capture)
+            return self.model.generate(*args, **kwargs)
         input_ids, mask = self._validate(args, kwargs)
         max_new, min_new = self._lengths(input_ids, kwargs)
         reason = self._unsupported(kwargs, mask)

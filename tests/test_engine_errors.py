@@ -155,3 +155,14 @@ def test_without_a_length_twenty_new_tokens_are_generated_as_in_transformers(wid
     engine.module.generation_config.max_length = reference.generation_config.max_length = width + 5
     assert torch.equal(engine.generate(input_ids=ids, attention_mask=mask),
                        reference.generate(input_ids=ids, attention_mask=mask, do_sample=False))
+
+
+def test_engine_module_cannot_be_replaced():
+    # The optimizer, the training backend and the decode graphs hold the model the engine was built with.
+    old, new = build_model("tiny-llama", seed=1), build_model("tiny-qwen2", seed=1)
+    engine, *_ = initialize(model=old, config={"hybrid_engine": {"enable_graph_capture": True}})
+    with pytest.raises(AttributeError, match="hybrid_engine.initialize"):
+        engine.module = new
+    assert engine.module is old
+    ids = torch.randint(4, 384, (2, 5), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(engine.generate(input_ids=ids, max_new_tokens=4), old.generate(input_ids=ids, max_new_tokens=4))

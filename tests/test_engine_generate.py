@@ -1,5 +1,6 @@
 """engine.generate as a drop-in for transformers' generate (eager path and delegation)."""
 
+import copy
 import warnings
 
 import pytest
@@ -72,6 +73,75 @@ def test_sampling_is_seeded_by_torch_manual_seed_and_uses_generation_config():
     greedy_like = engine.generate(**kw)
     assert torch.equal(greedy_like, engine.generate(**{**kw, "do_sample": False}))
     model.generation_config.top_k = 50
+
+
+def test_unset_sampling_knobs_take_transformers_defaults():
+    # transformers 5 leaves GenerationConfig().top_k unset (None) and samples with top_k 50 anyway (4.x sets 50).
+    model = build_model("tiny-llama", seed=3)
+    model.generation_config.top_k = model.generation_config.temperature = model.generation_config.top_p = None
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    ids, mask = prompts(3, 4)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24, do_sample=True)
+    runs = {}
+    for name, extra in (("unset", {}), ("top_k=50", {"top_k": 50, "temperature": 1.0, "top_p": 1.0}),
+                        ("no filter", {"top_k": 0})):
+        torch.manual_seed(7)
+        runs[name] = engine.generate(**kw, **extra)
+    assert torch.equal(runs["unset"], runs["top_k=50"]) and not torch.equal(runs["unset"], runs["no filter"])
+
+
+def test_the_generation_configs_max_new_tokens_beats_a_calls_max_length_as_in_transformers():
+    model = build_model("tiny-gpt2", seed=3)
+    engine, *_ = initialize(model=model, config={})
+    ids, mask = prompts(3, 8)
+    model.generation_config.max_new_tokens = 6
+    try:
+        kw = dict(input_ids=ids, attention_mask=mask, max_length=10, do_sample=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # transformers warns that max_new_tokens takes precedence
+            ours, ref = engine.generate(**kw), model.generate(**kw)
+        assert ours.shape == (3, 14) and torch.equal(ours, ref)
+    finally:
+        model.generation_config.max_new_tokens = None
+
+
+@pytest.mark.parametrize("extra,match", [({"temperature": 0.0}, "temperature > 0"), ({"top_k": -1}, "top_k")])
+def test_sampling_settings_transformers_refuses_are_refused(extra, match):
+    model = build_model("tiny-opt", seed=3)
+    engine, *_ = initialize(model=model, config={})
+    ids, mask = prompts(2, 4)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=True, **extra)
+    with pytest.raises(ValueError):
+        model.generate(**kw)
+    with pytest.raises(ValueError, match=match):
+        engine.generate(**kw)
+    assert engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3).shape == (2, 7)
+
+
+def test_arguments_at_transformers_defaults_keep_the_fast_path():
+    model = build_model("tiny-qwen2", seed=8)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    ids, mask = prompts(2, 5)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    model.generation_config.num_beams, model.generation_config.min_length = 1, 0  # stated, at their defaults
+    calls = ({"repetition_penalty": 1.0, "no_repeat_ngram_size": 0},
+             {"generation_config": copy.deepcopy(model.generation_config)}, {})
+    for extra in calls:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no delegation warning
+            ours = engine.generate(**kw, **extra)
+        assert torch.equal(ours, model.generate(**kw)) and engine.graph_stats.last_refusal_reason is None
+    assert engine.graph_stats.replays > 0
+
+
+def test_inputs_embeds_go_to_transformers():
+    model = build_model("tiny-llama", seed=8)
+    engine, *_ = initialize(model=model, config={})
+    ids, mask = prompts(2, 5)
+    embeds = model.get_input_embeddings()(ids).detach()
+    kw = dict(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(engine.generate(**kw), model.generate(**kw))
+    assert "inputs_embeds" in engine.graph_stats.last_refusal_reason
 
 
 def test_prompt_without_mask_and_positional_input():
