@@ -12,7 +12,10 @@ Both front ends (``engine.generate`` and ``HybridEngineRollout``) ask the
   (the buffers a graph replays into are freed), ``inference_tp_size > 1`` (see
   :func:`~hybrid_engine.config.validate_graph_capture_support`); a rollout
   built on a ``HybridEngine`` honours its engine's config;
-* the attention implementation is not one whose kernels capture.
+* the attention implementation is not one whose kernels capture;
+* the rotary embedding is rescaled at run time (transformers' ``dynamic`` and
+  ``longrope`` RoPE compare the largest position with a Python number at every
+  forward, a host read that no capture can record).
 
 Which attention kernels a graphed step runs is policy too (:func:`graph_attention`):
 on an Ascend NPU the fused attention kernels that ``sdpa`` and ``eager`` reach
@@ -71,6 +74,26 @@ def refusal_reason(model: torch.nn.Module, accelerator: Any, config: EngineConfi
             f"attn_implementation={impl!r} is not capturable into a decode graph; load the model with "
             f"attn_implementation in {CAPTURABLE_ATTENTION} to use graphs."
         )
+    rope = _runtime_rope_type(getattr(model, "config", None))
+    if rope is not None:
+        return (f"rope_type={rope!r} rescales the rotary embedding at run time, reading the largest position on "
+                "the host at every step, which a graph cannot record; decode runs eagerly.")
+    return None
+
+
+def _runtime_rope_type(config: Any) -> str | None:
+    """The RoPE type when it is one transformers updates at run time (``dynamic``, ``longrope``), else ``None``."""
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for attr in ("rope_parameters", "rope_scaling"):  # transformers 5, 4.x
+        params = getattr(config, attr, None)
+        if not isinstance(params, dict):
+            continue
+        per_layer_type = [v for v in params.values() if isinstance(v, dict)]
+        for p in per_layer_type or [params]:
+            kind = str(p.get("rope_type", p.get("type", "")) or "")
+            if "dynamic" in kind or kind == "longrope":
+                return kind
     return None
 
 

@@ -340,7 +340,8 @@ class DecodeGraphRunner:
 
     def _warm_up(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> None:
         """The one warm-up: a real run on the graph stream, so lazy kernels and workspaces exist before capture."""
-        with self.accelerator.on_graph_stream(), self._graph_attention(), _uncached_autocast(self.slots.device):
+        acc, device = self.accelerator, self.slots.device
+        with acc.on_device(device), acc.on_graph_stream(), self._graph_attention(), _uncached_autocast(device):
             run()
         self._warm.add(key)
         self._stats.warmups += isinstance(key, GraphKey)
@@ -354,7 +355,8 @@ class DecodeGraphRunner:
             if graph is None and key in self._warm:
                 graph = self._capture(key, run)
             if graph is not None:
-                self.accelerator.replay_graph(graph)
+                with self.accelerator.on_device(self.slots.device):
+                    self.accelerator.replay_graph(graph)
                 if decode:
                     s.replays += 1
                 else:
@@ -369,9 +371,15 @@ class DecodeGraphRunner:
 
     def _capture(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> Any | None:
         """Capture ``run`` for ``key`` (its work is not applied: the caller replays); ``None`` if it failed."""
+        with self.accelerator.on_device(self.slots.device):
+            return self._capture_on_device(key, run)
+
+    def _capture_on_device(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> Any | None:
         acc = self.accelerator
         t0 = time.perf_counter()
-        mem0 = acc.memory_allocated()
+        # Where the backend cannot size a pool, the memory it reserves while capturing: the pool keeps its
+        # segments, while the capture's allocations are all freed again by its end.
+        mem0 = acc.memory_reserved()
         graph = acc.create_graph()
         saved = self._host_state()
         try:
@@ -410,7 +418,7 @@ class DecodeGraphRunner:
         s.capture_seconds += time.perf_counter() - t0
         pool_bytes = acc.graph_memory_bytes(self._pool)
         s.graph_memory_bytes = pool_bytes if pool_bytes is not None else (
-            s.graph_memory_bytes + max(0, acc.memory_allocated() - mem0))
+            s.graph_memory_bytes + max(0, acc.memory_reserved() - mem0))
         return graph
 
     @contextlib.contextmanager

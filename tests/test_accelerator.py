@@ -444,48 +444,106 @@ def test_a_failed_capture_raises_the_bodys_error_not_the_failed_end(api, monkeyp
     assert acc.current_stream() is acc.default_stream() and not acc.is_current_stream_capturing()
 
 
-@pytest.mark.stub
-def test_an_uncapturable_hook_is_refused_by_name_when_ending_the_capture_fails_too(monkeypatch):
-    """A stub CUDA module that records with the CPU emulation and, like CUDA, fails to end a capture its body
-    broke: the runner still names the hook's module, and counts no generic capture failure."""
-    import warnings
-
-    from hybrid_engine.accelerator.cpu_graph import (
-        CPUGraph,
-        CPUStream,
-        capture_cpu_graph,
-        cpu_stream,
-        current_cpu_stream,
-        default_cpu_stream,
-        is_cpu_graph_capturing,
-    )
-    from hybrid_engine.graph_runner import DecodeGraphRunner, decode_grad_mode
-    from hybrid_engine.tiny_models import build_model
+def _emulating_cuda_module(reserved: dict | None = None):
+    """A stub ``torch.cuda`` whose ``graph`` records with the CPU emulation and, like CUDA, fails to end a
+    capture its body broke; ``reserved["bytes"]``, when given, is what ``memory_reserved`` reports, and each
+    capture reserves 4096 more for its pool."""
+    from hybrid_engine.accelerator import cpu_graph as emu
 
     @contextlib.contextmanager
     def graph(g, pool=None, stream=None):
-        with cpu_stream(stream):
+        with emu.cpu_stream(stream):
             try:
-                with capture_cpu_graph(g, pool=pool):
+                with emu.capture_cpu_graph(g, pool=pool):
                     yield
             except BaseException:
                 raise RuntimeError(f"stub: CUDA {INVALIDATED}") from None
+        if reserved is not None:
+            reserved["bytes"] += 4096
 
-    stub = types.SimpleNamespace(CUDAGraph=CPUGraph, graph=graph, Stream=CPUStream, stream=cpu_stream,
-                                 current_stream=current_cpu_stream, default_stream=default_cpu_stream,
-                                 is_current_stream_capturing=is_cpu_graph_capturing, is_available=lambda: True)
-    set_accelerator(TorchBackendAccelerator("cpu", stub))
-    model = build_model("tiny-gpt2")
-    model.transformer.h[0].register_forward_hook(lambda mod, args, out: print(float(out[0].abs().max())))
+    return types.SimpleNamespace(
+        CUDAGraph=emu.CPUGraph, graph=graph, Stream=emu.CPUStream, stream=emu.cpu_stream,
+        current_stream=emu.current_cpu_stream, default_stream=emu.default_cpu_stream,
+        is_current_stream_capturing=emu.is_cpu_graph_capturing, is_available=lambda: True,
+        memory_reserved=(lambda: reserved["bytes"]) if reserved is not None else None)
+
+
+def _decode_steps(model, calls: int = 4, steps: int = 3):
+    import warnings
+
+    from hybrid_engine.graph_runner import DecodeGraphRunner, decode_grad_mode
+
     runner, key = DecodeGraphRunner(model), (0.0, 1.0, -1)
     with warnings.catch_warnings(), decode_grad_mode():
         warnings.simplefilter("ignore")
-        for _ in range(4):
+        for _ in range(calls):
             slots = runner.prepare(rows=2, capacity=32, width=16, num_eos=1, graphs=True)
             slots.set_special_ids(0, (2,))
             slots.knobs.set(*key)
-            for _ in range(3):
+            for _ in range(steps):
                 runner.step(2, key)
-    stats = runner.stats
+    return runner.stats
+
+
+@pytest.mark.stub
+def test_an_uncapturable_hook_is_refused_by_name_when_ending_the_capture_fails_too():
+    """The runner still names the hook's module, and counts no generic capture failure."""
+    from hybrid_engine.tiny_models import build_model
+
+    set_accelerator(TorchBackendAccelerator("cpu", _emulating_cuda_module()))
+    model = build_model("tiny-gpt2")
+    model.transformer.h[0].register_forward_hook(lambda mod, args, out: print(float(out[0].abs().max())))
+    stats = _decode_steps(model)
     assert "'transformer.h.0'" in stats.last_refusal_reason and INVALIDATED not in stats.last_refusal_reason
     assert stats.captures == 0 and "disabled" not in stats.last_refusal_reason
+
+
+@pytest.mark.stub
+def test_graph_memory_is_what_the_allocator_reserves_for_the_pool_where_the_backend_cannot_size_it():
+    """CUDA frees a capture's allocations by its end (memory_allocated is back where it was); its pool keeps
+    the memory reserved."""
+    from hybrid_engine.tiny_models import build_model
+
+    reserved = {"bytes": 10_000}
+    acc = TorchBackendAccelerator("cpu", _emulating_cuda_module(reserved))
+    set_accelerator(acc)
+    assert acc.graph_memory_bytes(None) is None and acc.memory_reserved() == 10_000
+    stats = _decode_steps(build_model("tiny-gpt2"))
+    assert stats.captures == 1 and stats.graph_memory_bytes == 4096
+
+
+@pytest.mark.stub
+def test_on_device_makes_the_models_device_current_and_streams_are_per_device():
+    """A model on cuda:1 while cuda:0 is current: its streams, captures and replays must be on cuda:1 (a
+    stream made on cuda:0 would capture nothing of cuda:1's work: an empty graph)."""
+    log: list = []
+    native = make_stub_backend("CUDAGraph", log)
+    current = {"index": 0}
+
+    @contextlib.contextmanager
+    def device(index):
+        prev, current["index"] = current["index"], index
+        try:
+            yield
+        finally:
+            current["index"] = prev
+
+    native.device = device
+    native.current_device = lambda: current["index"]
+    made = native.Stream
+
+    def stream_on_current_device():
+        s = made()
+        s.device_index = current["index"]
+        return s
+
+    native.Stream = stream_on_current_device
+    acc = TorchBackendAccelerator("cuda", native)
+    on_0 = acc.graph_stream()
+    with acc.on_device(torch.device("cuda", 1)):
+        assert acc.current_device_index() == 1
+        on_1 = acc.graph_stream()
+        assert on_1 is acc.graph_stream() and on_1 is not on_0 and on_1.device_index == 1
+    assert acc.current_device_index() == 0 and acc.graph_stream() is on_0 and on_0.device_index == 0
+    with acc.on_device(torch.device("cuda")):  # no index: the current device
+        assert acc.current_device_index() == 0

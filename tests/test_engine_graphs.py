@@ -533,3 +533,30 @@ def test_generate_under_autocast_equals_transformers_and_a_change_recaptures():
         outs.setdefault(on, ours)
         assert torch.equal(ours, outs[on])
     assert graph.graph_stats.replays > 0 and graph.graph_stats.invalidations == 2
+
+
+@pytest.mark.parametrize("rope_type,graphed", [("dynamic", False), ("linear", True)])
+def test_rope_rescaled_at_run_time_is_refused_up_front(rope_type, graphed):
+    # transformers' dynamic (and longrope) RoPE reads the largest position on the host at every forward: each
+    # capture would fail. A static rescaling (linear) captures like any other.
+    import transformers
+
+    rope = {"rope_type": rope_type, "factor": 2.0}
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        kw = {"rope_parameters": {**rope, "rope_theta": 10000.0}}
+    else:
+        kw = {"rope_scaling": rope}
+    model = build_model("tiny-llama", seed=2, **kw)
+    graph, eager = engines(model)
+    ids, mask = prompts(2, 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [gen(graph, ids, mask, n=6, pinned=False) for _ in range(3)]
+    assert all(torch.equal(o, gen(eager, ids, mask, n=6, pinned=False)) for o in outs)
+    assert torch.equal(outs[0], model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
+    s = graph.graph_stats
+    refusals = [w for w in caught if issubclass(w.category, GraphRefusedWarning)]
+    if graphed:
+        assert s.replays > 0 and not refusals
+    else:
+        assert s.captures == 0 and len(refusals) == 1 and f"rope_type={rope_type!r}" in s.last_refusal_reason

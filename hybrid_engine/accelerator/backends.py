@@ -187,6 +187,16 @@ class TorchBackendAccelerator(Accelerator):
     def synchronize(self) -> None:
         self._call("synchronize")
 
+    def current_device_index(self) -> int | None:
+        index = self._call("current_device")
+        return index if isinstance(index, int) else None
+
+    def on_device(self, device: torch.device) -> ContextManager[Any]:
+        ctx = getattr(self._module, "device", None)  # torch.cuda.device, torch.xpu.device, torch.npu.device
+        if device.index is None or not callable(ctx) or device.index == self.current_device_index():
+            return contextlib.nullcontext()
+        return ctx(device.index)
+
     def current_stream(self) -> Any:
         return self._call("current_stream")
 
@@ -229,6 +239,9 @@ class TorchBackendAccelerator(Accelerator):
 
     def max_memory_allocated(self) -> int:
         return int(self._call("max_memory_allocated", default=0) or 0)
+
+    def memory_reserved(self) -> int:
+        return int(self._call("memory_reserved", default=0) or 0)
 
     def reset_peak_memory_stats(self) -> None:
         self._call("reset_peak_memory_stats")

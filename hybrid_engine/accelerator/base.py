@@ -64,15 +64,26 @@ class Accelerator:
         return contextlib.nullcontext(s)
 
     def graph_stream(self) -> Any:
-        """The side stream this accelerator owns for warm-up and capture (created on first use).
+        """The side stream this accelerator owns for warm-up and capture on the current device (created on
+        first use; one per device, since a stream belongs to the device it was made on).
 
         ``None`` on backends without streams.
         """
-        s = getattr(self, "_owned_graph_stream", None)
+        streams = self.__dict__.setdefault("_owned_graph_streams", {})
+        key = self.current_device_index()
+        s = streams.get(key)
         if s is None:
-            s = self.Stream()
-            self._owned_graph_stream = s
+            s = streams[key] = self.Stream()
         return s
+
+    def current_device_index(self) -> int | None:
+        """The index of the backend's current device (``None`` where devices have no index)."""
+        return None
+
+    def on_device(self, device: torch.device) -> ContextManager[Any]:
+        """Make ``device`` the backend's current device for the block (as ``torch.cuda.device``): streams,
+        warm-ups, captures and replays must all be on the device of the tensors they touch."""
+        return contextlib.nullcontext()
 
     def on_graph_stream(self) -> ContextManager[Any]:
         """Run the block on ``graph_stream()``, ordered after and before the caller's stream."""
@@ -111,6 +122,10 @@ class Accelerator:
     def max_memory_allocated(self) -> int:
         return 0
 
+    def memory_reserved(self) -> int:
+        """Bytes the backend's caching allocator holds from the device (graph pools included), or 0."""
+        return 0
+
     def reset_peak_memory_stats(self) -> None:
         return None
 
@@ -140,7 +155,7 @@ class Accelerator:
     def graph_memory_bytes(self, pool: Any) -> int | None:
         """Bytes the graph memory pool ``pool`` holds, or ``None`` where the backend cannot tell.
 
-        On ``None`` callers fall back to ``memory_allocated()`` deltas around capture.
+        On ``None`` callers fall back to ``memory_reserved()`` deltas around capture.
         """
         return None
 
