@@ -131,12 +131,17 @@ install() {
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" || {
     echo "torch and transformers must be installed in $PY"; return 1; }
   mkdir -p "$TARGET"
-  if ! "$PY" -c "import pydantic" 2>/dev/null; then
+  # pydantic 2 (a 1.x in the image would import, then fail on the v2 API the config uses).
+  if ! "$PY" -c "import pydantic, sys; sys.exit(int(pydantic.VERSION.split('.')[0]) < 2)" 2>/dev/null; then
     if ! ls "$WHEELS"/pydantic-*.whl >/dev/null 2>&1; then
-      echo "pydantic is missing and $WHEELS holds no wheels; fetch them (see the header of $0)"
+      echo "pydantic 2 is missing and $WHEELS holds no wheels; fetch them (see the header of $0)"
       return 1
     fi
-    "$PY" -m pip install -q --no-index --find-links "$WHEELS" --target "$TARGET" pydantic || return 1
+    if ! "$PY" -m pip install -q --no-index --find-links "$WHEELS" --target "$TARGET" pydantic; then
+      # No pip in the image: a wheel is a zip archive laid out as site-packages wants it.
+      echo "pip could not install the wheels; unpacking them into $TARGET instead"
+      for whl in "$WHEELS"/*.whl; do "$PY" -m zipfile -e "$whl" "$TARGET" || return 1; done
+    fi
   fi
   # --no-build-isolation: the build backend (setuptools) comes from the image, not the network.
   if ! "$PY" -m pip install -q --no-deps --no-index --no-build-isolation --target "$TARGET" "$REPO"; then
