@@ -2,7 +2,8 @@
 
 Every config (dict, JSON file or ``EngineConfig``) goes through ``load_config``
 before the engine starts, which checks types and ranges, derives the batch-size
-triple, migrates the deprecated ``enable_cuda_graph`` alias and rejects typos.
+triple, migrates the deprecated ``enable_cuda_graph`` alias (and DeepSpeed's legacy
+``bfloat16`` name of ``bf16``), rejects typos and unresolved ``"auto"`` values.
 Graph-capture gates and the rest of the engine can then read plain, trusted
 fields instead of re-checking raw dictionaries on the hot path, and every
 mistake surfaces as one ``ValueError`` naming the dotted field and the fix.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any, Union
@@ -75,6 +77,8 @@ def world_size() -> int:
 
 _DEPRECATED_ALIAS = "enable_cuda_graph"
 _ALIAS_TARGET = "enable_graph_capture"
+#: DeepSpeed's legacy name of the ``bf16`` section (``BFLOAT16_OLD`` in deepspeed/runtime/precision_config.py).
+_BF16_LEGACY = "bfloat16"
 
 _OPTIMIZER_TYPES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
 #: DeepSpeed's other optimizer names (``deepspeed.runtime.config.DEEPSPEED_OPTIMIZERS`` and its 1-bit ones).
@@ -93,7 +97,6 @@ _DEEPSPEED_PASSTHROUGH = frozenset(
         "sparse_gradients",
         "communication_data_type",
         "amp",
-        "bfloat16",
         "scheduler",
         "zero_force_ds_cpu_optimizer",
         "checkpoint",
@@ -133,6 +136,55 @@ def _suggest(key: str, valid: list[str]) -> str | None:
     return matches[0] if matches else None
 
 
+#: Where an ``"auto"`` value is refused: the top-level fields we read, and the sections whose values we read or
+#: hand to a constructor (the optimizer's and scheduler's params). DeepSpeed's own sections we only pass
+#: through (``zero_optimization``'s buckets, ``data_types``...) are left to DeepSpeed, whose section models
+#: read ``"auto"`` there as "the default".
+_AUTO_CHECKED_FIELDS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                        "gradient_clipping", "steps_per_print")
+_AUTO_CHECKED_SECTIONS = ("fp16", "bf16", _BF16_LEGACY, "optimizer", "scheduler", "hybrid_engine")
+
+
+def _auto_paths(value: Any, path: str) -> list[str]:
+    if isinstance(value, str):
+        return [path] if value.strip().lower() == "auto" else []
+    if isinstance(value, Mapping):
+        return [p for key, item in value.items() for p in _auto_paths(item, f"{path}.{key}")]
+    if isinstance(value, (list, tuple)):
+        return [p for i, item in enumerate(value) for p in _auto_paths(item, f"{path}[{i}]")]
+    return []
+
+
+def _refuse_auto(data: Mapping[str, Any]) -> None:
+    """Refuse the ``"auto"`` placeholders of Hugging Face's DeepSpeed config templates, naming each key path."""
+    paths = [p for key in _AUTO_CHECKED_FIELDS if key in data for p in _auto_paths(data[key], key)]
+    paths += [p for key in _AUTO_CHECKED_SECTIONS if key in data for p in _auto_paths(data[key], key)]
+    zero = data.get("zero_optimization")
+    if isinstance(zero, Mapping) and "stage" in zero:
+        paths += _auto_paths(zero["stage"], "zero_optimization.stage")
+    if paths:
+        raise ValueError(
+            f'"auto" must be resolved to a value before hybrid-engine reads the config ({", ".join(paths)}): '
+            "hybrid-engine does not resolve \"auto\" (Hugging Face's Trainer fills it in from its own arguments "
+            "only when it builds the DeepSpeed config itself); set each to the value to use"
+        )
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, for its caller, of the first frame outside hybrid_engine and pydantic.
+
+    A warning raised while a config is validated then points at the user's line, not at pydantic's, whichever
+    entry point (``initialize``, ``load_config``, a model constructor) led there.
+    """
+    frame = sys._getframe(1)  # the caller, which warns: stacklevel 1
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("hybrid_engine",
+                                                                                          "pydantic"):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 class ZeroConfig(BaseModel):
     """``zero_optimization``: the stage is checked, other DeepSpeed keys pass through (DeepSpeed checks them
     at stages 1-3); a key that looks like a misspelt ``stage`` is refused, since it would mean stage 0."""
@@ -160,19 +212,37 @@ class ZeroConfig(BaseModel):
         return value
 
 
-#: DeepSpeed's own keys of the fp16 and bf16 sections (its models refuse any other), beyond those we read.
-_FP16_DEEPSPEED_KEYS = ("auto_cast", "fp16_master_weights_and_grads")
-_BF16_DEEPSPEED_KEYS = ("immediate_grad_update",)
+#: DeepSpeed's own keys of the fp16 and bf16 sections (``DeepSpeedFP16Config``/``DeepSpeedBF16Config``, which
+#: refuse any other) beyond those we read, with DeepSpeed's defaults. They configure DeepSpeed's optimizers, so
+#: only take effect at ZeRO stages 1-3; stage 0 (plain PyTorch) refuses a value other than the default.
+_FP16_DEEPSPEED_KEYS = {"auto_cast": False, "fp16_master_weights_and_grads": False}
+_BF16_DEEPSPEED_KEYS = {"immediate_grad_update": False, "bf16_master_weights_and_grads": False,
+                        "bf16_optimizer_states": False}
 
 
-def _refuse_unknown(section: str, data: Any, known: list[str]) -> Any:
+def _refuse_unknown(section: str, data: Any, known: list[str], deepspeed_keys: Mapping[str, bool]) -> Any:
     if isinstance(data, Mapping):
+        known = [*known, *deepspeed_keys]
         for key in data:
             if key not in known:
                 hint = _suggest(str(key), known)
                 raise ValueError(f"unknown {section} key {key!r}" + (f"; did you mean {hint!r}?" if hint else
                                                                      f"; valid keys are {', '.join(known)}"))
+        for key in deepspeed_keys:
+            if key in data and not isinstance(data[key], bool):
+                raise ValueError(f"{section}.{key} must be true or false (got {data[key]!r})")
     return data
+
+
+def _refuse_deepspeed_only_at_stage_0(section: str, extras: Mapping[str, Any],
+                                      deepspeed_keys: Mapping[str, bool]) -> None:
+    for key, default in deepspeed_keys.items():
+        if extras.get(key, default) != default:
+            raise ValueError(
+                f"{section}.{key}={extras[key]!r} needs zero_optimization.stage >= 1: it configures DeepSpeed's "
+                f"optimizer, and stage 0 trains in plain PyTorch, which would ignore it; set zero_optimization.stage "
+                f"to 1, 2 or 3, or remove {section}.{key}"
+            )
 
 
 class FP16Config(BaseModel):
@@ -193,12 +263,13 @@ class FP16Config(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known_keys(cls, data: Any) -> Any:
-        return _refuse_unknown("fp16", data, [*cls.model_fields, *_FP16_DEEPSPEED_KEYS])
+        return _refuse_unknown("fp16", data, list(cls.model_fields), _FP16_DEEPSPEED_KEYS)
 
 
 class BF16Config(BaseModel):
-    """``bf16``: bfloat16 mixed precision. ``check_grad_overflow`` (default on, as in DeepSpeed) skips an
-    optimizer step whose gradients are not finite. Unknown keys are refused, as in DeepSpeed."""
+    """``bf16`` (or DeepSpeed's legacy name ``bfloat16``): bfloat16 mixed precision. ``check_grad_overflow``
+    (default on, as in DeepSpeed) skips an optimizer step whose gradients are not finite. Unknown keys are
+    refused, as in DeepSpeed; its ZeRO-only keys (``bf16_master_weights_and_grads``, ...) pass through."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -208,7 +279,15 @@ class BF16Config(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known_keys(cls, data: Any) -> Any:
-        return _refuse_unknown("bf16", data, [*cls.model_fields, *_BF16_DEEPSPEED_KEYS])
+        return _refuse_unknown("bf16", data, list(cls.model_fields), _BF16_DEEPSPEED_KEYS)
+
+    @model_validator(mode="after")
+    def _optimizer_states_need_master_weights(self) -> BF16Config:
+        extras = self.model_extra or {}
+        if extras.get("bf16_optimizer_states") and not extras.get("bf16_master_weights_and_grads"):
+            raise ValueError("bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads: true (as in "
+                             "DeepSpeed, optimizer states are kept in bf16 only with bf16 master weights)")
+        return self
 
 
 class OptimizerConfig(BaseModel):
@@ -238,7 +317,12 @@ class OptimizerConfig(BaseModel):
 
 
 class HybridEngineConfig(BaseModel):
-    """``hybrid_engine``: generation settings shared by training and rollouts."""
+    """``hybrid_engine``: generation settings shared by training and rollouts.
+
+    As in DeepSpeed, ``enabled: false`` turns the hybrid engine's graph-captured decode off: given
+    explicitly, it leaves ``enable_graph_capture`` false whatever else the section says. Left unset,
+    it follows ``enable_graph_capture`` (so a dump of the config loads back to the same settings).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -267,10 +351,12 @@ class HybridEngineConfig(BaseModel):
             raise ValueError(f"unknown key {key!r} in hybrid_engine; {fix}")
         if _DEPRECATED_ALIAS in data:
             old = data.pop(_DEPRECATED_ALIAS)
+            # A FutureWarning, pointing at the user's call: the key is in their config, and Python's default
+            # filters hide a DeprecationWarning raised from library code.
             warnings.warn(
                 f"hybrid_engine.{_DEPRECATED_ALIAS} is deprecated; use hybrid_engine.{_ALIAS_TARGET} instead",
-                DeprecationWarning,
-                stacklevel=2,
+                FutureWarning,
+                stacklevel=_user_stacklevel(),
             )
             if _ALIAS_TARGET in data and data[_ALIAS_TARGET] != old:
                 raise ValueError(
@@ -280,6 +366,23 @@ class HybridEngineConfig(BaseModel):
                 )
             data.setdefault(_ALIAS_TARGET, old)
         return data
+
+    @model_validator(mode="after")
+    def _enabled_gates_graph_capture(self) -> HybridEngineConfig:
+        if "enabled" not in self.model_fields_set:
+            if self.enable_graph_capture:  # asking for graphs implies the engine is on: a dump loads back the same
+                self.enabled = True
+        elif not self.enabled and self.enable_graph_capture:
+            if _ALIAS_TARGET in self.model_fields_set:
+                warnings.warn(
+                    f"hybrid_engine.enabled is false, which turns the hybrid engine's graph capture off (as in "
+                    f"DeepSpeed), so hybrid_engine.{_ALIAS_TARGET}=true is ignored; set hybrid_engine.enabled to "
+                    "true to capture graphs",
+                    UserWarning,
+                    stacklevel=_user_stacklevel(),
+                )
+            self.enable_graph_capture = False
+        return self
 
     @property
     def enable_cuda_graph(self) -> bool:
@@ -317,6 +420,14 @@ class EngineConfig(BaseModel):
         for key in data:
             if not isinstance(key, str):
                 raise ValueError(f"config keys must be strings (got {key!r})")  # noqa: TRY004 - see above
+        _refuse_auto(data)
+        if _BF16_LEGACY in data:
+            data = dict(data)
+            if "bf16" in data:
+                raise ValueError(f"both bf16 and {_BF16_LEGACY} (DeepSpeed's legacy name of bf16) are given; "
+                                 f"keep bf16 and remove {_BF16_LEGACY}")
+            data["bf16"] = data.pop(_BF16_LEGACY)
+        for key in data:
             if key in known or key in _DEEPSPEED_PASSTHROUGH:
                 continue
             hint = _suggest(key, known)
@@ -328,6 +439,9 @@ class EngineConfig(BaseModel):
     def _check_consistency(self, info: ValidationInfo) -> EngineConfig:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+        if self.zero_optimization.stage == 0:
+            _refuse_deepspeed_only_at_stage_0("fp16", self.fp16.model_extra or {}, _FP16_DEEPSPEED_KEYS)
+            _refuse_deepspeed_only_at_stage_0("bf16", self.bf16.model_extra or {}, _BF16_DEEPSPEED_KEYS)
         world = (info.context or {}).get("world_size") or world_size()
         tp = self.hybrid_engine.inference_tp_size
         if tp > world:
@@ -339,6 +453,8 @@ class EngineConfig(BaseModel):
         return self
 
     def _derive_batch_sizes(self, world: int) -> None:
+        """DeepSpeed's rules (``_set_batch_related_parameters`` then ``_batch_assertion``), on every branch:
+        the sizes given, with those derived, must satisfy total == micro * accumulation * world, all > 0."""
         given = self.model_fields_set
         total = self.train_batch_size
         micro = self.train_micro_batch_size_per_gpu
@@ -367,6 +483,13 @@ class EngineConfig(BaseModel):
         elif micro is not None:
             self.train_batch_size = micro * (accum or 1) * world
         elif total is not None:
+            if total % world:
+                raise ValueError(
+                    f"train_batch_size ({total}) is not divisible by world_size ({world}): as in DeepSpeed, "
+                    f"train_micro_batch_size_per_gpu would be {total} // {world} = {total // world}, so a step "
+                    f"would train on {total // world * world} samples, not {total}; use a multiple of {world}, "
+                    "or give train_micro_batch_size_per_gpu and gradient_accumulation_steps instead"
+                )
             self.train_micro_batch_size_per_gpu = total // world
         # Neither size given: both stay None and the trainer chooses.
 
@@ -394,14 +517,43 @@ def _format_validation_error(exc: ValidationError) -> str:
     return "; ".join(lines)
 
 
+class _Pairs(list):
+    """One JSON object's ``(key, value)`` pairs in file order, so that a duplicated key survives parsing."""
+
+
+def _from_pairs(value: Any, path: str, duplicates: list[str]) -> Any:
+    """``value`` with its ``_Pairs`` turned into dicts; each duplicated key's dotted path added to ``duplicates``."""
+    if isinstance(value, _Pairs):
+        out: dict[str, Any] = {}
+        for key, item in value:
+            where = f"{path}.{key}" if path else key
+            if key in out and where not in duplicates:
+                duplicates.append(where)
+            out[key] = _from_pairs(item, where, duplicates)
+        return out
+    if isinstance(value, list):
+        return [_from_pairs(item, f"{path}[{i}]", duplicates) for i, item in enumerate(value)]
+    return value
+
+
 def _read_json(path: str | os.PathLike[str]) -> Any:
     if not os.path.exists(path):
         raise FileNotFoundError(f"config file not found: {os.fspath(path)}")
+    if os.path.isdir(path):
+        raise ValueError(f"config path {os.fspath(path)} is a directory; pass the path of the JSON config file "
+                         "inside it")
     try:
         with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except json.JSONDecodeError as exc:
+            pairs = json.load(fh, object_pairs_hook=_Pairs)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"config file {os.fspath(path)} is not valid JSON: {exc}") from exc
+    duplicates: list[str] = []
+    data = _from_pairs(pairs, "", duplicates)
+    if duplicates:
+        raise ValueError(
+            f"Duplicate keys in DeepSpeed config {os.fspath(path)}: {', '.join(duplicates)} (JSON would keep only "
+            "the last of each, and DeepSpeed refuses them); give each key once"
+        )
     if not isinstance(data, dict):
         kind = type(data).__name__
         raise ValueError(f"config file {os.fspath(path)} must hold a JSON object, not {kind}")  # noqa: TRY004

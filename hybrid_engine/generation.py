@@ -98,7 +98,7 @@ def _effective(gen: Any, name: str) -> Any:
     return _GEN_DEFAULTS.get(name) if value is None else value
 
 
-GRAPHS_OFF = "hybrid_engine.enable_graph_capture is off, so decode runs eagerly."
+GRAPHS_OFF = "hybrid_engine.enable_graph_capture is off (or hybrid_engine.enabled is false), so decode runs eagerly."
 
 
 #: Host syncs to notice finished rows while some row can still stop on EOS (as rollouts default to).

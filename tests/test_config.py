@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import warnings
 
 import pytest
@@ -22,8 +23,18 @@ def _load_recording(source):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cfg = load_config(source)
-    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    # A FutureWarning (shown by Python's default filters), as the deprecated key is in the user's config.
+    deprecations = [w for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))
+                    and "deprecated" in str(w.message)]
     return cfg, deprecations
+
+
+def _python_default_filters():
+    """Python's default warning filters (no -W, not run as __main__)."""
+    warnings.resetwarnings()
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
 
 
 # ------------------------------------------------------------------ defaults
@@ -130,6 +141,56 @@ def test_invalid_json_names_file(tmp_path: pathlib.Path):
         load_config(path)
 
 
+def test_directory_path_is_value_error_naming_it(tmp_path: pathlib.Path):
+    with pytest.raises(ValueError, match=rf"config path {re.escape(str(tmp_path))} is a directory"):
+        load_config(tmp_path)
+
+
+def test_duplicate_keys_in_a_file_are_refused_at_any_level(tmp_path: pathlib.Path):
+    # json keeps the last of each silently (here dropping enable_graph_capture); DeepSpeed refuses the file.
+    path = tmp_path / "dup.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 4, "hybrid_engine": {"enable_graph_capture": true},'
+                    ' "hybrid_engine": {"max_out_tokens": 64}}')
+    with pytest.raises(ValueError, match=r"Duplicate keys in DeepSpeed config .*dup\.json: hybrid_engine \("):
+        load_config(path)
+    path.write_text('{"zero_optimization": {"stage": 2, "stage": 0}, "optimizer": {"type": "AdamW",'
+                    ' "params": {"lr": 1e-3, "lr": 1e-4}}}')
+    with pytest.raises(ValueError, match=r"zero_optimization\.stage, optimizer\.params\.lr"):
+        load_config(path)
+    path.write_text('{"scheduler": {"type": "WarmupLR", "params": [{"a": 1}, {"a": 1}]}}')  # distinct objects
+    assert load_config(path).to_dict()["scheduler"]["params"] == [{"a": 1}, {"a": 1}]
+
+
+@pytest.mark.parametrize(
+    ("config", "paths"),
+    [
+        ({"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": 1e-8}}},
+         "optimizer.params.lr, optimizer.params.betas"),
+        ({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"},
+         "train_micro_batch_size_per_gpu, gradient_accumulation_steps"),
+        ({"gradient_clipping": "auto"}, "gradient_clipping"),
+        ({"fp16": {"enabled": "auto"}}, "fp16.enabled"),
+        ({"bfloat16": {"enabled": "auto"}}, "bfloat16.enabled"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}, "scheduler.params.warmup_max_lr"),
+        ({"hybrid_engine": {"max_out_tokens": "auto"}}, "hybrid_engine.max_out_tokens"),
+        ({"optimizer": {"type": "AdamW", "params": {"betas": ["auto", 0.99]}}}, r"optimizer.params.betas[0]"),
+    ],
+)
+def test_unresolved_auto_values_name_their_keys(config, paths):
+    with pytest.raises(ValueError, match=r'"auto" must be resolved to a value') as info:
+        load_config(config)
+    msg = str(info.value)
+    assert f"({paths})" in msg
+    assert "does not resolve" in msg and "Trainer" in msg
+
+
+def test_auto_in_deepspeeds_pass_through_sections_is_left_to_deepspeed():
+    # DeepSpeed's section models read "auto" as "the default" there; only DeepSpeed reads them.
+    cfg = load_config({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+                       "data_types": {"keep_in_fp32_modules": "auto"}})
+    assert cfg.to_dict()["zero_optimization"]["reduce_bucket_size"] == "auto"
+
+
 def test_json_non_object_is_error(tmp_path: pathlib.Path):
     path = tmp_path / "list.json"
     path.write_text("[1, 2]")
@@ -167,9 +228,27 @@ def test_new_key_alone_gives_no_warning():
     assert deps == []
 
 
+def test_alias_warning_is_shown_by_default_and_points_at_the_caller():
+    # A DeprecationWarning raised inside a pydantic validator is attributed to pydantic and hidden by Python's
+    # default filters: the user of the deprecated key must see it, once, at their own line.
+    from hybrid_engine import initialize
+    from hybrid_engine.tiny_models import build_model
+
+    for load in (lambda cfg: load_config(cfg),
+                 lambda cfg: initialize(model=build_model("tiny-gpt2"), config=cfg)[0].config):
+        with warnings.catch_warnings(record=True) as caught:
+            _python_default_filters()
+            cfg = load({"hybrid_engine": {"enable_cuda_graph": True}})
+        assert cfg.hybrid_engine.enable_graph_capture is True
+        shown = [w for w in caught if "enable_cuda_graph" in str(w.message)]
+        assert len(shown) == 1
+        assert issubclass(shown[0].category, FutureWarning)
+        assert shown[0].filename == __file__
+
+
 def test_alias_conflict_is_value_error():
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
         with pytest.raises(ValueError, match="enable_cuda_graph") as info:
             load_config({"hybrid_engine": {"enable_cuda_graph": True, "enable_graph_capture": False}})
     assert "enable_graph_capture" in str(info.value)
@@ -312,6 +391,45 @@ def test_typos_inside_the_precision_and_zero_sections_are_refused(config, match)
                  "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8}})
 
 
+def test_bf16_accepts_every_key_of_deepspeeds_bf16_and_fp16_models():
+    precision_config = pytest.importorskip("deepspeed.runtime.precision_config")
+    for section, model in (("bf16", precision_config.DeepSpeedBF16Config),
+                           ("fp16", precision_config.DeepSpeedFP16Config)):
+        for key, field in model.model_fields.items():
+            # Its default is accepted at any stage (stage 0 included: a default changes nothing there).
+            for stage in (0, 2):
+                cfg = load_config({"zero_optimization": {"stage": stage}, section: {key: field.default}})
+                assert cfg.to_dict()[section][key] == field.default
+
+
+def test_bf16_zero_only_keys_pass_through_at_zero_and_are_refused_at_stage_0():
+    section = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    cfg = load_config({"zero_optimization": {"stage": 2}, "bf16": section})
+    assert cfg.bf16.enabled is True
+    assert {k: cfg.to_dict()["bf16"][k] for k in section} == section  # handed on to DeepSpeed
+    for key in ("bf16_master_weights_and_grads", "immediate_grad_update"):
+        with pytest.raises(ValueError, match=rf"bf16\.{key}=True needs zero_optimization\.stage >= 1"):
+            load_config({"bf16": {"enabled": True, key: True}})
+    with pytest.raises(ValueError, match=r"fp16\.auto_cast=True needs zero_optimization\.stage >= 1"):
+        load_config({"fp16": {"enabled": True, "auto_cast": True}})
+    with pytest.raises(ValueError, match=r"bf16_optimizer_states needs bf16\.bf16_master_weights_and_grads"):
+        load_config({"zero_optimization": {"stage": 1}, "bf16": {"bf16_optimizer_states": True}})
+    with pytest.raises(ValueError, match=r"bf16\.bf16_master_weights_and_grads must be true or false"):
+        load_config({"zero_optimization": {"stage": 1}, "bf16": {"bf16_master_weights_and_grads": "yes"}})
+
+
+def test_legacy_bfloat16_section_is_bf16():
+    cfg = load_config({"bfloat16": {"enabled": True}})
+    assert cfg.bf16.enabled is True
+    assert "bfloat16" not in cfg.to_dict() and cfg.to_dict()["bf16"]["enabled"] is True
+    with pytest.raises(ValueError, match="unknown bf16 key 'enable'"):
+        load_config({"bfloat16": {"enable": True}})
+    with pytest.raises(ValueError, match=r"both bf16 and bfloat16 .* remove bfloat16"):
+        load_config({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
+    with pytest.raises(ValueError, match="fp16.enabled and bf16.enabled"):
+        load_config({"fp16": {"enabled": True}, "bfloat16": {"enabled": True}})
+
+
 def test_fp16_and_bf16_conflict():
     with pytest.raises(ValueError, match="fp16.*bf16"):
         load_config({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
@@ -356,12 +474,74 @@ def test_batch_size_inconsistency(given):
     assert "train_micro_batch_size_per_gpu" in msg or "gradient_accumulation_steps" in msg
 
 
+@pytest.mark.parametrize(
+    ("given", "match"),
+    [
+        # DeepSpeed: micro = 3 // 2 = 1, then "3 != 1 * 1 * 2"; and micro 1 // 2 = 0, "has to be greater than 0".
+        ({"train_batch_size": 3}, r"train_batch_size \(3\) is not divisible by world_size \(2\).* = 1\b"),
+        ({"train_batch_size": 1}, r"train_batch_size \(1\) is not divisible by world_size \(2\).* = 0\b"),
+        ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2},
+         r"train_micro_batch_size_per_gpu \(2\) \* world_size \(2\)"),
+        ({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2},
+         r"train_micro_batch_size_per_gpu \(2\) \* world_size \(2\)"),
+        ({"train_batch_size": 6, "gradient_accumulation_steps": 2},
+         r"gradient_accumulation_steps \(2\) \* world_size \(2\)"),
+        ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4},
+         r"world_size \(2\) = 16"),
+    ],
+)
+def test_batch_sizes_follow_deepspeeds_rules_on_every_branch(given, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(given, world_size=2)
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ({"train_batch_size": 4}, (4, 2, 1)),
+        ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}, (8, 2, 2)),
+        ({"train_batch_size": 8, "gradient_accumulation_steps": 2}, (8, 2, 2)),
+        ({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, (12, 3, 2)),
+        ({"train_micro_batch_size_per_gpu": 3}, (6, 3, 1)),
+        ({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, (12, 3, 2)),
+    ],
+)
+def test_batch_size_derivation_on_two_ranks(given, expected):
+    cfg = load_config(given, world_size=2)
+    got = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps)
+    assert got == expected
+    assert got[0] == got[1] * got[2] * 2
+
+
 # ------------------------------------------------------- graph capture gate
 
 
 def test_graph_capture_requested():
     assert graph_capture_requested({}) is False
     assert graph_capture_requested({"hybrid_engine": {"enable_graph_capture": True}}) is True
+
+
+def test_hybrid_engine_enabled_false_turns_graph_capture_off():
+    # As in DeepSpeed, hybrid_engine.enabled: false switches the hybrid engine (here: its graphs) off.
+    config = {"hybrid_engine": {"enabled": False, "enable_graph_capture": True}}
+    with pytest.warns(UserWarning, match=r"hybrid_engine\.enabled is false.*enable_graph_capture=true is ignored"):
+        cfg = load_config(config)
+    assert cfg.hybrid_engine.enable_graph_capture is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        assert graph_capture_requested(config) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config({"hybrid_engine": {"enabled": False}}).hybrid_engine.enable_graph_capture is False
+        # The settled config loads back the same, with no further warning.
+        assert load_config(cfg).hybrid_engine.enable_graph_capture is False
+        assert load_config(cfg.to_dict()).hybrid_engine.enable_graph_capture is False
+        # enabled left out: enable_graph_capture alone still captures, and its dump loads back the same.
+        on = load_config({"hybrid_engine": {"enable_graph_capture": True}})
+        assert on.hybrid_engine.enable_graph_capture is True and on.hybrid_engine.enabled is True
+        assert load_config(on).hybrid_engine.enable_graph_capture is True
+        assert load_config(json.loads(on.model_dump_json())).hybrid_engine.enable_graph_capture is True
+        assert load_config({}).hybrid_engine.enabled is False
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
