@@ -18,11 +18,12 @@ Both front ends (``engine.generate`` and ``HybridEngineRollout``) ask the
   forward, a host read that no capture can record).
 
 Which attention kernels a graphed step runs is policy too (:func:`graph_attention`):
-on an Ascend NPU the fused attention kernels that ``sdpa`` and ``eager`` reach
-launch work on a secondary stream, which NPU capture rejects (error 107025), so
-the runner runs the steps it warms up and captures with ``"npu_graph"``
-(:mod:`hybrid_engine.npu_attention`) instead. Eager steps keep the model's own
-choice.
+on an Ascend NPU the fused attention kernels that ``sdpa`` reaches launch work
+on a secondary stream, which NPU capture rejects (error 107025), so the runner
+runs the steps it warms up and captures with ``"npu_graph"``
+(:mod:`hybrid_engine.npu_attention`) instead; where torch_npu lacks that
+kernel, ``sdpa`` models are refused up front. Eager steps keep the model's own
+choice, and ``eager`` attention (matmul and softmax) captures as it is.
 
 The runner adds what it learns at run time: repeated capture failures, and a
 forward hook that cannot be captured (named in the reason). Every reason is a
@@ -46,8 +47,9 @@ __all__ = ["CAPTURABLE_ATTENTION", "NPU_SWITCHED_ATTENTION", "GraphRefusedWarnin
 #: Attention implementations whose decode kernels capture and honour the static cache's 4D mask.
 CAPTURABLE_ATTENTION = ("eager", "sdpa", NPU_GRAPH_ATTENTION)
 
-#: Model attention implementations whose graphed steps run with ``"npu_graph"`` on an NPU.
-NPU_SWITCHED_ATTENTION = ("eager", "sdpa")
+#: Model attention implementations whose graphed steps run with ``"npu_graph"`` on an NPU (transformers'
+#: ``eager`` attention is matmul and softmax, which NPU capture records as it is).
+NPU_SWITCHED_ATTENTION = ("sdpa",)
 
 
 class GraphRefusedWarning(UserWarning):
@@ -74,6 +76,11 @@ def refusal_reason(model: torch.nn.Module, accelerator: Any, config: EngineConfi
             f"attn_implementation={impl!r} is not capturable into a decode graph; load the model with "
             f"attn_implementation in {CAPTURABLE_ATTENTION} to use graphs."
         )
+    if impl in NPU_SWITCHED_ATTENTION and _backend(accelerator) == "npu" and not npu_graph_available():
+        return (f"attn_implementation={impl!r} runs torch_npu's fused attention, which launches work on a secondary "
+                "stream that NPU graph capture rejects (error 107025), and this torch_npu has no graph-mode "
+                "npu_fusion_attention_v3 (torch_npu 2.6 or later); upgrade torch_npu, or load the model with "
+                "attn_implementation='eager' to use graphs.")
     rope = _runtime_rope_type(getattr(model, "config", None))
     if rope is not None:
         return (f"rope_type={rope!r} rescales the rotary embedding at run time, reading the largest position on "
@@ -108,7 +115,7 @@ def graph_attention(model: torch.nn.Module, accelerator: Any) -> str | None:
     """The attention implementation ``model``'s graphed steps must run with on ``accelerator``.
 
     ``None``: the model's own. On an NPU whose torch_npu has the graph-mode kernel,
-    ``sdpa``/``eager`` models get ``"npu_graph"``; elsewhere, and for other
+    ``sdpa`` models get ``"npu_graph"``; elsewhere, and for other
     implementations, nothing changes (an uncapturable one is refused by :func:`refusal_reason`).
     """
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)

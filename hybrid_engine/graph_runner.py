@@ -334,17 +334,35 @@ class DecodeGraphRunner:
             def step(view: DecodeSlots = view) -> None:
                 view.step(self.model, sampling_key)
 
-            if key not in self._warm:
-                self._warm_up(key, step)
+            if key not in self._warm and not self._warm_up(key, step):
+                return
             self._capture(key, step)
 
-    def _warm_up(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> None:
-        """The one warm-up: a real run on the graph stream, so lazy kernels and workspaces exist before capture."""
+    def _warm_up(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> bool:
+        """The one warm-up: a real run on the graph stream, so lazy kernels and workspaces exist before capture.
+
+        ``False`` when the attention graphed steps switch to (:func:`graph_attention`) failed here, its
+        first run: graphs are then off for this runner and nothing of the run is left to undo, so the
+        caller runs the step eagerly with the model's own attention. Any other error is the step's own.
+        """
         acc, device = self.accelerator, self.slots.device
-        with acc.on_device(device), acc.on_graph_stream(), self._graph_attention(), _uncached_autocast(device):
-            run()
+        saved = self._host_state()
+        try:
+            with acc.on_device(device), acc.on_graph_stream(), self._graph_attention(), _uncached_autocast(device):
+                run()
+        except Exception as exc:
+            if self._graph_attn is None:
+                raise
+            self._restore_host_state(saved)
+            self._disabled = (f"Graphs refused: the graph-mode attention {self._graph_attn!r} failed in its first "
+                              f"run ({type(exc).__name__}: {exc}); decode runs eagerly with the model's own "
+                              "attention.")
+            self.invalidate()
+            self._capture_failed(self._disabled)
+            return False
         self._warm.add(key)
         self._stats.warmups += isinstance(key, GraphKey)
+        return True
 
     def _run(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> None:
         """``run()`` for ``key``: its graph replayed, or its warm-up or capture, or eagerly."""
@@ -362,8 +380,7 @@ class DecodeGraphRunner:
                 else:
                     s.admission_replays += 1
                 return
-            if key not in self._warm:  # nothing to undo: the warm-up is this call's own step or admission
-                self._warm_up(key, run)
+            if key not in self._warm and self._warm_up(key, run):  # the warm-up is this call's own step
                 s.eager_steps += decode
                 return
         run()

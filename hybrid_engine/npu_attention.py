@@ -1,15 +1,18 @@
 """``"npu_graph"``: an attention implementation whose Ascend NPU kernel can be captured into a graph.
 
-Why it exists. On an Ascend NPU, transformers' ``sdpa`` and ``eager`` paths
-reach torch_npu's fused flash-attention kernels (``npu_fusion_attention``
-v1/v2). Those launch part of their work on an internal secondary stream, and
-NPU graph capture rejects that at ``capture_end`` (CANN error 107025), so a
-decode step that uses them can never be captured. The graph-mode variant,
-``torch_npu.npu_fusion_attention_v3``, keeps its work on the capturing stream
-and captures cleanly in the ``"BSH"`` layout. This module registers it with
-transformers as ``"npu_graph"``; :class:`~hybrid_engine.graph_runner.DecodeGraphRunner`
-switches ``sdpa``/``eager`` models to it for the steps it warms up and captures
-on an NPU (see :func:`~hybrid_engine.graph_policy.graph_attention`).
+Why it exists. On an Ascend NPU, transformers' ``sdpa`` path reaches
+torch_npu's fused flash-attention kernels (``npu_fusion_attention`` v1/v2 in
+torch_npu releases before SDPA moved to v3). Those launch part of their work on
+an internal secondary stream, and NPU graph capture rejects that at
+``capture_end`` (CANN error 107025), so a decode step that uses them can never
+be captured. The graph-mode variant, ``torch_npu.npu_fusion_attention_v3``
+(torch_npu 2.6 on), keeps its work on the capturing stream; its documentation
+promises graph capture (aclgraph) for the ``"BNSD"`` layout, the one the static
+cache stores. This module registers it with transformers as ``"npu_graph"``;
+:class:`~hybrid_engine.graph_runner.DecodeGraphRunner` switches ``sdpa`` models
+to it for the steps it warms up and captures on an NPU (see
+:func:`~hybrid_engine.graph_policy.graph_attention`). ``eager`` attention is
+plain matmul and softmax, which captures as it is, so it is never switched.
 
 What a capture freezes here: the shapes (batch, heads, query and key lengths),
 ``head_num``, the scale and the layout string are host values baked into the
@@ -33,12 +36,13 @@ Conventions and choices:
   would be 0/0 inside a fused kernel, and a NaN there reaches real tokens in
   the next layer through ``0 * NaN``. Such rows are given every key instead;
   their output is discarded by construction (they are padding).
-* GQA (``num_key_value_heads < num_attention_heads``): K/V are repeated to the
-  query heads before the call, so the kernel always sees plain multi-head
-  attention. The BSH layout needs a transposed copy of K/V anyway (the static
-  cache stores ``[B, heads, S, D]``), and the repeat happens inside that one
-  copy. Whether v3 accepts grouped K/V natively in BSH is not verified (no
-  NPU here), so we do not rely on it.
+* Layout ``"BNSD"``: query ``[B, heads, Sq, D]`` as transformers hands it
+  (made contiguous: one token per row in decode), K/V ``[B, kv_heads, S, D]``
+  straight from the static cache, with no copy. GQA
+  (``num_key_value_heads < num_attention_heads``) is native: v3 takes fewer
+  K/V heads than query heads when they divide them. (The reference change this
+  project follows captured v3 in ``"BSH"``, which needs a transposed copy of the
+  whole cache in every step of every layer; not verified on an NPU here.)
 * The softmax scale is always passed: torch_npu's default is 1.0, not
   ``1/sqrt(head_dim)``.
 * Return value: ``(attn_output [B, S, heads, D], None)``, as transformers'
@@ -100,14 +104,6 @@ def npu_masked_out(attention_mask: torch.Tensor | None, q_len: int, kv_len: int,
     return masked & ~masked.all(dim=-1, keepdim=True)
 
 
-def _bsh(states: torch.Tensor, repeat: int) -> torch.Tensor:
-    """``[B, H, S, D]`` -> ``[B, S, H * repeat * D]``, each head repeated ``repeat`` times, in one copy."""
-    b, h, s, d = states.shape
-    if repeat > 1:
-        states = states[:, :, None].expand(b, h, repeat, s, d).reshape(b, h * repeat, s, d)
-    return states.transpose(1, 2).reshape(b, s, h * repeat * d)
-
-
 def npu_graph_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -122,13 +118,13 @@ def npu_graph_attention_forward(
     """transformers attention function: ``query [B, H, Sq, D]``, ``key``/``value [B, Hkv, Skv, D]``.
 
     Returns ``(attn_output [B, Sq, H, Dv], None)`` computed by
-    ``torch_npu.npu_fusion_attention_v3`` in the BSH layout (see the module docstring).
+    ``torch_npu.npu_fusion_attention_v3`` in the BNSD layout (see the module docstring).
     """
     for unsupported in ("softcap", "position_bias", "s_aux", "sinks"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"attn_implementation='{NPU_GRAPH_ATTENTION}' does not support `{unsupported}`")
-    b, heads, q_len, head_dim = query.shape
-    kv_heads, kv_len, v_dim = key.shape[1], key.shape[2], value.shape[-1]
+    heads, q_len, head_dim = query.shape[1:]
+    kv_heads, kv_len = key.shape[1], key.shape[2]
     if heads % kv_heads:
         raise ValueError(f"{NPU_GRAPH_ATTENTION}: {heads} query heads are not a multiple of {kv_heads} key/value heads")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -139,13 +135,10 @@ def npu_graph_attention_forward(
     }
     if dropout:
         options["keep_prob"] = 1.0 - float(dropout)
-    repeat = heads // kv_heads
-    out = getattr(_torch_npu(), V3_KERNEL)(
-        _bsh(query, 1), _bsh(key, repeat), _bsh(value, repeat), heads, "BSH", **options
-    )
+    out = getattr(_torch_npu(), V3_KERNEL)(query.contiguous(), key, value, heads, "BNSD", **options)
     if isinstance(out, (tuple, list)):  # the fused kernels return (attention_out, softmax stats, ...)
         out = out[0]
-    return out.reshape(b, q_len, heads, v_dim), None
+    return out.transpose(1, 2).contiguous(), None
 
 
 def npu_graph_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

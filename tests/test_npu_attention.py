@@ -3,7 +3,7 @@
 What is stubbed, and only that (the hardware boundary):
 
 * ``torch_npu`` itself. Its ``npu_fusion_attention_v3`` computes attention with
-  ``scaled_dot_product_attention`` from BSH inputs, reading ``atten_mask`` as
+  ``scaled_dot_product_attention`` from BNSD (or BSH) inputs, reading ``atten_mask`` as
   torch_npu documents it (bool, True = masked out) and defaulting ``scale`` to
   1.0 as torch_npu does, so a caller that inverts the mask or forgets the scale
   gets different logits; a query row with every key masked comes out NaN
@@ -78,8 +78,11 @@ def _stub_attention(query, key, value, head_num, layout, atten_mask, scale):
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1) if layout == "BSH" else out
 
 
-def make_stub_torch_npu(*, v3: bool = True, tuple_output: bool = True) -> types.ModuleType:
-    """A stand-in for ``torch_npu`` with the two fused attention kernels; ``calls`` logs each launch."""
+def make_stub_torch_npu(*, v3: bool = True, tuple_output: bool = True, v3_error: str | None = None) -> types.ModuleType:
+    """A stand-in for ``torch_npu`` with the two fused attention kernels; ``calls`` logs each launch.
+
+    ``v3_error``: v3 raises it at every call, as the real one does on a chip it does not support (its
+    implementation checks the SoC version: "Ascend950 not support")."""
     mod = types.ModuleType("torch_npu")
     mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
     mod.calls = []  # (kernel, capturing, details)
@@ -99,6 +102,8 @@ def make_stub_torch_npu(*, v3: bool = True, tuple_output: bool = True) -> types.
                                                   "shapes": (query.shape, key.shape, value.shape),
                                                   "mask": None if atten_mask is None else atten_mask.dtype,
                                                   "scale": scale}))
+        if v3_error is not None:
+            raise RuntimeError(v3_error)
         out = _stub_attention(query, key, value, head_num, input_layout, atten_mask, scale)
         return (out, None, None, None, 0, 0, 0) if tuple_output else out
 
@@ -236,8 +241,9 @@ def test_npu_graph_logits_equal_sdpa_with_left_padding_and_gqa(arch, tuple_outpu
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     for _, _, d in v3:
         q_shape, k_shape, v_shape = d["shapes"]
-        assert d["layout"] == "BSH" and d["head_num"] == cfg.num_attention_heads and d["mask"] == torch.bool
-        assert q_shape[-1] == k_shape[-1] == v_shape[-1] == cfg.num_attention_heads * head_dim  # K/V repeated
+        assert d["layout"] == "BNSD" and d["head_num"] == cfg.num_attention_heads and d["mask"] == torch.bool
+        assert q_shape[1] == cfg.num_attention_heads and q_shape[-1] == head_dim
+        assert k_shape[1] == v_shape[1] == cfg.num_key_value_heads  # GQA native: K/V neither repeated nor copied
         assert d["scale"] == pytest.approx(head_dim ** -0.5)
 
 
@@ -307,6 +313,77 @@ def test_npu_capture_runs_npu_graph_never_v1_and_eager_keeps_sdpa(npu_backend, n
     rs = roll.graph_stats
     assert rs.captures >= 1 and rs.admission_captures >= 1 and rs.fallbacks == 0
     assert not launches(npu_sdpa, "v1", capturing=True)
+
+
+@pytest.mark.stub
+def test_eager_attention_is_captured_as_it_is_on_an_npu(npu_backend, npu_sdpa):
+    """transformers' eager attention is matmul and softmax, which NPU capture records: no switch, so graph and
+    eager steps run the same kernels."""
+    model = build_model("tiny-llama", seed=4, attn_implementation="eager")
+    graph, eager = engine_pair(model)
+    ids, mask = prompts(3, 5, seed=6)
+    expected = greedy(eager, ids, mask)
+    for _ in range(2):
+        assert torch.equal(greedy(graph, ids, mask), expected)
+    s = graph.graph_stats
+    assert s.captures == 1 and s.replays > 0 and s.last_refusal_reason is None
+    assert not launches(npu_sdpa, "v3") and not launches(npu_sdpa, "v1")
+
+
+@pytest.fixture
+def npu_without_v3(monkeypatch):
+    """A torch_npu older than 2.6: fused v1 behind SDPA, no graph-mode v3."""
+    stub = make_stub_torch_npu(v3=False)
+    monkeypatch.setitem(sys.modules, "torch_npu", stub)
+
+    def sdpa_on_npu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+        stub.npu_fusion_attention(query, key, value, query.shape[1], "BNSD", scale=scale)
+        return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                     scale=scale, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa_on_npu)
+    set_accelerator(CPUEmulatedNPU())
+    return stub
+
+
+@pytest.mark.stub
+def test_sdpa_without_the_graph_mode_kernel_is_refused_up_front(npu_without_v3):
+    """Each capture would fail with 107025 (three failures, then graphs off): refused before any, by name."""
+    model = build_model("tiny-qwen2", seed=4, attn_implementation="sdpa")
+    graph, eager = engine_pair(model)
+    ids, mask = prompts(3, 5, seed=6)
+    with pytest.warns(GraphRefusedWarning, match="npu_fusion_attention_v3"):
+        out = greedy(graph, ids, mask)
+    assert torch.equal(out, greedy(eager, ids, mask))
+    s = graph.graph_stats
+    assert s.captures == 0 and s.warmups == 0 and "attn_implementation='eager'" in s.last_refusal_reason
+    assert not launches(npu_without_v3, "v1", capturing=True)
+
+
+@pytest.mark.stub
+def test_graph_mode_attention_that_fails_its_first_run_turns_graphs_off_without_failing_the_call(monkeypatch):
+    """v3 rejects this chip: its first run is a warm-up, whose failure must not reach the caller."""
+    stub = make_stub_torch_npu(v3_error="stub torch_npu: Ascend950 not support")
+    monkeypatch.setitem(sys.modules, "torch_npu", stub)
+    set_accelerator(CPUEmulatedNPU())
+    model = build_model("tiny-llama", seed=4, attn_implementation="sdpa")
+    graph, eager = engine_pair(model)
+    ids, mask = prompts(3, 5, seed=6)
+    expected = greedy(eager, ids, mask)
+    with pytest.warns(GraphRefusedWarning, match="'npu_graph' failed in its first run.*Ascend950"):
+        assert torch.equal(greedy(graph, ids, mask), expected)
+    tried = len(launches(stub, "v3"))
+    assert torch.equal(greedy(graph, ids, mask), expected)  # refused now: no new attempt
+    assert len(launches(stub, "v3")) == tried == 1 and model.config._attn_implementation == "sdpa"
+    s = graph.graph_stats
+    assert s.captures == 0 and s.fallbacks >= 1 and "npu_graph" in s.last_refusal_reason
+    # A rollout warms its buckets up front: the same failure, the same eager rollout.
+    want = rollout(model, graphs=False, max_batch_size=4).generate(rollout_request(), SAMPLED)
+    roll = rollout(model, graphs=True, max_batch_size=4)
+    with pytest.warns(GraphRefusedWarning, match="npu_graph"):
+        assert_same_rollouts(roll.generate(rollout_request(), SAMPLED), want)
+    assert roll.graph_stats.captures == 0
 
 
 # --------------------------------------------------------------- failed capture: host state put back
