@@ -10,8 +10,9 @@ graph once and replayed for every later step, so it obeys the capture rules:
 * no host reads and no data-dependent shapes: the 4D additive attention mask and
   the position ids are built here from device state and passed explicitly, so
   transformers' mask-building code (which may read the mask on the host to decide
-  whether it can be skipped) returns early, and ``get_seq_length`` is only ever
-  answered with a device tensor while capturing;
+  whether it can be skipped) returns early, and ``get_seq_length`` (OPT asks at
+  every forward) is answered with a device tensor in every step, eager or
+  captured, so neither reads the host;
 * the only host values frozen into a capture are shapes and ``cache.kv_len``
   (``None``: attention spans the whole capacity; an int: one graph per length).
 
@@ -148,7 +149,11 @@ def _forward(
         kwargs["cache_position"] = cache_position
     if takes_logits_to_keep:
         kwargs["logits_to_keep"] = 1
-    out = model(**kwargs)
+    cache.answer_on_device = True  # eager steps answer length queries as captured ones do: no host read
+    try:
+        out = model(**kwargs)
+    finally:
+        cache.answer_on_device = False
     return out.logits[:, -1]
 
 

@@ -32,10 +32,12 @@ Invariants
 * Host-side checks (bounds, dtype, batch) read device values, so they run only
   when the current stream is not capturing
   (:func:`~hybrid_engine.accelerator.is_capturing`).
-* :meth:`get_seq_length` / :meth:`get_query_offset` return a host ``int``
-  (``max(write_pos)``, a host read) outside capture and a 0-dim device tensor
-  while capturing (transformers' own 5.x ``StaticLayer`` also returns a tensor),
-  so model code that calls them never syncs inside a graph. With per-row lengths
+* :meth:`get_seq_length` / :meth:`get_query_offset` return a 0-dim device
+  tensor (``max(write_pos)``) inside every model step, eager or captured
+  (:attr:`StaticKVCache.answer_on_device`; transformers' own 5.x ``StaticLayer``
+  also returns a tensor), so model code that calls them (OPT's decoder, at
+  every forward) never syncs, and eager steps run what captured ones do; a
+  host ``int`` otherwise. With per-row lengths
   there is no single "sequence length": callers must pass an explicit 4D mask
   and position ids (see :mod:`hybrid_engine.model_step`).
 * Host-side state (Python values a captured step would advance) is kept to
@@ -215,6 +217,9 @@ class StaticKVCache(Cache):
         #: Read write positions on the host to bounds-check each write (outside capture only).
         #: Owners that validate lengths up front (the engines) turn it off: it costs a sync per step.
         self.bounds_checks = True
+        #: Set around a model forward by :mod:`hybrid_engine.model_step`: sequence-length queries get a device
+        #: tensor, as while capturing, so an eager step reads nothing on the host either.
+        self.answer_on_device = False
         self._host = host if host is not None else _HostCounters()
 
     @property
@@ -300,9 +305,10 @@ class StaticKVCache(Cache):
         return self._span(), 0
 
     def get_seq_length(self, layer_idx: int | None = 0) -> Any:
-        """``max(write_pos)``: a host int outside capture, a 0-dim device tensor while capturing."""
+        """``max(write_pos)``: a 0-dim device tensor inside a model step (:attr:`answer_on_device`, set by
+        :mod:`hybrid_engine.model_step`) and while capturing; a host int otherwise."""
         longest = self.write_pos.max()
-        if is_capturing():
+        if self.answer_on_device or is_capturing():
             return longest
         return int(longest)
 

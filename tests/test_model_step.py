@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 from transformers import PreTrainedModel
 
 from hybrid_engine.accelerator import GraphCaptureError
@@ -162,6 +163,35 @@ def test_decode_capture_does_no_host_reads_and_leaves_state(cpu_graphs):
     assert torch.equal(cache.valid, before[2])
     cpu_graphs.replay_graph(graph)
     assert torch.equal(cache.write_pos, before[0] + 1)
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts device values read on the host (``.item()``, ``int(t)``, ``bool(t)``: a sync on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_eager_steps_read_nothing_on_the_host(arch):
+    """An eager step must not sync where its graph does not: OPT asks the cache for its sequence length at every
+    forward, which is answered with a device tensor inside every step, not only while capturing."""
+    model = tiny(arch)
+    ids, mask = prompts(2)
+    cache = StaticKVCache(model.config, 2, CAPACITY, dtype=model.dtype)
+    cache.bounds_checks = False  # as the engines run it (they check lengths up front)
+    with torch.no_grad():
+        tok = prefill(model, cache, ids, mask).argmax(-1)
+        with _HostReads() as reads:
+            for _ in range(3):
+                tok = decode_one_token(model, cache, tok).argmax(-1)
+    assert reads.count == 0
+    assert isinstance(cache.get_seq_length(), int)  # outside a step, the host int it always was
 
 
 def test_host_read_inside_capture_is_caught(cpu_graphs):
