@@ -212,6 +212,18 @@ if (d := load("continuous")) is not None:
               f"tokens identical {lt['agreement']['identical']}/{lt['agreement']['total']}")
     else:
         print("long tail: not run")
+for name in ("decode_gpt2", "decode_opt13b"):
+    if (d := load(name)) is not None:
+        speedups = ", ".join(f"{r['path']} b{r['batch']} {r['speedup']:.2f}x" for r in d["rows"])
+        print(f"{name}: graph vs eager per decode step: {speedups}")
+for name in ("parity", "decode_gpt2", "continuous", "rlhf_opt13b", "decode_opt13b"):
+    try:
+        with open(os.path.join(work, name + ".json")) as fh:
+            problems = json.load(fh).get("graph_side_problems") or []
+    except (OSError, ValueError):
+        continue
+    if problems:
+        print(f"{name}: NOT VALID, the graph side ran eagerly: {'; '.join(problems)}")
 for name in ("rlhf_opt13b",):
     if (d := load(name)) is not None:
         cap = d["capture"]

@@ -43,6 +43,29 @@ def test_bench_decode(tmp_path, capsys):
         assert r["tokens_identical"] == r["tokens_total"] == 2 * r["batch"] * 4
         assert r["graph"]["replays"] > 0  # the graph side really replayed
     _total(d["token_agreement"])
+    assert d["graph_side_problems"] == []
+
+
+@pytest.mark.parametrize("bench", [
+    ["decode", "--batch-sizes", "1", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1"],
+    ["continuous", "--prompt-len", "8", "--new-tokens", "4", "--measured", "1", "--mixed-requests", "0",
+     "--longtail-requests", "0"],
+    ["rlhf", "--batch-size", "2", "--prompt-len", "8", "--new-tokens", "4", "--warmup", "1", "--iterations", "1"],
+])
+def test_a_graph_side_that_ran_eagerly_fails_the_bench_after_its_report(tmp_path, capsys, bench):
+    """A backend that cannot capture makes the graph side run eagerly: its figures would read as a ~1.0x
+    speedup. The bench reports, writes its JSON, then exits 1 saying so."""
+    from hybrid_engine.accelerator import CPUAccelerator, set_accelerator
+
+    set_accelerator(CPUAccelerator(emulate_graphs=False))
+    out = tmp_path / "result.json"
+    try:
+        with pytest.warns(UserWarning), pytest.raises(SystemExit, match="the graph side ran eagerly"):
+            main(["bench", *bench, "--model", "tiny", "--device", "cpu", "--json", str(out)])
+    finally:
+        set_accelerator(None)
+    assert "NOT VALID" in capsys.readouterr().out
+    assert json.loads(out.read_text())["graph_side_problems"]
 
 
 def test_bench_rlhf(tmp_path, capsys):

@@ -390,14 +390,29 @@ def add_common_args(p: argparse.ArgumentParser, *, default_model: str) -> None:
     p.add_argument("--plot", default=None, metavar="PATH", help="also write a PNG plot to PATH (needs matplotlib)")
 
 
+def graph_side_problem(label: str, counts: dict[str, Any]) -> str | None:
+    """Why the graph side of an eager-vs-graph comparison did not measure graphs (``None``: it replayed graphs
+    and never fell back to eager). ``counts``: :func:`~hybrid_engine.benchmarks.paths.graph_counts`."""
+    if counts.get("replays") and not counts.get("fallbacks"):
+        return None
+    why = counts.get("refusal") or ("a capture failed" if counts.get("fallbacks") else "no graph was replayed")
+    return f"{label}: the graph side ran eagerly, at least in part ({why})"
+
+
 def finish(args: argparse.Namespace, payload: dict[str, Any], text: str, draw: Callable[[Any], None] | None,
            title: str) -> None:
-    """Print the report; write JSON and plot when asked."""
+    """Print the report; write JSON and plot when asked. Then, when ``payload["graph_side_problems"]`` names
+    any, exit with status 1: a silent fallback to eager would otherwise read as a ~1.0x speedup."""
+    problems = payload.get("graph_side_problems") or []
+    if problems:
+        text += "\n\nNOT VALID: " + "; ".join(problems) + ". The graph figures above measure eager decoding."
     print(text)
     if args.json:
         write_json(args.json, payload)
     if args.plot and draw is not None:
         write_plot(args.plot, draw, title)
+    if problems:
+        raise SystemExit("error: " + "; ".join(problems))
 
 
 def prepare(args: argparse.Namespace) -> tuple[Any, torch.device, torch.dtype, dict[str, Any]]:

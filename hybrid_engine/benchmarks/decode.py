@@ -44,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _measure(run_eager, run_graph, repeats: int) -> dict[str, Any]:
-    """Warm up both (graph: warm-up, then capture), then interleave measured calls; compare the tokens of the
-    first and the last pair."""
+    """Warm up both (graph: warm-up, then capture), then interleave measured calls, alternating which mode goes
+    first; compare the tokens of the first and the last pair."""
     warm_e, first_e = C.timed(run_eager)
     warm_g, first_g = C.timed(run_graph)
     for _ in range(C.WARMUP_CALLS - 1):
@@ -54,11 +54,14 @@ def _measure(run_eager, run_graph, repeats: int) -> dict[str, Any]:
     eager_ms: list[float] = []
     graph_ms: list[float] = []
     tok_e = tok_g = None
-    for _ in range(repeats):
-        tok_e, t = C.timed(run_eager)
-        eager_ms.append(t)
-        tok_g, t = C.timed(run_graph)
-        graph_ms.append(t)
+    for i in range(repeats):  # interleaved, alternating which mode goes first
+        for mode in (("eager", "graph") if i % 2 == 0 else ("graph", "eager")):
+            if mode == "eager":
+                tok_e, t = C.timed(run_eager)
+                eager_ms.append(t)
+            else:
+                tok_g, t = C.timed(run_graph)
+                graph_ms.append(t)
     same, total = C.agreement(tok_e, tok_g)
     same0, total0 = C.agreement(warm_e, warm_g)
     return {"eager_ms": eager_ms, "graph_ms": graph_ms, "first_eager_ms": first_e, "first_graph_ms": first_g,
@@ -73,6 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--paths takes engine and/or rollout, got {args.paths!r}")
     T, N = args.prompt_len, args.new_tokens
     rows: list[dict[str, Any]] = []
+    problems: list[str] = []
     for path in paths:
         m_eager = C.build_bench_model(args, dtype, device, seed=args.seed)
         m_graph = C.build_bench_model(args, dtype, device, seed=args.seed)
@@ -114,6 +118,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"  {path:7s} batch {b:3d}: eager {row['eager_ms_per_step']:.2f} ms/step, "
                   f"graph {row['graph_ms_per_step']:.2f} ms/step, x{row['speedup']:.2f}, "
                   f"agree {m['tokens_identical']}/{m['tokens_total']}", flush=True)
+        problem = C.graph_side_problem(f"{path} path", graph_counts(graph))
+        if problem:
+            problems.append(problem)
         del eager, graph, m_eager, m_graph
         gc.collect()
         acc.empty_cache()
@@ -126,6 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "batch_sizes": args.batch_sizes, "repeats": args.repeats, "paths": paths, "greedy": True},
         "rows": rows,
         "token_agreement": {"identical": identical, "total": total},
+        "graph_side_problems": problems,
     }
     headers = ["path", "batch", "eager ms/step", "graph ms/step", "eager tok/s", "graph tok/s", "speedup", "agree"]
     table = C.format_table(headers, [

@@ -216,6 +216,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "eager_captures_per_iteration": eager["captures_per_iteration"]},
         "token_agreement": {"identical": same0, "total": total0},
         "token_agreement_all_iterations": {"identical": same_all, "total": total_all},
+        # ZeRO-3 without the inference copy refuses graphs by design (reported as such below).
+        "graph_side_problems": [] if args.zero_stage == 3 and not args.zero3_inference_copy else
+        [p for p in [C.graph_side_problem("graph mode", graph["graph"])] if p],
     }
     table = C.format_table(["phase", "eager", "graph", "speedup"], [
         [name, f"{e:.1f} ms", f"{g:.1f} ms", f"{C.speedup(e, g):.2f}x"] for name, e, g in phases
