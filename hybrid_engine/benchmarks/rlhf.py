@@ -144,12 +144,12 @@ def _launch_ranks(args: argparse.Namespace) -> dict[str, Any]:
     return {"benchmark": "rlhf", "world_size": world, "zero_stage": args.zero_stage}
 
 
-def _summed_over_ranks(*values: int) -> list[int]:
+def _summed_over_ranks(device: torch.device, *values: int) -> list[int]:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return list(values)
-    t = torch.tensor(values, dtype=torch.int64)
+    t = torch.tensor(values, dtype=torch.int64, device=device)  # on the model's device: NCCL reduces only there
     dist.all_reduce(t)
     return [int(v) for v in t]
 
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     same0, total0 = C.agreement(eager["tokens"][0], graph["tokens"][0])
     same_all = sum(C.agreement(a, b)[0] for a, b in zip(eager["tokens"], graph["tokens"]))
     total_all = sum(C.agreement(a, b)[1] for a, b in zip(eager["tokens"], graph["tokens"]))
-    same0, total0, same_all, total_all = _summed_over_ranks(same0, total0, same_all, total_all)
+    same0, total0, same_all, total_all = _summed_over_ranks(device, same0, total0, same_all, total_all)
     capture_ms = graph["first_generate_ms"] - eager["generate_mean_ms"]
     for mode in (eager, graph):
         mode.pop("tokens")
