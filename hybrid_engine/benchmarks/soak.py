@@ -56,6 +56,7 @@ def resident_mb() -> float:
 
 
 def _sample(it: int, rollout: Any, engine: Any, acc: Any, started: float, last: tuple[int, float]) -> dict[str, Any]:
+    acc.synchronize()  # the clock below counts finished work only
     s = rollout.graph_stats
     done, t_last = last
     return {
