@@ -1,8 +1,10 @@
 """Engine checkpoints: everything a resumed run needs to continue bit for bit.
 
 Under ZeRO 1-3 DeepSpeed's own ``save_checkpoint``/``load_checkpoint`` do the
-work (every rank must call them), with torch's RNG states carried in its
-``client_state``. At stage 0 the layout is DeepSpeed's too:
+work (every rank must call them), and each rank's torch RNG states go in a file
+of its own in the tag directory (``hybrid_engine_rng_rank<R>.pt``): at ZeRO 1/2
+DeepSpeed writes ``client_state`` from rank 0 only, so carried there every rank
+would resume rank 0's streams. At stage 0 the layout is DeepSpeed's too:
 ``save_dir/<tag>/hybrid_engine_states.pt`` and a ``save_dir/latest`` file
 naming the last tag. One file holds the model and optimizer state dicts, the
 fp32 master weights (bf16/fp16), the fp16 loss scaler, the LR scheduler, the

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -292,17 +293,34 @@ class DeepSpeedTraining:
         if self._ds_engine is not None:
             destroy_deepspeed_engine(self, "_ds_engine")
 
-    def save_checkpoint(self, save_dir: Any, tag: str | None, client_state: dict[str, Any],
+    def save_checkpoint(self, save_dir: Any, tag: str, client_state: dict[str, Any],
                         save_latest: bool, rng: dict[str, Any]) -> bool:
+        """DeepSpeed's ``save_checkpoint``, plus this rank's RNG states in ``<tag>/`` :func:`rng_file`: at ZeRO
+        1/2 DeepSpeed writes ``client_state`` from rank 0 only, so every rank would load rank 0's streams."""
         state = {**client_state, RNG_CLIENT_KEY: rng}
-        return bool(self.ds_engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest))
+        ok = bool(self.ds_engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest))
+        directory = os.path.join(save_dir, tag)
+        os.makedirs(directory, exist_ok=True)
+        torch.save(rng, os.path.join(directory, rng_file()))
+        return ok
 
     def load_checkpoint(self, load_dir: Any, tag: str | None, **options: Any
                         ) -> tuple[str | None, dict[str, Any] | None, dict[str, Any] | None]:
-        """DeepSpeed's ``load_checkpoint``; returns ``(path, client_state, rng states or None)``."""
+        """DeepSpeed's ``load_checkpoint``; returns ``(path, client_state, this rank's rng states or None)``."""
         path, client_state = self.ds_engine.load_checkpoint(load_dir, tag=tag, **options)
         if client_state is None:
             return path, None, None
         client_state = dict(client_state)
-        rng = client_state.pop(RNG_CLIENT_KEY, None)
+        rng = client_state.pop(RNG_CLIENT_KEY, None)  # rank 0's at ZeRO 1/2: the fallback for older checkpoints
+        own = os.path.join(os.path.dirname(os.fspath(path)), rng_file())
+        if os.path.isfile(own):
+            rng = torch.load(own, map_location="cpu", weights_only=True)
         return path, client_state, rng
+
+
+def rng_file() -> str:
+    """The file, in a checkpoint's tag directory, holding this data-parallel rank's torch RNG states."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return f"hybrid_engine_rng_rank{rank}.pt"

@@ -66,6 +66,7 @@ def test_zero_1_2_train_on_deepspeed_and_replay_graphs_across_steps(tmp_path, st
             assert d["weights_max_diff"] == 0.0
             assert torch.equal(d["reference_greedy"], d["after_greedy_eager"])
         assert d["checkpoint_restored"] and d["checkpoint_steps"] == STEPS + 1
+        assert d["checkpoint_rng_is_this_ranks"]
         # HybridEngine.from_deepspeed around an engine built with deepspeed.initialize directly.
         assert d["wrapped_stage"] == stage and d["wrapped_captures"] > 0
         assert torch.equal(d["wrapped_generate"], d["before_engine_generate"])  # same seeded weights

@@ -200,9 +200,13 @@ def main() -> None:
         # Checkpoints go through DeepSpeed's save/load; weights and steps come back.
         ckpt = out_dir / "ckpt"
         saved = full_params(engine)
+        torch.rand(1 + 7 * rank())  # the ranks have used their RNG streams unevenly
         engine.save_checkpoint(ckpt, tag="t")
+        next_draws = torch.rand(4)  # what this rank draws next in an uninterrupted run
         train_step(STEPS + 1)
         path, client = engine.load_checkpoint(ckpt, tag="t")
+        # Its own stream back (DeepSpeed keeps client_state from rank 0 only at ZeRO 1/2).
+        result["checkpoint_rng_is_this_ranks"] = torch.equal(torch.rand(4), next_draws)
         result["checkpoint_restored"] = all(torch.equal(a, b) for a, b in zip(full_params(engine), saved))
         result["checkpoint_steps"] = engine.global_steps
         # An engine the user built with deepspeed.initialize, wrapped.
