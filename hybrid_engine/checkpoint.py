@@ -124,6 +124,21 @@ def _check_optimizer(state: dict[str, Any], optimizer: torch.optim.Optimizer, pa
                          f"{saved_sizes} parameters, but this engine's {mine} has {sizes}; {fix}")
 
 
+def _tag_directory(root: Path, tag: str | None) -> Path | None:
+    """``root/<tag>``, the tag read from ``root/latest`` when not given; ``None`` when there is no such file."""
+    if tag is None:
+        latest = root / LATEST_FILE
+        if not latest.is_file():
+            return None
+        tag = latest.read_text().strip()
+    return root / tag
+
+
+def _deepspeed_files(directory: Path) -> list[str]:
+    """The model-state files DeepSpeed writes into a tag directory (ZeRO 1/2: ``mp_rank_*``, 3: ``zero_pp_rank_*``)."""
+    return sorted(p.name for p in directory.glob("*model_states.pt")) if directory.is_dir() else []
+
+
 def save(engine: HybridEngine, save_dir: Any, tag: str | None, client_state: dict[str, Any] | None,
          save_latest: bool) -> bool:
     root = _directory(save_dir, "save_checkpoint: save_dir")
@@ -167,9 +182,22 @@ def load(engine: HybridEngine, load_dir: Any, tag: str | None, *, load_module_st
     training = engine.training_backend
     device = model_device(engine.module)
     if not isinstance(training, LocalTraining):
-        path, client_state, rng = training.load_checkpoint(
-            root, tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        directory = _tag_directory(root, tag)
+        if directory is not None and (directory / STATE_FILE).is_file() and not _deepspeed_files(directory):
+            raise ValueError(
+                f"load_checkpoint: {directory} holds a stage-0 (plain PyTorch) checkpoint, but this engine trains "
+                f"on DeepSpeed ZeRO stage {engine.zero_stage}; load it with zero_optimization.stage 0, or load its "
+                f"'module' state dict (torch.load of {STATE_FILE}) into the model before initialize")
+        try:
+            path, client_state, rng = training.load_checkpoint(
+                root, tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        except AssertionError as exc:  # DeepSpeed's own check of the files it expects
+            found = ", ".join(_deepspeed_files(directory)) if directory is not None else "nothing"
+            raise ValueError(
+                f"load_checkpoint: DeepSpeed cannot read {directory or root} at ZeRO stage {engine.zero_stage} "
+                f"(it holds: {found or 'no DeepSpeed files'}); a checkpoint saved at another ZeRO stage loads at "
+                "that stage, or converts to a state dict with DeepSpeed's zero_to_fp32.py") from exc
         if rng is not None and not load_module_only:
             _set_rng_state(rng, device)
         return path, client_state
@@ -182,6 +210,12 @@ def load(engine: HybridEngine, load_dir: Any, tag: str | None, *, load_module_st
         tag = latest.read_text().strip()
     path = root / tag / STATE_FILE
     if not path.is_file():
+        if _deepspeed_files(root / tag):
+            raise ValueError(
+                f"load_checkpoint: {root / tag} holds a DeepSpeed ZeRO checkpoint "
+                f"({', '.join(_deepspeed_files(root / tag))}), but this engine trains at zero_optimization.stage 0; "
+                "load it with the ZeRO stage it was saved with, or convert it to a state dict with DeepSpeed's "
+                "zero_to_fp32.py and load that into the model")
         warnings.warn(f"load_checkpoint: no checkpoint at {path}", UserWarning, stacklevel=3)
         return None, None
     state = torch.load(path, map_location="cpu", weights_only=True)

@@ -67,11 +67,19 @@ def test_zero_1_2_train_on_deepspeed_and_replay_graphs_across_steps(tmp_path, st
             assert torch.equal(d["reference_greedy"], d["after_greedy_eager"])
         assert d["checkpoint_restored"] and d["checkpoint_steps"] == STEPS + 1
         assert d["checkpoint_rng_is_this_ranks"]
+        assert "holds a stage-0 (plain PyTorch) checkpoint" in d["stage0_checkpoint_refused"]
         # HybridEngine.from_deepspeed around an engine built with deepspeed.initialize directly.
         assert d["wrapped_stage"] == stage and d["wrapped_captures"] > 0
         assert torch.equal(d["wrapped_generate"], d["before_engine_generate"])  # same seeded weights
         assert d["adapter_matches"]  # DeepSpeedRolloutEngine on the same engine
     assert_ranks_independent(ranks)
+    # The ranks' DeepSpeed checkpoint, into an engine at stage 0: refused by name, not read as "no checkpoint".
+    from hybrid_engine import initialize
+    from hybrid_engine.tiny_models import build_model
+
+    local, *_ = initialize(model=build_model("tiny-llama", seed=1), config={})
+    with pytest.raises(ValueError, match="holds a DeepSpeed ZeRO checkpoint.*zero_to_fp32"):
+        local.load_checkpoint(tmp_path / "ckpt", tag="t")
 
 
 def test_zero_3_refuses_graphs_and_generates_from_gathered_parameters(tmp_path):

@@ -208,6 +208,14 @@ def main() -> None:
         # Its own stream back (DeepSpeed keeps client_state from rank 0 only at ZeRO 1/2).
         result["checkpoint_rng_is_this_ranks"] = torch.equal(torch.rand(4), next_draws)
         result["checkpoint_restored"] = all(torch.equal(a, b) for a, b in zip(full_params(engine), saved))
+        # A stage-0 checkpoint is refused by name (DeepSpeed would fail on an assert), the same on every rank.
+        local, *_ = initialize(model=build_model("tiny-llama", seed=1), config={})
+        local.save_checkpoint(out_dir / f"stage0_rank{rank()}", tag="t")
+        try:
+            engine.load_checkpoint(out_dir / f"stage0_rank{rank()}", tag="t")
+            result["stage0_checkpoint_refused"] = None
+        except ValueError as exc:
+            result["stage0_checkpoint_refused"] = str(exc)
         result["checkpoint_steps"] = engine.global_steps
         # An engine the user built with deepspeed.initialize, wrapped.
         deepspeed = import_deepspeed()
