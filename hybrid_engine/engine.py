@@ -83,18 +83,28 @@ class HybridEngine(nn.Module):
     def from_deepspeed(cls, ds_engine: Any, config: ConfigSource | None = None) -> HybridEngine:
         """Wrap a ``deepspeed.DeepSpeedEngine`` the caller already built (after ``deepspeed.initialize``).
 
-        The config defaults to the DeepSpeed engine's own; its ``hybrid_engine``
-        section (e.g. ``enable_graph_capture``) applies to generation. The ZeRO
-        stage is the DeepSpeed engine's, whatever the config says.
+        Training is the DeepSpeed engine's: its own config (batch sizes,
+        gradient accumulation, precision, ZeRO stage, optimizer...) is the
+        engine's. ``config`` adds the ``hybrid_engine`` section (e.g.
+        ``enable_graph_capture``) for generation; a training setting it gives
+        that differs from the DeepSpeed engine's is ignored, with a warning
+        naming it.
         """
         module = getattr(ds_engine, "module", None)
         if not isinstance(module, nn.Module) or not callable(getattr(ds_engine, "backward", None)):
             raise TypeError("HybridEngine.from_deepspeed: ds_engine must be the DeepSpeedEngine returned by "
                             f"deepspeed.initialize, got {type(ds_engine).__name__}")
         training = DeepSpeedTraining(ds_engine)
-        if config is None:
-            config = getattr(getattr(ds_engine, "_config", None), "_param_dict", None) or {}
-        cfg = load_config(config)
+        own = dict(getattr(getattr(ds_engine, "_config", None), "_param_dict", None) or {})
+        if config is not None:
+            given = load_config(config).model_dump(exclude_unset=True)
+            ignored = sorted(k for k, v in given.items() if k != "hybrid_engine" and k in own and v != own[k])
+            if ignored:
+                warnings.warn(f"HybridEngine.from_deepspeed: {', '.join(ignored)} in config differ from the DeepSpeed "
+                              "engine's own and are ignored: it trains as deepspeed.initialize configured it",
+                              UserWarning, stacklevel=2)
+            own = {**own, **{k: v for k, v in given.items() if k == "hybrid_engine" or k not in own}}
+        cfg = load_config(own)
         if cfg.zero_optimization.stage != training.zero_stage:
             data = cfg.model_dump()
             data["zero_optimization"]["stage"] = training.zero_stage

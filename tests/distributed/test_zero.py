@@ -69,7 +69,7 @@ def test_zero_1_2_train_on_deepspeed_and_replay_graphs_across_steps(tmp_path, st
         assert d["checkpoint_rng_is_this_ranks"]
         assert "holds a stage-0 (plain PyTorch) checkpoint" in d["stage0_checkpoint_refused"]
         # HybridEngine.from_deepspeed around an engine built with deepspeed.initialize directly.
-        assert d["wrapped_stage"] == stage and d["wrapped_captures"] > 0
+        assert d["wrapped_stage"] == stage and d["wrapped_captures"] > 0 and d["wrapped_matches_deepspeed"]
         assert torch.equal(d["wrapped_generate"], d["before_engine_generate"])  # same seeded weights
         assert d["adapter_matches"]  # DeepSpeedRolloutEngine on the same engine
     assert_ranks_independent(ranks)
