@@ -173,7 +173,8 @@ class Generator:
                 "use input_ids.unsqueeze(0) for a single prompt"
             )
         if input_ids.shape[0] == 0:
-            raise ValueError("generate(): input_ids is an empty batch (batch size 0); pass at least one prompt")
+            raise ValueError("generate(): input_ids is an empty batch (batch size 0); pass at least one prompt (under "
+                             "ZeRO-3 every rank must still make each generate call: give every rank a prompt)")
         if input_ids.shape[1] == 0:
             raise ValueError("generate(): input_ids has prompt length 0; pass at least one prompt token")
         check_device("generate(): input_ids", input_ids, self.model)

@@ -52,7 +52,9 @@ def shard(items: Sequence[T], rank_id: int | None = None, world: int | None = No
     """This rank's contiguous block of ``items`` and the global index of its first item.
 
     Blocks differ in length by at most one; use ``offset + i`` as item ``i``'s
-    request id to keep ids global across ranks.
+    request id to keep ids global across ranks. With fewer items than ranks the
+    last ranks get empty blocks; under ZeRO-3, where generation gathers the
+    parameters collectively and every rank must call it, give those ranks work.
     """
     world = world_size() if world is None else world
     rank_id = rank() if rank_id is None else rank_id

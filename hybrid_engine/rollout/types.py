@@ -156,7 +156,11 @@ class RolloutRequest:
                 "for one prompt use prompt_ids.unsqueeze(0)"
             )
         if ids.shape[0] == 0 or ids.shape[1] == 0:
-            raise ValueError(f"{owner}: prompt_ids must have at least one prompt and one token, got {tuple(ids.shape)}")
+            raise ValueError(
+                f"{owner}: prompt_ids must have at least one prompt and one token, got {tuple(ids.shape)}; under "
+                "ZeRO-3 every rank must still make each generate call (the parameters are gathered collectively), "
+                "so give every rank at least one prompt (hybrid_engine.ranks.shard leaves ranks beyond the number "
+                "of prompts empty)")
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"{owner}: prompt_ids must hold integer token ids, got dtype {ids.dtype}")
         mask = self.prompt_attention_mask
