@@ -124,17 +124,21 @@ def stub_npu(monkeypatch):
     return stub
 
 
-@pytest.fixture
-def npu_sdpa(monkeypatch, stub_npu):
+def route_sdpa_through_v1(monkeypatch, stub) -> None:
     """torch's SDPA as it runs on an Ascend device: every call launches torch_npu's fused v1 kernel."""
 
     def sdpa_on_npu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False):
-        stub_npu.npu_fusion_attention(query, key, value, query.shape[1], "BNSD", scale=scale)
+        stub.npu_fusion_attention(query, key, value, query.shape[1], "BNSD", scale=scale)
         return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                      scale=scale, enable_gqa=enable_gqa)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa_on_npu)
+
+
+@pytest.fixture
+def npu_sdpa(monkeypatch, stub_npu):
+    route_sdpa_through_v1(monkeypatch, stub_npu)
     return stub_npu
 
 
@@ -335,14 +339,7 @@ def npu_without_v3(monkeypatch):
     """A torch_npu older than 2.6: fused v1 behind SDPA, no graph-mode v3."""
     stub = make_stub_torch_npu(v3=False)
     monkeypatch.setitem(sys.modules, "torch_npu", stub)
-
-    def sdpa_on_npu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                    enable_gqa=False):
-        stub.npu_fusion_attention(query, key, value, query.shape[1], "BNSD", scale=scale)
-        return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                     scale=scale, enable_gqa=enable_gqa)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa_on_npu)
+    route_sdpa_through_v1(monkeypatch, stub)
     set_accelerator(CPUEmulatedNPU())
     return stub
 
