@@ -31,15 +31,19 @@ class PhaseTimer:
         if self.uses_events:
             start, end = self._acc.Event(enable_timing=True), self._acc.Event(enable_timing=True)
             start.record()
-            yield
-            end.record()
-            self._pending.append((name, start, end))
+            try:
+                yield
+            finally:
+                end.record()
+                self._pending.append((name, start, end))
             return
         self._acc.synchronize()
         t0 = time.perf_counter()
-        yield
-        self._acc.synchronize()
-        self._totals[name] += (time.perf_counter() - t0) * 1e3
+        try:
+            yield
+        finally:
+            self._acc.synchronize()
+            self._totals[name] += (time.perf_counter() - t0) * 1e3
 
     def totals_ms(self) -> dict[str, float]:
         """Per-phase totals; waits once for the events still in flight."""
