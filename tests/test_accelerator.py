@@ -387,9 +387,10 @@ def test_base_accelerator_has_no_streams_or_pool_accounting():
 
 
 @pytest.mark.stub
-def test_stub_npu_backend_graphs_sdpa_and_eager_models_with_npu_graph(monkeypatch):
-    """The runner's attention switch asks the backend's name and torch_npu's kernels, never a torch device."""
-    from hybrid_engine.graph_policy import graph_attention
+def test_stub_npu_backend_graphs_sdpa_models_with_npu_graph(monkeypatch):
+    """The runner's attention switch asks the backend's name and torch_npu's kernels, never a torch device.
+    Only sdpa reaches the fused kernels that NPU capture rejects; eager attention captures as it is."""
+    from hybrid_engine.graph_policy import graph_attention, refusal_reason
     from hybrid_engine.tiny_models import build_model
 
     npu = TorchBackendAccelerator("npu", make_stub_backend("NPUGraph", []))
@@ -398,7 +399,7 @@ def test_stub_npu_backend_graphs_sdpa_and_eager_models_with_npu_graph(monkeypatc
     fake.npu_fusion_attention_v3 = lambda *args, **kwargs: None
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     model = build_model("tiny-llama", attn_implementation="sdpa")
-    for impl, expected in (("sdpa", "npu_graph"), ("eager", "npu_graph"), ("npu_graph", None),
+    for impl, expected in (("sdpa", "npu_graph"), ("eager", None), ("npu_graph", None),
                            ("flash_attention_2", None)):
         model.config._attn_implementation = impl
         assert graph_attention(model, npu) == expected, impl
@@ -406,6 +407,7 @@ def test_stub_npu_backend_graphs_sdpa_and_eager_models_with_npu_graph(monkeypatc
     model.config._attn_implementation = "sdpa"
     del fake.npu_fusion_attention_v3  # a torch_npu without the graph-mode kernel: nothing to switch to
     assert graph_attention(model, npu) is None
+    assert "npu_fusion_attention_v3" in refusal_reason(model, npu, None)  # and sdpa is refused up front
 
 
 INVALIDATED = "operation failed due to a previous error during capture"
