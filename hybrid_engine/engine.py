@@ -150,16 +150,23 @@ class HybridEngine(nn.Module):
         """The training forward of ``module`` (through DeepSpeed's engine under ZeRO)."""
         return self.training_backend.forward(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss / gradient_accumulation_steps`` (loss-scaled under fp16)."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        """Backpropagate ``loss / gradient_accumulation_steps`` (loss-scaled under fp16), as DeepSpeed's
+        ``backward``: ``retain_graph`` keeps the autograd graph, ``scale_wrt_gas=False`` skips the division."""
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor")
-        self.training_backend.backward(loss)
+        for name, value in (("retain_graph", retain_graph), ("scale_wrt_gas", scale_wrt_gas)):
+            if not isinstance(value, bool):
+                raise TypeError(f"engine.backward: {name} must be True or False, got {value!r}")
+        self.training_backend.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
-    def step(self) -> None:
-        """Count a micro-step; at an accumulation boundary clip, step the optimizer and zero grads."""
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Count a micro-step; at an accumulation boundary clip, step the optimizer and zero grads. As in
+        DeepSpeed, ``lr_kwargs`` are passed to the LR scheduler's ``step``."""
+        if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
+            raise TypeError(f"engine.step: lr_kwargs must be a dict or None, got {type(lr_kwargs).__name__}")
         steps = self.training_backend.global_steps
-        self.training_backend.step()
+        self.training_backend.step(lr_kwargs=lr_kwargs)
         if self._inference_copy is not None and self.training_backend.global_steps != steps:
             self._inference_copy.refresh()  # in place: graphs on the copy replay the new weights
 
@@ -183,6 +190,25 @@ class HybridEngine(nn.Module):
         this is DeepSpeed's ``save_checkpoint`` (every rank must call it).
         """
         return checkpoint.save(self, save_dir, tag, client_state, save_latest)
+
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The model's weights alone, as ``torch.save`` of a state dict at ``save_dir/save_filename``, as
+        DeepSpeed's ``save_16bit_model`` (every rank must call it under ZeRO, where it is DeepSpeed's own; at
+        ZeRO-3 it saves only with ``stage3_gather_16bit_weights_on_model_save``). At stage 0 the weights are
+        saved in the module's dtype (bf16/fp16 when enabled). Returns whether a file was written."""
+        if not isinstance(save_dir, (str, os.PathLike)) or not isinstance(save_filename, str) or not save_filename:
+            raise TypeError("save_16bit_model: save_dir must be a path and save_filename a non-empty file name")
+        training = self.training_backend
+        if isinstance(training, DeepSpeedTraining):
+            return bool(training.ds_engine.save_16bit_model(save_dir, save_filename,
+                                                            exclude_frozen_parameters=exclude_frozen_parameters))
+        params = dict(self.module.named_parameters())
+        state = {name: t for name, t in self.module.state_dict().items()
+                 if not (exclude_frozen_parameters and name in params and not params[name].requires_grad)}
+        os.makedirs(save_dir, exist_ok=True)
+        torch.save(state, os.path.join(save_dir, save_filename))
+        return True
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -180,15 +180,16 @@ class LocalTraining:
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss = loss / self.config.gradient_accumulation_steps
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        if scale_wrt_gas:
+            loss = loss / self.config.gradient_accumulation_steps
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
-        loss.backward()
+        loss.backward(retain_graph=retain_graph)
         if self.masters is not None:
             self.masters.fold_gradients()
 
-    def step(self) -> None:
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
@@ -216,7 +217,7 @@ class LocalTraining:
         if self.masters is not None and stepped:
             self.masters.publish()
         if stepped and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            self.lr_scheduler.step(**(lr_kwargs or {}))
         self.zero_grad()
         self.global_steps += 1
 

@@ -274,11 +274,11 @@ class DeepSpeedTraining:
     def is_gradient_accumulation_boundary(self) -> bool:
         return bool(self.ds_engine.is_gradient_accumulation_boundary())
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.ds_engine.backward(loss)
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        self.ds_engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
-    def step(self) -> None:
-        self.ds_engine.step()
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        self.ds_engine.step(lr_kwargs=lr_kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.ds_engine.zero_grad()

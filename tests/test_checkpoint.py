@@ -229,3 +229,22 @@ def test_format_2_checkpoints_still_load(tmp_path):
     train_once(engine, prompts(2, 5)[0])
     assert engine.load_checkpoint(tmp_path) == (str(tmp_path / "global_step1"), {"epoch": 7})
     assert engine.global_steps == 1
+
+
+def test_save_16bit_model_writes_the_weights_alone_as_deepspeed_does(tmp_path):
+    from hybrid_engine import initialize
+    from hybrid_engine.tiny_models import build_model
+
+    model = build_model("tiny-gpt2", seed=5)
+    engine, *_ = initialize(model=model, config={"bf16": {"enabled": True},
+                                                 "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    assert engine.save_16bit_model(tmp_path / "out") is True
+    state = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert state["transformer.wte.weight"].dtype == torch.bfloat16  # the module's dtype
+    fresh = build_model("tiny-gpt2", seed=6, dtype=torch.bfloat16)
+    fresh.load_state_dict(state)
+    model.transformer.wte.weight.requires_grad_(False)
+    engine.save_16bit_model(tmp_path / "out", "trainable.bin", exclude_frozen_parameters=True)
+    assert "transformer.wte.weight" not in torch.load(tmp_path / "out" / "trainable.bin", weights_only=True)

@@ -321,3 +321,39 @@ def test_destroy_releases_the_graphs_and_a_stage_0_engine_still_works():
     engine.destroy()
     assert engine.graph_stats.graph_keys == 0
     assert torch.equal(engine.generate(input_ids=ids, max_new_tokens=4, do_sample=False), first)
+
+
+def test_backward_and_step_take_deepspeeds_keyword_arguments_at_stage_0():
+    # DeepSpeedEngine.backward(loss, retain_graph=False, scale_wrt_gas=True) and step(lr_kwargs=None).
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    def grads(accumulation, **backward):
+        model = build_model("tiny-gpt2", seed=3)
+        engine, *_ = initialize(model=model, config={"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                                     "gradient_accumulation_steps": accumulation})
+        loss = engine(**batch(1)).loss
+        engine.backward(loss, **backward)
+        return engine, loss, [p.grad.clone() for p in model.parameters()]
+
+    _, _, plain = grads(1)
+    _, _, halved = grads(2)
+    _, _, unscaled = grads(2, scale_wrt_gas=False)
+    assert all(torch.allclose(h * 2, p) for h, p in zip(halved, plain))
+    assert all(torch.equal(u, p) for u, p in zip(unscaled, plain))  # not divided by the accumulation steps
+    engine, loss, _ = grads(1, retain_graph=True)
+    engine.backward(loss)  # the graph was kept: a second backward accumulates
+    assert all(torch.allclose(p.grad, 2 * g) for p, g in zip(engine.module.parameters(), plain))
+    with pytest.raises(TypeError, match="retain_graph must be True or False"):
+        engine.backward(loss, retain_graph="yes")
+
+    sched = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 10}
+    engine, opt, _, _ = initialize(model=build_model("tiny-gpt2"), config={
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "scheduler": {"type": "WarmupLR", "params": sched}})
+    engine.backward(engine(**batch()).loss)
+    engine.step(lr_kwargs={"last_batch_iteration": 5})  # to the scheduler's step, as DeepSpeed passes it
+    reference = torch.optim.SGD(build_model("tiny-gpt2").parameters(), lr=0.1)
+    WarmupLR(reference, **sched).step(last_batch_iteration=5)
+    assert opt.param_groups[0]["lr"] == reference.param_groups[0]["lr"] > 0
+    with pytest.raises(TypeError, match="lr_kwargs must be a dict"):
+        engine.step(lr_kwargs=[5])

@@ -68,6 +68,7 @@ def test_zero_1_2_train_on_deepspeed_and_replay_graphs_across_steps(tmp_path, st
         assert d["checkpoint_restored"] and d["checkpoint_steps"] == STEPS + 1
         assert d["checkpoint_rng_is_this_ranks"]
         assert "holds a stage-0 (plain PyTorch) checkpoint" in d["stage0_checkpoint_refused"]
+        assert d["saved_16bit"] is True
         # HybridEngine.from_deepspeed around an engine built with deepspeed.initialize directly.
         assert d["wrapped_stage"] == stage and d["wrapped_captures"] > 0 and d["wrapped_matches_deepspeed"]
         assert torch.equal(d["wrapped_generate"], d["before_engine_generate"])  # same seeded weights
@@ -80,6 +81,8 @@ def test_zero_1_2_train_on_deepspeed_and_replay_graphs_across_steps(tmp_path, st
     local, *_ = initialize(model=build_model("tiny-llama", seed=1), config={})
     with pytest.raises(ValueError, match="holds a DeepSpeed ZeRO checkpoint.*zero_to_fp32"):
         local.load_checkpoint(tmp_path / "ckpt", tag="t")
+    weights = torch.load(tmp_path / "weights16" / "pytorch_model.bin", weights_only=True)
+    assert weights.keys() == local.module.state_dict().keys()
 
 
 def test_zero_3_refuses_graphs_and_generates_from_gathered_parameters(tmp_path):

@@ -208,6 +208,8 @@ def main() -> None:
         # Its own stream back (DeepSpeed keeps client_state from rank 0 only at ZeRO 1/2).
         result["checkpoint_rng_is_this_ranks"] = torch.equal(torch.rand(4), next_draws)
         result["checkpoint_restored"] = all(torch.equal(a, b) for a, b in zip(full_params(engine), saved))
+        # DeepSpeed's own save_16bit_model, through the engine: the weights alone, written by rank 0.
+        result["saved_16bit"] = engine.save_16bit_model(out_dir / "weights16")
         # A stage-0 checkpoint is refused by name (DeepSpeed would fail on an assert), the same on every rank.
         local, *_ = initialize(model=build_model("tiny-llama", seed=1), config={})
         local.save_checkpoint(out_dir / f"stage0_rank{rank()}", tag="t")
