@@ -174,7 +174,8 @@ class Generator:
             )
         if input_ids.shape[0] == 0:
             raise ValueError("generate(): input_ids is an empty batch (batch size 0); pass at least one prompt (under "
-                             "ZeRO-3 every rank must still make each generate call: give every rank a prompt)")
+                             "ZeRO-3 every rank must still make each generate call: give every rank a prompt, or "
+                             "use HybridEngineRollout, which takes an empty RolloutRequest)")
         if input_ids.shape[1] == 0:
             raise ValueError("generate(): input_ids has prompt length 0; pass at least one prompt token")
         check_device("generate(): input_ids", input_ids, self.model)

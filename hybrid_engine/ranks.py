@@ -53,8 +53,10 @@ def shard(items: Sequence[T], rank_id: int | None = None, world: int | None = No
 
     Blocks differ in length by at most one; use ``offset + i`` as item ``i``'s
     request id to keep ids global across ranks. With fewer items than ranks the
-    last ranks get empty blocks; under ZeRO-3, where generation gathers the
-    parameters collectively and every rank must call it, give those ranks work.
+    last ranks get empty blocks; a ``RolloutRequest`` may hold no prompts, so
+    those ranks still make each rollout call, as they must under ZeRO-3, where
+    the call gathers the parameters collectively (``engine.generate`` needs at
+    least one prompt).
     """
     world = world_size() if world is None else world
     rank_id = rank() if rank_id is None else rank_id

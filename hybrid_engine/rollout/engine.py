@@ -161,6 +161,8 @@ class HybridEngineRollout:
         check_device("generate: RolloutRequest.prompt_attention_mask", request.prompt_attention_mask, model)
         pad_id, eos_ids = self._special_ids()
         self._check_model()
+        if request.prompt_ids.shape[0] == 0:  # an empty shard: the call's gather (ZeRO-3) is all it takes part in
+            return self._empty_batch(request, t_start)
         prompt_lengths = request.prompt_lengths
         longest = max(prompt_lengths)
         max_new = sampling.max_new_tokens
@@ -237,6 +239,19 @@ class HybridEngineRollout:
         if runner.config is not None and runner.config.hybrid_engine.release_inference_cache:
             runner.release()  # as the engine does after each generate
         return batch
+
+    def _empty_batch(self, request: RolloutRequest, t_start: float) -> RolloutBatch:
+        """The batch of a request with no prompts: no rows, no response columns; ``last_stats`` says so."""
+        ids, mask = request.prompt_ids, request.prompt_attention_mask
+        empty = torch.zeros(0, dtype=torch.int64, device=ids.device)
+        self.last_stats = {"num_sequences": 0, "tokens_generated": 0, "decode_steps": 0, "prefill_forwards": 0,
+                           "graph_replays": 0, "graph_captures": 0, "admission_graph_replays": 0,
+                           "admission_graph_captures": 0, "fallbacks": 0, "host_syncs": 0,
+                           "total_ms": (time.perf_counter() - t_start) * 1e3,
+                           "use_graph_capture": self.runner.use_graphs}
+        return RolloutBatch(input_ids=ids, attention_mask=mask, response_start_idx=ids.shape[1],
+                            response_logprobs=torch.zeros(0, 0, dtype=torch.float32, device=ids.device),
+                            response_lengths=empty, prompt_index=empty)
 
     @staticmethod
     def _assemble(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,

@@ -138,6 +138,11 @@ class RolloutRequest:
     e.g. dataset indices; default ``0..B-1``): sample ``j`` of the prompt with id
     ``u`` draws its randomness from request index ``u * n_samples_per_prompt + j``,
     so the same prompt with the same id samples the same tokens in any order.
+
+    A request may hold no prompts (``[0, T]``): a data-parallel rank whose shard
+    is empty (:func:`hybrid_engine.ranks.shard` with fewer prompts than ranks)
+    still makes the call, as it must under ZeRO-3, where the call gathers the
+    parameters collectively, and gets an empty batch.
     """
 
     prompt_ids: torch.Tensor
@@ -155,12 +160,8 @@ class RolloutRequest:
                 f"{owner}: prompt_ids must be 2-D [batch, seq], got shape {tuple(ids.shape)}; "
                 "for one prompt use prompt_ids.unsqueeze(0)"
             )
-        if ids.shape[0] == 0 or ids.shape[1] == 0:
-            raise ValueError(
-                f"{owner}: prompt_ids must have at least one prompt and one token, got {tuple(ids.shape)}; under "
-                "ZeRO-3 every rank must still make each generate call (the parameters are gathered collectively), "
-                "so give every rank at least one prompt (hybrid_engine.ranks.shard leaves ranks beyond the number "
-                "of prompts empty)")
+        if ids.shape[1] == 0:
+            raise ValueError(f"{owner}: prompt_ids must have at least one token per prompt, got {tuple(ids.shape)}")
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"{owner}: prompt_ids must hold integer token ids, got dtype {ids.dtype}")
         mask = self.prompt_attention_mask

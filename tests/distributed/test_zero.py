@@ -43,6 +43,8 @@ def assert_ranks_independent(ranks: list[dict]) -> None:
     # Rank 0 stopped after 2 tokens, rank 1 ran 24, then both took a collective training step.
     assert [d["uneven_width"] for d in ranks] == [2, 24]
     assert all(d["after_uneven_steps"] == STEPS + 1 for d in ranks)
+    # One prompt for two ranks: rank 1 called with an empty shard and got an empty batch, in step with rank 0.
+    assert [d["one_prompt_rows"] for d in ranks] == [1, 0] and all(d["in_step_after_empty_shard"] == 3 for d in ranks)
     # Same prompt, seed and request id: each rank samples its own tokens, reproducibly.
     assert not torch.equal(ranks[0]["same_request_tokens"], ranks[1]["same_request_tokens"])
     assert all(torch.equal(d["same_request_tokens"], d["same_request_again"]) for d in ranks)

@@ -178,6 +178,15 @@ def main() -> None:
     train_step(STEPS)  # a collective right after: it would deadlock if a rank were left in a gather
     result["after_uneven_steps"] = engine.global_steps
 
+    # Fewer prompts than ranks: rank 1's shard is empty, and it still makes the call (under ZeRO-3 the call
+    # gathers the parameters collectively); a collective right after checks the ranks are still in step.
+    one, at = shard(range(1))
+    lonely = RolloutRequest(ids[list(one)], mask[list(one)], request_ids=[at + i for i in range(len(one))])
+    result["one_prompt_rows"] = graph_rollout.generate(lonely, greedy).input_ids.shape[0]
+    in_step = torch.tensor([r + 1])
+    dist.all_reduce(in_step)
+    result["in_step_after_empty_shard"] = int(in_step)
+
     # Same prompt, same seed, same request id on every rank: per-rank seeds must still differ.
     same = RolloutRequest(ids[:1], mask[:1], request_ids=[0])
     result["same_request_tokens"] = graph_rollout.generate(same, sampled).input_ids

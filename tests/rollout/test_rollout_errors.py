@@ -177,3 +177,13 @@ def test_capture_failure_falls_back_to_eager(model, monkeypatch):
         warnings.simplefilter("error")
         assert_batches_identical(rollout.generate(_good_request(), SAMPLING), eager)
     assert rollout.last_stats["graph_captures"] == len(rollout.graph_stats.buckets) >= 1
+
+
+def test_a_request_without_prompts_returns_an_empty_batch(rollout):
+    """An empty data-parallel shard still makes the call (under ZeRO-3 it must); it gets no rows back."""
+    batch = rollout.generate(RolloutRequest(torch.zeros(0, 5, dtype=torch.int64)), SAMPLING)
+    assert batch.input_ids.shape == (0, 5) and batch.response_start_idx == 5
+    assert batch.responses.shape == (0, 0) and batch.response_logprobs.shape == (0, 0)
+    assert batch.response_lengths.numel() == 0 and rollout.last_stats["num_sequences"] == 0
+    ids = torch.randint(4, 100, (2, 5), generator=torch.Generator().manual_seed(1))
+    assert rollout.generate(RolloutRequest(ids), SAMPLING).input_ids.shape[0] == 2
