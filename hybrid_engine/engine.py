@@ -39,6 +39,7 @@ from .graph_runner import GraphStats, decode_grad_mode
 from .inference_copy import InferenceCopy
 from .inputs import decode_model
 from .precision import MasterWeights
+from .ranks import rank
 from .training import LocalTraining, build_optimizer, build_scheduler
 from .zero import DeepSpeedTraining, gathered_for_inference
 from .zero import build as build_deepspeed_training
@@ -203,6 +204,8 @@ class HybridEngine(nn.Module):
         if isinstance(training, DeepSpeedTraining):
             return bool(training.ds_engine.save_16bit_model(save_dir, save_filename,
                                                             exclude_frozen_parameters=exclude_frozen_parameters))
+        if rank() != 0:  # as DeepSpeed: rank 0 writes the file
+            return True
         params = dict(self.module.named_parameters())
         state = {name: t for name, t in self.module.state_dict().items()
                  if not (exclude_frozen_parameters and name in params and not params[name].requires_grad)}
