@@ -167,7 +167,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
     ``--device`` is checked by :func:`~hybrid_engine.benchmarks.common.select_device`.
     """
-    from .benchmarks.options import UsageError, check_generation_length, load_pretrained_config, model_config
+    from .benchmarks.options import UsageError, check_generation_length, model_label_and_config
 
     for option, value in (("--iterations", args.iterations), ("--batch-size", args.batch_size),
                           ("--samples", args.samples), ("--new-tokens", args.new_tokens),
@@ -178,10 +178,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise UsageError(f"--threads must be >= 1, got {args.threads}; leave it out for the default")
     if not args.lr >= 0:
         raise UsageError(f"--lr must be >= 0, got {args.lr}")
-    if args.model_path:
-        label, config = args.model_path, load_pretrained_config(args.model_path)
-    else:
-        label, config = f"tiny-{args.model}", model_config(f"tiny-{args.model}")
+    label, config = model_label_and_config(args.model_path, f"tiny-{args.model}")
     check_generation_length(config, label, prompt_tokens=DEMO_PROMPT_LEN, new_tokens=args.new_tokens)
     if not args.no_graphs:  # the graph-vs-eager check after training generates --check-tokens
         check_generation_length(config, label, prompt_tokens=DEMO_PROMPT_LEN, new_tokens=args.check_tokens,

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .config import EngineConfig
+from .ranks import rank
 
 __all__ = ["DeepSpeedTraining", "build", "deepspeed_config", "destroy_deepspeed_engine", "destroy_process_group",
            "gathered_for_inference", "import_deepspeed", "is_zero3_partitioned"]
@@ -320,7 +321,4 @@ class DeepSpeedTraining:
 
 def rng_file() -> str:
     """The file, in a checkpoint's tag directory, holding this data-parallel rank's torch RNG states."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return f"hybrid_engine_rng_rank{rank}.pt"
+    return f"hybrid_engine_rng_rank{rank()}.pt"

@@ -72,7 +72,7 @@ from typing import Any
 import torch
 
 from . import common as C
-from .options import UsageError, check_generation_length, load_pretrained_config, model_config
+from .options import UsageError, check_generation_length, model_label_and_config
 from .paths import graph_counts, make_rollout, rollout_generate, rollout_tokens, unreachable_eos
 
 DEFAULT_MODEL = "gpt2"
@@ -287,11 +287,8 @@ def _check_long_tail_args(args: argparse.Namespace, device: torch.device) -> Non
     if args.longtail_slots < 1 or args.longtail_long < 1 or args.longtail_prompt_len < 1:
         raise UsageError("--longtail-slots, --longtail-long and --longtail-prompt-len must be >= 1")
     margs, _ = _long_tail_model(args, device)
-    if margs.model_path:
-        label, config = margs.model_path, load_pretrained_config(margs.model_path)
-    else:
-        option = "--model" if margs is args else "--longtail-model"
-        label, config = C.resolve_model_name(margs.model), model_config(margs.model, option=option)
+    label, config = model_label_and_config(margs.model_path, margs.model,
+                                           option="--model" if margs is args else "--longtail-model")
     check_generation_length(config, label, prompt_tokens=args.longtail_prompt_len, new_tokens=args.longtail_long,
                             new_option="--longtail-long", prompt_option="--longtail-prompt-len")
 

@@ -130,6 +130,14 @@ def model_config(name: str, *, option: str = "--model") -> Any:
     return build_config(key)
 
 
+def model_label_and_config(model_path: str | None, name: str | None, *, option: str = "--model") -> tuple[str, Any]:
+    """``(label, config)`` of the model a command builds: the local checkpoint ``model_path`` when given,
+    else the model name ``name`` (checked; ``option`` is the option that named it)."""
+    if model_path:
+        return model_path, load_pretrained_config(model_path)
+    return resolve_model_name(name), model_config(name, option=option)
+
+
 def check_generation_length(config: Any, label: str, *, prompt_tokens: int, new_tokens: int,
                             new_option: str = "--new-tokens", prompt_option: str | None = None) -> None:
     """Prompt plus new tokens must fit the model's position limit: say so, naming the options, before any work.
@@ -173,13 +181,11 @@ def check_common_args(args: argparse.Namespace) -> None:
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}; leave it out for the default")
-    if getattr(args, "model_path", None):
-        models = [(args.model_path, load_pretrained_config(args.model_path))]
-    elif getattr(args, "models", None):  # bench parity: a comma-separated list
+    if not getattr(args, "model_path", None) and getattr(args, "models", None):  # bench parity: a list
         names = [m.strip() for m in args.models.split(",") if m.strip()]
         models = [(name, model_config(name, option="--models")) for name in names]
     else:
-        models = [(resolve_model_name(args.model), model_config(args.model))]
+        models = [model_label_and_config(getattr(args, "model_path", None), getattr(args, "model", None))]
     new_tokens, prompt_len = getattr(args, "new_tokens", None), getattr(args, "prompt_len", None)
     for option, value in (("--prompt-len", prompt_len), ("--new-tokens", new_tokens)):
         if value is not None and value < 1:
