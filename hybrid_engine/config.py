@@ -11,6 +11,7 @@ mistake surfaces as one ``ValueError`` naming the dotted field and the fix.
 
 from __future__ import annotations
 
+import base64
 import difflib
 import json
 import os
@@ -536,32 +537,68 @@ def _from_pairs(value: Any, path: str, duplicates: list[str]) -> Any:
     return value
 
 
-def _read_json(path: str | os.PathLike[str]) -> Any:
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"config file not found: {os.fspath(path)}")
-    if os.path.isdir(path):
-        raise ValueError(f"config path {os.fspath(path)} is a directory; pass the path of the JSON config file "
-                         "inside it")
+def _parse_pairs(text: str, what: str) -> Any:
+    """``text`` parsed keeping every object's pairs: JSON, else hjson (comments, unquoted keys, trailing
+    commas) when the ``hjson`` package is installed, as DeepSpeed reads its configs."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            pairs = json.load(fh, object_pairs_hook=_Pairs)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"config file {os.fspath(path)} is not valid JSON: {exc}") from exc
+        return json.loads(text, object_pairs_hook=_Pairs)
+    except json.JSONDecodeError as exc:
+        try:
+            import hjson
+        except ImportError:
+            raise ValueError(f"{what} is not valid JSON: {exc}. DeepSpeed also reads hjson (comments, unquoted "
+                             "keys); install the hjson package to load it here too") from exc
+        try:
+            return hjson.loads(text, object_pairs_hook=_Pairs)
+        except hjson.HjsonDecodeError as hexc:
+            raise ValueError(f"{what} is neither valid JSON ({exc}) nor valid hjson ({hexc})") from hexc
+
+
+def _object_from(text: str, what: str) -> dict[str, Any]:
     duplicates: list[str] = []
-    data = _from_pairs(pairs, "", duplicates)
+    data = _from_pairs(_parse_pairs(text, what), "", duplicates)
     if duplicates:
         raise ValueError(
-            f"Duplicate keys in DeepSpeed config {os.fspath(path)}: {', '.join(duplicates)} (JSON would keep only "
+            f"Duplicate keys in DeepSpeed config {what}: {', '.join(duplicates)} (JSON would keep only "
             "the last of each, and DeepSpeed refuses them); give each key once"
         )
     if not isinstance(data, dict):
         kind = type(data).__name__
-        raise ValueError(f"config file {os.fspath(path)} must hold a JSON object, not {kind}")  # noqa: TRY004
+        raise ValueError(f"config {what} must hold a JSON object, not {kind}")  # noqa: TRY004
     return data
+
+
+def _decode_base64_config(source: str) -> str | None:
+    """The text of a base64-encoded config (DeepSpeed accepts one in place of a path), or ``None``."""
+    try:
+        return base64.urlsafe_b64decode(source.encode("ascii")).decode("utf-8")
+    except (ValueError, UnicodeError):  # binascii.Error is a ValueError
+        return None
+
+
+def _read_json(source: str | os.PathLike[str]) -> dict[str, Any]:
+    """The config object of a JSON/hjson file, or of a base64-encoded config string (as DeepSpeed reads both)."""
+    if not os.path.exists(source):
+        text = _decode_base64_config(source) if isinstance(source, str) else None
+        if text is not None and text.lstrip().startswith("{"):
+            return _object_from(text, "(base64-encoded string)")
+        raise FileNotFoundError(f"config file not found: {os.fspath(source)} (nor is it a base64-encoded config)")
+    if os.path.isdir(source):
+        raise ValueError(f"config path {os.fspath(source)} is a directory; pass the path of the JSON config file "
+                         "inside it")
+    try:
+        with open(source, encoding="utf-8") as fh:
+            text = fh.read()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config file {os.fspath(source)} is not valid JSON: {exc}") from exc
+    return _object_from(text, f"file {os.fspath(source)}")
 
 
 def load_config(source: ConfigSource, world_size: int | None = None) -> EngineConfig:
     """Validate ``source`` (dict, JSON file path or ``EngineConfig``) into an ``EngineConfig``.
+
+    As with DeepSpeed, a file may be hjson (with the ``hjson`` package installed) and a
+    string that is not a path may be a base64-encoded config.
 
     Batch sizes and ``inference_tp_size`` are checked against ``world_size``
     (default: :func:`world_size`, the launched data-parallel ranks).
@@ -577,7 +614,7 @@ def load_config(source: ConfigSource, world_size: int | None = None) -> EngineCo
         data = dict(source)
     elif isinstance(source, (str, os.PathLike)):
         data = _read_json(source)
-        where = f" in {os.fspath(source)}"
+        where = f" in {os.fspath(source)}" if os.path.exists(source) else " (base64-encoded)"
     else:
         raise TypeError(
             f"load_config: argument 'source' must be a dict, a path to a JSON file or an "

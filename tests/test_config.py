@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import pathlib
 import re
+import sys
 import warnings
 
 import pytest
@@ -139,6 +141,47 @@ def test_invalid_json_names_file(tmp_path: pathlib.Path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="broken.json"):
         load_config(path)
+
+
+HJSON_CONFIG = """
+# DeepSpeed reads its config files with hjson: comments, unquoted keys, trailing commas
+{
+  train_micro_batch_size_per_gpu: 4,
+  hybrid_engine: {max_out_tokens: 96, enable_graph_capture: false,},
+}
+"""
+
+
+def test_hjson_file_is_read_as_deepspeed_reads_it(tmp_path: pathlib.Path):
+    pytest.importorskip("hjson")
+    path = tmp_path / "ds.hjson"
+    path.write_text(HJSON_CONFIG)
+    cfg = load_config(path)
+    assert cfg.train_micro_batch_size_per_gpu == 4
+    assert cfg.hybrid_engine.max_out_tokens == 96 and cfg.hybrid_engine.enable_graph_capture is False
+    path.write_text("{hybrid_engine: {max_out_tokens: 8}\n hybrid_engine: {max_out_tokens: 9}}")
+    with pytest.raises(ValueError, match=r"Duplicate keys .*ds\.hjson: hybrid_engine"):
+        load_config(path)
+
+
+def test_hjson_file_without_the_hjson_package_says_what_to_install(tmp_path: pathlib.Path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "hjson", None)  # as on an install without DeepSpeed (which brings hjson)
+    path = tmp_path / "ds.hjson"
+    path.write_text(HJSON_CONFIG)
+    with pytest.raises(ValueError, match=r"ds\.hjson is not valid JSON: .*install the hjson package"):
+        load_config(path)
+
+
+def test_base64_encoded_config_string_is_read_as_deepspeed_reads_it():
+    text = json.dumps({"train_micro_batch_size_per_gpu": 2, "hybrid_engine": {"max_out_tokens": 48}})
+    encoded = base64.urlsafe_b64encode(text.encode()).decode()
+    cfg = load_config(encoded)
+    assert cfg.train_micro_batch_size_per_gpu == 2 and cfg.hybrid_engine.max_out_tokens == 48
+    bad = base64.urlsafe_b64encode(json.dumps({"hybrid_engine": {"max_out_tokens": 0}}).encode()).decode()
+    with pytest.raises(ValueError, match=r"\(base64-encoded\).*hybrid_engine\.max_out_tokens"):
+        load_config(bad)
+    with pytest.raises(FileNotFoundError, match="nor is it a base64-encoded config"):
+        load_config("no_such_config.json")
 
 
 def test_directory_path_is_value_error_naming_it(tmp_path: pathlib.Path):
