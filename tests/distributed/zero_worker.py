@@ -228,6 +228,16 @@ def main() -> None:
         except ValueError as exc:
             result["stage0_checkpoint_refused"] = str(exc)
         result["checkpoint_steps"] = engine.global_steps
+        if stage == 2 and precision == "fp32":
+            # The stage-2 checkpoint into a stage-3 engine: DeepSpeed asserts on the files it expects;
+            # the engine says which stage the files are from and how to convert them.
+            other3, *_ = initialize(model=build_model("tiny-llama", seed=1), config=config(3, precision))
+            try:
+                other3.load_checkpoint(ckpt, tag="t")
+                result["cross_stage_refused"] = None
+            except ValueError as exc:
+                result["cross_stage_refused"] = str(exc)
+            other3.destroy()
         # An engine the user built with deepspeed.initialize, wrapped.
         deepspeed = import_deepspeed()
         other = build_model("tiny-llama", seed=1)
