@@ -39,15 +39,27 @@ import os
 import pickle
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .inputs import model_device
 from .training import LocalTraining
 
-if TYPE_CHECKING:
-    from .engine import HybridEngine
+
+class CheckpointedEngine(Protocol):
+    """What saving and loading read of an engine (:class:`~hybrid_engine.engine.HybridEngine`)."""
+
+    training_backend: Any  # LocalTraining, or the ZeRO backend with its own save/load_checkpoint
+
+    @property
+    def module(self) -> torch.nn.Module: ...
+
+    @property
+    def global_steps(self) -> int: ...
+
+    @property
+    def zero_stage(self) -> int: ...
 
 __all__ = ["STATE_FILE", "load", "save"]
 
@@ -139,7 +151,7 @@ def _deepspeed_files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.glob("*model_states.pt")) if directory.is_dir() else []
 
 
-def save(engine: HybridEngine, save_dir: Any, tag: str | None, client_state: dict[str, Any] | None,
+def save(engine: CheckpointedEngine, save_dir: Any, tag: str | None, client_state: dict[str, Any] | None,
          save_latest: bool) -> bool:
     root = _directory(save_dir, "save_checkpoint: save_dir")
     _check_tag(tag)
@@ -174,7 +186,7 @@ def save(engine: HybridEngine, save_dir: Any, tag: str | None, client_state: dic
     return True
 
 
-def load(engine: HybridEngine, load_dir: Any, tag: str | None, *, load_module_strict: bool,
+def load(engine: CheckpointedEngine, load_dir: Any, tag: str | None, *, load_module_strict: bool,
          load_optimizer_states: bool, load_lr_scheduler_states: bool,
          load_module_only: bool) -> tuple[str | None, dict[str, Any] | None]:
     root = _directory(load_dir, "load_checkpoint: load_dir")
