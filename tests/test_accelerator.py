@@ -86,11 +86,12 @@ def make_stub_backend(graph_cls_name: str, log: list, capturing_fn: bool = True,
             state["current"] = prev
 
     @contextlib.contextmanager
-    def graph(g, pool=None, stream=None):
+    def graph(g, pool=None, stream=None, capture_error_mode="global"):
         # Like torch.cuda.graph: its own side stream when none is given; CUDA refuses the default one.
         s = stream if stream is not None else StubStream("graph-internal", log)
         if s is default:
             raise RuntimeError(f"stub: CUDA {NON_DEFAULT}")
+        state["mode"] = capture_error_mode
         log.append(("enter", type(g).__name__, pool, s))
         prev, state["current"] = state["current"], s
         state["capturing"] = True
@@ -125,6 +126,7 @@ def make_stub_backend(graph_cls_name: str, log: list, capturing_fn: bool = True,
     setattr(mod, graph_cls_name, StubGraph)
     if capturing_fn:
         mod.is_current_stream_capturing = lambda: state["capturing"]
+    mod.stub_state = state  # for assertions, not part of any backend's API
     return mod
 
 
@@ -149,6 +151,7 @@ def test_stub_native_graph_wiring(name, cls_name, monkeypatch):
     assert acc.is_current_stream_capturing() is False
     acc.replay_graph(g2)
     assert ("enter", "StubGraph", pool, s1) in log
+    assert stub.stub_state["mode"] == "thread_local"  # another thread's host read must not break the capture
     assert g2.replays == 1
     assert acc.memory_allocated() == 1234 and acc.max_memory_allocated() == 5678
     assert type(acc.Event(enable_timing=True)).__name__ == "StubEvent" and ("event", True) in log
@@ -245,15 +248,17 @@ def make_stub_accelerator_graph(native, log: list):
     and, as on CUDA, refuses when that is the default stream."""
 
     class StubAccelGraph:
-        def __init__(self, keep_graph=False, *, pool=None):
+        def __init__(self, keep_graph=False, *, pool=None, capture_error_mode="default"):
             log.append("construct")
             self.graph_pool = pool
+            self.capture_error_mode = capture_error_mode
 
         def capture_begin(self):
             current = native.current_stream()
             if current is native.default_stream():
                 raise RuntimeError(f"stub: CUDA {NON_DEFAULT}")
             log.append(("begin", self.graph_pool, current.name))
+            log.append(("mode", self.capture_error_mode))
 
         def capture_end(self):
             log.append("end")
@@ -280,7 +285,9 @@ def test_stub_torch_accelerator_graph_preferred_when_registered(monkeypatch):
     with acc.capture_to_graph(g, pool=(1, 2)):
         assert acc.is_current_stream_capturing()
     acc.replay_graph(g)
-    assert log == ["construct", "construct", ("begin", (1, 2), acc.graph_stream().name), "end", "replay"]
+    # Captured in thread-local error mode: another thread's host read neither fails nor breaks it.
+    assert log == ["construct", "construct", ("begin", (1, 2), acc.graph_stream().name), ("mode", "thread_local"),
+                   "end", "replay"]
     assert acc.graph_pool(g) == (7, 7)
 
 

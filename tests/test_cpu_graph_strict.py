@@ -182,6 +182,86 @@ def test_scalar_setitem_is_capturable(acc):
     assert y.tolist() == [7.0, 2.5, 1.0, 1.0]
 
 
+@pytest.mark.parametrize(
+    "bad,what",
+    [
+        (lambda x: str(x), "printing a tensor"),
+        (lambda x: print(x), "printing a tensor"),
+        (lambda x: "%s" % (x,), "printing a tensor"),
+        (lambda x: f"{x}", "formatting a tensor"),
+        (lambda x: np.asarray(x), r"numpy\.asarray"),
+        (lambda x: x.__dlpack__(), "__dlpack__"),
+        (lambda x: torch.allclose(x, x), "torch.allclose"),
+        (lambda x: torch.multinomial(x.softmax(0), 1), "torch.multinomial"),
+        (lambda x: torch.multinomial(x.softmax(0), 2, replacement=False), "torch.multinomial"),
+    ],
+    ids=["str", "print", "percent-s", "f-string", "numpy", "dlpack", "allclose", "multinomial-1",
+         "multinomial-no-replacement"],
+)
+def test_host_reads_hidden_in_printing_and_checking_ops_raise(acc, bad, what):
+    """On a device, printing a tensor (a logging hook, say) reads it on the host, and the CUDA kernels of
+    ``allclose`` and of ``multinomial`` without replacement call ``.item()``: capture fails. Here the read
+    happens where the dispatcher cannot see it, so the emulation refuses the call by name."""
+    x = torch.arange(4.0)
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match=what), acc.capture_to_graph(g):
+        bad(x)
+    bad(x)  # fine outside capture
+
+
+def test_multinomial_with_replacement_is_capturable(acc):
+    """Its CUDA kernel for several samples with replacement reads nothing on the host."""
+    p = torch.tensor([0.0, 0.0, 1.0, 0.0])
+    g, out = capture(acc, lambda: torch.multinomial(p, 3, replacement=True))
+    acc.replay_graph(g)
+    assert out.tolist() == [2, 2, 2]
+
+
+def test_an_explicit_generator_inside_capture_raises(acc):
+    """A device graph freezes an unregistered generator's state; the emulation has no registration, so it
+    refuses any explicit generator (the default one advances at every replay, as CUDA's philox offsets do)."""
+    gen = torch.Generator().manual_seed(0)
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="explicit torch.Generator"), acc.capture_to_graph(g):
+        torch.rand(3, generator=gen)
+    g, out = capture(acc, lambda: torch.rand(3))
+    acc.replay_graph(g)
+    first = out.clone()
+    acc.replay_graph(g)
+    assert not torch.equal(first, out)
+
+
+def test_synchronising_or_querying_inside_capture_raises(acc):
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="synchronize"), acc.capture_to_graph(g):
+        acc.synchronize()
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="synchronize"), acc.capture_to_graph(g):
+        acc.current_stream().synchronize()
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="query"), acc.capture_to_graph(g):
+        acc.current_stream().query()
+    acc.synchronize()  # fine outside capture
+    assert acc.current_stream().query() is True
+
+
+def test_empty_memory_read_in_a_graph_is_garbage_at_every_replay(acc):
+    """``torch.empty`` inside a graph gets a block whose contents are whatever the last replay (or another
+    graph) left there; the emulation fills it with garbage at every replay, so reading it cannot pass."""
+    x = torch.arange(3.0)
+
+    def step():
+        scratch = torch.empty(3)
+        scratch[:2] = x[:2]  # the last element is never written
+        return scratch + 1, torch.empty_like(x, dtype=torch.int64)
+
+    g, (y, ints) = capture(acc, step)
+    for _ in range(2):
+        acc.replay_graph(g)
+        assert y[:2].tolist() == [1.0, 2.0] and torch.isnan(y[2])
+        assert (ints == torch.iinfo(torch.int64).min).all()
+
+
 # ------------------------------------------- outputs are garbage until replay
 def test_outputs_hold_garbage_until_the_first_replay(acc):
     x = -torch.arange(1.0, 5.0)

@@ -431,6 +431,26 @@ def test_hook_that_reads_the_host_refuses_graphs_naming_the_module():
     pre.remove()
 
 
+def test_a_logging_hook_refuses_graphs_instead_of_going_silent():
+    """Printing a tensor reads it on the host: on CUDA the capture fails. The emulation refuses it too,
+    so the hook keeps running (eagerly) instead of running at capture only and never again."""
+    model = build_model("tiny-gpt2")
+    graph, eager = engines(model)
+    ids, mask = prompts(2, 4)
+    lines: list[str] = []
+    handle = model.lm_head.register_forward_hook(lambda m, i, o: lines.append(f"{o[:, -1, :2]}"))
+    try:
+        expected = gen(eager, ids, mask)
+        eager_lines = len(lines)
+        with pytest.warns(GraphRefusedWarning, match=r"forward hook .* on module 'lm_head'"):
+            assert torch.equal(gen(graph, ids, mask), expected)
+        # It ran at every step of the graph engine's call too (plus once in the capture it aborted).
+        assert len(lines) - eager_lines in (eager_lines, eager_lines + 1)
+        assert graph.graph_stats.captures == 0 and graph.graph_stats.replays == 0
+    finally:
+        handle.remove()
+
+
 def test_hooks_are_restored_after_capture():
     model = build_model("tiny-gpt2")
     graph, _ = engines(model)

@@ -7,6 +7,9 @@ module's own graph class (``CUDAGraph``/``NPUGraph``/``XPUGraph`` with its
 ``graph`` capture context). A backend with neither reports ``create_graph() is
 None`` and graph code runs eagerly.
 
+Captures use ``capture_error_mode="thread_local"`` where the API takes it
+(:data:`CAPTURE_ERROR_MODE`), the per-thread rule the CPU emulation keeps.
+
 Capture always happens on a non-default stream, because CUDA refuses to
 capture on the default one: ``capture_to_graph(stream=None)`` resolves to the
 accelerator's own ``graph_stream()`` on every path. The native ``graph``
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,6 +60,20 @@ class GraphAPI:
 
 
 _capture_flag = threading.local()
+
+#: Captures forbid unsafe calls (syncs, allocations outside the pool) in the capturing thread only, as
+#: torch.compile's CUDA graph trees capture: another thread's engine or training on the same device
+#: neither fails nor breaks this capture (under "global" its next host read would do both).
+CAPTURE_ERROR_MODE = "thread_local"
+
+
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` accepts keyword ``name`` (False when its signature cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 @contextlib.contextmanager
@@ -101,6 +119,8 @@ def _probe_accelerator_graph(backend_name: str, synchronize: Callable[[], Any]) 
         # capture_begin captures on the current stream: the accelerator has made ``stream`` current.
         if pool is not None:
             graph.graph_pool = pool
+        if hasattr(graph, "capture_error_mode"):
+            graph.capture_error_mode = CAPTURE_ERROR_MODE
         synchronize()  # as torch.cuda.graph does: no pending work may leak into the capture
         with _flag_capturing():
             graph.capture_begin()
@@ -133,10 +153,12 @@ def _probe_module_graph(module: Any, module_label: str) -> GraphAPI | None:
     else:
         return None
 
+    mode = {"capture_error_mode": CAPTURE_ERROR_MODE} if _takes(graph_ctx, "capture_error_mode") else {}
+
     @contextlib.contextmanager
     def capture(graph: Any, pool: Any, stream: Any) -> Iterator[None]:
         with _flag_capturing():
-            ctx = graph_ctx(graph, pool=pool, stream=stream)
+            ctx = graph_ctx(graph, pool=pool, stream=stream, **mode)
             ctx.__enter__()
             try:
                 yield
@@ -289,6 +311,10 @@ class CPUAccelerator(Accelerator):
         self._emulate = emulate_graphs
         self.graph_api = "hybrid_engine CPU graph emulation" if emulate_graphs else None
         self.graph_unavailable_reason = None if emulate_graphs else "CPU graph emulation is disabled"
+
+    def synchronize(self) -> None:
+        """Nothing to wait for on CPU; while capturing, refused as a device synchronisation is."""
+        current_cpu_stream().synchronize()
 
     # streams -------------------------------------------------------------
     def Stream(self) -> CPUStream:  # noqa: N802

@@ -31,6 +31,17 @@ below models one CUDA-graph rule:
   too: on a device it is a host-to-device copy, which capture cannot record.
   Device work with a Python scalar (``x * 2 + 5``, ``torch.full``,
   ``x[0] = 1``) stays legal.
+* Host reads the dispatcher never sees raise too: printing or formatting a
+  tensor, ``numpy.asarray``, ``__dlpack__``, and the ops whose CUDA kernels
+  read a value on the host (``allclose``; ``multinomial`` without replacement
+  or for one sample). So do an explicit ``torch.Generator`` (a device graph
+  freezes an unregistered one), ``synchronize()`` and ``query()``.
+* Empty-family allocations (``torch.empty``, ``empty_like``, ...) inside a
+  graph are filled with garbage at every replay: on a device that block holds
+  whatever the last replay or another graph left there.
+* Capture is per thread, as CUDA's ``thread_local`` capture mode, which every
+  backend path requests: another thread's work neither breaks a capture nor is
+  recorded into it.
 * Streams: CUDA refuses to capture on the default stream, and work issued on
   the default stream while a capture is running breaks the capture. There is
   a per-thread current :class:`CPUStream` (initially the default one); capture
@@ -82,7 +93,13 @@ _FORBIDDEN_OPS = {
     aten.unique_consecutive.default: "torch.unique_consecutive (data-dependent shape)",
     aten.bincount.default: "torch.bincount (data-dependent shape)",
     aten.repeat_interleave.Tensor: "repeat_interleave with tensor repeats (data-dependent shape)",
+    aten.allclose.default: "torch.allclose (returns a host bool)",
 }
+# Ops whose CUDA kernel reads a device value on the host before launching (never visible as a separate op).
+_MULTINOMIAL = aten.multinomial.default
+# Empty-family ops: on a device their memory holds whatever an earlier replay or graph left there.
+_EMPTY_OPS = {op._op for op in (aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
+                                aten.new_empty.default, aten.new_empty_strided.default)}
 _INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
 _FORBIDDEN_TENSOR_METHODS = {
@@ -91,6 +108,10 @@ _FORBIDDEN_TENSOR_METHODS = {
     torch.Tensor.cpu: "Tensor.cpu() (device-to-host read)",
     torch.Tensor.item: "Tensor.item() (device-to-host read)",
     torch.Tensor.__bool__: "bool(tensor) (device-to-host read)",
+    torch.Tensor.__repr__: "printing a tensor (str, repr, print, %s: a device-to-host read)",
+    torch.Tensor.__format__: "formatting a tensor (f-string, format: a device-to-host read)",
+    torch.Tensor.__array__: "numpy.asarray(tensor) (device-to-host read)",
+    torch.Tensor.__dlpack__: "Tensor.__dlpack__ (hands device memory to another library)",
 }
 
 _LIFT_OPS = (aten.lift_fresh.default, aten.lift_fresh_copy.default)
@@ -128,10 +149,13 @@ class CPUStream:
             raise TypeError(f"wait_stream: expected a CPUStream, got {type(stream).__name__}")
 
     def synchronize(self) -> None:
-        return None
+        if is_cpu_graph_capturing():
+            raise _not_permitted("stream.synchronize()")
 
     def query(self) -> bool:
         """True: all work on a CPU stream has completed."""
+        if is_cpu_graph_capturing():
+            raise _not_permitted("stream.query()")
         return True
 
     def __repr__(self) -> str:
@@ -227,6 +251,18 @@ def _poison(tensors: Iterable[torch.Tensor | None]) -> None:
             t.as_strided((storage.nbytes() // t.element_size(),), (1,), 0).fill_(value)
 
 
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
+    """An op argument given by position or by name."""
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
+def _poisoned_empty(op: Any, garbage: Any) -> Any:
+    """``op`` (an empty-family op), then its output filled with ``garbage``, as stale device memory reads."""
+    def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return op(*args, **kwargs).fill_(garbage)
+    return run
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -311,6 +347,16 @@ class _Recorder(TorchDispatchMode):
         what = _FORBIDDEN_OPS.get(func)
         if what is not None:
             raise _not_permitted(what)
+        if func is _MULTINOMIAL and (not _arg(args, kwargs, 2, "replacement", False)
+                                     or _arg(args, kwargs, 1, "num_samples", 1) == 1):
+            raise _not_permitted("torch.multinomial without replacement or for one sample (its CUDA kernel "
+                                 "checks the probabilities with .item())")
+        if kwargs.get("generator") is not None:
+            raise GraphCaptureError(
+                f"{func} draws from an explicit torch.Generator while a graph is capturing: a device graph "
+                "freezes that generator's state unless it is registered with the graph; use the default "
+                "generator, or counter-based sampling"
+            )
         if current_cpu_stream() is _DEFAULT_STREAM:
             raise GraphCaptureError(
                 f"{func} was issued on the default stream while a graph is capturing: CUDA forbids work on "
@@ -439,6 +485,7 @@ class CPUGraph:
         # Storage of each slot when allocated inside capture (None: a view of a pre-existing tensor).
         slot_key, nbytes = _own_storages_of(rec.slot_tensors, own)
         refs = [weakref.ref(t) for t in rec.slot_tensors]
+        dtypes = [t.dtype for t in rec.slot_tensors]
         rec.slot_tensors.clear()
         rec.slot_of.clear()
         # No gc.collect() here (it costs ~0.4 s per capture): a tensor kept alive only by a
@@ -465,6 +512,11 @@ class CPUGraph:
                 frees.setdefault(k, []).append(s)
         for k, step in enumerate(steps):
             step.free = tuple(frees.get(k, ()))
+        for step in steps:
+            if step.fn in _EMPTY_OPS and step.single_out and step.out_slots[0] is not None:
+                garbage = _garbage(dtypes[step.out_slots[0]])
+                if garbage is not None:
+                    step.fn = _poisoned_empty(step.fn, garbage)
         self.workspace_bytes = _peak_intermediate_bytes(steps, slot_key, nbytes, static_keys)
         self.static_bytes = sum(nbytes[key] for key in static_keys)
         _poison(ref() for _, ref in static)  # garbage until the first replay, as on a device
