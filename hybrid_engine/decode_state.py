@@ -42,7 +42,7 @@ from .model_step import decode_one_token
 from .sampling import SamplingKnobs, sample_tokens
 from .static_cache import StaticKVCache
 
-__all__ = ["DecodeSlots", "choose_tokens", "logits_width"]
+__all__ = ["DecodeSlots", "choose_tokens", "logits_width", "vocab_sizes"]
 
 #: EOS ids a slot table holds at least (more when a model declares more).
 MIN_EOS_SLOTS = 8
@@ -59,6 +59,12 @@ def logits_width(model: PreTrainedModel) -> int:
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         return int(weight.shape[0])
     return int(model.config.vocab_size)
+
+
+def vocab_sizes(model: PreTrainedModel) -> tuple[int, int]:
+    """(logits width, input-embedding rows): what the slots' EOS mask and pad token are sized by."""
+    width = logits_width(model)
+    return width, getattr(model.get_input_embeddings(), "num_embeddings", None) or width
 
 
 def choose_tokens(
@@ -123,8 +129,8 @@ class DecodeSlots:
         #: embedding has it, else 0, since configs may carry any int there (old Llama ones: -1).
         self.pad_id = torch.zeros((), **i64)
         self.knobs = SamplingKnobs(device)
-        embeddings = model.get_input_embeddings()
-        self._embedding_rows = getattr(embeddings, "num_embeddings", None) or self.eos_mask.numel()
+        self.vocab = vocab_sizes(model)
+        self._embedding_rows = self.vocab[1]
         self.eos_reachable = False
         # Parking spot for rows that are not live: the last cache slot and a legal position id.
         park = capacity - 1
@@ -141,10 +147,12 @@ class DecodeSlots:
         return self.cache.dtype
 
     def fits(self, rows: int, capacity: int, width: int, num_eos: int, device: torch.device,
-             dtype: torch.dtype) -> bool:
-        """Whether a call needing these sizes can run on these slots as they are."""
+             dtype: torch.dtype, vocab: tuple[int, int]) -> bool:
+        """Whether a call needing these sizes can run on these slots as they are (``vocab``:
+        :func:`vocab_sizes`, which ``resize_token_embeddings`` changes)."""
         return (self.rows >= rows and self.capacity >= capacity and self.width >= width
-                and self.num_eos_slots >= num_eos and self.device == device and self.dtype == dtype)
+                and self.num_eos_slots >= num_eos and self.device == device and self.dtype == dtype
+                and self.vocab == vocab)
 
     def head(self, n: int) -> DecodeSlots:
         """The first ``n`` slots, as slots sharing these tensors (what the graph of bucket ``n`` runs on)."""

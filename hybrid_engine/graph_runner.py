@@ -60,7 +60,7 @@ from transformers import PreTrainedModel
 from .accelerator import accelerator_for
 from .admission import AdmissionStage, admit_staged
 from .config import EngineConfig
-from .decode_state import DecodeSlots
+from .decode_state import DecodeSlots, vocab_sizes
 from .graph_policy import GraphRefusedWarning, graph_attention, refusal_reason
 from .graph_safety import HookCaptureError, attributed_hooks, graph_fingerprint, hook_fingerprint
 from .inputs import model_device
@@ -234,7 +234,7 @@ class DecodeGraphRunner:
         dtype = next(model.parameters()).dtype
         need = self.bucket_for(rows)
         slots = self.slots
-        if slots is None or not slots.fits(need, capacity, width, num_eos, device, dtype):
+        if slots is None or not slots.fits(need, capacity, width, num_eos, device, dtype, vocab_sizes(model)):
             if slots is not None and slots.device == device and slots.dtype == dtype:
                 need, capacity = max(need, slots.rows), max(capacity, slots.capacity)
                 width, num_eos = max(width, slots.width), max(num_eos, slots.num_eos_slots)

@@ -39,7 +39,7 @@ import torch
 from torch.nn.modules import module as _module_mod
 
 __all__ = ["ADAPTER_STATE", "HookCaptureError", "adapter_fingerprint", "attributed_hooks", "graph_fingerprint",
-           "hook_fingerprint", "precision_fingerprint", "weight_fingerprint"]
+           "hook_fingerprint", "module_fingerprint", "precision_fingerprint", "weight_fingerprint"]
 
 # Hook tables a forward consults: per module, and process-wide (``register_module_forward_hook``).
 _HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook"}
@@ -61,9 +61,10 @@ class HookCaptureError(RuntimeError):
 
 
 def weight_fingerprint(model: torch.nn.Module) -> tuple:
-    """(name, address, dtype, shape, device) of every parameter and buffer: changes when any is re-allocated."""
+    """(name, address, dtype, shape, device, requires_grad) of every parameter and buffer: changes when any
+    is re-allocated (or, as eager kernels may differ then, starts or stops requiring grad)."""
     return tuple(
-        (name, t.data_ptr(), t.dtype, tuple(t.shape), str(t.device))
+        (name, t.data_ptr(), t.dtype, tuple(t.shape), str(t.device), t.requires_grad)
         for name, t in list(model.named_parameters()) + list(model.named_buffers())
     )
 
@@ -112,6 +113,42 @@ def adapter_fingerprint(model: torch.nn.Module) -> tuple:
     )
 
 
+# What every nn.Module keeps in its __dict__ (parameter, buffer, child and hook tables; the training flag,
+# which generation sets itself): the rest is the module's own state.
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+_SKIP = object()
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as a comparable host value when it is plain data (numbers, strings, dtypes and containers
+    of them), else ``_SKIP``: objects and tensors are left to the other fingerprints, so an attribute
+    rebuilt at every forward never forces a recapture."""
+    if value is None or isinstance(value, (bool, int, str, torch.dtype)):
+        return value
+    if isinstance(value, float):
+        return "nan" if value != value else value
+    if isinstance(value, dict):
+        items = tuple((str(k), v) for k, v in ((k, _plain(v)) for k, v in value.items()) if v is not _SKIP)
+        return tuple(sorted(items, key=lambda kv: kv[0]))
+    if isinstance(value, (list, tuple)):
+        return tuple(v for v in map(_plain, value) if v is not _SKIP)
+    return _SKIP
+
+
+def module_fingerprint(model: torch.nn.Module) -> tuple:
+    """Per module: where it is (name, identity, class), a ``forward`` set on the instance (a kernel patch),
+    and its plain host attributes (``eps``, flags): what a captured step freezes from the module tree, so
+    a submodule swapped or patched, or an attribute changed, after a capture drops the graphs."""
+    out = []
+    for name, m in model.named_modules():
+        state = m.__dict__
+        forward = state.get("forward")
+        attrs = tuple((k, v) for k, v in ((k, _plain(v)) for k, v in state.items() if k not in _MODULE_INTERNALS)
+                      if v is not _SKIP)
+        out.append((name, id(m), type(m).__qualname__, None if forward is None else id(forward), attrs))
+    return tuple(out)
+
+
 def precision_fingerprint(model: torch.nn.Module) -> tuple:
     """Autocast on the model's device at call time, and a forward set on the instance (which may enter
     autocast itself, as accelerate's wrapper does): changes when either does."""
@@ -124,10 +161,10 @@ def precision_fingerprint(model: torch.nn.Module) -> tuple:
 
 def graph_fingerprint(model: torch.nn.Module) -> tuple:
     """Everything a captured decode step bakes in from the model: weights, hooks, precision, adapter state,
-    attention."""
+    the module tree and its host attributes, attention."""
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
     return (weight_fingerprint(model), hook_fingerprint(model), precision_fingerprint(model),
-            adapter_fingerprint(model), str(attn))
+            adapter_fingerprint(model), module_fingerprint(model), str(attn))
 
 
 def _attributed(hook: Callable[..., Any], where: str, kind: str) -> Callable[..., Any]:

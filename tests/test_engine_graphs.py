@@ -505,6 +505,66 @@ def test_reallocated_weights_are_detected_and_recaptured(how):
     assert s.invalidations == 1 and s.captures == 2 and s.graph_keys == 1
 
 
+def _patch_head_forward(model):
+    head, orig = model.lm_head, model.lm_head.forward
+    head.forward = lambda x: orig(x) * -1.0  # an instance-level kernel patch, as Liger/Unsloth apply
+
+
+class _LoudActivation(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 100.0 * x
+
+
+def _swap_activation(model):
+    for m in model.modules():
+        if hasattr(m, "act_fn"):
+            m.act_fn = _LoudActivation()
+
+
+def _change_norm_eps(model):
+    for m in model.modules():
+        if hasattr(m, "variance_epsilon"):
+            m.variance_epsilon = 10.0
+
+
+@pytest.mark.parametrize("change", [_patch_head_forward, _swap_activation, _change_norm_eps],
+                         ids=["submodule-forward-patched", "activation-swapped", "norm-eps-changed"])
+def test_a_module_patched_swapped_or_reconfigured_after_capture_is_recaptured(change):
+    """The captured step froze the module tree and its host attributes, not only the weights: a change to
+    either must drop the graphs, or they replay the old model."""
+    model = build_model("tiny-llama", seed=5)
+    graph, eager = engines(model)
+    ids, mask = prompts(2, 4)
+    before = gen(graph, ids, mask)
+    change(model)
+    after = gen(graph, ids, mask)
+    assert torch.equal(after, gen(eager, ids, mask))
+    assert torch.equal(after, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=N,
+                                             min_new_tokens=N, do_sample=False))
+    assert not torch.equal(after, before)
+    s = graph.graph_stats
+    assert s.invalidations == 1 and s.captures == 2
+    gen(graph, ids, mask)  # nothing changed since: replayed, not captured again
+    assert graph.graph_stats.captures == 2
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("delta", [64, -16])
+def test_resized_token_embeddings_between_calls(arch, delta):
+    """resize_token_embeddings changes the logits width the slots' EOS mask is sized by: the slots are
+    reallocated (before, every later call failed on a shape mismatch deep in sampling)."""
+    model = build_model(arch, seed=5)
+    graph, eager = engines(model)
+    ids, mask = prompts(2, 4)
+    gen(graph, ids, mask)
+    model.resize_token_embeddings(model.config.vocab_size + delta)
+    after = gen(graph, ids, mask)
+    assert torch.equal(after, gen(eager, ids, mask))
+    assert torch.equal(after, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=N,
+                                             min_new_tokens=N, do_sample=False))
+    assert graph.graph_stats.replays > 0
+
+
 def test_two_engines_side_by_side():
     m1, m2 = build_model("tiny-gpt2", seed=7), build_model("tiny-llama", seed=8)
     g1, e1 = engines(m1)

@@ -261,3 +261,19 @@ def test_a_forward_replaced_on_the_instance_recaptures():
         del model.forward
     assert_batches_identical(graphed.generate(request, sampling), before)
     assert graphed.graph_stats.invalidations == 2
+
+
+def test_requires_grad_toggled_after_capture_recaptures():
+    """Freezing a model (a reference policy, say) changes the kernels some eager forwards pick, so a
+    graph captured before must not replay after: found on tiny-opt, where the logprobs moved by an ulp."""
+    model = build_model("tiny-opt").eval()
+    request = left_padded_prompts([7, 5, 7], seed=0)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, seed=0)
+    rollout = HybridEngineRollout(
+        model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0, eos_token_id=10_000))
+    rollout.generate(request, sampling)
+    rollout.generate(request, sampling)
+    captures = rollout.graph_stats.captures
+    model.requires_grad_(False)
+    assert_batches_identical(rollout.generate(request, sampling), _eager(model, request, sampling))
+    assert rollout.graph_stats.captures > captures
