@@ -107,7 +107,7 @@ def train(args: argparse.Namespace, *, graphs: bool) -> dict[str, Any]:
         per_device_train_batch_size=args.prompts_per_step * args.num_generations,
         num_generations=args.num_generations, max_completion_length=args.max_completion_length,
         temperature=1.0, learning_rate=args.lr, logging_steps=1, report_to="none", save_strategy="no",
-        use_cpu=args.device == "cpu", bf16=False, gradient_checkpointing=False, disable_dropout=True,
+        use_cpu=args.device == "cpu", bf16=False, disable_dropout=True,
         disable_tqdm=True, seed=args.seed, deepspeed=ZERO3 if args.zero3 else None,
     )
     peft_config = None

@@ -80,12 +80,26 @@ def _hook_tables(model: torch.nn.Module) -> Iterator[tuple[str, str, dict]]:
                 yield name or "<model>", kind, table
 
 
+# The hook gradient checkpointing registers on the input embeddings (transformers'
+# ``enable_input_require_grads``, PEFT's and TRL's copies) only marks the embedding output as requiring
+# grad, which changes nothing under no_grad; TRL's trainers register one more at every training step.
+_INERT_HOOK_NAMES = ("make_inputs_require_grads", "make_inputs_require_grad")
+_INERT_HOOK_PACKAGES = ("transformers", "peft", "trl")
+
+
+def _inert_for_generation(hook: Callable[..., Any]) -> bool:
+    return (getattr(hook, "__name__", None) in _INERT_HOOK_NAMES
+            and str(getattr(hook, "__module__", "")).partition(".")[0] in _INERT_HOOK_PACKAGES)
+
+
 def hook_fingerprint(model: torch.nn.Module) -> tuple:
-    """Which forward hooks and pre-hooks are registered, where: changes when one is added or removed."""
+    """Which forward hooks and pre-hooks are registered, where: changes when one is added or removed
+    (except the input-require-grads hooks of gradient checkpointing, which generation cannot see)."""
     return tuple(
         (where, kind, handle_id, id(hook))
         for where, kind, table in _hook_tables(model)
         for handle_id, hook in table.items()
+        if not _inert_for_generation(hook)
     )
 
 

@@ -208,7 +208,7 @@ def test_trl_grpo_trains_a_lora_model_through_the_rollout_func(tmp_path, monkeyp
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
         max_steps=2, learning_rate=5e-2, report_to="none", use_cpu=True, bf16=False,
-        gradient_checkpointing=False, save_strategy="no", disable_dropout=True, seed=0,
+        save_strategy="no", disable_dropout=True, seed=0,  # TRL's default gradient checkpointing
     )
     trainer = GRPOTrainer(model=pm, reward_funcs=lambda completions, **kw: [len(c) / 30.0 for c in completions],
                           args=args, processing_class=build_tokenizer(), rollout_func=rollout_func,

@@ -72,7 +72,7 @@ def _train(tmp_path, fn, *, steps=3, check_eager=False, bf16=False):
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=2 * GROUP, num_generations=GROUP,
         max_completion_length=8, max_steps=steps, learning_rate=1e-2, logging_steps=1, report_to="none",
-        use_cpu=True, bf16=bf16, gradient_checkpointing=False, save_strategy="no", disable_dropout=True,
+        use_cpu=True, bf16=bf16, save_strategy="no", disable_dropout=True,  # TRL's default gradient checkpointing
         seed=0, dataloader_num_workers=0,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=args,
