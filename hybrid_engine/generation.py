@@ -44,6 +44,7 @@ from .model_step import check_model_supported, max_positions, token_ids
 from .ranks import rank_seed
 from .sampling import validate_sampling
 from .scheduler import Counters, RequestSpec, gather_responses, run_schedule
+from .static_cache import sliding_window
 from .timing import PhaseTimer
 
 __all__ = ["GRAPHS_OFF", "Generator"]
@@ -194,7 +195,7 @@ class Generator:
             check_device("generate(): attention_mask", mask, self.model)
         return input_ids, mask
 
-    def _lengths(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> tuple[int, int]:
+    def _lengths(self, input_ids: torch.Tensor, mask: torch.Tensor | None, kwargs: dict[str, Any]) -> tuple[int, int]:
         gen = self.model.generation_config
         width = input_ids.shape[1]
         # transformers' precedence: max_new_tokens (the call's, then the generation config's) over max_length.
@@ -219,13 +220,17 @@ class Generator:
             )
         if not 0 <= min_new <= max_new:
             raise ValueError(f"generate(): min_new_tokens ({min_new}) must be in 0..max_new_tokens ({max_new})")
-        total = width + max_new
         limit = max_positions(self.model.config)
-        if limit is not None and total > limit:
-            raise ValueError(
-                f"generate(): prompt length {width} + max_new_tokens {max_new} = {total} exceeds the model's "
-                f"{limit} positions; shorten the prompt or lower max_new_tokens"
-            )
+        if limit is not None:
+            # Positions count real tokens (padding takes none), and the last new token is never fed back.
+            longest = width if mask is None else int(mask.to(torch.int64).sum(-1).max())
+            if longest + max_new - 1 > limit:
+                raise ValueError(
+                    f"generate(): the longest prompt ({longest} tokens) + max_new_tokens {max_new} needs "
+                    f"{longest + max_new - 1} positions, more than the model's {limit}; shorten the prompt or "
+                    "lower max_new_tokens"
+                )
+        total = width + max_new
         cap = self.config.hybrid_engine.max_out_tokens
         if total > cap:
             raise ValueError(
@@ -264,6 +269,11 @@ class Generator:
             check_model_supported(self.model)
         except (TypeError, ValueError) as exc:
             return f"The model cannot use the static KV cache ({exc}); delegated to transformers' generate."
+        window, capacity = sliding_window(self.model.config), self.config.hybrid_engine.max_out_tokens
+        if window is not None and window < capacity:
+            return (f"The model's sliding-window attention (window {window}) is shorter than the static cache "
+                    f"(hybrid_engine.max_out_tokens={capacity}); delegated to transformers' generate. Set "
+                    f"max_out_tokens to at most {window} for the fast path.")
         return None
 
     def _plan(self, input_ids, mask, kwargs, max_new, min_new) -> _Plan:
@@ -306,13 +316,13 @@ class Generator:
                                      warn=self.config.hybrid_engine.enable_graph_capture)
             return self.model.generate(*args, **kwargs)
         input_ids, mask = self._validate(args, kwargs)
-        max_new, min_new = self._lengths(input_ids, kwargs)
         reason = self._unsupported(kwargs, mask)
-        if reason is not None:
+        if reason is not None:  # transformers checks the lengths of what it runs; the static cache is not used
             self.runner.note_refusal(reason, warn=self.config.hybrid_engine.enable_graph_capture)
             if mask is not None:
                 kwargs["attention_mask"] = mask
             return self.model.generate(input_ids=input_ids, **kwargs)
+        max_new, min_new = self._lengths(input_ids, mask, kwargs)
         plan = self._plan(input_ids, mask, kwargs, max_new, min_new)
         # One seed per call, from torch's global generator (torch.manual_seed makes it reproducible), made
         # distinct per data-parallel rank (ranks usually seed alike).

@@ -64,7 +64,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .accelerator import is_capturing
 
-__all__ = ["StaticKVCache", "cache_geometry"]
+__all__ = ["StaticKVCache", "cache_geometry", "sliding_window"]
 
 
 class _HostCounters:
@@ -87,7 +87,8 @@ def cache_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
     return num_layers, int(num_kv_heads), int(head_dim)
 
 
-def _sliding_window(config: PretrainedConfig) -> int | None:
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """The sliding-attention window of ``config``'s layers that use one, or ``None``."""
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
     window = getattr(config, "sliding_window", None)
@@ -179,7 +180,7 @@ class StaticKVCache(Cache):
             raise ValueError(f"StaticKVCache: batch_size must be a positive int, got {batch_size!r}")
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"StaticKVCache: capacity must be a positive int, got {capacity!r}")
-        window = _sliding_window(config)
+        window = sliding_window(config)
         if window is not None and window < capacity:
             raise ValueError(
                 f"StaticKVCache: the config uses sliding-window attention (window {window}) smaller than "

@@ -51,10 +51,19 @@ def test_prompt_longer_than_model_positions():
     model = build_model("tiny-opt", seed=2, max_position_embeddings=16)
     engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
     ids = torch.randint(4, 384, (1, 14))
-    with pytest.raises(ValueError, match="exceeds the model's 16 positions"):
-        engine.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3)
-    out = engine.generate(input_ids=ids, max_new_tokens=2, min_new_tokens=2)
-    assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=2, min_new_tokens=2, do_sample=False))
+    with pytest.raises(ValueError, match="needs 17 positions, more than the model's 16"):
+        engine.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4)
+    # The last new token is never fed back: 14 + 3 tokens use positions 0..15, as in transformers.
+    out = engine.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3)
+    assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, do_sample=False))
+    # Padding takes no position: a 14-wide batch whose prompts hold 5 and 3 real tokens has room for 12 more.
+    mask = torch.ones(2, 14, dtype=torch.long)
+    mask[0, :9], mask[1, :11] = 0, 0
+    ids = torch.randint(4, 384, (2, 14)).masked_fill(mask == 0, model.config.pad_token_id)
+    out = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12)
+    assert torch.equal(out, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12,
+                                           min_new_tokens=12, do_sample=False))
+    assert engine.graph_stats.replays > 0
 
 
 def test_bad_sampling_params():

@@ -176,6 +176,38 @@ def test_unsupported_kwargs_delegate_to_transformers(extra, name):
     assert name in s.last_refusal_reason and s.captures == 0
 
 
+def test_a_delegated_call_is_not_held_to_the_static_caches_limits():
+    """transformers runs a delegated call with its own cache: max_out_tokens (the static cache's size) must
+    not refuse it."""
+    model = build_model("tiny-llama", seed=5)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True,
+                                                                   "max_out_tokens": 16}})
+    ids, mask = prompts(2, 4)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, repetition_penalty=1.3)
+    with pytest.warns(UserWarning, match="repetition_penalty"):
+        assert torch.equal(engine.generate(**kw), model.generate(**kw))
+    with pytest.raises(ValueError, match="max_out_tokens=16"):  # the fast path still is
+        engine.generate(**{**kw, "repetition_penalty": 1.0})
+
+
+def test_sliding_window_shorter_than_the_cache_delegates_and_longer_runs_graphed():
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    ids, mask = prompts(2, 8)
+    for window, cap, graphed in ((64, 512, False), (64, 64, True)):
+        model = build_model("tiny-mistral", seed=5, sliding_window=window)
+        engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True,
+                                                                       "max_out_tokens": cap}})
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            out = engine.generate(input_ids=ids, attention_mask=mask, **kw)
+        assert torch.equal(out, model.generate(input_ids=ids, attention_mask=mask, **kw))
+        reason = engine.graph_stats.last_refusal_reason
+        if graphed:
+            assert reason is None and engine.graph_stats.replays > 0 and not rec
+        else:
+            assert "sliding-window attention (window 64)" in reason and "max_out_tokens to at most 64" in reason
+
+
 def test_right_padded_prompts_delegate():
     model = build_model("tiny-llama", seed=6)
     engine, *_ = initialize(model=model, config={})
