@@ -14,22 +14,28 @@ def _info(args: argparse.Namespace) -> int:
     from . import __version__
     from .accelerator import get_accelerator
 
-    acc = get_accelerator()
     print(f"hybrid-engine  {__version__}")
     print(f"python         {sys.version.split()[0]}")
     print(f"torch          {torch.__version__}")
     print(f"transformers   {transformers.__version__}")
-    print(f"accelerator    {acc.device_name()} ({type(acc).__name__})")
-    if acc.supports_graph_capture:
-        print(f"graph capture  available via {acc.graph_api}")
-    else:
-        print(f"graph capture  unavailable: {acc.graph_unavailable_reason}")
+    try:
+        acc = get_accelerator()
+    except (ValueError, ImportError) as exc:  # HYBRID_ENGINE_ACCELERATOR names one this machine cannot build
+        acc = None
+        print(f"accelerator    unavailable: {exc}")
+    if acc is not None:
+        here = "" if acc.is_available() else ", not available on this machine"
+        print(f"accelerator    {acc.device_name()} ({type(acc).__name__}{here})")
+        if acc.supports_graph_capture:
+            print(f"graph capture  available via {acc.graph_api}")
+        else:
+            print(f"graph capture  unavailable: {acc.graph_unavailable_reason}")
     for name, extra, use in (("deepspeed", "deepspeed", "ZeRO 1-3"), ("trl", "trl", "TRL rollout_func"),
                              ("peft", "peft", "PEFT LoRA")):
         version = _version_of(name)
         status = f"{version} ({use})" if version else f"not installed (pip install 'hybrid-engine[{extra}]' for {use})"
         print(f"{name:<14} {status}")
-    return 0
+    return 0 if acc is not None else 1
 
 
 def _version_of(distribution: str) -> str | None:

@@ -171,7 +171,7 @@ def _refuse_auto(data: Mapping[str, Any]) -> None:
         )
 
 
-def _user_stacklevel() -> int:
+def user_stacklevel() -> int:
     """``warnings.warn``'s stacklevel, for its caller, of the first frame outside hybrid_engine and pydantic.
 
     A warning raised while a config is validated then points at the user's line, not at pydantic's, whichever
@@ -357,7 +357,7 @@ class HybridEngineConfig(BaseModel):
             warnings.warn(
                 f"hybrid_engine.{_DEPRECATED_ALIAS} is deprecated; use hybrid_engine.{_ALIAS_TARGET} instead",
                 FutureWarning,
-                stacklevel=_user_stacklevel(),
+                stacklevel=user_stacklevel(),
             )
             if _ALIAS_TARGET in data and data[_ALIAS_TARGET] != old:
                 raise ValueError(
@@ -380,7 +380,7 @@ class HybridEngineConfig(BaseModel):
                     f"DeepSpeed), so hybrid_engine.{_ALIAS_TARGET}=true is ignored; set hybrid_engine.enabled to "
                     "true to capture graphs",
                     UserWarning,
-                    stacklevel=_user_stacklevel(),
+                    stacklevel=user_stacklevel(),
                 )
             self.enable_graph_capture = False
         return self

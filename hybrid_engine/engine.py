@@ -115,6 +115,7 @@ class HybridEngine(nn.Module):
     # --------------------------------------------------------------- training
     @property
     def optimizer(self) -> Any:
+        """The optimizer ``initialize`` built or was given (DeepSpeed's under ZeRO), or ``None``."""
         return self.training_backend.optimizer
 
     @property
@@ -124,10 +125,12 @@ class HybridEngine(nn.Module):
 
     @property
     def global_steps(self) -> int:
+        """Optimizer steps taken (skipped overflow steps included, as DeepSpeed counts them)."""
         return self.training_backend.global_steps
 
     @property
     def micro_steps(self) -> int:
+        """``step()`` calls made: micro-batches, gradient accumulation included."""
         return self.training_backend.micro_steps
 
     @property
@@ -137,10 +140,12 @@ class HybridEngine(nn.Module):
 
     @property
     def zero_stage(self) -> int:
+        """``zero_optimization.stage``: 0 trains in plain PyTorch, 1-3 on DeepSpeed ZeRO."""
         return self.config.zero_optimization.stage
 
     @property
     def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
         return self.config.gradient_accumulation_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -176,6 +181,7 @@ class HybridEngine(nn.Module):
 
     @property
     def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
         return self.training_backend.loss_scale
 
     # ------------------------------------------------------------ checkpoints
@@ -268,6 +274,7 @@ class HybridEngine(nn.Module):
 
     @property
     def graph_stats(self) -> GraphStats:
+        """Graph counters of ``generate`` (captures, replays, refusal reason, memory): :class:`GraphStats`."""
         return self._generator.stats()
 
     def graph_refusal_reason(self) -> str | None:
@@ -297,8 +304,11 @@ def initialize(
     if kwargs.get("config_params") is not None and config is None:
         config = kwargs.pop("config_params")
     args = kwargs.get("args")
-    if config is None and getattr(args, "deepspeed_config", None) is not None:
-        config = args.deepspeed_config  # deepspeed.add_config_arguments' --deepspeed_config, as deepspeed.initialize
+    if getattr(args, "deepspeed_config", None) is not None:  # deepspeed.add_config_arguments' --deepspeed_config
+        if config is not None:  # deepspeed.initialize refuses this too
+            raise ValueError("initialize(): a config was given both as args.deepspeed_config and as config= "
+                             "(or config_params=); pass only one")
+        config = args.deepspeed_config
     unknown = set(kwargs) - {"config_params", "args", "training_data", "lr_scheduler", "mpu", "dist_init_required"}
     if unknown:
         raise TypeError(f"initialize() got unexpected keyword arguments: {', '.join(sorted(unknown))}")

@@ -59,7 +59,7 @@ from transformers import PreTrainedModel
 
 from .accelerator import accelerator_for
 from .admission import AdmissionStage, admit_staged
-from .config import EngineConfig
+from .config import EngineConfig, user_stacklevel
 from .decode_state import DecodeSlots, vocab_sizes
 from .graph_policy import GraphRefusedWarning, graph_attention, refusal_reason
 from .graph_safety import HookCaptureError, attributed_hooks, graph_fingerprint, hook_fingerprint
@@ -130,7 +130,9 @@ class GraphStats:
     steps; ``captured_positions`` and ``graph_keys`` both count the decode
     graphs held now (each serves every position of its bucket and sampling
     mode). ``admission_captures``/``admission_replays`` count staged admission
-    rounds (prefill, first token, slot setup).
+    rounds (prefill, first token, slot setup). ``enabled`` says whether the next
+    call may replay graphs (capture asked for, nothing refuses it), as read when
+    the stats were asked for.
     """
 
     captured_positions: int = 0
@@ -151,6 +153,7 @@ class GraphStats:
     admission_replays: int = 0
 
     def to_dict(self) -> dict[str, Any]:
+        """The counters as a plain dict, for logging."""
         return dataclasses.asdict(self)
 
 
@@ -203,7 +206,7 @@ class DecodeGraphRunner:
         self._stats.last_refusal_reason = reason
         if reason is not None and warn and reason not in self._warned:
             self._warned.add(reason)
-            warnings.warn(reason, GraphRefusedWarning, stacklevel=4)
+            warnings.warn(reason, GraphRefusedWarning, stacklevel=user_stacklevel())
 
     def bucket_for(self, n: int) -> int:
         """The smallest bucket holding ``n`` rows."""

@@ -90,6 +90,20 @@ def test_bench_prompt_plus_new_tokens_past_the_position_limit(capsys, bench):
                  "--prompt-len 16 plus --new-tokens 600", "position limit 512", "--new-tokens 496 or less")
 
 
+@pytest.mark.parametrize("argv,expected", [
+    (["bench", "decode", "--repeats", "0"], ("--repeats must be >= 1, got 0",)),
+    (["bench", "overhead", "--repeats", "0"], ("--repeats must be >= 1, got 0",)),
+    (["bench", "rlhf", "--batch-size", "0"], ("--batch-size must be >= 1, got 0",)),
+    (["bench", "soak", "--samples", "0"], ("--samples must be >= 1, got 0",)),
+    (["bench", "parity", "--temperature", "-1"], ("--temperature/--top-p", "temperature")),
+    (["bench", "parity", "--top-p", "0"], ("--temperature/--top-p", "top_p")),
+    (["bench", "continuous", "--warmup", "1"], ("--warmup must be >= 2",)),
+], ids=["decode-repeats", "overhead-repeats", "rlhf-batch", "soak-samples", "parity-temperature", "parity-top-p",
+        "continuous-warmup"])
+def test_bench_counts_and_sampling_knobs_are_checked_up_front(capsys, argv, expected):
+    _usage_error(capsys, argv, *expected)
+
+
 def test_bench_rlhf_on_zero_ranks_checks_before_starting_any_rank(capsys, monkeypatch):
     import hybrid_engine.launch as launch
 

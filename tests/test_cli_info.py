@@ -52,3 +52,22 @@ def test_info_names_the_optional_extras_and_how_to_install_a_missing_one(capsys,
     assert (f"deepspeed      {ds} (ZeRO 1-3)" if ds else "deepspeed      not installed (pip install") in out
     assert "peft           not installed (pip install 'hybrid-engine[peft]' for PEFT LoRA)" in out
     assert cli._version_of("no-such-distribution-here") is None
+
+
+def test_info_with_a_forced_accelerator_this_machine_lacks_reports_it(capsys, monkeypatch):
+    """info is what one runs to diagnose the environment: a forced accelerator that cannot work here is a
+    line of its report, not a traceback."""
+    import torch
+
+    set_accelerator(None)
+    monkeypatch.setenv("HYBRID_ENGINE_ACCELERATOR", "bogus")
+    assert main(["info"]) == 1
+    assert "accelerator    unavailable: unknown accelerator 'bogus'" in capsys.readouterr().out
+    if torch.cuda.is_available():  # pragma: no cover - a machine with CUDA
+        return
+    set_accelerator(None)
+    monkeypatch.setenv("HYBRID_ENGINE_ACCELERATOR", "cuda")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "accelerator    cuda (TorchBackendAccelerator, not available on this machine)" in out
+    assert "graph capture  unavailable: " in out and "Traceback" not in out

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from hybrid_engine.accelerator import set_accelerator
 from hybrid_engine.cli import main
 from hybrid_engine.demo import group_advantages, word_token_ids
 from hybrid_engine.tiny_models import build_tokenizer
@@ -52,6 +53,23 @@ def test_demo_runs_and_reports(tmp_path, capsys, graphs):
         assert "16/16 tokens identical" in printed
     else:
         assert "token_agreement" not in data
+
+
+def test_demo_on_a_backend_that_cannot_capture_says_so_instead_of_comparing_eager_with_eager(
+        tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HYBRID_ENGINE_CPU_GRAPHS", "0")
+    set_accelerator(None)
+    try:
+        out = tmp_path / "demo.json"
+        assert main(["demo", "--iterations", "1", "--batch-size", "1", "--samples", "2", "--new-tokens", "4",
+                     "--check-prompts", "1", "--check-tokens", "4", "--json", str(out)]) == 0
+    finally:
+        set_accelerator(None)
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert "graphs refused (The accelerator cannot capture graphs" in printed
+    assert "graph vs eager" not in printed and "token_agreement" not in data and data["graphs"] is False
+    assert "CPU graph emulation is disabled" in data["graph_refusal"]
 
 
 def test_demo_loads_a_local_checkpoint_with_model_path(tmp_path, capsys):

@@ -442,8 +442,9 @@ def test_a_logging_hook_refuses_graphs_instead_of_going_silent():
     try:
         expected = gen(eager, ids, mask)
         eager_lines = len(lines)
-        with pytest.warns(GraphRefusedWarning, match=r"forward hook .* on module 'lm_head'"):
+        with pytest.warns(GraphRefusedWarning, match=r"forward hook .* on module 'lm_head'") as rec:
             assert torch.equal(gen(graph, ids, mask), expected)
+        assert rec[0].filename == __file__  # the warning points at the user's call, not at library code
         # It ran at every step of the graph engine's call too (plus once in the capture it aborted).
         assert len(lines) - eager_lines in (eager_lines, eager_lines + 1)
         assert graph.graph_stats.captures == 0 and graph.graph_stats.replays == 0

@@ -256,6 +256,10 @@ def test_initialize_reads_args_deepspeed_config_as_deepspeed_does(tmp_path):
     engine, opt, *_ = initialize(args=argparse.Namespace(deepspeed_config=str(path)), model=build_model("tiny-gpt2"))
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["lr"] == 0.05
     assert engine.config.gradient_accumulation_steps == 2
+    # Both places at once: refused, as deepspeed.initialize asserts (before, config= won silently).
+    for given in ({"config": {}}, {"config_params": {}}):
+        with pytest.raises(ValueError, match="both as args.deepspeed_config and as config="):
+            initialize(args=argparse.Namespace(deepspeed_config=str(path)), model=build_model("tiny-gpt2"), **given)
 
 
 def test_train_eval_switch():

@@ -164,7 +164,11 @@ class Accelerator:
 
     @property
     def supports_graph_capture(self) -> bool:
-        return self.create_graph() is not None
+        try:
+            return self.create_graph() is not None
+        except Exception as exc:  # e.g. torch.cuda.CUDAGraph of a CPU-only torch build: a dummy class
+            self.graph_unavailable_reason = f"creating a graph failed ({type(exc).__name__}: {exc})"
+            return False
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} device={self.device_name()} graph_api={self.graph_api}>"

@@ -150,7 +150,7 @@ def _part1(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -
 
     seed_checks = []
     warm_ms = {"eager": [], "graph": []}
-    for i in range(max(2, args.warmup)):
+    for i in range(args.warmup):
         s = PROMPT_SEEDS[i % 2]
         tok_e, te, tok_g, tg = pair(s)
         warm_ms["eager"].append(te)
@@ -409,6 +409,9 @@ def _long_tail_text(lt: dict[str, Any], dtype: torch.dtype) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.warmup < 2:
+        raise UsageError(f"--warmup must be >= 2 (the first call warms each bucket up, the second captures it), "
+                         f"got {args.warmup}")
     acc, device, dtype, env = C.prepare(args)
     if args.longtail_requests > 0:
         _check_long_tail_args(args, device)
@@ -428,7 +431,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload = {
         "benchmark": "continuous", "environment": env,
         "settings": {"model": C.model_label(args), "dtype": C.dtype_name(dtype), "batch_size": args.batch_size,
-                     "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "warmup": max(2, args.warmup),
+                     "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "warmup": args.warmup,
                      "measured": args.measured, "greedy": True, "prompt_seeds": list(PROMPT_SEEDS)},
         "latency": p1, "mixed": p2, "long_tail": lt,
         "token_agreement": {"identical": identical, "total": total},
@@ -443,7 +446,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     text = (
         f"\nbench continuous: {C.model_label(args)} {C.dtype_name(dtype)}, batch {args.batch_size}, "
         f"{args.prompt_len}-token prompt, {args.new_tokens} new tokens, greedy, continuous batching, "
-        f"{max(2, args.warmup)} warm-up + {args.measured} measured calls\n{C.environment_lines(env)}\n\n{t1}\n\n"
+        f"{args.warmup} warm-up + {args.measured} measured calls\n{C.environment_lines(env)}\n\n{t1}\n\n"
         f"steady-state speedup: {p1['speedup']:.2f}x; first graph call (with capture): "
         f"{p1['first_graph_call_ms']:.1f} ms (first eager call {p1['first_eager_call_ms']:.1f} ms)\n"
         f"prompts: {checks}\n"

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..sampling import validate_sampling
+
 #: ``--dtype`` names.
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -168,6 +170,10 @@ def check_generation_length(config: Any, label: str, *, prompt_tokens: int, new_
                      f"use {new_option} {room} or less")
 
 
+#: Count options (``args`` attributes) that must be at least 1 wherever a bench has them.
+_COUNTS = ("batch_size", "repeats", "iterations", "samples")
+
+
 def check_common_args(args: argparse.Namespace) -> None:
     """Up-front checks of the options every bench shares (``--dtype``, ``--threads``, ``--model``/``--models``,
     ``--model-path``) and of ``--prompt-len``/``--new-tokens`` against each model's position limit.
@@ -187,9 +193,15 @@ def check_common_args(args: argparse.Namespace) -> None:
     else:
         models = [model_label_and_config(getattr(args, "model_path", None), getattr(args, "model", None))]
     new_tokens, prompt_len = getattr(args, "new_tokens", None), getattr(args, "prompt_len", None)
-    for option, value in (("--prompt-len", prompt_len), ("--new-tokens", new_tokens)):
+    for dest in ("prompt_len", "new_tokens", *_COUNTS):
+        value = getattr(args, dest, None)
         if value is not None and value < 1:
-            raise UsageError(f"{option} must be >= 1, got {value}")
+            raise UsageError(f"--{dest.replace('_', '-')} must be >= 1, got {value}")
+    if getattr(args, "top_p", None) is not None:  # bench parity's sampled check
+        try:
+            validate_sampling(args.temperature, args.top_p, -1)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"--temperature/--top-p: {exc}") from None
     if new_tokens is None:
         return
     mixed = None  # bench continuous part 2 runs the main model too (part 3 picks its own, --longtail-model)

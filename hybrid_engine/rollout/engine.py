@@ -121,8 +121,11 @@ class HybridEngineRollout:
 
     @property
     def graph_stats(self) -> GraphStats:
-        """The runner's cumulative counters (captures, replays, fallbacks, refusal reason, memory)."""
-        return self.runner.stats
+        """The runner's cumulative counters (captures, replays, fallbacks, refusal reason, memory);
+        ``enabled``: whether this rollout's next call may replay graphs."""
+        stats = self.runner.stats
+        stats.enabled = bool(self.config.use_graph_capture) and self.runner.refusal() is None
+        return stats
 
     @contextlib.contextmanager
     def _inference_mode(self) -> Iterator[None]:

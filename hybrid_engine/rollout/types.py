@@ -244,4 +244,5 @@ class RolloutBatch:
 
     @property
     def responses(self) -> torch.Tensor:
+        """The response tokens ``[B, L]``: ``input_ids`` from ``response_start_idx`` on (pad past each length)."""
         return self.input_ids[:, self.response_start_idx :]

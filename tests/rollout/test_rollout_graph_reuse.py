@@ -277,3 +277,15 @@ def test_requires_grad_toggled_after_capture_recaptures():
     model.requires_grad_(False)
     assert_batches_identical(rollout.generate(request, sampling), _eager(model, request, sampling))
     assert rollout.graph_stats.captures > captures
+
+
+def test_graph_stats_enabled_says_whether_the_rollout_replays_graphs():
+    model = build_model("tiny-gpt2", seed=3)
+    request = left_padded_prompts([4, 3], seed=1)
+    sampling = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    for graphs in (True, False):
+        rollout = HybridEngineRollout(
+            model, config=RolloutConfig(use_graph_capture=graphs, pad_token_id=0, eos_token_id=10_000))
+        rollout.generate(request, sampling)
+        stats = rollout.graph_stats
+        assert stats.enabled is graphs and (stats.captures > 0) is graphs
