@@ -263,8 +263,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.zero_stage > 0:
         import torch.distributed as dist
 
+        from ..launch import exit_launched_rank
         from ..zero import destroy_process_group
 
         dist.barrier()  # rank 0 has written its report; then every rank leaves the group
         destroy_process_group()
+        exit_launched_rank()  # a rank this bench started: done, without interpreter teardown
     return payload

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from hybrid_engine import initialize
+from hybrid_engine.launch import exit_launched_rank
 from hybrid_engine.tiny_models import build_model
 from hybrid_engine.zero import destroy_process_group, gathered_for_inference
 
@@ -50,6 +51,7 @@ def main() -> None:
     results = {stage: train(stage, copy.deepcopy(base)) for stage in (0, 1, 2, 3)}
     torch.save(results, sys.argv[1])
     destroy_process_group()
+    exit_launched_rank()
 
 
 if __name__ == "__main__":

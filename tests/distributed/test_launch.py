@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hybrid_engine.launch import RanksTimedOut, run_ranks
+from hybrid_engine.launch import RanksTimedOut, exit_launched_rank, run_ranks
 
 
 def test_hung_ranks_are_killed_at_the_timeout(tmp_path):
@@ -43,3 +43,18 @@ def test_one_failing_rank_ends_the_others_at_once():
     assert ok.returncode == 0 and "hello from 0" in ok.stdout and "hello from 1" in ok.stdout
     with pytest.raises(ValueError, match="nproc"):
         run_ranks(["-c", "pass"], nproc=0, timeout_s=5)
+
+
+def test_a_launched_rank_exits_without_interpreter_teardown(tmp_path):
+    """exit_launched_rank ends a rank with its output flushed and without running teardown (where gloo and
+    DeepSpeed destructors can abort a finished rank); anywhere else it does nothing."""
+    code = ("import atexit, sys\n"
+            "from hybrid_engine.launch import exit_launched_rank\n"
+            "atexit.register(lambda: print('teardown ran', flush=True))\n"
+            "print('done, unflushed', end='')\n"
+            "exit_launched_rank()\n"
+            "sys.exit(5)\n")
+    proc = run_ranks(["-c", code], nproc=2, timeout_s=60)
+    assert proc.returncode == 0
+    assert proc.stdout.count("done, unflushed") == 2 and "teardown ran" not in proc.stdout
+    exit_launched_rank()  # not a launched rank: returns

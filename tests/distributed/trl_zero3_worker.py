@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+from hybrid_engine.launch import exit_launched_rank  # noqa: E402
 from hybrid_engine.zero import destroy_process_group, gathered_for_inference, import_deepspeed  # noqa: E402
 
 import_deepspeed()  # before TRL and accelerate import it: no C++ op is built on this CPU
@@ -109,6 +110,7 @@ def main(mode: str, out_dir: Path) -> None:
     destroy_trainer_deepspeed(trainer)
     dist.barrier()
     destroy_process_group()
+    exit_launched_rank()
 
 
 def _reward(completions, **kwargs):

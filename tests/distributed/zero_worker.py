@@ -29,6 +29,7 @@ from hybrid_engine import (
 from hybrid_engine.config import load_config
 from hybrid_engine.graph_policy import GraphRefusedWarning
 from hybrid_engine.inputs import decode_model
+from hybrid_engine.launch import exit_launched_rank
 from hybrid_engine.ranks import rank, shard
 from hybrid_engine.tiny_models import build_model
 from hybrid_engine.zero import (
@@ -268,6 +269,7 @@ def main() -> None:
     from deepspeed.utils import groups
 
     assert groups._WORLD_GROUP is None, "deepspeed.utils.groups still holds a process group after teardown"
+    exit_launched_rank()
 
 
 if __name__ == "__main__":
