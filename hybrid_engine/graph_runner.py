@@ -197,7 +197,7 @@ class DecodeGraphRunner:
             return reason
         if self._disabled is not None:
             return self._disabled
-        if self._bad_hooks is not None and self._bad_hooks[0] == hook_fingerprint(self.model):
+        if self._bad_hooks is not None and self._bad_hooks[0] == hook_fingerprint(self.model, every=True):
             return self._bad_hooks[1]
         return None
 
@@ -413,10 +413,12 @@ class DecodeGraphRunner:
         except HookCaptureError as exc:
             reason = (f"Graphs refused: {exc}. Decoding runs eagerly while this hook is registered; keep the "
                       "hook's work on the device (no .item(), .tolist() or printing of values) to use graphs.")
-            self._bad_hooks = (hook_fingerprint(self.model), reason)
+            self._bad_hooks = (hook_fingerprint(self.model, every=True), reason)
+            logger.debug("Capture of %s refused a hook", key, exc_info=True)
             self._capture_failed(reason)
             return None
         except Exception as exc:  # any backend's capture error: fall back, never crash the call
+            logger.debug("Capture of %s failed", key, exc_info=True)  # the whole traceback, for a diagnosis
             self._failures += 1
             reason = (f"Graph capture failed ({type(exc).__name__}: {exc}); this call continues eagerly with "
                       "the same tokens. Counted in fallbacks.")

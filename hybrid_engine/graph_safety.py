@@ -92,14 +92,15 @@ def _inert_for_generation(hook: Callable[..., Any]) -> bool:
             and str(getattr(hook, "__module__", "")).partition(".")[0] in _INERT_HOOK_PACKAGES)
 
 
-def hook_fingerprint(model: torch.nn.Module) -> tuple:
+def hook_fingerprint(model: torch.nn.Module, *, every: bool = False) -> tuple:
     """Which forward hooks and pre-hooks are registered, where: changes when one is added or removed
-    (except the input-require-grads hooks of gradient checkpointing, which generation cannot see)."""
+    (except the input-require-grads hooks of gradient checkpointing, which generation cannot see, unless
+    ``every``: what a refusal naming a hook is tied to, so removing that hook lifts it)."""
     return tuple(
         (where, kind, handle_id, id(hook))
         for where, kind, table in _hook_tables(model)
         for handle_id, hook in table.items()
-        if not _inert_for_generation(hook)
+        if every or not _inert_for_generation(hook)
     )
 
 

@@ -452,6 +452,26 @@ def test_a_logging_hook_refuses_graphs_instead_of_going_silent():
         handle.remove()
 
 
+def test_a_refusal_by_a_hook_the_fingerprint_ignores_lifts_when_the_hook_goes():
+    """Gradient checkpointing's input-require-grads hooks are left out of the graph fingerprint; one that
+    could not be captured all the same refuses graphs only while it is registered."""
+    model = build_model("tiny-gpt2", seed=2)
+    graph, eager = engines(model)
+    ids, mask = prompts(2, 4)
+
+    def make_inputs_require_grads(module, args, output):  # named as transformers' own, but reads the host
+        output.sum().item()
+
+    make_inputs_require_grads.__module__ = "transformers.modeling_utils"
+    handle = model.transformer.wte.register_forward_hook(make_inputs_require_grads)
+    with pytest.warns(GraphRefusedWarning, match="transformer.wte"):
+        assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
+    assert graph.graph_stats.captures == 0
+    handle.remove()
+    assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
+    assert graph.graph_stats.captures == 1 and graph.graph_stats.last_refusal_reason is None
+
+
 def test_hooks_are_restored_after_capture():
     model = build_model("tiny-gpt2")
     graph, _ = engines(model)
