@@ -117,6 +117,53 @@ def test_engine_and_rollout_on_one_model_are_serialised_too():
     assert model.training  # train mode restored once both are done
 
 
+def test_two_models_in_two_threads_capture_while_the_other_decodes():
+    """Capture is per thread (CUDA's thread_local capture mode, which every backend path requests): model Y
+    prefills, reads flags on the host and captures in one thread while model X is stopped in the middle of
+    its capture in another, and neither breaks the other."""
+    from hybrid_engine.accelerator.cpu_graph import is_cpu_graph_capturing
+
+    x_model, y_model = build_model("tiny-llama", seed=4), build_model("tiny-gpt2", seed=5)
+    x_req, y_req = RolloutRequest(*prompts(3, 5, seed=1)), RolloutRequest(*prompts(2, 6, seed=2))
+    want = {"x": rollout_for(x_model, graphs=False).generate(x_req, SAMPLED),
+            "y": rollout_for(y_model, graphs=False).generate(y_req, SAMPLED)}
+    x_capturing, y_done = threading.Event(), threading.Event()
+
+    def hold_x_capture(module, args, output):
+        if is_cpu_graph_capturing() and not x_capturing.is_set():
+            x_capturing.set()
+            assert y_done.wait(timeout=20), "model Y did not finish while X was capturing"
+
+    handle = x_model.lm_head.register_forward_hook(hold_x_capture)
+    rollouts = {"x": rollout_for(x_model), "y": rollout_for(y_model)}
+    got, errors = {}, []
+
+    def call(name, request, after=None):
+        try:
+            if after is not None:
+                assert after.wait(timeout=20)
+            got[name] = rollouts[name].generate(request, SAMPLED)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            if name == "y":
+                y_done.set()
+
+    threads = [threading.Thread(target=call, args=("x", x_req)),
+               threading.Thread(target=call, args=("y", y_req, x_capturing))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    handle.remove()
+    assert not errors and x_capturing.is_set()
+    for name in ("x", "y"):
+        stats = rollouts[name].graph_stats
+        assert stats.captures > 0 and stats.fallbacks == 0, (name, stats)
+        assert torch.equal(got[name].input_ids, want[name].input_ids), name
+        assert torch.equal(got[name].response_logprobs, want[name].response_logprobs), name
+
+
 def test_generate_from_inside_generate_is_refused_not_deadlocked():
     model = build_model("tiny-gpt2", seed=1)
     rollout = rollout_for(model)
