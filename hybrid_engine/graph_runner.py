@@ -62,7 +62,13 @@ from .admission import AdmissionStage, admit_staged
 from .config import EngineConfig, user_stacklevel
 from .decode_state import DecodeSlots, vocab_sizes
 from .graph_policy import GraphRefusedWarning, graph_attention, refusal_reason
-from .graph_safety import HookCaptureError, attributed_hooks, graph_fingerprint, hook_fingerprint
+from .graph_safety import (
+    HookCaptureError,
+    attributed_hooks,
+    graph_fingerprint,
+    hook_fingerprint,
+    hook_registered,
+)
 from .inputs import model_device
 from .model_step import max_positions
 from .sampling import sampling_mode
@@ -181,7 +187,9 @@ class DecodeGraphRunner:
         self._fingerprint: tuple | None = None
         self._failures = 0
         self._disabled: str | None = None
-        self._bad_hooks: tuple[tuple, str] | None = None
+        # (hook fingerprint, handle id of the hook that could not be captured, reason): graphs stay refused
+        # while both hold (the hook may be one the fingerprint leaves out, so its handle is checked too).
+        self._bad_hooks: tuple[tuple, int | None, str] | None = None
         self._call_eager = False
         self._warned: set[str] = set()
         self._stats = GraphStats()
@@ -197,8 +205,10 @@ class DecodeGraphRunner:
             return reason
         if self._disabled is not None:
             return self._disabled
-        if self._bad_hooks is not None and self._bad_hooks[0] == hook_fingerprint(self.model, every=True):
-            return self._bad_hooks[1]
+        if self._bad_hooks is not None:
+            hooks, handle_id, reason = self._bad_hooks
+            if hooks == hook_fingerprint(self.model) and hook_registered(self.model, handle_id):
+                return reason
         return None
 
     def note_refusal(self, reason: str | None, *, warn: bool = True) -> None:
@@ -413,7 +423,7 @@ class DecodeGraphRunner:
         except HookCaptureError as exc:
             reason = (f"Graphs refused: {exc}. Decoding runs eagerly while this hook is registered; keep the "
                       "hook's work on the device (no .item(), .tolist() or printing of values) to use graphs.")
-            self._bad_hooks = (hook_fingerprint(self.model, every=True), reason)
+            self._bad_hooks = (hook_fingerprint(self.model), exc.handle_id, reason)
             logger.debug("Capture of %s refused a hook", key, exc_info=True)
             self._capture_failed(reason)
             return None

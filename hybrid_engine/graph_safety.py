@@ -39,7 +39,7 @@ import torch
 from torch.nn.modules import module as _module_mod
 
 __all__ = ["ADAPTER_STATE", "HookCaptureError", "adapter_fingerprint", "attributed_hooks", "graph_fingerprint",
-           "hook_fingerprint", "module_fingerprint", "precision_fingerprint", "weight_fingerprint"]
+           "hook_fingerprint", "hook_registered", "module_fingerprint", "precision_fingerprint", "weight_fingerprint"]
 
 # Hook tables a forward consults: per module, and process-wide (``register_module_forward_hook``).
 _HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook"}
@@ -50,9 +50,11 @@ _GLOBAL_HOOK_DICTS = {"_global_forward_pre_hooks": "global forward pre-hook",
 class HookCaptureError(RuntimeError):
     """A forward (pre-)hook raised while a decode step was being captured."""
 
-    def __init__(self, module_name: str, kind: str, hook: Callable[..., Any], cause: BaseException):
+    def __init__(self, module_name: str, kind: str, hook: Callable[..., Any], cause: BaseException,
+                 handle_id: int | None = None):
         self.module_name = module_name
         self.kind = kind
+        self.handle_id = handle_id  # the hook's registration (RemovableHandle.id)
         self.hook_name = getattr(hook, "__qualname__", None) or type(hook).__name__
         super().__init__(
             f"the {kind} {self.hook_name!r} on module {module_name!r} cannot be captured into a graph "
@@ -60,11 +62,11 @@ class HookCaptureError(RuntimeError):
         )
 
 
-def weight_fingerprint(model: torch.nn.Module) -> tuple:
-    """(name, address, dtype, shape, device, requires_grad) of every parameter and buffer: changes when any
+def weight_fingerprint(model: torch.nn.Module, *, requires_grad: bool = True) -> tuple:
+    """(name, address, dtype, shape, device[, requires_grad]) of every parameter and buffer: changes when any
     is re-allocated (or, as eager kernels may differ then, starts or stops requiring grad)."""
     return tuple(
-        (name, t.data_ptr(), t.dtype, tuple(t.shape), str(t.device), t.requires_grad)
+        (name, t.data_ptr(), t.dtype, tuple(t.shape), str(t.device)) + ((t.requires_grad,) if requires_grad else ())
         for name, t in list(model.named_parameters()) + list(model.named_buffers())
     )
 
@@ -92,16 +94,20 @@ def _inert_for_generation(hook: Callable[..., Any]) -> bool:
             and str(getattr(hook, "__module__", "")).partition(".")[0] in _INERT_HOOK_PACKAGES)
 
 
-def hook_fingerprint(model: torch.nn.Module, *, every: bool = False) -> tuple:
+def hook_fingerprint(model: torch.nn.Module) -> tuple:
     """Which forward hooks and pre-hooks are registered, where: changes when one is added or removed
-    (except the input-require-grads hooks of gradient checkpointing, which generation cannot see, unless
-    ``every``: what a refusal naming a hook is tied to, so removing that hook lifts it)."""
+    (except the input-require-grads hooks of gradient checkpointing, which generation cannot see)."""
     return tuple(
         (where, kind, handle_id, id(hook))
         for where, kind, table in _hook_tables(model)
         for handle_id, hook in table.items()
-        if every or not _inert_for_generation(hook)
+        if not _inert_for_generation(hook)
     )
+
+
+def hook_registered(model: torch.nn.Module, handle_id: int | None) -> bool:
+    """Whether the hook registered under ``handle_id`` still applies to ``model``."""
+    return any(handle_id in table for _, _, table in _hook_tables(model))
 
 
 # Host-side attributes of a PEFT tuner layer (found by duck typing: no peft import) that its forward branches on
@@ -182,14 +188,14 @@ def graph_fingerprint(model: torch.nn.Module) -> tuple:
             adapter_fingerprint(model), module_fingerprint(model), str(attn))
 
 
-def _attributed(hook: Callable[..., Any], where: str, kind: str) -> Callable[..., Any]:
+def _attributed(hook: Callable[..., Any], where: str, kind: str, handle_id: int) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
             return hook(*args, **kwargs)
         except HookCaptureError:
             raise
         except Exception as exc:
-            raise HookCaptureError(where, kind, hook, exc) from exc
+            raise HookCaptureError(where, kind, hook, exc, handle_id) from exc
 
     return run
 
@@ -206,7 +212,7 @@ def attributed_hooks(model: torch.nn.Module) -> Iterator[None]:
     for where, kind, table in _hook_tables(model):
         for handle_id, hook in list(table.items()):
             saved.append((table, handle_id, hook))
-            table[handle_id] = _attributed(hook, where, kind)
+            table[handle_id] = _attributed(hook, where, kind, handle_id)
     try:
         yield
     finally:

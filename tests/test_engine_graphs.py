@@ -13,6 +13,7 @@ from conftest import left_padded_prompts as prompts
 
 import hybrid_engine.scheduler as scheduler
 from hybrid_engine.accelerator import CPUAccelerator, get_accelerator, set_accelerator
+from hybrid_engine.accelerator.cpu_graph import is_cpu_graph_capturing
 from hybrid_engine.config import EngineConfig, load_config, validate_graph_capture_support
 from hybrid_engine.engine import initialize
 from hybrid_engine.graph_policy import GraphRefusedWarning
@@ -470,6 +471,31 @@ def test_a_refusal_by_a_hook_the_fingerprint_ignores_lifts_when_the_hook_goes():
     handle.remove()
     assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
     assert graph.graph_stats.captures == 1 and graph.graph_stats.last_refusal_reason is None
+
+
+def test_a_hook_refusal_holds_while_trl_re_registers_its_inert_hook_every_step():
+    """TRL adds one more input-require-grads hook at every step: the refusal of a hook that cannot be
+    captured must hold through that, not be retried (one failed capture) at every call."""
+    model = build_model("tiny-llama", seed=2)
+    graph, eager = engines(model)
+    ids, mask = prompts(2, 4)
+    attempts = []
+
+    def logging_hook(module, args, output):
+        attempts.append(is_cpu_graph_capturing())
+        output.sum().item()
+
+    handle = model.lm_head.register_forward_hook(logging_hook)
+    per_call = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphRefusedWarning)
+        for _ in range(4):
+            model.enable_input_require_grads()  # what TRL's trainer does at every step
+            before = sum(attempts)
+            assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
+            per_call.append(sum(attempts) - before)
+    handle.remove()
+    assert per_call == [1, 0, 0, 0] and graph.graph_stats.captures == 0
 
 
 def test_hooks_are_restored_after_capture():

@@ -233,7 +233,7 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
         #: Whether the last :meth:`sync_weights` found re-allocated weights (and dropped the graphs).
         self.last_sync_reallocated = False
         self.weight_reallocations = 0
-        self._fingerprint = weight_fingerprint(rollout.model)
+        self._fingerprint = weight_fingerprint(rollout.model, requires_grad=False)
         # Serialises this adapter's calls, so a per-call continuous_batch_size never leaks into another call.
         self._lock = threading.RLock()
 
@@ -299,7 +299,7 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
             self.calls += 1
             self.last_seed = ours_sampling.seed
             self.last_rollout = batch
-            self._fingerprint = weight_fingerprint(rollout.model)
+            self._fingerprint = weight_fingerprint(rollout.model, requires_grad=False)
         return to_deepspeed_batch(batch)
 
     # ------------------------------------------------------------------ weights
@@ -313,7 +313,7 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
         if not is_int(step):
             raise TypeError(f"DeepSpeedRolloutEngine.sync_weights: step must be an int, got {step!r}")
         with self._lock:
-            fingerprint = weight_fingerprint(self.rollout.model)
+            fingerprint = weight_fingerprint(self.rollout.model, requires_grad=False)
             reallocated = fingerprint != self._fingerprint
             if reallocated:
                 self.rollout.runner.invalidate()

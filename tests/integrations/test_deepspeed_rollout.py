@@ -292,6 +292,11 @@ def test_sync_weights_drops_graphs_only_when_weights_were_reallocated():
     _assert_same(third, _adapter(model, graphs=False).generate(request, sampling))
     adapter.sync_weights(3)
     assert not adapter.last_sync_reallocated and adapter.weight_reallocations == 1
+    # Freezing a layer re-allocates nothing: not reported as a re-allocation (the next call recaptures,
+    # since eager kernels may differ).
+    model.transformer.h[0].requires_grad_(False)
+    adapter.sync_weights(4)
+    assert not adapter.last_sync_reallocated and adapter.weight_reallocations == 1
 
     adapter.shutdown()
     assert adapter.rollout.runner.slots is None and adapter.rollout.graph_stats.graph_keys == 0
