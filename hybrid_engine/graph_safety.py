@@ -12,11 +12,13 @@ disagree with eager decoding without any error:
 * the precision a forward runs in: ``torch.autocast`` around the call, or a
   forward replaced on the instance (accelerate's mixed-precision wrapper):
   a capture bakes the dtypes of that run into every kernel;
-* the host-side state of an adapter layer (PEFT's LoRA layers): its forward
-  branches on whether the adapter is merged, active or disabled and bakes its
-  scaling in as a constant, so an in-place ``merge_adapter()`` (no
-  re-allocation) would otherwise replay the unmerged branch on merged weights
-  and count the adapter twice.
+* the module tree and each module's plain host attributes: a submodule
+  swapped or its ``forward`` patched on the instance, a norm's ``eps``, and
+  the state of an adapter layer (PEFT's LoRA layers: its forward branches on
+  whether the adapter is merged, active or disabled and bakes its scaling in
+  as a constant, so an in-place ``merge_adapter()``, with no re-allocation,
+  would otherwise replay the unmerged branch on merged weights and count the
+  adapter twice; :func:`adapter_fingerprint` names that part).
 
 :func:`graph_fingerprint` covers all four (plus the attention implementation);
 the runner compares it before replaying and recaptures when it changed.
@@ -181,11 +183,11 @@ def precision_fingerprint(model: torch.nn.Module) -> tuple:
 
 
 def graph_fingerprint(model: torch.nn.Module) -> tuple:
-    """Everything a captured decode step bakes in from the model: weights, hooks, precision, adapter state,
-    the module tree and its host attributes, attention."""
+    """Everything a captured decode step bakes in from the model: weights, hooks, precision, the module tree
+    and its host attributes (adapter state among them: :data:`ADAPTER_STATE` are plain attributes), attention."""
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
     return (weight_fingerprint(model), hook_fingerprint(model), precision_fingerprint(model),
-            adapter_fingerprint(model), module_fingerprint(model), str(attn))
+            module_fingerprint(model), str(attn))
 
 
 def _attributed(hook: Callable[..., Any], where: str, kind: str, handle_id: int) -> Callable[..., Any]:
