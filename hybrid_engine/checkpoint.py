@@ -222,10 +222,11 @@ def load(engine: CheckpointedEngine, load_dir: Any, tag: str | None, *, load_mod
         tag = latest.read_text().strip()
     path = root / tag / STATE_FILE
     if not path.is_file():
-        if _deepspeed_files(root / tag):
+        found = _deepspeed_files(root / tag)
+        if found:
             raise ValueError(
                 f"load_checkpoint: {root / tag} holds a DeepSpeed ZeRO checkpoint "
-                f"({', '.join(_deepspeed_files(root / tag))}), but this engine trains at zero_optimization.stage 0; "
+                f"({', '.join(found)}), but this engine trains at zero_optimization.stage 0; "
                 "load it with the ZeRO stage it was saved with, or convert it to a state dict with DeepSpeed's "
                 "zero_to_fp32.py and load that into the model")
         warnings.warn(f"load_checkpoint: no checkpoint at {path}", UserWarning, stacklevel=3)
