@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hybrid_engine.accelerator import CPUAccelerator, GraphCaptureError
+from hybrid_engine.accelerator import CPUAccelerator, GraphCaptureError, GraphReplayError
 
 
 @pytest.fixture
@@ -82,10 +82,28 @@ def test_in_place_weight_update_is_seen_but_swapped_storage_is_stale(acc):
     acc.replay_graph(g)
     assert torch.allclose(y, lin(x))
     old = lin(x).detach().clone()
-    lin.weight.data = torch.randn(4, 4)  # new storage: a device graph would read the old address
+    kept = lin.weight.data  # the old storage stays allocated: a device graph still reads the old values there
+    lin.weight.data = torch.randn(4, 4)
     acc.replay_graph(g)
     assert torch.allclose(y, old)
     assert not torch.allclose(y, lin(x))
+    del kept  # now nothing but the graph holds that memory: on a device it is free, and reused
+    with pytest.raises(GraphReplayError, match=r"stale address: aten\.t\.default reads a \[4, 4\] float32"):
+        acc.replay_graph(g)
+
+
+def test_replay_refuses_an_input_freed_after_capture(acc):
+    """CUDA graphs keep no reference to their inputs: reading one that was freed reads reused memory."""
+    x = torch.randn(3, 5)
+    w = torch.randn(5, 2)
+    inputs = {"view": x[1:]}  # read through a view: what counts is the storage, which x keeps alive
+    g, y = capture(acc, lambda: torch.where(inputs["view"] > 0, inputs["view"], 0.0) @ w)  # 0.0: the graph's own
+    del inputs["view"]
+    acc.replay_graph(g)
+    assert torch.equal(y, torch.where(x[1:] > 0, x[1:], 0.0) @ w)
+    del x
+    with pytest.raises(GraphReplayError, match=r"\[2, 5\] float32 tensor, and nothing but the graph holds it"):
+        acc.replay_graph(g)
 
 
 @pytest.mark.parametrize(

@@ -552,6 +552,24 @@ def test_reallocated_weights_are_detected_and_recaptured(how):
     assert s.invalidations == 1 and s.captures == 2 and s.graph_keys == 1
 
 
+def test_without_the_fingerprint_check_the_emulation_refuses_the_stale_replay(monkeypatch):
+    """What the weight fingerprint guards against fails loudly in CPU CI: with the check disabled, replaying
+    graphs whose weights were reallocated (the old memory freed) raises instead of reading stale weights."""
+    import hybrid_engine.graph_runner as graph_runner
+    from hybrid_engine.accelerator import GraphReplayError
+
+    model = build_model("tiny-llama", seed=5)
+    graph, _ = engines(model)
+    ids, mask = prompts(2, 4)
+    gen(graph, ids, mask)
+    monkeypatch.setattr(graph_runner, "graph_fingerprint", lambda model: "unchanged")
+    gen(graph, ids, mask)  # the same weights: the replays run
+    for p in model.parameters():
+        p.data = p.data * 1.5  # new storage; nothing holds the old one any more
+    with pytest.raises(GraphReplayError, match="stale address"):
+        gen(graph, ids, mask)
+
+
 def _patch_head_forward(model):
     head, orig = model.lm_head, model.lm_head.forward
     head.forward = lambda x: orig(x) * -1.0  # an instance-level kernel patch, as Liger/Unsloth apply

@@ -16,7 +16,7 @@ import torch
 
 from .backends import CPUAccelerator, GraphAPI, TorchBackendAccelerator
 from .base import Accelerator
-from .cpu_graph import CPUGraph, CPUGraphPool, CPUStream, GraphCaptureError
+from .cpu_graph import CPUGraph, CPUGraphPool, CPUStream, GraphCaptureError, GraphReplayError
 from .for_device import accelerator_for, is_capturing
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "CPUStream",
     "GraphAPI",
     "GraphCaptureError",
+    "GraphReplayError",
     "TorchBackendAccelerator",
     "accelerator_for",
     "build_accelerator",

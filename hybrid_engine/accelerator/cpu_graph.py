@@ -21,6 +21,12 @@ below models one CUDA-graph rule:
   an in-place update (``param.add_``) is seen by the next replay, but a tensor
   whose storage was swapped (``param.data = ...``) keeps being read from the
   old storage, so stale-weight bugs show up on CPU as they would on a GPU.
+* A device graph holds no reference to what it reads: once nothing outside
+  the graph holds a storage it reads, that memory is free on a device, and a
+  replay would read whatever was allocated there next. Replay then raises
+  :class:`GraphReplayError` (a stale address), where CUDA would silently read
+  garbage. Only storages something outside the graph held when capture ended
+  are checked; the rest (scalars the dispatcher wrapped) are the graph's own.
 * Static outputs are updated in place by every replay.
 * Host synchronisations and data-dependent shapes (``.item()``, ``bool(t)``,
   ``.tolist()``, ``.numpy()``, ``.cpu()``, ``nonzero``, boolean-mask indexing)
@@ -60,9 +66,10 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -72,6 +79,10 @@ aten = torch.ops.aten
 
 class GraphCaptureError(RuntimeError):
     """An operation that a device graph cannot record was issued while capturing."""
+
+
+class GraphReplayError(RuntimeError):
+    """A replay would read memory a device graph no longer owns (a stale address)."""
 
 
 def _not_permitted(what: str) -> GraphCaptureError:
@@ -291,7 +302,8 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.slot_of: dict[int, int] = {}  # id(tensor made inside capture) -> slot
         self.slot_tensors: list[torch.Tensor] = []  # strong refs during capture
-        self.externals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (original, storage alias)
+        self.externals: dict[int, tuple[torch.Tensor, torch.Tensor, str]] = {}  # id -> (original, alias, reader)
+        self.op: Any = None  # the op being recorded, to name an external's first reader
         self.own_storages: set[int] = set()
         self.snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
         self.steps: list[_Step] = []
@@ -308,7 +320,7 @@ class _Recorder(TorchDispatchMode):
         ext = self.externals.get(id(value))
         if ext is None:
             # Read by storage from now on, like a device graph reads an address.
-            ext = (value, value.detach())
+            ext = (value, value.detach(), str(self.op))
             self.externals[id(value)] = ext
         return False, ext[1]
 
@@ -393,6 +405,7 @@ class _Recorder(TorchDispatchMode):
     # -- the dispatch hook --------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.op = func
         self._check_permitted(func, args, kwargs)
         self._snapshot_written(func, args, kwargs)
         template = self._template(args, kwargs)
@@ -456,6 +469,7 @@ class CPUGraph:
         self._num_slots = 0
         self._static_outputs: list[tuple[int, weakref.ref]] = []
         self._externals: list[torch.Tensor] = []
+        self._guards: list[_StorageGuard] = []
         self._pool = CPUGraphPool()
         self.static_bytes = 0  # bytes of static outputs (capture time)
         self.workspace_bytes = 0  # peak bytes of live intermediates during one replay
@@ -477,6 +491,7 @@ class CPUGraph:
         self._steps = None
         self._static_outputs = []
         self._externals = []
+        self._guards = []
         self.static_bytes = self.workspace_bytes = 0
 
     def _finalize(self, rec: _Recorder, pool: CPUGraphPool) -> None:
@@ -523,7 +538,10 @@ class CPUGraph:
         self._steps = steps
         self._num_slots = len(refs)
         self._static_outputs = static
-        self._externals = [alias for _, alias in rec.externals.values()]
+        readers = [(alias, reader) for _, alias, reader in rec.externals.values()]
+        rec.externals.clear()  # the originals: only what outside the graph holds may count as held
+        self._externals = [alias for alias, _ in readers]
+        self._guards = _storage_guards(readers)
         self._pool = pool
         pool._usage[self] = (self.static_bytes, self.workspace_bytes)
 
@@ -533,6 +551,14 @@ class CPUGraph:
             raise RuntimeError("CPUGraph.replay(): the graph has not been captured")
         if is_cpu_graph_capturing():
             raise GraphCaptureError("replaying a graph while capturing another is not permitted")
+        for guard in self._guards:
+            if _use_count(guard.cdata) <= guard.graph_refs:
+                raise GraphReplayError(
+                    f"CPU graph emulation: this replay would read freed memory, a stale address: {guard.what}, and "
+                    "nothing but the graph holds it any more (on a device the graph reads whatever was allocated "
+                    "there since). Keep every tensor a graph reads alive and update it in place (copy_), or "
+                    "capture a new graph after replacing it."
+                )
         vals: list[Any] = [None] * self._num_slots
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             for st in steps:
@@ -566,6 +592,48 @@ class CPUGraph:
                 static = ref()
                 if static is not None:  # outputs the caller dropped need no update
                     static.copy_(vals[slot])
+
+
+class _StorageGuard(NamedTuple):
+    ref: StorageWeakRef  # keeps ``cdata`` valid without keeping the memory alive
+    cdata: int
+    graph_refs: int  # references the graph itself holds (at most this many: nobody else does)
+    what: str
+
+
+_use_count = torch._C._storage_Use_Count
+
+
+def _python_storage_refs() -> int:
+    """References a storage's preserved Python object adds to its use count (1 on current torch)."""
+    t = torch.zeros(1)
+    ref = StorageWeakRef(t.untyped_storage())
+    return _use_count(ref.cdata) - 1
+
+
+_PY_STORAGE_REFS = _python_storage_refs()
+
+
+def _storage_guards(readers: list[tuple[torch.Tensor, str]]) -> list[_StorageGuard]:
+    """One guard per storage the graph reads that something outside the graph held at capture end."""
+    found: dict[int, list[Any]] = {}
+    for alias, reader in readers:
+        storage = alias.untyped_storage()  # materialises the Python object: counted in _PY_STORAGE_REFS
+        if storage.nbytes() == 0:
+            continue
+        entry = found.get(storage.data_ptr())
+        if entry is None:
+            found[storage.data_ptr()] = [StorageWeakRef(storage), 1, alias, reader]
+        else:
+            entry[1] += 1
+        del storage
+    guards = []
+    for ref, aliases, alias, reader in found.values():
+        graph_refs = aliases + _PY_STORAGE_REFS
+        if _use_count(ref.cdata) > graph_refs:
+            what = f"{reader} reads a {list(alias.shape)} {str(alias.dtype).removeprefix('torch.')} tensor"
+            guards.append(_StorageGuard(ref, ref.cdata, graph_refs, what))
+    return guards
 
 
 def _own_storages_of(tensors: list[torch.Tensor], own: set[int]) -> tuple[list[int | None], dict[int, int]]:
