@@ -1,28 +1,39 @@
-"""Admission rounds staged into fixed buffers, so a whole round can be captured like a decode step.
+"""Prompts prefilled ahead in batches, and admission rounds that only load them: both graphed like a decode step.
 
-Continuous batching admits requests many times per call, and an eager
-prefill forward costs several replayed decode steps (about two on the CPU
-emulation, many more on a GPU, where it is launch-bound). So a rollout stages
-each admission round into an :class:`AdmissionStage` bucket and runs it with
-:func:`admit_staged`: prefill, K/V into the slots, first token, slot setup,
-all device work at fixed addresses, which the runner warms up, captures and
-replays per :class:`~hybrid_engine.graph_runner.AdmissionKey`.
+Continuous batching admits requests many times per call, a few at a time. If
+every round prefilled its own prompts, each round would pay a whole forward's
+fixed cost (about two and a half replayed decode steps on the CPU emulation,
+a launch-bound forward on a GPU), and the scheduler would have to hold free
+slots idle to batch rounds. So a rollout separates the two:
 
-What a round's capture freezes: the number of prompt rows (exact up to
+* :func:`prefill_staged` prefills the next prompts of the queue, up to the
+  stage's rows, into the :class:`AdmissionStage` cache, and keeps each one's
+  last-position logits (float32) there. Each prompt is prefilled once per
+  call, however many rounds its requests are admitted in.
+* :func:`admit_staged` admits a round of requests whose prompts are staged:
+  their K/V are copied into their slots (shared prompts fan out by stage row),
+  each one's first token is picked from its prompt's logits with the decode
+  step's sampler (token 0 of its counters), and the slots are set up. That is
+  about a tenth of a prefill, so rounds are cheap and slots rarely wait.
+
+The runner warms up, captures and replays both per key
+(:class:`~hybrid_engine.graph_runner.PrefillKey`,
+:class:`~hybrid_engine.graph_runner.AdmissionKey`). What a capture freezes:
+the number of prompt rows (exact up to
 :data:`~hybrid_engine.graph_runner.EXACT_PROMPT_ROWS`, since a padding row
 would cost a whole prefill, then the decode buckets), the number of request
 rows (decode buckets: a request row costs only its sampling), the staged
 width (the call's padded prompt width, rounded up to a power of two, the same
-for every round of a call) and the sampling mode (the knobs' values are device
-data, :class:`~hybrid_engine.sampling.SamplingKnobs`).
-Everything per round is device data in the stage: the prompts (right-aligned, the columns before them masked out)
-and one ``meta`` column per request (slot, source prompt row, request index,
-budget, min_tokens, seed). Prompt rows past the round's prompts keep stale
-prompts that no request reads; request columns past its requests repeat the
-last request, so their writes are identical duplicates. Masked columns add
-exact zeros to attention, so staging changes a prompt's result no more than
-another padding width does; eager and graph rounds run the same staged
-shapes, so their tokens are identical.
+for every batch of a call) and the sampling mode (the knobs' values are device
+data, :class:`~hybrid_engine.sampling.SamplingKnobs`). Everything per batch
+or round is device data in the stage: the prompts (right-aligned, the columns
+before them masked out) and one ``meta`` column per request (slot, stage row
+of its prompt, request index, budget, min_tokens, seed). Prompt rows past a
+batch's prompts keep stale prompts that no request reads; request columns
+past a round's requests repeat the last request, so their writes are
+identical duplicates. Masked columns add exact zeros to attention, so staging
+changes a prompt's result no more than another padding width does; eager and
+graph runs use the same staged shapes, so their tokens are identical.
 
 ``engine.generate`` admits its batch once per call, at its exact width (as
 transformers prefills it), and does not stage.
@@ -35,11 +46,12 @@ from typing import NamedTuple
 import torch
 from transformers import PreTrainedModel
 
-from .decode_state import DecodeSlots, choose_tokens
+from .decode_state import DecodeSlots, choose_tokens, logits_width
 from .model_step import prefill
 from .static_cache import StaticKVCache
 
-__all__ = ["AdmissionStage", "StagedRound", "admit_from_logits", "admit_staged", "width_bucket"]
+__all__ = ["AdmissionStage", "StagedPrompts", "StagedRequests", "admit_from_logits", "admit_staged", "prefill_staged",
+           "width_bucket"]
 
 
 def width_bucket(width: int) -> int:
@@ -47,20 +59,29 @@ def width_bucket(width: int) -> int:
     return max(8, 1 << (width - 1).bit_length())
 
 
-class StagedRound(NamedTuple):
-    """One admission round's device inputs, views of an :class:`AdmissionStage` at fixed addresses."""
+class StagedPrompts(NamedTuple):
+    """A prefill batch's device inputs and outputs, views of an :class:`AdmissionStage` at fixed addresses."""
 
     ids: torch.Tensor  # [P, W] prompts, right-aligned
     mask: torch.Tensor  # [P, W]
     cache: StaticKVCache  # P rows, W slots: where the prompts are prefilled
-    meta: torch.Tensor  # [6, R]: slot, source prompt row, request index, budget, min_tokens, seed
+    logits: torch.Tensor  # [P, V] float32: each prompt's last-position logits
+
+
+class StagedRequests(NamedTuple):
+    """An admission round's device inputs, views of an :class:`AdmissionStage` at fixed addresses."""
+
+    cache: StaticKVCache  # every stage row, W slots: the staged prompts the requests read
+    logits: torch.Tensor  # [rows, V] float32
+    meta: torch.Tensor  # [6, R]: slot, stage row of the prompt, request index, budget, min_tokens, seed
 
 
 class AdmissionStage:
-    """Static buffers for admission rounds at the largest shape a call needs, viewed per (P, R, W) bucket.
+    """Static buffers for prefill batches and admission rounds at the largest shape a call needs.
 
-    A round of ``p`` prompts ``w`` wide for ``r`` requests goes into the smallest
-    bucket holding it (see the module docstring for what is padded and how).
+    A batch of ``p`` prompts ``w`` wide goes into the smallest prompt bucket
+    holding it, a round of ``r`` requests into the smallest request bucket (see
+    the module docstring for what is padded and how).
     """
 
     META_ROWS = 6
@@ -72,52 +93,70 @@ class AdmissionStage:
         self.ids = torch.zeros(rows, width, dtype=torch.int64, device=device)
         self.mask = torch.zeros(rows, width, dtype=torch.int64, device=device)
         self.meta = torch.zeros(self.META_ROWS, rows, dtype=torch.int64, device=device)
+        # float32 holds any logits dtype exactly, and the sampler computes in float32 anyway.
+        self.logits = torch.zeros(rows, logits_width(model), dtype=torch.float32, device=device)
         self.cache = StaticKVCache(model.config, rows, width, device=device, dtype=dtype)
         self.cache.bounds_checks = False
-        self._views: dict[tuple[int, int, int], StagedRound] = {}
+        self._prompt_views: dict[tuple[int, int], StagedPrompts] = {}
+        self._request_views: dict[tuple[int, int], StagedRequests] = {}
 
-    def fits(self, rows: int, width: int, device: torch.device, dtype: torch.dtype) -> bool:
+    def fits(self, rows: int, width: int, device: torch.device, dtype: torch.dtype, vocab: int) -> bool:
         return (self.rows >= rows and self.width >= width and self.ids.device == device
-                and self.cache.dtype == dtype)
+                and self.cache.dtype == dtype and self.logits.shape[1] == vocab)
 
-    def view(self, prompts: int, requests: int, width: int) -> StagedRound:
-        """The ``(prompts, requests, width)`` bucket's views (fixed addresses)."""
-        view = self._views.get((prompts, requests, width))
+    def prompts_view(self, prompts: int, width: int) -> StagedPrompts:
+        """The ``(prompts, width)`` prefill bucket's views (fixed addresses)."""
+        view = self._prompt_views.get((prompts, width))
         if view is None:
-            view = self._views[(prompts, requests, width)] = StagedRound(
-                self.ids[:prompts, :width], self.mask[:prompts, :width],
-                self.cache.rows_view(0, prompts, width), self.meta[:, :requests])
+            view = self._prompt_views[(prompts, width)] = StagedPrompts(
+                self.ids[:prompts, :width], self.mask[:prompts, :width], self.cache.rows_view(0, prompts, width),
+                self.logits[:prompts])
         return view
 
-    def stage(self, ids: torch.Tensor, mask: torch.Tensor, meta: list[list[int]], prompts: int, requests: int,
-              width: int) -> StagedRound:
-        """Copy a round's prompts ``[p, w]`` and per-request ``meta`` (6 lists of ``r`` ints) into a bucket."""
+    def requests_view(self, requests: int, width: int) -> StagedRequests:
+        """The ``(requests, width)`` admission bucket's views (fixed addresses)."""
+        view = self._request_views.get((requests, width))
+        if view is None:
+            view = self._request_views[(requests, width)] = StagedRequests(
+                self.cache.rows_view(0, self.rows, width), self.logits, self.meta[:, :requests])
+        return view
+
+    def stage_prompts(self, ids: torch.Tensor, mask: torch.Tensor, prompts: int, width: int) -> StagedPrompts:
+        """Copy a batch's left-padded prompts ``[p, w]`` into its bucket, right-aligned: prompt ``i`` at row ``i``."""
         p, w = ids.shape
-        r = len(meta[0])
-        view = self.view(prompts, requests, width)
+        view = self.prompts_view(prompts, width)
         view.mask[:p, : width - w].zero_()
         view.mask[:p, width - w:].copy_(mask)
         view.ids[:p, width - w:].copy_(ids)
+        return view
+
+    def stage_requests(self, meta: list[list[int]], requests: int, width: int) -> StagedRequests:
+        """Copy a round's per-request ``meta`` (6 lists of ``r`` ints) into its bucket."""
+        r = len(meta[0])
+        view = self.requests_view(requests, width)
         columns = [row + row[-1:] * (requests - r) for row in meta]  # pad by repeating the last request
         view.meta.copy_(torch.tensor(columns, dtype=torch.int64))
         return view
 
     def memory_bytes(self) -> int:
-        return int(self.cache.memory_bytes()) + self.ids.nbytes + self.mask.nbytes + self.meta.nbytes
+        return (int(self.cache.memory_bytes()) + self.ids.nbytes + self.mask.nbytes + self.meta.nbytes
+                + self.logits.nbytes)
 
 
-def admit_staged(slots: DecodeSlots, model: PreTrainedModel, stage: StagedRound,
-                 sampling_key: tuple[float, float, int]) -> None:
-    """One admission round, entirely in device tensors (this is what gets captured for rollouts).
+def prefill_staged(model: PreTrainedModel, staged: StagedPrompts) -> None:
+    """Prefill a staged batch into the stage cache and keep each prompt's last logits (captured for rollouts)."""
+    staged.logits.copy_(prefill(model, staged.cache, staged.ids, staged.mask, checked=True))
 
-    Prefill the staged prompts, load each request's prompt K/V into its slot
-    (shared prompts fan out by source row), pick its first token from its
-    prompt's logits with the decode step's sampler, and admit it.
+
+def admit_staged(slots: DecodeSlots, staged: StagedRequests, sampling_key: tuple[float, float, int]) -> None:
+    """One admission round of staged prompts, entirely in device tensors (captured for rollouts).
+
+    Load each request's prompt K/V from its stage row into its slot (shared
+    prompts fan out), pick its first token from its prompt's logits with the
+    decode step's sampler, and admit it.
     """
-    logits = prefill(model, stage.cache, stage.ids, stage.mask, checked=True)
-    slot, source = stage.meta[0], stage.meta[1]
-    slots.cache.load_rows(slot, stage.cache, sources=source, checked=True)
-    admit_from_logits(slots, logits, stage.meta, sampling_key)
+    slots.cache.load_rows(staged.meta[0], staged.cache, sources=staged.meta[1], checked=True)
+    admit_from_logits(slots, staged.logits, staged.meta, sampling_key)
 
 
 def admit_from_logits(slots: DecodeSlots, logits: torch.Tensor, meta: torch.Tensor,

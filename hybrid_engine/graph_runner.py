@@ -9,10 +9,11 @@ Both generation paths run on this one runner: ``engine.generate``
   at the largest bucket a call needs (it only grows, as gpt-fast's caches do);
   bucket ``n`` runs on its ``[:n]`` head, at the same addresses;
 * the graphs, keyed by :class:`GraphKey` ``(bucket, sampling mode)`` for
-  decode steps and :class:`AdmissionKey` for staged admission rounds
-  (continuous batching admits often, and an eager prefill forward costs
-  several replayed steps), all captured into one shared memory pool on the
-  accelerator's side stream;
+  decode steps, :class:`PrefillKey` for prompts prefilled ahead into the
+  admission stage and :class:`AdmissionKey` for admission rounds from it
+  (:mod:`hybrid_engine.admission`: continuous batching admits often, and an
+  eager forward costs several replayed steps), all captured into one shared
+  memory pool on the accelerator's side stream;
 * the policy: :meth:`refusal` is the whole answer to "may graphs run now"
   (:mod:`hybrid_engine.graph_policy` plus what was learnt at run time);
 * one warm-up (the first run of a key is eager, on the graph stream; the next
@@ -58,9 +59,9 @@ import torch
 from transformers import PreTrainedModel
 
 from .accelerator import accelerator_for
-from .admission import AdmissionStage, admit_staged
+from .admission import AdmissionStage, admit_staged, prefill_staged
 from .config import EngineConfig, user_stacklevel
-from .decode_state import DecodeSlots, vocab_sizes
+from .decode_state import DecodeSlots, logits_width, vocab_sizes
 from .graph_policy import GraphRefusedWarning, graph_attention, refusal_reason
 from .graph_safety import (
     HookCaptureError,
@@ -74,12 +75,12 @@ from .model_step import max_positions
 from .sampling import sampling_mode
 
 __all__ = ["EXACT_PROMPT_ROWS", "MAX_CAPTURE_FAILURES", "AdmissionKey", "DecodeGraphRunner", "GraphKey", "GraphStats",
-           "decode_grad_mode", "default_graph_buckets"]
+           "PrefillKey", "decode_grad_mode", "default_graph_buckets"]
 
 #: Capture failures after which a runner stops trying graphs.
 MAX_CAPTURE_FAILURES = 3
 
-#: Admission rounds of up to this many prompts run at their exact count (above it, in the decode buckets):
+#: Prefill batches of up to this many prompts run at their exact count (above it, in the decode buckets):
 #: a padding row costs a whole prefill of the staged width, where a decode step's padding row costs one token.
 EXACT_PROMPT_ROWS = 8
 
@@ -119,10 +120,16 @@ class GraphKey(NamedTuple):
     sampling: tuple[bool, bool, bool]  # :func:`~hybrid_engine.sampling.sampling_mode`; the values are device data
 
 
-class AdmissionKey(NamedTuple):
-    """A staged admission round: ``prompts`` prompts of ``width`` tokens for ``requests`` requests."""
+class PrefillKey(NamedTuple):
+    """A staged prefill batch: ``prompts`` prompt rows of ``width`` tokens."""
 
     prompts: int
+    width: int
+
+
+class AdmissionKey(NamedTuple):
+    """A staged admission round: ``requests`` request rows reading prompts staged ``width`` wide."""
+
     requests: int
     width: int
     sampling: tuple[bool, bool, bool]
@@ -135,8 +142,9 @@ class GraphStats:
     ``captures``, ``replays``, ``warmups`` and ``eager_steps`` count decode
     steps; ``captured_positions`` and ``graph_keys`` both count the decode
     graphs held now (each serves every position of its bucket and sampling
-    mode). ``admission_captures``/``admission_replays`` count staged admission
-    rounds (prefill, first token, slot setup). ``enabled`` says whether the next
+    mode). ``admission_captures``/``admission_replays`` count the graphs of
+    admission: staged prefill batches and admission rounds (first token, slot
+    setup). ``enabled`` says whether the next
     call may replay graphs (capture asked for, nothing refuses it), as read when
     the stats were asked for.
     """
@@ -180,8 +188,8 @@ class DecodeGraphRunner:
         self.stage: AdmissionStage | None = None
         #: Whether the current call may use graphs (set by :meth:`prepare`).
         self.use_graphs = False
-        self._graphs: dict[GraphKey | AdmissionKey, Any] = {}
-        self._warm: set[GraphKey | AdmissionKey] = set()
+        self._graphs: dict[GraphKey | PrefillKey | AdmissionKey, Any] = {}
+        self._warm: set[GraphKey | PrefillKey | AdmissionKey] = set()
         self._prompt_width = 0
         self._pool: Any = None
         self._fingerprint: tuple | None = None
@@ -224,7 +232,7 @@ class DecodeGraphRunner:
         return next((s for s in sizes if s >= n), n)
 
     def prompt_rows_for(self, n: int) -> int:
-        """The prompt rows an admission round of ``n`` prompts runs: ``n`` up to :data:`EXACT_PROMPT_ROWS`,
+        """The prompt rows a prefill batch of ``n`` prompts runs: ``n`` up to :data:`EXACT_PROMPT_ROWS`,
         else the smallest decode bucket holding them."""
         return n if n <= EXACT_PROMPT_ROWS else self.bucket_for(n)
 
@@ -235,8 +243,8 @@ class DecodeGraphRunner:
 
         ``graphs`` says whether the caller wants graphs; the policy may still
         refuse (warned once, recorded in ``last_refusal_reason``).
-        ``prompt_width`` (the width admission rounds are staged at, at least the
-        longest real prompt) sets up :meth:`admit`.
+        ``prompt_width`` (the width prompts are staged at, at least the longest
+        real prompt) sets up :meth:`prefill_prompts` and :meth:`admit`.
         """
         device = model_device(self.model)
         acc = accelerator_for(device)
@@ -258,7 +266,7 @@ class DecodeGraphRunner:
         if prompt_width is not None:
             self._prompt_width = prompt_width
             stage = self.stage
-            if stage is None or not stage.fits(need, prompt_width, device, dtype):
+            if stage is None or not stage.fits(need, prompt_width, device, dtype, logits_width(model)):
                 if stage is not None and stage.ids.device == device and stage.cache.dtype == dtype:
                     prompt_width = max(prompt_width, stage.width)
                 self.invalidate()
@@ -308,23 +316,31 @@ class DecodeGraphRunner:
         view = self.slots.head(bucket)
         self._run(GraphKey(bucket, sampling_mode(*sampling_key)), lambda: view.step(self.model, sampling_key))
 
-    def admit(self, ids: torch.Tensor, mask: torch.Tensor, meta: list[list[int]],
-              sampling_key: tuple[float, float, int]) -> None:
-        """One admission round: prompts ``[p, w]`` (left-padded) for the requests described by ``meta``.
+    def prefill_prompts(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """Prefill prompts ``[p, w]`` (left-padded, ``p`` <= the stage's rows) into stage rows ``0..p-1``.
 
-        ``meta`` holds six lists, one entry per request: slot, source prompt row,
-        request index, budget, min_tokens and seed. The round is staged into its
-        bucket of the :class:`~hybrid_engine.admission.AdmissionStage` and run
-        like a decode step (graph replay where allowed).
+        Staged at the call's prompt width and run like a decode step (graph
+        replay where allowed); :meth:`admit` reads them until the next batch.
         """
-        # Rows are staged at their decode bucket and every round of a call at the call's prompt width, so
-        # the admission graphs depend on the call's shape only and stay few over a long run.
+        # Every batch of a call is staged at the call's prompt width, so the graphs depend on the call's
+        # shape only and stay few over a long run.
         width = self._prompt_width
         ids, mask = ids[:, -width:], mask[:, -width:]  # only left padding is cut: width >= every real prompt
-        prompts, requests = self.prompt_rows_for(ids.shape[0]), self.bucket_for(len(meta[0]))
-        round_ = self.stage.stage(ids, mask, meta, prompts, requests, width)
-        self._run(AdmissionKey(prompts, requests, width, sampling_mode(*sampling_key)),
-                  lambda: admit_staged(self.slots, self.model, round_, sampling_key))
+        prompts = self.prompt_rows_for(ids.shape[0])
+        staged = self.stage.stage_prompts(ids, mask, prompts, width)
+        self._run(PrefillKey(prompts, width), lambda: prefill_staged(self.model, staged))
+
+    def admit(self, meta: list[list[int]], sampling_key: tuple[float, float, int]) -> None:
+        """One admission round of requests whose prompts :meth:`prefill_prompts` staged.
+
+        ``meta`` holds six lists, one entry per request: slot, stage row of its
+        prompt, request index, budget, min_tokens and seed. Run like a decode
+        step (graph replay where allowed).
+        """
+        width, requests = self._prompt_width, self.bucket_for(len(meta[0]))
+        staged = self.stage.stage_requests(meta, requests, width)
+        self._run(AdmissionKey(requests, width, sampling_mode(*sampling_key)),
+                  lambda: admit_staged(self.slots, staged, sampling_key))
 
     def capture_buckets(self, top: int, sampling_key: tuple[float, float, int], shrink: bool) -> None:
         """Warm up and capture, up front and largest first, every decode bucket a call may visit.
@@ -351,7 +367,7 @@ class DecodeGraphRunner:
                 return
             self._capture(key, step)
 
-    def _warm_up(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> bool:
+    def _warm_up(self, key: GraphKey | PrefillKey | AdmissionKey, run: Callable[[], None]) -> bool:
         """The one warm-up: a real run on the graph stream, so lazy kernels and workspaces exist before capture.
 
         ``False`` when the attention graphed steps switch to (:func:`graph_attention`) failed here, its
@@ -377,7 +393,7 @@ class DecodeGraphRunner:
         self._stats.warmups += isinstance(key, GraphKey)
         return True
 
-    def _run(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> None:
+    def _run(self, key: GraphKey | PrefillKey | AdmissionKey, run: Callable[[], None]) -> None:
         """``run()`` for ``key``: its graph replayed, or its warm-up or capture, or eagerly."""
         decode = isinstance(key, GraphKey)
         s = self._stats
@@ -399,12 +415,12 @@ class DecodeGraphRunner:
         run()
         s.eager_steps += decode
 
-    def _capture(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> Any | None:
+    def _capture(self, key: GraphKey | PrefillKey | AdmissionKey, run: Callable[[], None]) -> Any | None:
         """Capture ``run`` for ``key`` (its work is not applied: the caller replays); ``None`` if it failed."""
         with self.accelerator.on_device(self.slots.device):
             return self._capture_on_device(key, run)
 
-    def _capture_on_device(self, key: GraphKey | AdmissionKey, run: Callable[[], None]) -> Any | None:
+    def _capture_on_device(self, key: GraphKey | PrefillKey | AdmissionKey, run: Callable[[], None]) -> Any | None:
         acc = self.accelerator
         t0 = time.perf_counter()
         # Where the backend cannot size a pool, the memory it reserves while capturing: the pool keeps its

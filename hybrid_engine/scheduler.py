@@ -22,14 +22,15 @@ bucket, rows above it move into free slots below it (:meth:`DecodeSlots.move`,
 as vLLM compacts its batch), so finished rows stop costing compute.
 
 Continuous batching admits waiting requests into the lowest free slots in
-rounds, one prefill forward each. A round costs about ``ADMISSION_COST``
-decode steps, so the scheduler holds free slots back until idling them would
-cost more than another round (:func:`_steps_to_admission`). Rollouts stage
-each round into an admission bucket and run it on the runner, graphed like a
-decode step (:mod:`hybrid_engine.admission`); with shared prefill each
-distinct prompt of a round is prefilled once and its K/V fan out to the slots
-of its other samples. ``engine.generate`` admits its batch once, eagerly, at
-its exact width.
+rounds. A round costs about ``ADMISSION_COST`` decode steps, so the scheduler
+holds free slots back until idling them would cost more than another round
+(:func:`_steps_to_admission`). Rollouts prefill prompts ahead, in batches of
+the next prompts of the queue up to the stage's rows, and a round only loads
+staged prompts into slots (:mod:`hybrid_engine.admission`); both run on the
+runner, graphed like a decode step. With shared prefill each distinct prompt
+is prefilled once per call and its K/V fan out to the slots of its samples,
+whichever rounds admit them. ``engine.generate`` admits its batch once,
+eagerly, at its exact width.
 
 A request's first token is picked from the prefill logits by the same
 :func:`~hybrid_engine.decode_state.choose_tokens` and counters (request index,
@@ -40,7 +41,7 @@ does not change what it samples.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -54,9 +55,9 @@ from .timing import PhaseTimer
 __all__ = ["ADMISSION_COST", "Counters", "RequestSpec", "gather_responses", "run_schedule"]
 
 #: What one admission round costs, in decode steps, for the continuous-batching admission rule
-#: (:func:`_steps_to_admission`). Measured about 1.5-2.5 on CPU; the schedules it yields change little
-#: between 1 and 8 (simulated on the long-tailed workload), so one value serves every backend.
-ADMISSION_COST = 2.0
+#: (:func:`_steps_to_admission`). A round of staged prompts is about a quarter of a step on CPU (the
+#: prefill, paid once per prompt whenever it runs, is not part of it).
+ADMISSION_COST = 0.5
 
 
 @dataclass
@@ -72,9 +73,10 @@ class RequestSpec:
 class Counters:
     timer: PhaseTimer  # "prefill" and "decode" phases
     decode_steps: int = 0
-    prefill_forwards: int = 0  # one per admission round
-    prefill_rows: int = 0
-    kv_row_copies: int = 0
+    prefill_forwards: int = 0  # staged prefill batches (unstaged: one per admission round)
+    admission_rounds: int = 0
+    prefill_rows: int = 0  # prompts prefilled
+    kv_row_copies: int = 0  # requests admitted from a prompt an earlier request of the call already used
     host_syncs: int = 0
     harvests: int = 0
     peak_active_batch: int = 0
@@ -88,40 +90,90 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
+class _Staging:
+    """Which prompts of a call sit in the runner's admission stage, and at which rows."""
+
+    def __init__(self, rows: int, shared_prefill: bool) -> None:
+        self.rows = rows
+        self.shared = shared_prefill
+        self.row_of: dict[tuple[int, ...], int] = {}
+        self.used: set[tuple[int, ...]] = set()
+
+    def unit(self, req: RequestSpec) -> tuple[int, ...]:
+        """What is prefilled for ``req``: its prompt, shared by its samples, or its own copy of it."""
+        return (req.prompt_index,) if self.shared else (req.prompt_index, req.request_index)
+
+    def next_batch(self, upcoming: Iterable[RequestSpec]) -> list[tuple[int, ...]]:
+        """The next prompts to prefill: the first distinct ones of ``upcoming``, up to the stage's rows."""
+        batch: dict[tuple[int, ...], None] = {}
+        for req in upcoming:
+            batch.setdefault(self.unit(req))
+            if len(batch) == self.rows:
+                break
+        self.row_of = {unit: row for row, unit in enumerate(batch)}
+        return list(batch)
+
+
 def _admit(
     runner: DecodeGraphRunner,
     slots: list[int],
     reqs: list[RequestSpec],
+    queue: deque[RequestSpec],
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     sampling_key: tuple[float, float, int],
     seed: int,
     *,
-    shared_prefill: bool,
-    staged: bool,
+    staging: _Staging | None,
     counters: Counters,
 ) -> None:
-    """Prefill ``reqs`` and load them into ``slots`` (one admission round)."""
-    # Which prompt each request reads its K/V and first logits from.
-    prompts = list(dict.fromkeys(r.prompt_index for r in reqs)) if shared_prefill else [r.prompt_index for r in reqs]
-    row_of = {p: k for k, p in enumerate(prompts)}
-    source = [row_of[r.prompt_index] for r in reqs] if shared_prefill else list(range(len(reqs)))
-    counters.prefill_forwards += 1
-    counters.prefill_rows += len(prompts)
-    counters.kv_row_copies += len(reqs) - len(prompts)
-    index = _index(prompts, prompt_ids.device)
-    meta = [slots, source, [r.rng_index for r in reqs], [r.budget for r in reqs], [r.min_tokens for r in reqs],
-            [seed] * len(reqs)]
-    if staged:  # staged into a bucket at the call's prompt width, run as one (graphed) round
-        runner.admit(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index), meta, sampling_key)
+    """Load ``reqs`` into ``slots`` (one admission round), prefilling what they need.
+
+    ``staging``: the round reads prompts staged ahead, prefilling the next batch
+    when a request's prompt is not staged (a round straddling two batches runs
+    as two parts); ``None``: the whole batch is prefilled eagerly at its own
+    width into slots 0..n-1, exactly as transformers prefills it (never graphed).
+    """
+    counters.admission_rounds += 1
+    device = prompt_ids.device
+    if staging is None:
+        if slots != list(range(len(slots))):
+            raise ValueError("unstaged admission takes one prompt per request into slots 0..n-1")
+        counters.prefill_forwards += 1
+        counters.prefill_rows += len(reqs)
+        index = _index([r.prompt_index for r in reqs], device)
+        state = runner.slots
+        logits = prefill(runner.model, state.head(len(slots)).cache, prompt_ids.index_select(0, index),
+                         prompt_mask.index_select(0, index), checked=True)
+        meta = [slots, list(range(len(reqs))), [r.rng_index for r in reqs], [r.budget for r in reqs],
+                [r.min_tokens for r in reqs], [seed] * len(reqs)]
+        admit_from_logits(state, logits, torch.tensor(meta, dtype=torch.int64, device=state.device), sampling_key)
         return
-    # The whole batch at its own width into slots 0..n-1, exactly as transformers prefills it (never graphed).
-    state = runner.slots
-    if slots != list(range(len(slots))) or len(prompts) != len(reqs):
-        raise ValueError("unstaged admission takes one prompt per request into slots 0..n-1")
-    logits = prefill(runner.model, state.head(len(slots)).cache, prompt_ids.index_select(0, index),
-                     prompt_mask.index_select(0, index), checked=True)
-    admit_from_logits(state, logits, torch.tensor(meta, dtype=torch.int64, device=state.device), sampling_key)
+    start = 0
+    for i in range(len(reqs) + 1):
+        if i < len(reqs) and staging.unit(reqs[i]) in staging.row_of:
+            continue
+        if i > start:  # the requests whose prompts are staged now
+            part = reqs[start:i]
+            meta = [slots[start:i], [staging.row_of[staging.unit(r)] for r in part], [r.rng_index for r in part],
+                    [r.budget for r in part], [r.min_tokens for r in part], [seed] * len(part)]
+            for r in part:
+                unit = staging.unit(r)
+                counters.kv_row_copies += unit in staging.used
+                staging.used.add(unit)
+            runner.admit(meta, sampling_key)
+        if i < len(reqs):
+            batch = staging.next_batch(_chain(reqs[i:], queue))
+            index = _index([unit[0] for unit in batch], device)
+            runner.prefill_prompts(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index))
+            counters.prefill_forwards += 1
+            counters.prefill_rows += len(batch)
+            start = i
+
+
+def _chain(first: list[RequestSpec], then: Iterable[RequestSpec]) -> Iterator[RequestSpec]:
+    yield from first
+    yield from then
 
 
 def _compact(state: DecodeSlots, active: dict[int, RequestSpec], left: dict[int, int], free: list[int],
@@ -207,6 +259,7 @@ def run_schedule(
     """
     state = runner.slots
     device = state.device
+    staging = _Staging(runner.stage.rows, shared_prefill) if staged else None
     # Every slot starts free, whatever an interrupted earlier call left live.
     state.release(torch.arange(state.rows, device=device))
     state.knobs.set(*sampling_key)  # the values the graphs of this sampling mode read
@@ -231,8 +284,8 @@ def run_schedule(
             slots = [free.pop(0) for _ in range(room)]
             reqs = [queue.popleft() for _ in range(room)]
             with counters.timer.phase("prefill"):
-                _admit(runner, slots, reqs, prompt_ids, prompt_mask, sampling_key, seed,
-                       shared_prefill=shared_prefill, staged=staged, counters=counters)
+                _admit(runner, slots, reqs, queue, prompt_ids, prompt_mask, sampling_key, seed, staging=staging,
+                       counters=counters)
             for slot, req in zip(slots, reqs):
                 active[slot] = req
                 left[slot] = req.budget - 1

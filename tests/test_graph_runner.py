@@ -16,7 +16,7 @@ from hybrid_engine.accelerator import (
     TorchBackendAccelerator,
     set_accelerator,
 )
-from hybrid_engine.admission import AdmissionStage, admit_staged, width_bucket
+from hybrid_engine.admission import AdmissionStage, admit_staged, prefill_staged, width_bucket
 from hybrid_engine.decode_state import DecodeSlots
 from hybrid_engine.engine import initialize
 from hybrid_engine.graph_policy import GraphRefusedWarning
@@ -24,6 +24,7 @@ from hybrid_engine.graph_runner import (
     EXACT_PROMPT_ROWS,
     AdmissionKey,
     DecodeGraphRunner,
+    PrefillKey,
     default_graph_buckets,
 )
 from hybrid_engine.model_step import prefill
@@ -50,7 +51,7 @@ def test_width_buckets_are_powers_of_two():
 
 
 @pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama"])
-def test_staged_round_matches_an_exact_prefill_and_fans_out_shared_prompts(arch):
+def test_staged_batch_and_round_match_an_exact_prefill_and_fan_out_shared_prompts(arch):
     model = build_model(arch, seed=2).eval()
     ids, mask = prompts(3, 5, seed=4)  # left-padded, 5 wide: staged right-aligned at width 8
     exact = slots_for(model)
@@ -61,7 +62,9 @@ def test_staged_round_matches_an_exact_prefill_and_fans_out_shared_prompts(arch)
     # Requests 0..3 into slots 3, 0, 1, 2; requests 2 and 3 share prompt 2 (the fan-out).
     meta = [[3, 0, 1, 2], [0, 1, 2, 2], [10, 11, 12, 13], [5, 5, 5, 5], [0, 0, 0, 0], [7, 7, 7, 7]]
     with torch.no_grad():
-        admit_staged(staged, model, stage.stage(ids, mask, meta, 3, 4, 8), GREEDY)
+        prefill_staged(model, stage.stage_prompts(ids, mask, 3, 8))
+        admit_staged(staged, stage.stage_requests(meta, 4, 8), GREEDY)
+    torch.testing.assert_close(stage.logits[:3], logits.float(), rtol=1e-5, atol=1e-5)
     first = logits.argmax(-1)
     assert staged.tokens.tolist() == [first[1], first[2], first[2], first[0]]  # slot s holds its request
     assert staged.request_index.tolist() == [11, 12, 13, 10] and staged.seed.tolist() == [7] * 4
@@ -76,7 +79,7 @@ def test_staged_round_matches_an_exact_prefill_and_fans_out_shared_prompts(arch)
         assert int(staged.cache.write_pos[slot]) == 8 and int(staged.cache.position[slot]) == int(mask[prompt].sum())
 
 
-def test_staged_round_captured_equals_eager():
+def test_staged_batch_and_round_captured_equal_eager():
     model = build_model("tiny-qwen2", seed=3).eval()
     acc = CPUAccelerator()
     ids, mask = prompts(2, 6, seed=5)
@@ -88,15 +91,21 @@ def test_staged_round_captured_equals_eager():
     for slots in (eager, graphed):
         slots.knobs.set(*sampled)  # what run_schedule does at the start of a call
     with torch.no_grad():
-        admit_staged(eager, model, stage_e.stage(ids, mask, meta, 2, 2, 8), sampled)
-        round_g = stage_g.stage(ids, mask, meta, 2, 2, 8)
-        admit_staged(graphed, model, round_g, sampled)  # warm-up, then reset the slots it filled
+        prefill_staged(model, stage_e.stage_prompts(ids, mask, 2, 8))
+        admit_staged(eager, stage_e.stage_requests(meta, 2, 8), sampled)
+        batch_g, round_g = stage_g.stage_prompts(ids, mask, 2, 8), stage_g.stage_requests(meta, 2, 8)
+        prefill_staged(model, batch_g)  # warm-up, then reset what it wrote
+        admit_staged(graphed, round_g, sampled)
         graphed.release(torch.tensor([0, 1]))
-        graph = acc.create_graph()
-        with acc.capture_to_graph(graph):
-            admit_staged(graphed, model, round_g, sampled)
-        assert graphed.finished.all()  # capture applied nothing
-        acc.replay_graph(graph)
+        stage_g.logits.zero_()
+        graphs = acc.create_graph(), acc.create_graph()
+        with acc.capture_to_graph(graphs[0]):
+            prefill_staged(model, batch_g)
+        with acc.capture_to_graph(graphs[1]):
+            admit_staged(graphed, round_g, sampled)
+        assert graphed.finished.all() and not stage_g.logits.any()  # capture applied nothing
+        for graph in graphs:
+            acc.replay_graph(graph)
     for name in ("tokens", "token_index", "seed", "request_index", "budget", "finished", "out_logprobs"):
         assert torch.equal(getattr(eager, name), getattr(graphed, name)), name
     assert torch.equal(eager.cache.layers[1].values, graphed.cache.layers[1].values)
@@ -115,16 +124,19 @@ def test_rollout_replays_admission_rounds_and_engine_generate_does_not_stage():
         assert torch.equal(batch.input_ids, expected.input_ids)
         assert torch.equal(batch.response_logprobs, expected.response_logprobs)
     st = rollout.last_stats
-    assert st["admission_graph_replays"] == st["prefill_forwards"] > 1 and st["admission_graph_captures"] == 0
+    # 5 prompts through a 2-row stage: 3 prefill batches, each prompt prefilled once; every batch and round replayed.
+    assert st["prefill_forwards"] == 3 and st["prefill_rows"] == 5 and st["admission_rounds"] >= 3
+    assert st["admission_graph_replays"] == st["prefill_forwards"] + st["admission_rounds"]
+    assert st["admission_graph_captures"] == 0
     engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
     engine.generate(input_ids=request.prompt_ids, attention_mask=request.prompt_attention_mask, max_new_tokens=4)
     s = engine.graph_stats
     assert s.admission_captures == 0 and s.admission_replays == 0 and s.captures >= 1
 
 
-def test_admission_rounds_run_their_exact_prompt_count_up_to_eight_then_decode_buckets():
+def test_prefill_batches_run_their_exact_prompt_count_up_to_eight_then_decode_buckets():
     model = build_model("tiny-gpt2", seed=3)
-    # 3 prompts in one round: 3 prompt rows (no padding prefill), requests in their decode bucket (4).
+    # 3 prompts in one batch: 3 prompt rows (no padding prefill), their round's requests in a decode bucket (4).
     request = RolloutRequest(*prompts(3, 6, seed=4))
     cfg = dict(pad_token_id=0, eos_token_id=10_000, max_batch_size=3)
     rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, **cfg))
@@ -132,9 +144,10 @@ def test_admission_rounds_run_their_exact_prompt_count_up_to_eight_then_decode_b
     for _ in range(3):  # warm-up, capture, replay
         batch = rollout.generate(request, SamplingConfig(max_new_tokens=5))
         assert torch.equal(batch.input_ids, eager.input_ids)
-    keys = [k for k in rollout.runner._graphs if isinstance(k, AdmissionKey)]
-    assert [(k.prompts, k.requests) for k in keys] == [(3, 4)]
-    assert rollout.last_stats["admission_graph_replays"] == 1
+    graphs = rollout.runner._graphs
+    assert [k.prompts for k in graphs if isinstance(k, PrefillKey)] == [3]
+    assert [k.requests for k in graphs if isinstance(k, AdmissionKey)] == [4]
+    assert rollout.last_stats["admission_graph_replays"] == 2
     runner = rollout.runner
     assert [runner.prompt_rows_for(n) for n in (1, 3, 5, 7, 8, 9, 17)] == [1, 3, 5, 7, 8, 16, 24]
     assert EXACT_PROMPT_ROWS == 8
@@ -174,9 +187,32 @@ def test_continuous_batching_admits_in_few_rounds_and_syncs_rarely():
         stats[continuous] = rollout.last_stats
     cont, static = stats[True], stats[False]
     assert cont["decode_steps"] < static["decode_steps"]
-    assert cont["prefill_forwards"] < 16 // 2  # batched rounds, not one per freed slot
-    assert cont["host_syncs"] <= cont["prefill_forwards"] + len(cont["bucket_steps"]) + 1
+    assert cont["admission_rounds"] < 16 // 2  # batched rounds, not one per freed slot
+    assert cont["prefill_forwards"] == static["prefill_forwards"] == 2  # 16 prompts, 8 at a time
+    assert cont["host_syncs"] <= cont["admission_rounds"] + len(cont["bucket_steps"]) + 1
     assert static["compactions"] >= 1 and min(static["bucket_steps"]) < 8  # finished rows stop costing compute
+
+
+def test_a_prompt_whose_samples_span_several_rounds_is_prefilled_once():
+    """GRPO-style: 2 prompts x 6 samples through 4 slots. The samples of a prompt are admitted over several
+    rounds, all from its one staged prefill, with the tokens of a call that admits them all at once."""
+    model = build_model("tiny-qwen2", seed=2)
+    request = RolloutRequest(*prompts(2, 7, seed=5))
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.9, top_p=0.9, n_samples_per_prompt=6, seed=3)
+    budgets_vary = RolloutRequest(request.prompt_ids, request.prompt_attention_mask, max_new_tokens=[6, 3])
+    cfg = dict(pad_token_id=0, eos_token_id=10_000)
+    for req in (request, budgets_vary):
+        wide = HybridEngineRollout(model, config=RolloutConfig(max_batch_size=12, **cfg)).generate(req, sampling)
+        for graphs in (False, True):
+            rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=graphs, max_batch_size=4,
+                                                                      **cfg))
+            for _ in range(3 if graphs else 1):  # warm-up, capture, replay
+                batch = rollout.generate(req, sampling)
+                assert torch.equal(batch.input_ids, wide.input_ids)
+                assert torch.equal(batch.response_logprobs, wide.response_logprobs)
+            st = rollout.last_stats
+            assert st["admission_rounds"] >= 3 and st["prefill_forwards"] == 1 and st["prefill_rows"] == 2
+            assert st["kv_row_copies"] == 12 - 2
 
 
 # ------------------------------------------------------------ the accelerator
@@ -318,5 +354,5 @@ def test_one_graph_per_bucket_and_sampling_mode_serves_every_temperature_of_a_sc
         outputs.append(batch.response_logprobs)
     assert captures[0] > 0 and captures[2:] == [0, 0, 0]
     assert len({tuple(o.flatten().tolist()) for o in outputs[1:]}) == 4  # every call sampled with its own knobs
-    modes = {key.sampling for key in graphed.runner._graphs}
+    modes = {key.sampling for key in graphed.runner._graphs if not isinstance(key, PrefillKey)}  # prefill: no sampling
     assert modes == {(True, True, True)}

@@ -304,7 +304,7 @@ class HybridEngineRollout:
             "last_refusal_reason": after.last_refusal_reason,
             "prefill_rows": c.prefill_rows,
             "kv_row_copies": c.kv_row_copies,
-            "admission_rounds": c.prefill_forwards,
+            "admission_rounds": c.admission_rounds,
             "harvests": c.harvests,
             "compactions": c.compactions,
             "rows_moved": c.rows_moved,

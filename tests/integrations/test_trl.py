@@ -100,8 +100,9 @@ def test_grpo_trains_three_steps_through_graphed_rollouts(tmp_path, monkeypatch)
     assert stats.captures == len(stats.buckets) >= 1  # one capture per bucket, all in the first call
     assert stats.invalidations == 0 and stats.fallbacks == 0 and stats.eager_steps == 0
     assert [r["stats"]["graph_captures"] for r in records][1:] == [0, 0]
-    # Admission rounds (one width bucket): warmed up in the first call, captured once in the second.
-    assert [r["stats"]["admission_graph_captures"] for r in records] == [0, 1, 0] == [0, stats.admission_captures, 0]
+    # Admission (one width bucket): its prefill batch and its round, warmed up in the first call, captured in the
+    # second.
+    assert [r["stats"]["admission_graph_captures"] for r in records] == [0, 2, 0] == [0, stats.admission_captures, 0]
     assert all(r["stats"]["graph_replays"] > 0 and r["stats"]["use_graph_capture"] for r in records)
 
     seen_samples = set()
@@ -347,5 +348,5 @@ def test_example_script_runs_and_graphs_match_eager(monkeypatch, capsys, lora):
     assert example.main(["--compare", "--steps", "2", "--max-completion-length", "4", *lora]) == 0
     out = capsys.readouterr().out
     assert "completions identical at every step: yes" in out
-    assert "| on | 2 | 4 | 1 |" in out and "| off | 2 | 0 | 0 |" in out
+    assert "| on | 2 | 4 | 2 |" in out and "| off | 2 | 0 | 0 |" in out  # 2 admission graphs: prefill, admit
     assert ("LoRA r=4" in out) == bool(lora)
