@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         check_rollout.generate(req, sc)  # first call: warms up, then captures the decode step
         first_graph_ms = _ms(t0)
-        check_rollout.generate(req, sc)  # second call: captures the admission round (one per call)
+        check_rollout.generate(req, sc)  # second call: captures admission (its prefill batch and round)
         check_stats = check_rollout.graph_stats
         check_captures, check_admissions = check_stats.captures, check_stats.admission_captures
         check_capture_ms = check_stats.capture_seconds * 1e3
@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
         e_med, g_med = median(eager_ms), median(graph_ms)
         print(f"\ngraph vs eager, fixed prompt set ({args.check_prompts} prompts x {args.check_tokens} tokens, "
               f"trained weights): greedy {same}/{total} tokens identical, sampled {same_s}/{total_s} tokens identical")
-        print(f"graph captures: {captures} decode step(s) + {admission_captures} admission round(s) during training, "
+        print(f"graph captures: {captures} decode step(s) + {admission_captures} admission graph(s) during training, "
               f"{check_captures} + {check_admissions} for the check's batch/sampling shape (one per bucket and "
               f"sampling mode, replayed at every position); "
               f"capture time {capture_ms:.0f} ms + {check_capture_ms:.0f} ms (first training rollout "

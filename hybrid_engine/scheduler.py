@@ -40,8 +40,9 @@ does not change what it samples.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -163,17 +164,12 @@ def _admit(
                 staging.used.add(unit)
             runner.admit(meta, sampling_key)
         if i < len(reqs):
-            batch = staging.next_batch(_chain(reqs[i:], queue))
+            batch = staging.next_batch(itertools.chain(reqs[i:], queue))
             index = _index([unit[0] for unit in batch], device)
             runner.prefill_prompts(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index))
             counters.prefill_forwards += 1
             counters.prefill_rows += len(batch)
             start = i
-
-
-def _chain(first: list[RequestSpec], then: Iterable[RequestSpec]) -> Iterator[RequestSpec]:
-    yield from first
-    yield from then
 
 
 def _compact(state: DecodeSlots, active: dict[int, RequestSpec], left: dict[int, int], free: list[int],
