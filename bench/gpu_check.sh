@@ -208,7 +208,8 @@ if (d := load("continuous")) is not None:
               f"{s['decode_steps']} static / {c['decode_steps']} continuous = {lt['step_ratio']:.2f}x; wall "
               f"{s['ms']:.1f} / {c['ms']:.1f} ms = {lt['wall_ratio']:.2f}x (target >= {lt['wall_target']}x: "
               f"{'met' if lt['wall_target_met'] else 'NOT met'}); prefill forwards {c['prefill_forwards']} / "
-              f"{s['prefill_forwards']}, host syncs {c['host_syncs']} / {s['host_syncs']} (continuous / static); "
+              f"{s['prefill_forwards']}, admission rounds {c['admission_rounds']} / {s['admission_rounds']}, "
+              f"host syncs {c['host_syncs']} / {s['host_syncs']} (continuous / static); "
               f"tokens identical {lt['agreement']['identical']}/{lt['agreement']['total']}")
     else:
         print("long tail: not run")

@@ -50,6 +50,7 @@ def test_cpu_rehearsal_runs_every_step_and_writes_the_headlines(tmp_path):
     assert "all steps ok" in summary
     headlines = (work / "headlines.txt").read_text()
     assert "parity: ok=True" in headlines and "long tail (tiny-gpt2, 64 requests, 8 slots)" in headlines
+    assert "prefill forwards 8 / 8, admission rounds" in headlines  # prefilled ahead, 8 prompts at a time
     continuous = json.loads((out / "continuous.json").read_text())
     assert continuous["long_tail"]["step_ratio"] > 3  # the workload's shape, not a timing
     assert (out / "gpu_check_results.tgz").stat().st_size > 0
