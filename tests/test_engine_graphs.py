@@ -18,6 +18,7 @@ from hybrid_engine.config import EngineConfig, load_config, validate_graph_captu
 from hybrid_engine.engine import initialize
 from hybrid_engine.graph_policy import GraphRefusedWarning
 from hybrid_engine.graph_runner import MAX_CAPTURE_FAILURES, GraphStats
+from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 from hybrid_engine.tiny_models import build_model
 
 N = 5
@@ -552,22 +553,39 @@ def test_reallocated_weights_are_detected_and_recaptured(how):
     assert s.invalidations == 1 and s.captures == 2 and s.graph_keys == 1
 
 
-def test_without_the_fingerprint_check_the_emulation_refuses_the_stale_replay(monkeypatch):
+@pytest.mark.parametrize("path", ["engine", "rollout"])
+def test_without_the_fingerprint_check_the_emulation_refuses_the_stale_replay(monkeypatch, path):
     """What the weight fingerprint guards against fails loudly in CPU CI: with the check disabled, replaying
-    graphs whose weights were reallocated (the old memory freed) raises instead of reading stale weights."""
+    graphs whose weights were reallocated (the old memory freed) raises instead of reading stale weights,
+    though every graph of the runner (decode buckets, prefill, admission) reads those weights."""
     import hybrid_engine.graph_runner as graph_runner
     from hybrid_engine.accelerator import GraphReplayError
 
     model = build_model("tiny-llama", seed=5)
-    graph, _ = engines(model)
-    ids, mask = prompts(2, 4)
-    gen(graph, ids, mask)
+    ids, mask = prompts(4, 4)
+    if path == "engine":
+        engine, _ = engines(model)
+        eos = emitted_eos(model, ids, mask, {0: 1, 1: 3})  # rows end unevenly: several buckets are captured
+
+        def call():
+            gen(engine, ids, mask, pinned=False, eos_token_id=eos)
+            return engine.graph_stats
+    else:
+        rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, max_batch_size=2,
+                                                                  pad_token_id=0, eos_token_id=10_000))
+        request = RolloutRequest(ids, mask, max_new_tokens=[2, 5, 3, 5])
+
+        def call():
+            rollout.generate(request, SamplingConfig(max_new_tokens=5))
+            return rollout.graph_stats
+    call()
     monkeypatch.setattr(graph_runner, "graph_fingerprint", lambda model: "unchanged")
-    gen(graph, ids, mask)  # the same weights: the replays run
+    stats = call()  # the same weights: the replays run
+    assert stats.graph_keys + stats.admission_captures > 1 and stats.replays > 0
     for p in model.parameters():
         p.data = p.data * 1.5  # new storage; nothing holds the old one any more
     with pytest.raises(GraphReplayError, match="stale address"):
-        gen(graph, ids, mask)
+        call()
 
 
 def _patch_head_forward(model):

@@ -21,12 +21,15 @@ below models one CUDA-graph rule:
   an in-place update (``param.add_``) is seen by the next replay, but a tensor
   whose storage was swapped (``param.data = ...``) keeps being read from the
   old storage, so stale-weight bugs show up on CPU as they would on a GPU.
-* A device graph holds no reference to what it reads: once nothing outside
-  the graph holds a storage it reads, that memory is free on a device, and a
-  replay would read whatever was allocated there next. Replay then raises
+* A device graph holds no reference to what it uses: once nothing but graphs
+  holds a storage a graph uses, that memory is free on a device, and a replay
+  would use whatever was allocated there next. Replay then raises
   :class:`GraphReplayError` (a stale address), where CUDA would silently read
-  garbage. Only storages something outside the graph held when capture ended
+  garbage. Only storages something outside the graphs held when capture ended
   are checked; the rest (scalars the dispatcher wrapped) are the graph's own.
+  Holding a storage means holding a tensor on it: a bare ``UntypedStorage``
+  object, or a NumPy array behind a dropped ``from_numpy`` tensor, does not
+  count (refused where CUDA might still work).
 * Static outputs are updated in place by every replay.
 * Host synchronisations and data-dependent shapes (``.item()``, ``bool(t)``,
   ``.tolist()``, ``.numpy()``, ``.cpu()``, ``nonzero``, boolean-mask indexing)
@@ -65,7 +68,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -470,6 +473,7 @@ class CPUGraph:
         self._static_outputs: list[tuple[int, weakref.ref]] = []
         self._externals: list[torch.Tensor] = []
         self._guards: list[_StorageGuard] = []
+        self._forget: Callable[[], Any] = lambda: None  # takes the guards' references out of the registry
         self._pool = CPUGraphPool()
         self.static_bytes = 0  # bytes of static outputs (capture time)
         self.workspace_bytes = 0  # peak bytes of live intermediates during one replay
@@ -491,6 +495,7 @@ class CPUGraph:
         self._steps = None
         self._static_outputs = []
         self._externals = []
+        self._forget()
         self._guards = []
         self.static_bytes = self.workspace_bytes = 0
 
@@ -542,6 +547,7 @@ class CPUGraph:
         rec.externals.clear()  # the originals: only what outside the graph holds may count as held
         self._externals = [alias for alias, _ in readers]
         self._guards = _storage_guards(readers)
+        self._forget = weakref.finalize(self, _forget_guards, [(g.cdata, g.aliases) for g in self._guards])
         self._pool = pool
         pool._usage[self] = (self.static_bytes, self.workspace_bytes)
 
@@ -552,12 +558,12 @@ class CPUGraph:
         if is_cpu_graph_capturing():
             raise GraphCaptureError("replaying a graph while capturing another is not permitted")
         for guard in self._guards:
-            if _use_count(guard.cdata) <= guard.graph_refs:
+            if _use_count(guard.cdata) <= _graph_refs.get(guard.cdata, 0) + _PY_STORAGE_REFS:
                 raise GraphReplayError(
-                    f"CPU graph emulation: this replay would read freed memory, a stale address: {guard.what}, and "
-                    "nothing but the graph holds it any more (on a device the graph reads whatever was allocated "
-                    "there since). Keep every tensor a graph reads alive and update it in place (copy_), or "
-                    "capture a new graph after replacing it."
+                    f"CPU graph emulation: this replay would use freed memory, a stale address: {guard.what}, "
+                    "which nothing but graphs holds any more (on a device the graph reads and writes whatever was "
+                    "allocated there since). Keep every tensor a graph uses alive and update it in place (copy_), "
+                    "or capture a new graph after replacing it."
                 )
         vals: list[Any] = [None] * self._num_slots
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
@@ -597,7 +603,7 @@ class CPUGraph:
 class _StorageGuard(NamedTuple):
     ref: StorageWeakRef  # keeps ``cdata`` valid without keeping the memory alive
     cdata: int
-    graph_refs: int  # references the graph itself holds (at most this many: nobody else does)
+    aliases: int  # references this graph holds
     what: str
 
 
@@ -612,28 +618,46 @@ def _python_storage_refs() -> int:
 
 
 _PY_STORAGE_REFS = _python_storage_refs()
+# Per guarded storage, the references all live graphs hold: several graphs read the same weights, and each
+# one's references must not count as "held outside" for the others.
+_graph_refs: dict[int, int] = {}
+_graph_refs_lock = threading.Lock()
 
 
 def _storage_guards(readers: list[tuple[torch.Tensor, str]]) -> list[_StorageGuard]:
-    """One guard per storage the graph reads that something outside the graph held at capture end."""
+    """One guard per storage the graph reads that something outside the graphs held at capture end."""
     found: dict[int, list[Any]] = {}
     for alias, reader in readers:
         storage = alias.untyped_storage()  # materialises the Python object: counted in _PY_STORAGE_REFS
         if storage.nbytes() == 0:
             continue
-        entry = found.get(storage.data_ptr())
+        ref = StorageWeakRef(storage)
+        del storage
+        entry = found.get(ref.cdata)
         if entry is None:
-            found[storage.data_ptr()] = [StorageWeakRef(storage), 1, alias, reader]
+            found[ref.cdata] = [ref, 1, alias, reader]
         else:
             entry[1] += 1
-        del storage
     guards = []
-    for ref, aliases, alias, reader in found.values():
-        graph_refs = aliases + _PY_STORAGE_REFS
-        if _use_count(ref.cdata) > graph_refs:
-            what = f"{reader} reads a {list(alias.shape)} {str(alias.dtype).removeprefix('torch.')} tensor"
-            guards.append(_StorageGuard(ref, ref.cdata, graph_refs, what))
+    with _graph_refs_lock:
+        for cdata, (ref, aliases, alias, reader) in found.items():
+            held_by_graphs = _graph_refs.get(cdata, 0) + aliases
+            if _use_count(cdata) > held_by_graphs + _PY_STORAGE_REFS:
+                _graph_refs[cdata] = held_by_graphs
+                what = f"a {list(alias.shape)} {str(alias.dtype).removeprefix('torch.')} tensor (first used by {reader})"
+                guards.append(_StorageGuard(ref, cdata, aliases, what))
     return guards
+
+
+def _forget_guards(counts: list[tuple[int, int]]) -> None:
+    """A graph's references are gone (reset or collected): take them out of :data:`_graph_refs`."""
+    with _graph_refs_lock:
+        for cdata, aliases in counts:
+            left = _graph_refs.get(cdata, 0) - aliases
+            if left > 0:
+                _graph_refs[cdata] = left
+            else:
+                _graph_refs.pop(cdata, None)
 
 
 def _own_storages_of(tensors: list[torch.Tensor], own: set[int]) -> tuple[list[int | None], dict[int, int]]:
