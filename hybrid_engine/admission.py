@@ -6,15 +6,17 @@ fixed cost (about two and a half replayed decode steps on the CPU emulation,
 a launch-bound forward on a GPU), and the scheduler would have to hold free
 slots idle to batch rounds. So a rollout separates the two:
 
-* :func:`prefill_staged` prefills the next prompts of the queue, up to the
-  stage's rows, into the :class:`AdmissionStage` cache, and keeps each one's
-  last-position logits (float32) there. Each prompt is prefilled once per
-  call, however many rounds its requests are admitted in.
+* :func:`prefill_staged` prefills the prompts of the next requests of the
+  queue (as many requests as the stage has rows) into the
+  :class:`AdmissionStage` cache, and keeps each one's last-position logits
+  (float32) there. With shared prefill each prompt is prefilled once per
+  call, however many rounds its samples are admitted in.
 * :func:`admit_staged` admits a round of requests whose prompts are staged:
   their K/V are copied into their slots (shared prompts fan out by stage row),
   each one's first token is picked from its prompt's logits with the decode
   step's sampler (token 0 of its counters), and the slots are set up. That is
-  about a tenth of a prefill, so rounds are cheap and slots rarely wait.
+  about a quarter of a decode step on CPU, so rounds are cheap and slots
+  rarely wait.
 
 The runner warms up, captures and replays both per key
 (:class:`~hybrid_engine.graph_runner.PrefillKey`,
@@ -161,7 +163,7 @@ def admit_staged(slots: DecodeSlots, staged: StagedRequests, sampling_key: tuple
 
 def admit_from_logits(slots: DecodeSlots, logits: torch.Tensor, meta: torch.Tensor,
                       sampling_key: tuple[float, float, int]) -> None:
-    """Admit the requests of ``meta`` (``[6, R]``, see :class:`StagedRound`), whose prompts are already in
+    """Admit the requests of ``meta`` (``[6, R]``, see :class:`StagedRequests`), whose prompts are already in
     their slots: each one's first token is picked from its source row of the prefill ``logits`` with the
     decode step's sampler (token 0 of its counters). Capture-safe."""
     slot, source, request_index, budget, min_tokens, seed = meta

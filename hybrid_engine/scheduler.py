@@ -57,7 +57,8 @@ __all__ = ["ADMISSION_COST", "Counters", "RequestSpec", "gather_responses", "run
 
 #: What one admission round costs, in decode steps, for the continuous-batching admission rule
 #: (:func:`_steps_to_admission`). A round of staged prompts is about a quarter of a step on CPU (the
-#: prefill, paid once per prompt whenever it runs, is not part of it).
+#: prefill, paid once per prompt whenever it runs, is not part of it); on a GPU it is one replay of ~40 small
+#: kernels beside a decode step's hundreds, so the value is not measured there but errs on the high side.
 ADMISSION_COST = 0.5
 
 
@@ -105,12 +106,11 @@ class _Staging:
         return (req.prompt_index,) if self.shared else (req.prompt_index, req.request_index)
 
     def next_batch(self, upcoming: Iterable[RequestSpec]) -> list[tuple[int, ...]]:
-        """The next prompts to prefill: the first distinct ones of ``upcoming``, up to the stage's rows."""
+        """The next prompts to prefill: those of the next requests of ``upcoming``, as many as the stage has
+        rows (a full refill of the slots, so a batch is no larger than one round of the old design)."""
         batch: dict[tuple[int, ...], None] = {}
-        for req in upcoming:
+        for req in itertools.islice(upcoming, self.rows):
             batch.setdefault(self.unit(req))
-            if len(batch) == self.rows:
-                break
         self.row_of = {unit: row for row, unit in enumerate(batch)}
         return list(batch)
 
@@ -196,8 +196,9 @@ def _steps_to_admission(room: int, waiting: int, left: dict[int, int], max_activ
                         cap: int | None) -> int:
     """Continuous batching: in how many steps to admit waiting requests (0: now).
 
-    An admission round costs about ``cost`` decode steps (one prefill forward and
-    the slot setup, whatever its rows). Holding ``room`` free slots for the ``w`` steps
+    An admission round costs about ``cost`` decode steps (loading staged prompts
+    and the slot setup, whatever its rows; the prefill is paid once per prompt
+    whenever it runs). Holding ``room`` free slots for the ``w`` steps
     until another slot is guaranteed free leaves them idle, about
     ``room * w / max_active`` steps of wall time; so admit at the first moment
     that is no cheaper, or when everything waiting fits. ``left`` holds upper
@@ -248,9 +249,11 @@ def run_schedule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generate every request on ``runner.slots``; return device ``(tokens, logprobs)`` ``[R, width]``.
 
-    Lengths go to ``counters.lengths``. ``staged`` admits each round through
-    :meth:`DecodeGraphRunner.admit`, staged at the call's prompt width (graph replay
-    where allowed); otherwise the batch is prefilled eagerly at its own width, as
+    Lengths go to ``counters.lengths``. ``staged`` prefills prompts ahead through
+    :meth:`DecodeGraphRunner.prefill_prompts` and admits each round through
+    :meth:`DecodeGraphRunner.admit`, staged at the call's prompt width (graph
+    replay where allowed; a round straddling two prefill batches runs as two
+    admissions); otherwise the batch is prefilled eagerly at its own width, as
     transformers does.
     """
     state = runner.slots

@@ -195,7 +195,8 @@ def test_continuous_batching_admits_in_few_rounds_and_syncs_rarely():
 
 def test_a_prompt_whose_samples_span_several_rounds_is_prefilled_once():
     """GRPO-style: 2 prompts x 6 samples through 4 slots. The samples of a prompt are admitted over several
-    rounds, all from its one staged prefill, with the tokens of a call that admits them all at once."""
+    rounds, all from its one staged prefill, with the tokens of a call that admits them all at once; a prefill
+    batch is no larger than one refill of the slots needs."""
     model = build_model("tiny-qwen2", seed=2)
     request = RolloutRequest(*prompts(2, 7, seed=5))
     sampling = SamplingConfig(max_new_tokens=6, temperature=0.9, top_p=0.9, n_samples_per_prompt=6, seed=3)
@@ -203,16 +204,22 @@ def test_a_prompt_whose_samples_span_several_rounds_is_prefilled_once():
     cfg = dict(pad_token_id=0, eos_token_id=10_000)
     for req in (request, budgets_vary):
         wide = HybridEngineRollout(model, config=RolloutConfig(max_batch_size=12, **cfg)).generate(req, sampling)
+        eager = None
         for graphs in (False, True):
             rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=graphs, max_batch_size=4,
                                                                       **cfg))
             for _ in range(3 if graphs else 1):  # warm-up, capture, replay
                 batch = rollout.generate(req, sampling)
                 assert torch.equal(batch.input_ids, wide.input_ids)
-                assert torch.equal(batch.response_logprobs, wide.response_logprobs)
+                # Other prefill batch shapes round the logits differently in the last bits; the same ones do not.
+                torch.testing.assert_close(batch.response_logprobs, wide.response_logprobs, rtol=0, atol=1e-5)
+                eager = batch if eager is None else eager
+                assert torch.equal(batch.response_logprobs, eager.response_logprobs)
             st = rollout.last_stats
-            assert st["admission_rounds"] >= 3 and st["prefill_forwards"] == 1 and st["prefill_rows"] == 2
+            # A batch holds the prompts of the next 4 requests (one refill of the slots): here one prompt.
+            assert st["admission_rounds"] >= 3 and st["prefill_forwards"] == 2 and st["prefill_rows"] == 2
             assert st["kv_row_copies"] == 12 - 2
+        assert [k.prompts for k in rollout.runner._graphs if isinstance(k, PrefillKey)] == [1]
 
 
 # ------------------------------------------------------------ the accelerator

@@ -49,7 +49,7 @@ request with budget b needs b - 1 decode steps.
   admitted near step 54 when every free slot is refilled at once, then needs
   47 steps: about 101 decode steps. Prompts are prefilled ahead, 8 at a
   time (8 prefill forwards in either mode), and a round only loads staged
-  prompts into slots (about half a decode step); the scheduler still holds
+  prompts into slots (about a quarter of a decode step); the scheduler still holds
   a free slot back for a step or two to batch rounds: 105 steps in 19 rounds
   (see :func:`hybrid_engine.scheduler.run_schedule`).
 * 376 / 101 = 3.72, the issue's "about 3.7x" (3.7 to 3.9 over short-budget

@@ -189,7 +189,7 @@ class HybridEngineRollout:
         vocab = getattr(model.config, "vocab_size", None)
         if isinstance(vocab, int) and int(request.prompt_ids.max()) >= vocab:
             raise ValueError(f"generate: prompt_ids hold ids >= the model's vocab_size {vocab}")
-        # Admission rounds are staged at the prompts' padded width, rounded up to a power of two (see
+        # Prompts are staged for prefill at their padded width, rounded up to a power of two (see
         # hybrid_engine.admission): the cache holds that plus the responses, within a configured capacity.
         prompt_width = width_bucket(request.prompt_ids.shape[1])
         if cfg.cache_capacity is not None:
