@@ -25,8 +25,8 @@ Continuous batching admits waiting requests into the lowest free slots in
 rounds. A round costs about ``ADMISSION_COST`` decode steps, so the scheduler
 holds free slots back until idling them would cost more than another round
 (:func:`_steps_to_admission`). Rollouts prefill prompts ahead, in batches of
-the next prompts of the queue up to the stage's rows, and a round only loads
-staged prompts into slots (:mod:`hybrid_engine.admission`); both run on the
+the prompts of the next requests of the queue (one refill of the slots), and
+a round only loads staged prompts into slots (:mod:`hybrid_engine.admission`); both run on the
 runner, graphed like a decode step. With shared prefill each distinct prompt
 is prefilled once per call and its K/V fan out to the slots of its samples,
 whichever rounds admit them. ``engine.generate`` admits its batch once,
@@ -106,8 +106,8 @@ class _Staging:
         return (req.prompt_index,) if self.shared else (req.prompt_index, req.request_index)
 
     def next_batch(self, upcoming: Iterable[RequestSpec]) -> list[tuple[int, ...]]:
-        """The next prompts to prefill: those of the next requests of ``upcoming``, as many as the stage has
-        rows (a full refill of the slots, so a batch is no larger than one round of the old design)."""
+        """The next prompts to prefill: those of the next requests of ``upcoming``, as many requests as the
+        stage has rows (one refill of the slots: a batch is never larger than the largest round)."""
         batch: dict[tuple[int, ...], None] = {}
         for req in itertools.islice(upcoming, self.rows):
             batch.setdefault(self.unit(req))
