@@ -576,12 +576,13 @@ def _decode_base64_config(source: str) -> str | None:
         return None
 
 
-def _read_json(source: str | os.PathLike[str]) -> dict[str, Any]:
-    """The config object of a JSON/hjson file, or of a base64-encoded config string (as DeepSpeed reads both)."""
+def _read_json(source: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
+    """The config object of a JSON/hjson file, or of a base64-encoded config string (as DeepSpeed reads both),
+    and where it came from, for error messages."""
     if not os.path.exists(source):
         text = _decode_base64_config(source) if isinstance(source, str) else None
         if text is not None and text.lstrip().startswith("{"):
-            return _object_from(text, "(base64-encoded string)")
+            return _object_from(text, "(base64-encoded string)"), " (base64-encoded)"
         raise FileNotFoundError(f"config file not found: {os.fspath(source)} (nor is it a base64-encoded config)")
     if os.path.isdir(source):
         raise ValueError(f"config path {os.fspath(source)} is a directory; pass the path of the JSON config file "
@@ -591,7 +592,7 @@ def _read_json(source: str | os.PathLike[str]) -> dict[str, Any]:
             text = fh.read()
     except UnicodeDecodeError as exc:
         raise ValueError(f"config file {os.fspath(source)} is not valid JSON: {exc}") from exc
-    return _object_from(text, f"file {os.fspath(source)}")
+    return _object_from(text, f"file {os.fspath(source)}"), f" in {os.fspath(source)}"
 
 
 def load_config(source: ConfigSource, world_size: int | None = None) -> EngineConfig:
@@ -613,8 +614,7 @@ def load_config(source: ConfigSource, world_size: int | None = None) -> EngineCo
     elif isinstance(source, Mapping):
         data = dict(source)
     elif isinstance(source, (str, os.PathLike)):
-        data = _read_json(source)
-        where = f" in {os.fspath(source)}" if os.path.exists(source) else " (base64-encoded)"
+        data, where = _read_json(source)
     else:
         raise TypeError(
             f"load_config: argument 'source' must be a dict, a path to a JSON file or an "

@@ -129,8 +129,7 @@ class DecodeSlots:
         #: embedding has it, else 0, since configs may carry any int there (old Llama ones: -1).
         self.pad_id = torch.zeros((), **i64)
         self.knobs = SamplingKnobs(device)
-        self.vocab = vocab_sizes(model)
-        self._embedding_rows = self.vocab[1]
+        self.vocab = vocab_sizes(model)  # (logits width, input-embedding rows)
         self.eos_reachable = False
         # Parking spot for rows that are not live: the last cache slot and a legal position id.
         park = capacity - 1
@@ -177,7 +176,7 @@ class DecodeSlots:
     def set_special_ids(self, pad_id: int, eos_ids: tuple[int, ...]) -> None:
         """Pad and EOS ids for the next call (outside capture). EOS ids outside the vocabulary (negative
         ones included, as transformers ignores them) never match."""
-        self.pad_id.fill_(pad_id if 0 <= pad_id < self._embedding_rows else 0)
+        self.pad_id.fill_(pad_id if 0 <= pad_id < self.vocab[1] else 0)
         self.eos_ids.fill_(-1)
         self.eos_mask.zero_()
         vocab = self.eos_mask.numel()

@@ -61,7 +61,7 @@ from transformers import PreTrainedModel
 from .accelerator import accelerator_for
 from .admission import AdmissionStage, admit_staged, prefill_staged
 from .config import EngineConfig, user_stacklevel
-from .decode_state import DecodeSlots, logits_width, vocab_sizes
+from .decode_state import DecodeSlots, vocab_sizes
 from .graph_policy import GraphRefusedWarning, graph_attention, refusal_reason
 from .graph_safety import (
     HookCaptureError,
@@ -135,6 +135,10 @@ class AdmissionKey(NamedTuple):
     sampling: tuple[bool, bool, bool]
 
 
+#: What the runner keys its graphs by: a decode step, a staged prefill batch or a staged admission round.
+RunKey = GraphKey | PrefillKey | AdmissionKey
+
+
 @dataclasses.dataclass
 class GraphStats:
     """Counters of one runner (attribute access; ``to_dict()`` for logging).
@@ -188,8 +192,8 @@ class DecodeGraphRunner:
         self.stage: AdmissionStage | None = None
         #: Whether the current call may use graphs (set by :meth:`prepare`).
         self.use_graphs = False
-        self._graphs: dict[GraphKey | PrefillKey | AdmissionKey, Any] = {}
-        self._warm: set[GraphKey | PrefillKey | AdmissionKey] = set()
+        self._graphs: dict[RunKey, Any] = {}
+        self._warm: set[RunKey] = set()
         self._prompt_width = 0
         self._pool: Any = None
         self._fingerprint: tuple | None = None
@@ -255,7 +259,8 @@ class DecodeGraphRunner:
         dtype = next(model.parameters()).dtype
         need = self.bucket_for(rows)
         slots = self.slots
-        if slots is None or not slots.fits(need, capacity, width, num_eos, device, dtype, vocab_sizes(model)):
+        vocab = vocab_sizes(model)
+        if slots is None or not slots.fits(need, capacity, width, num_eos, device, dtype, vocab):
             if slots is not None and slots.device == device and slots.dtype == dtype:
                 need, capacity = max(need, slots.rows), max(capacity, slots.capacity)
                 width, num_eos = max(width, slots.width), max(num_eos, slots.num_eos_slots)
@@ -266,7 +271,7 @@ class DecodeGraphRunner:
         if prompt_width is not None:
             self._prompt_width = prompt_width
             stage = self.stage
-            if stage is None or not stage.fits(need, prompt_width, device, dtype, logits_width(model)):
+            if stage is None or not stage.fits(need, prompt_width, device, dtype, vocab[0]):
                 if stage is not None and stage.ids.device == device and stage.cache.dtype == dtype:
                     prompt_width = max(prompt_width, stage.width)
                 self.invalidate()
@@ -367,7 +372,7 @@ class DecodeGraphRunner:
                 return
             self._capture(key, step)
 
-    def _warm_up(self, key: GraphKey | PrefillKey | AdmissionKey, run: Callable[[], None]) -> bool:
+    def _warm_up(self, key: RunKey, run: Callable[[], None]) -> bool:
         """The one warm-up: a real run on the graph stream, so lazy kernels and workspaces exist before capture.
 
         ``False`` when the attention graphed steps switch to (:func:`graph_attention`) failed here, its
@@ -393,7 +398,7 @@ class DecodeGraphRunner:
         self._stats.warmups += isinstance(key, GraphKey)
         return True
 
-    def _run(self, key: GraphKey | PrefillKey | AdmissionKey, run: Callable[[], None]) -> None:
+    def _run(self, key: RunKey, run: Callable[[], None]) -> None:
         """``run()`` for ``key``: its graph replayed, or its warm-up or capture, or eagerly."""
         decode = isinstance(key, GraphKey)
         s = self._stats
@@ -415,12 +420,12 @@ class DecodeGraphRunner:
         run()
         s.eager_steps += decode
 
-    def _capture(self, key: GraphKey | PrefillKey | AdmissionKey, run: Callable[[], None]) -> Any | None:
+    def _capture(self, key: RunKey, run: Callable[[], None]) -> Any | None:
         """Capture ``run`` for ``key`` (its work is not applied: the caller replays); ``None`` if it failed."""
         with self.accelerator.on_device(self.slots.device):
             return self._capture_on_device(key, run)
 
-    def _capture_on_device(self, key: GraphKey | PrefillKey | AdmissionKey, run: Callable[[], None]) -> Any | None:
+    def _capture_on_device(self, key: RunKey, run: Callable[[], None]) -> Any | None:
         acc = self.accelerator
         t0 = time.perf_counter()
         # Where the backend cannot size a pool, the memory it reserves while capturing: the pool keeps its
