@@ -365,6 +365,38 @@ def test_reset_and_failed_capture_leave_the_pool(acc):
         pass
 
 
+def test_a_shared_pool_replayed_out_of_capture_order_garbles_the_later_outputs(acc):
+    # On CUDA a graph captured later into a shared pool may own blocks an earlier graph used for
+    # intermediates: replaying the earlier graph overwrites the later one's outputs.
+    x = torch.arange(4.0)
+    g1, out1 = capture(acc, lambda: chain(x, 4))
+    g2, out2 = capture(acc, lambda: x * 3, pool=acc.graph_pool(g1))
+    acc.replay_graph(g1)
+    acc.replay_graph(g2)  # capture order: both outputs hold their values
+    assert out1.item() == chain(x, 4).item() and out2.tolist() == [0.0, 3.0, 6.0, 9.0]
+    acc.replay_graph(g1)  # out of order: g2's output is garbage, g1's own is fine
+    assert torch.isnan(out2).all() and out1.item() == chain(x, 4).item()
+    acc.replay_graph(g2)
+    assert out2.tolist() == [0.0, 3.0, 6.0, 9.0]
+    acc.replay_graph(g2)  # a later graph never garbles an earlier one's outputs
+    assert out1.item() == chain(x, 4).item()
+
+
+def test_graphs_in_separate_pools_or_reset_never_garble_each_other(acc):
+    x = torch.arange(4.0)
+    g1, _ = capture(acc, lambda: x + 1)
+    g2, out2 = capture(acc, lambda: x * 3)  # its own pool
+    acc.replay_graph(g2)
+    acc.replay_graph(g1)
+    assert out2.tolist() == [0.0, 3.0, 6.0, 9.0]
+    shared = acc.graph_pool(g1)
+    g3, out3 = capture(acc, lambda: x * 5, pool=shared)
+    acc.replay_graph(g3)
+    g3.reset()  # a reset graph has left the pool: its old output is the caller's to keep
+    acc.replay_graph(g1)
+    assert out3.tolist() == [0.0, 5.0, 10.0, 15.0]
+
+
 def test_backends_that_cannot_tell_report_none():
     assert Accelerator().graph_memory_bytes(object()) is None
     import types

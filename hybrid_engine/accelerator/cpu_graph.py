@@ -61,6 +61,11 @@ below models one CUDA-graph rule:
   workspace for intermediates, sized to the largest peak of any one graph
   (graphs in a pool replay one at a time, so they share it, as on CUDA). All
   accounting happens at capture time; replay pays nothing for it.
+* Sharing a pool is safe on CUDA only when graphs replay in capture order: a
+  graph captured later may have been given blocks an earlier graph used for
+  intermediates, so replaying the earlier graph overwrites the later graph's
+  static outputs. Replaying a graph therefore fills the static outputs of every
+  graph captured after it into the same pool with garbage, until those replay.
 """
 
 from __future__ import annotations
@@ -215,6 +220,9 @@ class CPUGraphPool:
     def __init__(self) -> None:
         # graph -> (static output bytes, intermediate peak bytes)
         self._usage: weakref.WeakKeyDictionary[CPUGraph, tuple[int, int]] = weakref.WeakKeyDictionary()
+        self._captures = 0  # graphs finalized into this pool so far: each one's capture order
+        # graph with static outputs -> its capture order
+        self._with_outputs: weakref.WeakKeyDictionary[CPUGraph, int] = weakref.WeakKeyDictionary()
 
     @property
     def num_graphs(self) -> int:
@@ -234,6 +242,13 @@ class CPUGraphPool:
 
     def __repr__(self) -> str:
         return f"<CPUGraphPool graphs={self.num_graphs} bytes={self.memory_bytes()}>"
+
+    def _clobber_after(self, order: int) -> None:
+        """A replay of the graph captured ``order``-th: garble the static outputs of the graphs captured after it
+        (their blocks may be its intermediates)."""
+        for graph, captured in list(self._with_outputs.items()):
+            if captured > order:
+                _poison(ref() for _, ref in graph._static_outputs)
 
 
 def _garbage(dtype: torch.dtype) -> Any:
@@ -475,6 +490,7 @@ class CPUGraph:
         self._guards: list[_StorageGuard] = []
         self._forget: Callable[[], Any] = lambda: None  # takes the guards' references out of the registry
         self._pool = CPUGraphPool()
+        self._order = 0  # capture order within the pool
         self.static_bytes = 0  # bytes of static outputs (capture time)
         self.workspace_bytes = 0  # peak bytes of live intermediates during one replay
 
@@ -492,6 +508,7 @@ class CPUGraph:
 
     def reset(self) -> None:
         self._pool._usage.pop(self, None)
+        self._pool._with_outputs.pop(self, None)
         self._steps = None
         self._static_outputs = []
         self._externals = []
@@ -550,6 +567,10 @@ class CPUGraph:
         self._forget = weakref.finalize(self, _forget_guards, [(g.cdata, g.aliases) for g in self._guards])
         self._pool = pool
         pool._usage[self] = (self.static_bytes, self.workspace_bytes)
+        pool._captures += 1
+        self._order = pool._captures
+        if static:
+            pool._with_outputs[self] = self._order
 
     def replay(self) -> None:
         steps = self._steps
@@ -598,6 +619,8 @@ class CPUGraph:
                 static = ref()
                 if static is not None:  # outputs the caller dropped need no update
                     static.copy_(vals[slot])
+        if self._pool._with_outputs:
+            self._pool._clobber_after(self._order)
 
 
 class _StorageGuard(NamedTuple):
