@@ -198,8 +198,8 @@ def load(engine: CheckpointedEngine, load_dir: Any, tag: str | None, *, load_mod
         if directory is not None and (directory / STATE_FILE).is_file() and not _deepspeed_files(directory):
             raise ValueError(
                 f"load_checkpoint: {directory} holds a stage-0 (plain PyTorch) checkpoint, but this engine trains "
-                f"on DeepSpeed ZeRO stage {engine.zero_stage}; load it with zero_optimization.stage 0, or load its "
-                f"'module' state dict (torch.load of {STATE_FILE}) into the model before initialize")
+                f"on DeepSpeed (ZeRO stage {engine.zero_stage}); load it into a single-process stage-0 engine, or "
+                f"load its 'module' state dict (torch.load of {STATE_FILE}) into the model before initialize")
         try:
             path, client_state, rng = training.load_checkpoint(
                 root, tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,

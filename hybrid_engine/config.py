@@ -241,8 +241,8 @@ def _refuse_deepspeed_only_at_stage_0(section: str, extras: Mapping[str, Any],
         if extras.get(key, default) != default:
             raise ValueError(
                 f"{section}.{key}={extras[key]!r} needs zero_optimization.stage >= 1: it configures DeepSpeed's "
-                f"optimizer, and stage 0 trains in plain PyTorch, which would ignore it; set zero_optimization.stage "
-                f"to 1, 2 or 3, or remove {section}.{key}"
+                f"optimizer, and stage 0 trains in plain PyTorch in one process, which would ignore it; set "
+                f"zero_optimization.stage to 1, 2 or 3, or remove {section}.{key}"
             )
 
 

@@ -2,8 +2,8 @@
 
 The engine holds the Hugging Face model once. Training goes to one of two
 backends, chosen from ``zero_optimization.stage``: plain PyTorch for stage 0
-(:mod:`hybrid_engine.training`), DeepSpeed's engine for ZeRO 1-3
-(:mod:`hybrid_engine.zero`). With ``bf16``/``fp16`` both keep low-precision
+in one process (:mod:`hybrid_engine.training`), DeepSpeed's engine for ZeRO 1-3
+and for data parallelism over several ranks at stage 0 (:mod:`hybrid_engine.zero`). With ``bf16``/``fp16`` both keep low-precision
 module parameters and fp32 master weights in the optimizer, so rollouts run at
 low precision too. Generation goes through :mod:`hybrid_engine.generation`,
 which decodes on the engine's graph runner (:mod:`hybrid_engine.graph_runner`):
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from . import checkpoint
-from .config import ConfigSource, EngineConfig, load_config
+from .config import ConfigSource, EngineConfig, load_config, world_size
 from .exclusive import exclusive_generation
 from .generation import Generator
 from .graph_runner import GraphStats, decode_grad_mode
@@ -140,7 +140,7 @@ class HybridEngine(nn.Module):
 
     @property
     def zero_stage(self) -> int:
-        """``zero_optimization.stage``: 0 trains in plain PyTorch, 1-3 on DeepSpeed ZeRO."""
+        """``zero_optimization.stage``: 0 trains in plain PyTorch (on DeepSpeed across ranks), 1-3 on DeepSpeed ZeRO."""
         return self.config.zero_optimization.stage
 
     @property
@@ -293,8 +293,11 @@ def initialize(
 
     ``config`` is a dict, a JSON path or an ``EngineConfig`` (DeepSpeed's keys).
     ``zero_optimization.stage`` 1-3 trains on DeepSpeed (``hybrid-engine[deepspeed]``),
-    built with ``deepspeed.initialize`` from the same config; stage 0 is plain
-    PyTorch. The optimizer is ``optimizer`` if given, else the one ``config.optimizer``
+    built with ``deepspeed.initialize`` from the same config; so does stage 0 when
+    more than one rank is launched and there is an optimizer (DeepSpeed's data
+    parallelism averages the gradients), or when an ``mpu`` (model-parallel unit,
+    which sets the data-parallel group) is given. Otherwise stage 0 is plain
+    PyTorch on this rank alone (a frozen reference model, say). The optimizer is ``optimizer`` if given, else the one ``config.optimizer``
     describes over ``model_parameters`` (default: the model's trainable parameters),
     else ``None`` (generation only). ``lr_scheduler`` (a scheduler, or a callable
     building one from the optimizer) is stepped with the optimizer. With ``bf16`` or
@@ -316,7 +319,8 @@ def initialize(
         raise ValueError("initialize(): training_data is not supported; iterate over your data yourself")
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(): model must be a torch.nn.Module, got {type(model).__name__}")
-    cfg = load_config(config if config is not None else {})
+    ranks = _data_parallel_ranks(kwargs.get("mpu"))
+    cfg = load_config(config if config is not None else {}, world_size=ranks)
     lr_scheduler = kwargs.get("lr_scheduler")
     if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and not callable(lr_scheduler):
         raise TypeError("initialize(): lr_scheduler must be a scheduler (with .step()) or a callable that "
@@ -341,13 +345,32 @@ def initialize(
             UserWarning,
             stacklevel=2,
         )
-    if cfg.zero_optimization.stage > 0:
-        training: LocalTraining | DeepSpeedTraining = build_deepspeed_training(model, optimizer, cfg, lr_scheduler,
-                                                                               model_parameters)
+    mpu = kwargs.get("mpu")
+    trains = optimizer is not None or cfg.optimizer is not None
+    if cfg.zero_optimization.stage > 0 or mpu is not None or (ranks > 1 and trains):
+        # Data parallelism (gradients averaged over ranks, rank-aware checkpoints) is DeepSpeed's, stage 0 included.
+        why = None if cfg.zero_optimization.stage > 0 else (
+            "initialize(mpu=...) hands the model-parallel unit to DeepSpeed" if mpu is not None
+            else f"data-parallel training over {ranks} ranks (zero_optimization.stage 0) runs on DeepSpeed")
+        training: LocalTraining | DeepSpeedTraining = build_deepspeed_training(
+            model, optimizer, cfg, lr_scheduler, model_parameters, mpu=mpu,
+            dist_init_required=kwargs.get("dist_init_required"), needed_for=why,
+        )
     else:
         training = _local_training(model, optimizer, cfg, lr_scheduler, model_parameters)
     engine = HybridEngine(model, cfg, training)
     return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+def _data_parallel_ranks(mpu: Any) -> int:
+    """The ranks batch sizes are split over: the launched world, or ``mpu``'s data-parallel group (DeepSpeed's)."""
+    if mpu is None:
+        return world_size()
+    get = getattr(mpu, "get_data_parallel_world_size", None)
+    if not callable(get):
+        raise TypeError("initialize(): mpu must be a model-parallel unit with get_data_parallel_world_size() (as "
+                        f"deepspeed.initialize expects), got {type(mpu).__name__}")
+    return int(get())
 
 
 def _local_training(model: nn.Module, optimizer: torch.optim.Optimizer | None, cfg: EngineConfig,

@@ -63,8 +63,15 @@ def run_ranks(args: Sequence[str], nproc: int, timeout_s: float, env: Mapping[st
     rank (``capture=False`` lets the ranks print to this terminal instead).
     Raises :class:`RanksTimedOut` after ``timeout_s`` seconds, with the output so far.
     """
+    if isinstance(nproc, bool) or not isinstance(nproc, int):
+        raise TypeError(f"run_ranks: nproc must be an int (the number of ranks), got {type(nproc).__name__} {nproc!r}")
     if nproc < 1:
         raise ValueError(f"run_ranks: nproc must be >= 1, got {nproc}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"run_ranks: timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    if isinstance(args, (str, bytes)):
+        raise TypeError("run_ranks: args must be a list of arguments (a script path or -c/-m and theirs), not a "
+                        f"string: pass [{args!r}]")
     base_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), LAUNCHED_RANK_ENV: "1", "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
     with tempfile.TemporaryDirectory(prefix="hybrid-engine-ranks-") as tmp:

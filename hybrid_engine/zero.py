@@ -220,14 +220,17 @@ def deepspeed_config(config: EngineConfig) -> dict[str, Any]:
 
 
 def build(model: nn.Module, optimizer: Any, config: EngineConfig, lr_scheduler: Any,
-          model_parameters: Any) -> DeepSpeedTraining:
-    """``deepspeed.initialize`` on ``model`` with ``config``; the engine it returns, wrapped."""
-    deepspeed = import_deepspeed()
+          model_parameters: Any, *, mpu: Any = None, dist_init_required: bool | None = None,
+          needed_for: str | None = None) -> DeepSpeedTraining:
+    """``deepspeed.initialize`` on ``model`` with ``config`` (and a model-parallel unit ``mpu``, which sets the
+    data-parallel group); the engine it returns, wrapped. ``needed_for``: why DeepSpeed is needed, when not for a
+    ZeRO stage (for the ``ImportError``)."""
+    deepspeed = import_deepspeed(needed_for)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     ds_engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
-        config=deepspeed_config(config),
+        config=deepspeed_config(config), mpu=mpu, dist_init_required=dist_init_required,
     )
     return DeepSpeedTraining(ds_engine)
 

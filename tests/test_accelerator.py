@@ -277,7 +277,7 @@ def test_stub_torch_accelerator_graph_preferred_when_registered(monkeypatch):
     """When torch.accelerator.Graph has an implementation for the current backend, it wins."""
     log: list = []
     native = make_stub_backend("CUDAGraph", [])
-    monkeypatch.setattr(torch.accelerator, "Graph", make_stub_accelerator_graph(native, log))
+    monkeypatch.setattr(torch.accelerator, "Graph", make_stub_accelerator_graph(native, log), raising=False)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
     acc = TorchBackendAccelerator("cuda", native)
     assert acc.graph_api == "torch.accelerator.Graph"
@@ -297,7 +297,7 @@ def test_stub_torch_accelerator_graph_captures_on_owned_side_stream(monkeypatch)
     first: on real CUDA the current stream is the default one, where capture is refused."""
     log: list = []
     native = make_stub_backend("CUDAGraph", log)
-    monkeypatch.setattr(torch.accelerator, "Graph", make_stub_accelerator_graph(native, log))
+    monkeypatch.setattr(torch.accelerator, "Graph", make_stub_accelerator_graph(native, log), raising=False)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
     acc = TorchBackendAccelerator("cuda", native)
     default = acc.default_stream()
@@ -322,7 +322,7 @@ def test_torch_accelerator_graph_without_backend_impl_falls_back_to_module(monke
         def __init__(self, *a, **k):
             raise RuntimeError("no graph implementation registered")
 
-    monkeypatch.setattr(torch.accelerator, "Graph", Unregistered)
+    monkeypatch.setattr(torch.accelerator, "Graph", Unregistered, raising=False)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("xpu"))
     acc = TorchBackendAccelerator("xpu", make_stub_backend("XPUGraph", []))
     assert acc.graph_api == "torch.xpu.XPUGraph"
@@ -348,6 +348,22 @@ def test_env_var_forces_cpu_and_detection_defaults_to_cpu(monkeypatch):
     monkeypatch.delenv(accel.ENV_VAR)
     set_accelerator(None)
     assert get_accelerator().device_name() == "cpu"
+
+
+@pytest.mark.stub
+def test_a_cuda_build_of_torch_on_a_host_without_a_gpu_detects_cpu(monkeypatch):
+    """Stub of a CUDA wheel on a CPU-only host: torch.accelerator still names CUDA (its build), but reports it
+    unavailable. Detection must pick the CPU: an engine on a CPU model once called torch.cuda.current_device()
+    there and failed with "Found no NVIDIA driver"."""
+    monkeypatch.delenv(accel.ENV_VAR, raising=False)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: (
+        None if check_available else torch.device("cuda")))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    set_accelerator(None)
+    try:
+        assert isinstance(get_accelerator(), CPUAccelerator)
+    finally:
+        set_accelerator(None)
 
 
 def test_env_var_can_disable_cpu_graph_emulation(monkeypatch):
@@ -444,7 +460,7 @@ def test_a_failed_capture_raises_the_bodys_error_not_the_failed_end(api, monkeyp
             def capture_end(self):
                 raise RuntimeError(f"stub: CUDA {INVALIDATED}")
 
-        monkeypatch.setattr(torch.accelerator, "Graph", Invalidating)
+        monkeypatch.setattr(torch.accelerator, "Graph", Invalidating, raising=False)
         monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
     acc = TorchBackendAccelerator("cuda", native)
     assert (acc.graph_api == "torch.accelerator.Graph") == (api != "module graph")

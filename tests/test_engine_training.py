@@ -278,6 +278,8 @@ def test_initialize_rejects_bad_arguments():
         initialize(model=None, config={})
     with pytest.raises(ValueError, match="optimizer.type"):
         initialize(model=build_model("tiny-gpt2"), config={"optimizer": {"type": "Lion"}})
+    with pytest.raises(TypeError, match="mpu must be a model-parallel unit with get_data_parallel_world_size"):
+        initialize(model=build_model("tiny-gpt2"), config={}, mpu=object())
 
 
 def test_a_half_model_gets_fp32_masters_from_its_own_values():

@@ -74,8 +74,10 @@ def _detect() -> str:
             pass
     acc = getattr(torch, "accelerator", None)
     if acc is not None and hasattr(acc, "current_accelerator"):
+        # A CUDA build of torch on a host without a GPU still names CUDA unless asked whether it is usable.
         try:
-            current = acc.current_accelerator()
+            available = acc.is_available() if hasattr(acc, "is_available") else True
+            current = acc.current_accelerator() if available else None
         except Exception:
             current = None
         if current is not None and current.type in KNOWN_BACKENDS:

@@ -58,3 +58,15 @@ def test_a_launched_rank_exits_without_interpreter_teardown(tmp_path):
     assert proc.returncode == 0
     assert proc.stdout.count("done, unflushed") == 2 and "teardown ran" not in proc.stdout
     exit_launched_rank()  # not a launched rank: returns
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"nproc": "2"}, TypeError, "nproc must be an int"),
+    ({"nproc": 0}, ValueError, "nproc must be >= 1"),
+    ({"nproc": 1, "timeout_s": 0}, ValueError, "timeout_s must be a number of seconds > 0"),
+    ({"nproc": 1, "args": "-c pass"}, TypeError, "args must be a list"),
+])
+def test_bad_arguments_are_named_before_anything_starts(kwargs, error, match):
+    call = {"args": ["-c", "pass"], "timeout_s": 10, **kwargs}
+    with pytest.raises(error, match=match):
+        run_ranks(**call)

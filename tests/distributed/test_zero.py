@@ -91,6 +91,25 @@ def test_zero_1_2_train_on_deepspeed_and_replay_graphs_across_steps(tmp_path, st
     assert weights.keys() == local.module.state_dict().keys()
 
 
+def test_stage_0_on_two_ranks_trains_data_parallel_on_deepspeed(tmp_path):
+    # Plain PyTorch on each rank would train one unsynchronised model per rank; DeepSpeed at stage 0 averages
+    # the gradients, as deepspeed.initialize does: each rank's micro batch, the whole-batch reference's weights.
+    ranks = run_worker(tmp_path, 0, "fp32")
+    for d in ranks:
+        assert d["world"] == 2 and d["zero_stage"] == 0 and d["global_steps"] == STEPS
+        assert d["weights_max_diff"] == 0.0
+        assert torch.equal(d["reference_greedy"], d["after_greedy_eager"])
+        assert_graph_equals_eager(d)
+        assert d["before_captures"] > 0 and d["after_captures"] == d["before_captures"]
+        assert d["after_refusal"] is None and not d["before_warnings"]
+        # Checkpoints are DeepSpeed's (rank-aware): weights, steps and each rank's RNG stream come back.
+        assert d["checkpoint_restored"] and d["checkpoint_steps"] == STEPS + 1 and d["checkpoint_rng_is_this_ranks"]
+        assert "holds a stage-0 (plain PyTorch) checkpoint" in d["stage0_checkpoint_refused"]
+        assert d["saved_16bit"] is True
+        assert d["wrapped_stage"] == 0 and d["wrapped_captures"] > 0 and d["wrapped_matches_deepspeed"]
+    assert_ranks_independent(ranks)
+
+
 def test_zero_3_refuses_graphs_and_generates_from_gathered_parameters(tmp_path):
     ranks = run_worker(tmp_path, 3, "fp32")
     for d in ranks:

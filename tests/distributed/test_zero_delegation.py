@@ -27,3 +27,17 @@ def test_accumulation_clipping_and_scheduler_match_stage_0(tmp_path):
         assert r["global_steps"] == 3 and r["micro_steps"] == 6
         for a, b in zip(r["weights"], ref["weights"]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)  # updates are ~1e-2: order noise only
+
+
+def test_a_model_parallel_unit_reaches_deepspeed_and_sets_the_data_parallel_world(tmp_path):
+    # Two ranks in one model-parallel group, each its own data-parallel group (see mpu_worker.py). Before,
+    # initialize accepted mpu= and dropped it: batch sizes were checked against the launched world (2, so
+    # train_batch_size 2 with micro batch 2 was refused) and gradients would be averaged over every rank.
+    out = tmp_path / "mpu"
+    proc = run_ranks([str(Path(__file__).with_name("mpu_worker.py")), str(out)], nproc=2, timeout_s=180)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    ranks = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
+    for d in ranks:
+        assert d["mpu_kept"] and d["dp_world_size"] == 1 and d["train_batch_size"] == 2 and d["global_steps"] == 1
+        assert {"get_data_parallel_group", "get_data_parallel_world_size"} <= set(d["calls"])
+    assert ranks[0]["checksum"] != ranks[1]["checksum"]  # no gradient averaging across data-parallel groups

@@ -206,7 +206,7 @@ def main() -> None:
     ours = eager_rollout.generate(request, greedy)
     result["adapter_matches"] = torch.equal(ds_batch.input_ids[:, :ours.input_ids.shape[1]], ours.input_ids)
 
-    if stage in (1, 2):
+    if stage in (0, 1, 2):
         # Checkpoints go through DeepSpeed's save/load; weights and steps come back.
         ckpt = out_dir / "ckpt"
         saved = full_params(engine)
