@@ -352,6 +352,13 @@ def initialize(
         why = None if cfg.zero_optimization.stage > 0 else (
             "initialize(mpu=...) hands the model-parallel unit to DeepSpeed" if mpu is not None
             else f"data-parallel training over {ranks} ranks (zero_optimization.stage 0) runs on DeepSpeed")
+        if why is not None and cfg.fp16.enabled:
+            # DeepSpeed's engine.backward scales the loss only for its ZeRO optimizers (checked on 0.19.8): its
+            # stage-0 fp16 optimizer would then unscale unscaled gradients, updates ~loss_scale times too small.
+            raise ValueError(
+                f"fp16.enabled with zero_optimization.stage 0: {why}, whose stage-0 fp16 optimizer never scales "
+                "the loss (updates would be about loss_scale times too small); set zero_optimization.stage to 1 "
+                "(the same training, optimizer states partitioned), or use bf16.enabled")
         training: LocalTraining | DeepSpeedTraining = build_deepspeed_training(
             model, optimizer, cfg, lr_scheduler, model_parameters, mpu=mpu,
             dist_init_required=kwargs.get("dist_init_required"), needed_for=why,

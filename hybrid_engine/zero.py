@@ -226,6 +226,14 @@ def build(model: nn.Module, optimizer: Any, config: EngineConfig, lr_scheduler: 
     data-parallel group); the engine it returns, wrapped. ``needed_for``: why DeepSpeed is needed, when not for a
     ZeRO stage (for the ``ImportError``)."""
     deepspeed = import_deepspeed(needed_for)
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if config.fp16.enabled and not accelerator.is_fp16_supported():
+        raise ValueError(
+            f"fp16.enabled: DeepSpeed's {accelerator.device_name()} accelerator does not support fp16, so DeepSpeed "
+            "cannot train in it here; use bf16.enabled, or fp16 on a GPU (in one process, stage 0 trains fp16 in "
+            "plain PyTorch)")
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     ds_engine, _, _, _ = deepspeed.initialize(

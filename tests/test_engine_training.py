@@ -363,3 +363,19 @@ def test_backward_and_step_take_deepspeeds_keyword_arguments_at_stage_0():
     assert opt.param_groups[0]["lr"] == reference.param_groups[0]["lr"] > 0
     with pytest.raises(TypeError, match="lr_kwargs must be a dict"):
         engine.step(lr_kwargs=[5])
+
+
+def test_fp16_where_deepspeed_would_train_it_wrongly_or_not_at_all_is_refused_by_name(monkeypatch):
+    pytest.importorskip("deepspeed")
+    fp16 = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True}, "optimizer": {"type": "AdamW"}}
+    # Stage 0 on two launched ranks trains on DeepSpeed, whose stage-0 fp16 optimizer never scales the loss.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"fp16.enabled with zero_optimization.stage 0: data-parallel training "
+                                         r"over 2 ranks .* set zero_optimization.stage to 1 .* or use bf16"):
+        initialize(model=build_model("tiny-gpt2"), config=fp16)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    engine, *_ = initialize(model=build_model("tiny-gpt2"), config=fp16)  # one process: plain PyTorch fp16
+    assert engine.loss_scale > 1
+    # DeepSpeed's CPU accelerator has no fp16: named before deepspeed.initialize fails on it.
+    with pytest.raises(ValueError, match="fp16.enabled: DeepSpeed's cpu accelerator does not support fp16.*bf16"):
+        initialize(model=build_model("tiny-gpt2"), config={**fp16, "zero_optimization": {"stage": 1}})

@@ -14,7 +14,8 @@ capture cost (the first graph generate minus the eager mean, and the engine's
 own ``capture_seconds``) and the token agreement ``N/N``.
 
 ``--zero-stage N`` (1-3) trains on DeepSpeed ZeRO N across ``--world-size``
-ranks (default 2) that the bench starts on this machine over loopback, as
+ranks (default 2; ``--zero-stage 0 --world-size N`` is DeepSpeed's plain data
+parallelism) that the bench starts on this machine over loopback, as
 torchrun would (:mod:`hybrid_engine.launch`); every rank runs the iteration on
 its own prompts (``--batch-size`` per rank) and rank 0 reports, with the token
 agreement summed over all ranks. Under ZeRO-3 graphs are refused (every
@@ -57,9 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iterations", type=int, default=4, help="measured iterations per mode (default 4)")
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default 1e-5)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
-                   help="0: plain PyTorch, one process (default); 1-3: DeepSpeed ZeRO on --world-size ranks")
+                   help="0: plain PyTorch, one process (default; with --world-size, DeepSpeed data parallel); "
+                        "1-3: DeepSpeed ZeRO on --world-size ranks")
     p.add_argument("--world-size", type=int, default=None,
-                   help="ranks started on this machine for --zero-stage 1-3 (default 2)")
+                   help="ranks started on this machine (default: 2 for --zero-stage 1-3, one process for 0)")
     p.add_argument("--zero3-inference-copy", action="store_true",
                    help="with --zero-stage 3: generate on a gathered inference copy (graphs allowed; one full "
                         "copy of the weights per rank)")
@@ -137,7 +139,7 @@ def _launch_ranks(args: argparse.Namespace) -> dict[str, Any]:
     from ..launch import run_ranks
 
     world = args.world_size or 2
-    print(f"bench rlhf: ZeRO stage {args.zero_stage} on {world} ranks (loopback) ...", flush=True)
+    print(f"bench rlhf: ZeRO stage {args.zero_stage} (DeepSpeed) on {world} ranks (loopback) ...", flush=True)
     proc = run_ranks(["-m", "hybrid_engine", *args.argv], nproc=world, timeout_s=args.timeout, capture=False)
     if proc.returncode != 0:
         raise SystemExit(f"error: a rank of bench rlhf --zero-stage {args.zero_stage} exited with {proc.returncode}")
@@ -157,11 +159,12 @@ def _summed_over_ranks(device: torch.device, *values: int) -> list[int]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.iterations < 1 or args.warmup < 1:
         raise UsageError("--warmup and --iterations must be >= 1 (the first warm-up call captures)")
-    if args.world_size is not None and (args.world_size < 1 or args.zero_stage == 0):
-        raise UsageError("--world-size needs --zero-stage 1-3 and must be >= 1")
+    if args.world_size is not None and args.world_size < 1:
+        raise UsageError("--world-size must be >= 1")
     if args.zero3_inference_copy and args.zero_stage != 3:
         raise UsageError("--zero3-inference-copy needs --zero-stage 3")
-    if args.zero_stage > 0 and "RANK" not in os.environ:
+    ranks = args.zero_stage > 0 or args.world_size is not None  # the bench starts ranks
+    if ranks and "RANK" not in os.environ:
         check_common_args(args)  # before any rank starts: a bad option is one error here, not one per rank
         return _launch_ranks(args)
     from ..ranks import rank, world_size
@@ -175,7 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n_iter = args.warmup + args.iterations
     prompts = [C.random_prompts(args.batch_size, args.prompt_len, vocab, seed=args.seed + 100 + i, device=device,
                                 avoid=(pad,)) for i in range(n_iter)]
-    if args.zero_stage > 0:  # each rank its own prompts
+    if ranks:  # each rank its own prompts
         prompts = [C.random_prompts(args.batch_size, args.prompt_len, vocab, seed=args.seed + 100 + i + 7919 * rank(),
                                     device=device, avoid=(pad,)) for i in range(n_iter)]
     results = {}
@@ -238,7 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     refusal = graph["graph"].get("refusal")
     copy = " with a gathered inference copy" if args.zero3_inference_copy else ""
     scale = (f"ZeRO stage {args.zero_stage}{copy} (DeepSpeed) on {world} ranks, batch {args.batch_size} per rank; "
-             if args.zero_stage else "")
+             if ranks else "")
     text = (
         f"\nbench rlhf: {scale}{C.model_label(args)} {C.dtype_name(dtype)}, batch {args.batch_size}, "
         f"{args.prompt_len}-token prompt, {args.new_tokens} new tokens, greedy; "
@@ -260,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if reporting:
         C.finish(args, payload, text, draw, f"RLHF iteration: {C.model_label(args)} batch {args.batch_size}")
-    if args.zero_stage > 0:
+    if ranks:
         import torch.distributed as dist
 
         from ..launch import exit_launched_rank

@@ -31,7 +31,7 @@ def run_bench(tmp_path, stage: int, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("stage,extra", [(2, ()), (3, ()), (3, ("--zero3-inference-copy",))])
+@pytest.mark.parametrize("stage,extra", [(0, ("--world-size", "2")), (2, ()), (3, ()), (3, ("--zero3-inference-copy",))])
 def test_bench_rlhf_zero_stage_runs_on_two_ranks(tmp_path, stage, extra):
     payload = run_bench(tmp_path, stage, *extra)
     assert payload["settings"]["zero_stage"] == stage and payload["settings"]["world_size"] == 2
