@@ -46,6 +46,13 @@ def exit_launched_rank(code: int = 0) -> None:
     os._exit(code)
 
 
+def _in_group(group: int) -> dict:
+    """``Popen`` keywords that start the child in process group ``group`` (0: a new group it leads)."""
+    if sys.version_info >= (3, 11):
+        return {"process_group": group}
+    return {"preexec_fn": lambda: os.setpgid(0, group)}  # Python 3.10 has no process_group keyword
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -83,8 +90,7 @@ def run_ranks(args: Sequence[str], nproc: int, timeout_s: float, env: Mapping[st
                 rank_env = {**base_env, "RANK": str(r), "LOCAL_RANK": str(r)}
                 out = open(logs[r], "w") if capture else None  # noqa: SIM115 - closed with the process
                 proc = subprocess.Popen([sys.executable, *args], env=rank_env, stdout=out,
-                                        stderr=subprocess.STDOUT if capture else None,
-                                        process_group=group)
+                                        stderr=subprocess.STDOUT if capture else None, **_in_group(group))
                 if out is not None:
                     out.close()
                 group = group or proc.pid  # rank 0 leads the group; the others join it

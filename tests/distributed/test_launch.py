@@ -70,3 +70,32 @@ def test_bad_arguments_are_named_before_anything_starts(kwargs, error, match):
     call = {"args": ["-c", "pass"], "timeout_s": 10, **kwargs}
     with pytest.raises(error, match=match):
         run_ranks(**call)
+
+
+def test_ranks_share_one_process_group_on_python_3_10_too(tmp_path):
+    """requires-python is >= 3.10, whose Popen has no process_group keyword: launch.py (stdlib only) is loaded
+    on its own into a Python 3.10 found on this machine, and its ranks must still share one group."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    found = [shutil.which("python3.10"), *map(str, sorted(pyenv.glob("3.10*/bin/python3.10")))]
+    runs = [p for p in found if p and subprocess.run([p, "-c", "pass"], capture_output=True).returncode == 0]
+    if not runs:
+        pytest.skip("no Python 3.10 on this machine")
+    python310 = runs[0]
+    launch = Path(__file__).resolve().parents[2] / "hybrid_engine" / "launch.py"
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('launch', {str(launch)!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "p = m.run_ranks(['-c', 'import os; print(\"group\", os.getpgid(0))'], nproc=2, timeout_s=30)\n"
+        "groups = {line.split()[1] for line in p.stdout.splitlines() if line.startswith('group')}\n"
+        "print(sys.version_info[:2], p.returncode, len(groups))\n"
+    )
+    out = subprocess.run([python310, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().endswith("(3, 10) 0 1"), out.stdout + out.stderr
+    assert sys.version_info >= (3, 10)
