@@ -3,11 +3,12 @@
 The engine holds the Hugging Face model once. Training goes to one of two
 backends, chosen from ``zero_optimization.stage``: plain PyTorch for stage 0
 in one process (:mod:`hybrid_engine.training`), DeepSpeed's engine for ZeRO 1-3
-and for data parallelism over several ranks at stage 0 (:mod:`hybrid_engine.zero`). With ``bf16``/``fp16`` both keep low-precision
-module parameters and fp32 master weights in the optimizer, so rollouts run at
-low precision too. Generation goes through :mod:`hybrid_engine.generation`,
-which decodes on the engine's graph runner (:mod:`hybrid_engine.graph_runner`):
-one captured step per batch bucket and sampling mode, replayed at every position.
+and for stage 0 over several ranks (:mod:`hybrid_engine.zero`). With
+``bf16``/``fp16`` both keep low-precision module parameters and fp32 master
+weights in the optimizer, so rollouts run at low precision too. Generation
+goes through :mod:`hybrid_engine.generation`, which decodes on the engine's
+graph runner (:mod:`hybrid_engine.graph_runner`): one captured step per batch
+bucket and sampling mode, replayed at every position.
 
 Why the two sides can share one model safely: every optimizer update lands in
 the module's parameters in place, so captured graphs, which read weights by
@@ -297,9 +298,10 @@ def initialize(
     more than one rank is launched and there is an optimizer (DeepSpeed's data
     parallelism averages the gradients), or when an ``mpu`` (model-parallel unit,
     which sets the data-parallel group) is given. Otherwise stage 0 is plain
-    PyTorch on this rank alone (a frozen reference model, say). The optimizer is ``optimizer`` if given, else the one ``config.optimizer``
-    describes over ``model_parameters`` (default: the model's trainable parameters),
-    else ``None`` (generation only). ``lr_scheduler`` (a scheduler, or a callable
+    PyTorch on this rank alone (a frozen reference model, say). The optimizer is
+    ``optimizer`` if given, else the one ``config.optimizer`` describes over
+    ``model_parameters`` (default: the model's trainable parameters), else
+    ``None`` (generation only). ``lr_scheduler`` (a scheduler, or a callable
     building one from the optimizer) is stepped with the optimizer. With ``bf16`` or
     ``fp16`` enabled the module's parameters are cast to that dtype and the optimizer
     steps fp32 master weights. The third item (DeepSpeed's data loader) is always ``None``.
