@@ -130,6 +130,9 @@ step() {
 install() {
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" || {
     echo "torch and transformers must be installed in $PY"; return 1; }
+  # The default target is this script's own: start it empty, so no package of an earlier run (another
+  # Python's pydantic_core, say) shadows what this Python needs.
+  [ -z "${HYBRID_ENGINE_TARGET:-}" ] && rm -rf "$TARGET"
   mkdir -p "$TARGET"
   # pydantic 2 (a 1.x in the image would import, then fail on the v2 API the config uses).
   if ! "$PY" -c "import pydantic, sys; sys.exit(int(pydantic.VERSION.split('.')[0]) < 2)" 2>/dev/null; then
@@ -165,8 +168,8 @@ else
     cat "$WORK/install.log"
     [ $rc -eq 0 ] || { say "step install: FAILED"; pack; exit 1; }
     say "step install: ok"
+    export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"  # only what this run installed
   fi
-  export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 HE=("$PY" -m hybrid_engine)
