@@ -2,8 +2,9 @@
 
 ``python zero_worker.py STAGE PRECISION OUT_DIR [copy] [lora]``: trains a tiny
 Llama (``lora``: LoRA adapters on it, through ``peft.get_peft_model``) on
-DeepSpeed ZeRO ``STAGE`` through ``hybrid_engine.initialize``, beside a
-single-process stage-0 reference trained on the same global batch, generates
+DeepSpeed (ZeRO ``STAGE``, or stage 0's data parallelism) through
+``hybrid_engine.initialize``, beside a stage-0 reference trained on the whole
+global batch on every rank, generates
 rollouts with graphs and eagerly, and saves what the test asserts to
 ``OUT_DIR/rank<R>.pt``. Every check that compares ranks is made by the test.
 """
@@ -93,7 +94,8 @@ def main() -> None:
                                                      init_lora_weights=False))
     reference = copy.deepcopy(model)
     engine, optimizer, _, _ = initialize(model=model, config=config(stage, precision, inference_copy))
-    # The single-process reference: stage 0, same precision, trained on the whole global batch.
+    # The reference: stage 0, same precision, trained on the whole global batch on every rank (in this 2-rank job
+    # that is DeepSpeed's data parallelism averaging identical gradients, the single-process result exactly).
     ref_engine, *_ = initialize(model=reference, config=config(0, precision))
     r, world = rank(), dist.get_world_size()
     result: dict = {"rank": r, "world": world, "zero_stage": engine.zero_stage,
