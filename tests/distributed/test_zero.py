@@ -1,9 +1,10 @@
-"""DeepSpeed ZeRO 1/2/3 on 2 CPU ranks (gloo, loopback), through ``hybrid_engine.initialize``.
+"""DeepSpeed (ZeRO 1/2/3, and stage 0's data parallelism) on 2 CPU ranks (gloo, loopback), through
+``hybrid_engine.initialize``.
 
 Each case starts ``zero_worker.py`` under torchrun with a hard timeout that
 kills the ranks' process group (:func:`hybrid_engine.launch.run_ranks`), then
-asserts on what every rank saved: training matches a single-process stage-0
-reference, rollouts with graphs equal eager ones before and after optimizer
+asserts on what every rank saved: training matches a stage-0 reference trained
+on the whole global batch, rollouts with graphs equal eager ones before and after optimizer
 steps (ZeRO 1/2, no recapture), ZeRO-3 refuses graphs and generates from
 gathered parameters, and ranks that finish at different lengths never hang.
 """
