@@ -32,6 +32,7 @@ pick identical tokens.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -91,6 +92,12 @@ def _transformers_defaults() -> dict[str, Any]:
 
 
 _GEN_DEFAULTS = _transformers_defaults()
+
+
+def unimplemented_generation_fields(gen: Any, fields: Sequence[str] = _GEN_CONFIG_FIELDS) -> list[str]:
+    """The ``fields`` a ``GenerationConfig`` sets away from transformers' defaults: decoding features the fast
+    path does not implement."""
+    return [f for f in fields if hasattr(gen, f) and _effective(gen, f) != _GEN_DEFAULTS.get(f)]
 
 
 def _effective(gen: Any, name: str) -> Any:
@@ -256,8 +263,7 @@ class Generator:
                 f"generate({', '.join(odd)}) is not covered by the fast decode path; delegated to transformers' "
                 "generate, which runs eagerly."
             )
-        gen = self.model.generation_config
-        changed = [f for f in _GEN_CONFIG_FIELDS if hasattr(gen, f) and _effective(gen, f) != _GEN_DEFAULTS.get(f)]
+        changed = unimplemented_generation_fields(self.model.generation_config)
         if changed:
             return (
                 f"The model's generation_config sets {', '.join(changed)}, which the fast decode path does not "

@@ -61,15 +61,31 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from hybrid_engine.generation import unimplemented_generation_fields
 from hybrid_engine.inference_copy import InferenceCopy
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 from hybrid_engine.rollout.types import is_int
+from hybrid_engine.sampling import MIN_TEMPERATURE
 from hybrid_engine.zero import destroy_deepspeed_engine, is_zero3_partitioned
 
 __all__ = ["HybridEngineRolloutFunc", "destroy_trainer_deepspeed", "make_rollout_func", "rollout_seed"]
 
 #: Keyword overrides :func:`make_rollout_func` accepts (``max_new_tokens`` is an alias of ``max_completion_length``).
 SAMPLING_KEYS = ("max_completion_length", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+#: Overrides that must equal the trainer's own value, and why: TRL's loss reads them too.
+_TRAINER_READS = {
+    "temperature": "TRL's loss divides the logits by it to score the completions, so sampling at another "
+                   "temperature trains off-policy",
+    "max_completion_length": "TRL's loss normalisation (loss_type='dr_grpo') and its truncation checks use it",
+}
+#: Fields of the model's generation_config that TRL's own generation applies (it sets only temperature, top_p,
+#: top_k, min_p, repetition_penalty and the lengths itself) and hybrid-engine rollouts do not implement.
+_TRL_MERGED_FIELDS = tuple(
+    f for f in ("no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "typical_p",
+                "epsilon_cutoff", "eta_cutoff", "min_length", "min_new_tokens", "encoder_repetition_penalty",
+                "sequence_bias", "renormalize_logits", "exponential_decay_length_penalty", "forced_bos_token_id",
+                "forced_eos_token_id", "stop_strings", "num_beams", "num_return_sequences", "penalty_alpha",
+                "guidance_scale", "force_words_ids", "constraints", "diversity_penalty", "length_penalty"))
 
 
 def rollout_seed(base_seed: int, global_step: int, process_index: int = 0, mode: str = "train",
@@ -221,6 +237,7 @@ class HybridEngineRolloutFunc:
         self.last_request: RolloutRequest | None = None
         self.last_sampling: SamplingConfig | None = None
         self._calls: dict[tuple[int, str], tuple[int, int]] = {}  # (process, mode) -> (step, calls at it so far)
+        self._trainer: int | None = None  # id() of the trainer whose calls _calls counts
 
     # ---------------------------------------------------------------- setup
     def _generation_model(self, model: PreTrainedModel) -> PreTrainedModel:
@@ -241,8 +258,8 @@ class HybridEngineRolloutFunc:
         return copy.module
 
     def _rollout_for(self, model: PreTrainedModel, trainer: Any, tokenizer: Any) -> HybridEngineRollout:
-        if self.rollout is not None and self.rollout.model is model:
-            return self.rollout
+        """The rollout for this model and this trainer's EOS and pad ids (read at every call: a later trainer on the
+        same model may have others); a new one when either changed."""
         config = self.config
         eos = getattr(trainer, "eos_token_ids", None)  # TRL: the tokenizer's EOS plus the model's generation EOS ids
         if config.eos_token_id is None and eos:
@@ -253,25 +270,30 @@ class HybridEngineRolloutFunc:
                 pad = config.eos_token_id if isinstance(config.eos_token_id, int) else config.eos_token_id[0]
             if isinstance(pad, int):
                 config = dataclasses.replace(config, pad_token_id=pad)
-        self.rollout = HybridEngineRollout(model, tokenizer=tokenizer, config=config)
+        if self.rollout is None or self.rollout.model is not model or self.rollout.config != config:
+            self.rollout = HybridEngineRollout(model, tokenizer=tokenizer, config=config)
         return self.rollout
 
     def _position(self, trainer: Any) -> tuple[tuple[int, int, str], int]:
         """Where in training a call is made, (global step, process index, "train" or "eval"), and how many
         calls were made there before it."""
+        if self._trainer != id(trainer):  # another trainer (a new run): its steps count from its own start
+            self._trainer = id(trainer)
+            self._calls.clear()
         state = getattr(trainer, "state", None)
         step, process = getattr(state, "global_step", 0), getattr(trainer.accelerator, "process_index", 0)
         mode = "train" if getattr(trainer.model, "training", True) else "eval"
         last_step, calls = self._calls.get((process, mode), (None, 0))
         return (step, process, mode), calls if last_step == step else 0
 
-    def _sampling(self, trainer: Any, n: int, position: tuple[int, int, str], call_index: int) -> SamplingConfig:
+    def _sampling(self, trainer: Any, n: int, position: tuple[int, int, str], call_index: int,
+                  generation_config: Any) -> SamplingConfig:
         args = getattr(trainer, "args", None)
         if args is None:
             raise TypeError("rollout_func: trainer has no .args (expected a TRL GRPOTrainer with its GRPOConfig)")
         for name, default in (("min_p", None), ("repetition_penalty", 1.0)):
             value = getattr(args, name, default)
-            if value is not None and value != default:
+            if value is not None and value != default and not (name == "min_p" and value == 0):
                 raise ValueError(
                     f"rollout_func: trainer.args.{name}={value!r} is not supported by hybrid-engine rollouts "
                     f"(they sample with temperature, top_p and top_k); set {name}={default!r}"
@@ -279,9 +301,30 @@ class HybridEngineRolloutFunc:
         if getattr(args, "generation_kwargs", None):
             raise ValueError(
                 f"rollout_func: trainer.args.generation_kwargs={args.generation_kwargs!r} is not applied by "
-                "hybrid-engine rollouts; pass temperature/top_p/top_k/max_completion_length to make_rollout_func"
+                "hybrid-engine rollouts; set temperature, top_p, top_k and max_completion_length in GRPOConfig"
             )
         o = self.overrides
+        for name, why in _TRAINER_READS.items():
+            own = getattr(args, name, None)
+            if name in o and own is not None and o[name] != own:
+                raise ValueError(
+                    f"rollout_func: make_rollout_func({name}={o[name]!r}) differs from trainer.args.{name}={own!r}; "
+                    f"{why}. Set GRPOConfig({name}={o[name]!r}) and drop the override"
+                )
+        temperature = o.get("temperature", getattr(args, "temperature", 1.0))
+        if isinstance(temperature, (int, float)) and 0 <= temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"rollout_func: temperature={temperature!r} (greedy, or near it) cannot train a GRPO policy: TRL's "
+                "loss divides the logits by trainer.args.temperature, and TRL refuses 0 too; set "
+                f"GRPOConfig(temperature=...) to at least {MIN_TEMPERATURE:g}"
+            )
+        fields = unimplemented_generation_fields(generation_config, _TRL_MERGED_FIELDS)
+        if fields:
+            raise ValueError(
+                f"rollout_func: the model's generation_config sets {', '.join(fields)}, which TRL's own generation "
+                "would apply and hybrid-engine rollouts do not; reset them on model.generation_config (or use "
+                "TRL's own generation)"
+            )
         max_new = o.get("max_completion_length", getattr(args, "max_completion_length", None))
         if max_new is None:
             raise ValueError("rollout_func: trainer.args.max_completion_length is None; set it, or pass "
@@ -291,7 +334,7 @@ class HybridEngineRolloutFunc:
         try:
             return SamplingConfig(
                 max_new_tokens=max_new,
-                temperature=o.get("temperature", getattr(args, "temperature", 1.0)),
+                temperature=temperature,
                 top_p=o.get("top_p", getattr(args, "top_p", 1.0)),
                 top_k=-1 if top_k is None else top_k,
                 n_samples_per_prompt=n,
@@ -299,8 +342,7 @@ class HybridEngineRolloutFunc:
             )
         except (TypeError, ValueError) as exc:
             raise type(exc)(
-                f"rollout_func: trainer.args gives an invalid sampling setting ({exc}); fix it there or override "
-                "it in make_rollout_func(...)"
+                f"rollout_func: trainer.args gives an invalid sampling setting ({exc}); fix it in GRPOConfig"
             ) from None
 
     def _tokenize(self, trainer: Any, prompts: list[Any], chat: bool, tokenizer: Any,
@@ -341,14 +383,22 @@ class HybridEngineRolloutFunc:
     # ----------------------------------------------------------------- call
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list]:
         chat = _check_prompts(prompts)
-        model = self._generation_model(_policy_model(trainer))
+        policy = _policy_model(trainer)
+        if is_zero3_partitioned(policy) and getattr(getattr(trainer, "args", None), "ds3_gather_for_generation",
+                                                    True) is False:
+            raise ValueError(
+                "rollout_func: trainer.args.ds3_gather_for_generation=False, but hybrid-engine rollouts gather the "
+                "ZeRO-3 parameters for generation (once per call, or into make_rollout_func("
+                "zero3_gathered_inference_copy=True)'s copy); set it to True, or use TRL's own generation"
+            )
+        model = self._generation_model(policy)
         processing_class = getattr(trainer, "processing_class", None)
         if processing_class is None:
             raise TypeError("rollout_func: trainer.processing_class is None; GRPOTrainer needs a tokenizer")
         tokenizer = _tokenizer_of(processing_class)
         unique, n = _fold(prompts)
         position, calls = self._position(trainer)
-        sampling = self._sampling(trainer, n, position, calls)
+        sampling = self._sampling(trainer, n, position, calls, policy.generation_config)
         rollout = self._rollout_for(model, trainer, tokenizer)
         prompt_ids, request = self._tokenize(trainer, unique, chat, tokenizer, next(rollout.model.parameters()).device)
         self.last_request, self.last_sampling = request, sampling
@@ -389,9 +439,10 @@ def make_rollout_func(config: RolloutConfig | None = None, *, zero3_gathered_inf
     ``config`` is the rollout's :class:`~hybrid_engine.RolloutConfig` (``None``:
     graph capture on, everything else default; its pad/EOS ids default to the
     tokenizer's and TRL's). ``sampling`` overrides what ``trainer.args`` says:
-    ``max_completion_length`` (alias ``max_new_tokens``), ``temperature``,
     ``top_p``, ``top_k``, and ``seed`` (the base seed, mixed with the global
-    step as the trainer's seed would be).
+    step as the trainer's seed would be); ``max_completion_length`` (alias
+    ``max_new_tokens``) and ``temperature`` are accepted only equal to the
+    trainer's, because TRL's loss reads them too.
 
     Under DeepSpeed ZeRO-3, rollouts gather the parameters at each call and
     decode eagerly; ``zero3_gathered_inference_copy=True`` decodes with graphs on

@@ -203,13 +203,18 @@ def test_fold_tokenize_and_order():
 def test_seed_from_trainer_seed_step_and_process():
     fn = make_rollout_func()
     prompts = [PROMPTS[1]] * GROUP
-    first = fn(prompts, _trainer(step=5))
+    trainer = _trainer(step=5)
+    first = fn(prompts, trainer)
     assert fn.last_sampling.seed == rollout_seed(0, 5, 0, "train")
     # A second call at the same step (gradient accumulation, steps_per_generation below it) samples anew ...
-    assert fn(prompts, _trainer(step=5))["completion_ids"] != first["completion_ids"]
+    assert fn(prompts, trainer)["completion_ids"] != first["completion_ids"]
     assert fn.last_sampling.seed == rollout_seed(0, 5, 0, "train", call_index=1) != rollout_seed(0, 5, 0, "train")
-    # ... and a rerun of the step (a fresh function, as after a resume) samples what its first call did.
+    # ... and a rerun of the step (a fresh function, as after a resume) samples what its first call did, as does
+    # this function handed to a new trainer (a second run), whose calls count from its own start.
     assert make_rollout_func()(prompts, _trainer(step=5)) == first
+    second_run = _trainer(step=5)
+    assert fn(prompts, second_run) == first and fn.last_sampling.seed == rollout_seed(0, 5, 0, "train")
+    del trainer
     assert fn(prompts, _trainer(step=6))["completion_ids"] != first["completion_ids"]
     assert fn(prompts, _trainer(step=5, seed=1))["completion_ids"] != first["completion_ids"]
     assert fn.last_sampling.seed == rollout_seed(1, 5, 0, "train")
@@ -227,12 +232,63 @@ def test_sampling_from_args_and_overrides():
     fn([PROMPTS[0]] * 2, _trainer(temperature=0.7, top_p=0.9, top_k=5, max_completion_length=3))
     s = fn.last_sampling
     assert (s.max_new_tokens, s.temperature, s.top_p, s.top_k) == (3, 0.7, 0.9, 5)
-    greedy = make_rollout_func(temperature=0.0, max_new_tokens=4, seed=7)
-    out = greedy([PROMPTS[0]] * 3, _trainer(temperature=0.7, max_completion_length=3))
-    s = greedy.last_sampling
-    assert (s.max_new_tokens, s.temperature, s.seed) == (4, 0.0, rollout_seed(7, 0, 0, "train"))
-    assert out["completion_ids"][0] == out["completion_ids"][1] == out["completion_ids"][2]  # greedy
+    tuned = make_rollout_func(temperature=0.7, max_new_tokens=4, top_k=1, top_p=0.5, seed=7)
+    out = tuned([PROMPTS[0]] * 3, _trainer(temperature=0.7, max_completion_length=4))
+    s = tuned.last_sampling
+    assert (s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.seed) == (4, 0.7, 1, 0.5, rollout_seed(7, 0, 0, "train"))
+    assert out["completion_ids"][0] == out["completion_ids"][1] == out["completion_ids"][2]  # top_k=1
     assert len(out["completion_ids"][0]) == 4
+
+
+@pytest.mark.parametrize("override,args,match", [
+    # TRL's loss scores the completions at args.temperature: sampling at another one trains off-policy.
+    ({"temperature": 0.7}, {"temperature": 1.0}, r"make_rollout_func\(temperature=0.7\) differs from "
+                                                 r"trainer.args.temperature=1.0.*off-policy.*GRPOConfig\(temperature=0.7\)"),
+    ({"max_new_tokens": 4}, {"max_completion_length": 6}, r"max_completion_length=4\) differs.*dr_grpo"),
+    ({}, {"temperature": 0.0}, r"temperature=0.0 \(greedy, or near it\) cannot train a GRPO policy.*at least 1e-05"),
+    ({}, {"temperature": 1e-6}, r"temperature=1e-06 \(greedy, or near it\) cannot train"),
+    ({}, {"top_p": 0.0}, r"invalid sampling setting \(.*top_p.*\); fix it in GRPOConfig$"),
+    ({}, {"min_p": 0.1}, "min_p"),
+])
+def test_sampling_that_trl_would_score_differently_is_refused(override, args, match):
+    with pytest.raises(ValueError, match=match):
+        make_rollout_func(**override)([PROMPTS[0]], _trainer(**args))
+    make_rollout_func()([PROMPTS[0]], _trainer(min_p=0.0))  # min_p 0 is no filter, as in transformers
+
+
+def test_generation_config_fields_trl_would_apply_are_refused():
+    # TRL's own generation merges the model's generation_config into what it sets; these would be dropped here.
+    model = build_model("tiny-gpt2", seed=0)
+    model.generation_config.suppress_tokens = list(range(4, 200))
+    with pytest.raises(ValueError, match="generation_config sets suppress_tokens.*reset them"):
+        make_rollout_func()([PROMPTS[0]], _trainer(model=model))
+    model.generation_config.suppress_tokens = None
+    model.generation_config.no_repeat_ngram_size = 2
+    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
+        make_rollout_func()([PROMPTS[0]], _trainer(model=model))
+    model.generation_config.no_repeat_ngram_size = 0
+    model.generation_config.temperature = 0.3  # TRL sets temperature itself, so the model's is not applied there
+    assert make_rollout_func()([PROMPTS[0]], _trainer(model=model))["completion_ids"]
+
+
+def test_a_later_trainer_s_eos_ids_are_used():
+    fn = make_rollout_func()
+    first = _trainer()
+    fn([PROMPTS[0]], first)
+    rollout = fn.rollout
+    fn([PROMPTS[0]], first)
+    assert fn.rollout is rollout  # same model and ids: the same rollout, graphs kept
+    second = _trainer()
+    second.eos_token_ids = [EOS_ID, 179]
+    fn([PROMPTS[0]], second)
+    assert fn.rollout.config.eos_token_id == (EOS_ID, 179)
+
+
+def test_ds3_gather_for_generation_false_is_refused_under_zero3():
+    model = build_model("tiny-gpt2", seed=0)
+    next(model.parameters()).ds_id = 0  # how DeepSpeed marks a ZeRO-3 partitioned parameter
+    with pytest.raises(ValueError, match="ds3_gather_for_generation=False.*set it to True"):
+        make_rollout_func()([PROMPTS[0]], _trainer(model=model, ds3_gather_for_generation=False))
 
 
 def test_a_failed_call_does_not_count_as_a_call_at_its_step():
@@ -330,9 +386,9 @@ def test_fsdp_is_refused_and_the_zero3_copy_flag_warns_when_nothing_is_partition
     with pytest.raises(ValueError, match="FSDP.*DeepSpeed ZeRO"):
         make_rollout_func()(["the cat"], fsdp)
     # Under ZeRO-3 the copy is used (tests/distributed/test_trl_zero3.py); on a whole model the flag does nothing.
-    fn = make_rollout_func(zero3_gathered_inference_copy=True, max_new_tokens=3)
+    fn = make_rollout_func(zero3_gathered_inference_copy=True)
     with pytest.warns(UserWarning, match="zero3_gathered_inference_copy has no effect"):
-        fn(["the cat"], _trainer())
+        fn(["the cat"], _trainer(max_completion_length=3))
     assert fn.inference_copy is None and fn.rollout.model is _model()
 
 
