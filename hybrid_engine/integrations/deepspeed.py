@@ -214,6 +214,8 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
     def __init__(self, source: Any, tokenizer: Any = None, config: Any = None, *, seed: int | None = None) -> None:
         if seed is not None and not is_int(seed):
             raise TypeError(f"DeepSpeedRolloutEngine: seed must be an int or None, got {seed!r}")
+        if seed is not None and not -(2**63) <= seed < 2**63:
+            raise ValueError(f"DeepSpeedRolloutEngine: seed must fit in int64, got {seed}")
         if isinstance(source, HybridEngineRollout):
             if tokenizer is not None or config is not None:
                 raise ValueError(
@@ -254,8 +256,8 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
         torch's generator, so ``torch.manual_seed`` makes a run reproducible."""
         if seed is not None:
             return int(seed)
-        if self.seed is not None:
-            return int(self.seed) + self.calls
+        if self.seed is not None:  # wraps around within int64, so every later call has a valid seed too
+            return (int(self.seed) + self.calls + 2**63) % 2**64 - 2**63
         if sampling.temperature == 0:  # nothing is sampled: leave torch's generator alone, as DeepSpeed's greedy does
             return 0
         return int(torch.randint(0, _SEED_RANGE, (1,)).item())
@@ -273,6 +275,8 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
             try:
                 if seed is not None and not is_int(seed):
                     raise TypeError(f"seed must be an int or None, got {seed!r}")
+                if seed is not None and not -(2**63) <= seed < 2**63:
+                    raise ValueError(f"seed must fit in int64, got {seed}")
                 ours_request = to_hybrid_request(request)
                 ours_sampling, slots = to_hybrid_sampling(sampling)
             except (TypeError, ValueError) as exc:

@@ -334,6 +334,8 @@ def test_bad_inputs_give_clear_errors_before_any_work():
         adapter.generate(request, SamplingConfig(max_new_tokens=600))
     with pytest.raises(TypeError, match="seed must be an int"):
         adapter.generate(request, ok, seed=1.5)
+    with pytest.raises(ValueError, match="DeepSpeedRolloutEngine.generate: seed must fit in int64, got 18446744073709551616"):
+        adapter.generate(request, ok, seed=2**64)
     bucketed = _adapter(model, graphs=True, graph_batch_sizes=(1, 2))
     with pytest.raises(ValueError, match="continuous_batch_size=4.*graph_batch_sizes"):
         bucketed.generate(request, SamplingConfig(max_new_tokens=4, continuous_batch_size=4))
@@ -347,12 +349,22 @@ def test_bad_inputs_give_clear_errors_before_any_work():
         DeepSpeedRolloutEngine(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="config must be"):
         DeepSpeedRolloutEngine(model, config={"use_graph_capture": True})
+    with pytest.raises(ValueError, match="DeepSpeedRolloutEngine: seed must fit in int64"):
+        DeepSpeedRolloutEngine(model, seed=2**63)
     with pytest.raises(ValueError, match="serves 'hybrid_engine' only"):
         DeepSpeedRolloutEngine(model, config=DSRolloutConfig(engine="vllm"))
 
     # The adapter is still usable after every refusal.
     batch = adapter.generate(request, ok)
     assert batch.batch_size == 3 and adapter.calls == 1
+
+    # A base seed at the top of int64: each later call's seed wraps around instead of leaving int64.
+    counted = DeepSpeedRolloutEngine(model, config=ours.RolloutConfig(pad_token_id=PAD, eos_token_id=NO_EOS),
+                                     seed=2**63 - 1)
+    sampled = SamplingConfig(max_new_tokens=3, temperature=1.0)
+    counted.generate(request, sampled)
+    counted.generate(request, sampled)
+    assert counted.last_seed == -(2**63) and counted.calls == 2
 
 
 def test_a_refused_call_leaves_torchs_generator_for_the_next_one():
