@@ -80,12 +80,13 @@ _TRAINER_READS = {
 }
 #: Fields of the model's generation_config that TRL's own generation applies (it sets only temperature, top_p,
 #: top_k, min_p, repetition_penalty and the lengths itself) and hybrid-engine rollouts do not implement.
-_TRL_MERGED_FIELDS = tuple(
-    f for f in ("no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "typical_p",
-                "epsilon_cutoff", "eta_cutoff", "min_length", "min_new_tokens", "encoder_repetition_penalty",
-                "sequence_bias", "renormalize_logits", "exponential_decay_length_penalty", "forced_bos_token_id",
-                "forced_eos_token_id", "stop_strings", "num_beams", "num_return_sequences", "penalty_alpha",
-                "guidance_scale", "force_words_ids", "constraints", "diversity_penalty", "length_penalty"))
+_TRL_MERGED_FIELDS = (
+    "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "typical_p",
+    "epsilon_cutoff", "eta_cutoff", "min_length", "min_new_tokens", "encoder_repetition_penalty", "sequence_bias",
+    "renormalize_logits", "exponential_decay_length_penalty", "forced_bos_token_id", "forced_eos_token_id",
+    "stop_strings", "num_beams", "num_return_sequences", "penalty_alpha", "guidance_scale", "force_words_ids",
+    "constraints", "diversity_penalty", "length_penalty",
+)
 
 
 def rollout_seed(base_seed: int, global_step: int, process_index: int = 0, mode: str = "train",
