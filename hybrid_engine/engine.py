@@ -321,7 +321,8 @@ def initialize(
         raise ValueError("initialize(): training_data is not supported; iterate over your data yourself")
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(): model must be a torch.nn.Module, got {type(model).__name__}")
-    ranks = _data_parallel_ranks(kwargs.get("mpu"))
+    mpu = kwargs.get("mpu")
+    ranks = _data_parallel_ranks(mpu)
     cfg = load_config(config if config is not None else {}, world_size=ranks)
     lr_scheduler = kwargs.get("lr_scheduler")
     if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and not callable(lr_scheduler):
@@ -347,7 +348,6 @@ def initialize(
             UserWarning,
             stacklevel=2,
         )
-    mpu = kwargs.get("mpu")
     trains = optimizer is not None or cfg.optimizer is not None
     if cfg.zero_optimization.stage > 0 or mpu is not None or (ranks > 1 and trains):
         # Data parallelism (gradients averaged over ranks, rank-aware checkpoints) is DeepSpeed's, stage 0 included.

@@ -115,6 +115,13 @@ class _Staging:
         return list(batch)
 
 
+def _meta(slots: list[int], sources: list[int], reqs: list[RequestSpec], seed: int) -> list[list[int]]:
+    """An admission round's six meta rows, one entry per request
+    (see :class:`~hybrid_engine.admission.StagedRequests`)."""
+    return [slots, sources, [r.rng_index for r in reqs], [r.budget for r in reqs], [r.min_tokens for r in reqs],
+            [seed] * len(reqs)]
+
+
 def _admit(
     runner: DecodeGraphRunner,
     slots: list[int],
@@ -146,8 +153,7 @@ def _admit(
         state = runner.slots
         logits = prefill(runner.model, state.head(len(slots)).cache, prompt_ids.index_select(0, index),
                          prompt_mask.index_select(0, index), checked=True)
-        meta = [slots, list(range(len(reqs))), [r.rng_index for r in reqs], [r.budget for r in reqs],
-                [r.min_tokens for r in reqs], [seed] * len(reqs)]
+        meta = _meta(slots, list(range(len(reqs))), reqs, seed)
         admit_from_logits(state, logits, torch.tensor(meta, dtype=torch.int64, device=state.device), sampling_key)
         return
     start = 0
@@ -156,8 +162,7 @@ def _admit(
             continue
         if i > start:  # the requests whose prompts are staged now
             part = reqs[start:i]
-            meta = [slots[start:i], [staging.row_of[staging.unit(r)] for r in part], [r.rng_index for r in part],
-                    [r.budget for r in part], [r.min_tokens for r in part], [seed] * len(part)]
+            meta = _meta(slots[start:i], [staging.row_of[staging.unit(r)] for r in part], part, seed)
             for r in part:
                 unit = staging.unit(r)
                 counters.kv_row_copies += unit in staging.used

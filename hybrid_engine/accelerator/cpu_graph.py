@@ -221,8 +221,7 @@ class CPUGraphPool:
         # graph -> (static output bytes, intermediate peak bytes)
         self._usage: weakref.WeakKeyDictionary[CPUGraph, tuple[int, int]] = weakref.WeakKeyDictionary()
         self._captures = 0  # graphs finalized into this pool so far: each one's capture order
-        # graph with static outputs -> its capture order
-        self._with_outputs: weakref.WeakKeyDictionary[CPUGraph, int] = weakref.WeakKeyDictionary()
+        self._with_outputs: weakref.WeakSet[CPUGraph] = weakref.WeakSet()  # its graphs that have static outputs
 
     @property
     def num_graphs(self) -> int:
@@ -246,8 +245,8 @@ class CPUGraphPool:
     def _clobber_after(self, order: int) -> None:
         """A replay of the graph captured ``order``-th: garble the static outputs of the graphs captured after it
         (their blocks may be its intermediates)."""
-        for graph, captured in list(self._with_outputs.items()):
-            if captured > order:
+        for graph in list(self._with_outputs):
+            if graph._order > order:
                 _poison(ref() for _, ref in graph._static_outputs)
 
 
@@ -508,7 +507,7 @@ class CPUGraph:
 
     def reset(self) -> None:
         self._pool._usage.pop(self, None)
-        self._pool._with_outputs.pop(self, None)
+        self._pool._with_outputs.discard(self)
         self._steps = None
         self._static_outputs = []
         self._externals = []
@@ -570,7 +569,7 @@ class CPUGraph:
         pool._captures += 1
         self._order = pool._captures
         if static:
-            pool._with_outputs[self] = self._order
+            pool._with_outputs.add(self)
 
     def replay(self) -> None:
         steps = self._steps

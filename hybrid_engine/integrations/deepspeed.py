@@ -96,6 +96,14 @@ logger = logging.getLogger(__name__)
 _SEED_RANGE = 1 << 62  # seeds drawn from torch's generator lie in [0, 2**62)
 
 
+def _check_seed(seed: object) -> None:
+    """A seed is ``None`` or an int64 (what the sampler's counters hold)."""
+    if seed is not None and not is_int(seed):
+        raise TypeError(f"seed must be an int or None, got {seed!r}")
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed must fit in int64, got {seed}")
+
+
 def _type_name(obj: object) -> str:
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -212,10 +220,10 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
     name = "hybrid_engine.graphed"
 
     def __init__(self, source: Any, tokenizer: Any = None, config: Any = None, *, seed: int | None = None) -> None:
-        if seed is not None and not is_int(seed):
-            raise TypeError(f"DeepSpeedRolloutEngine: seed must be an int or None, got {seed!r}")
-        if seed is not None and not -(2**63) <= seed < 2**63:
-            raise ValueError(f"DeepSpeedRolloutEngine: seed must fit in int64, got {seed}")
+        try:
+            _check_seed(seed)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"DeepSpeedRolloutEngine: {exc}") from None
         if isinstance(source, HybridEngineRollout):
             if tokenizer is not None or config is not None:
                 raise ValueError(
@@ -273,10 +281,7 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
         where = "DeepSpeedRolloutEngine.generate"
         with self._lock:  # the seed counter and the per-call config belong to one call at a time
             try:
-                if seed is not None and not is_int(seed):
-                    raise TypeError(f"seed must be an int or None, got {seed!r}")
-                if seed is not None and not -(2**63) <= seed < 2**63:
-                    raise ValueError(f"seed must fit in int64, got {seed}")
+                _check_seed(seed)
                 ours_request = to_hybrid_request(request)
                 ours_sampling, slots = to_hybrid_sampling(sampling)
             except (TypeError, ValueError) as exc:

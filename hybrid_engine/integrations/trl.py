@@ -241,7 +241,7 @@ class HybridEngineRolloutFunc:
         self._trainer: int | None = None  # id() of the trainer whose calls _calls counts
 
     # ---------------------------------------------------------------- setup
-    def _generation_model(self, model: PreTrainedModel) -> PreTrainedModel:
+    def _generation_model(self, model: PreTrainedModel, trainer: Any) -> PreTrainedModel:
         """What to generate with: the trainer's model, or under ZeRO-3 with the copy on, the refreshed copy."""
         if not is_zero3_partitioned(model):
             if self.zero3_gathered_inference_copy and not self._warned_no_zero3:
@@ -249,6 +249,12 @@ class HybridEngineRolloutFunc:
                 warnings.warn("make_rollout_func: zero3_gathered_inference_copy has no effect: the trainer's model "
                               "is not ZeRO-3 partitioned, so rollouts run on it directly", UserWarning, stacklevel=3)
             return model
+        if getattr(getattr(trainer, "args", None), "ds3_gather_for_generation", True) is False:
+            raise ValueError(
+                "rollout_func: trainer.args.ds3_gather_for_generation=False, but hybrid-engine rollouts gather the "
+                "ZeRO-3 parameters for generation (once per call, or into make_rollout_func("
+                "zero3_gathered_inference_copy=True)'s copy); set it to True, or use TRL's own generation"
+            )
         if not self.zero3_gathered_inference_copy:
             return model  # the rollout gathers it per call and decodes eagerly (graphs refused, warned once)
         copy = self.inference_copy
@@ -385,14 +391,7 @@ class HybridEngineRolloutFunc:
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list]:
         chat = _check_prompts(prompts)
         policy = _policy_model(trainer)
-        if is_zero3_partitioned(policy) and getattr(getattr(trainer, "args", None), "ds3_gather_for_generation",
-                                                    True) is False:
-            raise ValueError(
-                "rollout_func: trainer.args.ds3_gather_for_generation=False, but hybrid-engine rollouts gather the "
-                "ZeRO-3 parameters for generation (once per call, or into make_rollout_func("
-                "zero3_gathered_inference_copy=True)'s copy); set it to True, or use TRL's own generation"
-            )
-        model = self._generation_model(policy)
+        model = self._generation_model(policy, trainer)
         processing_class = getattr(trainer, "processing_class", None)
         if processing_class is None:
             raise TypeError("rollout_func: trainer.processing_class is None; GRPOTrainer needs a tokenizer")
