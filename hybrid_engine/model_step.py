@@ -200,6 +200,7 @@ def prefill(
         target = StaticKVCache(model.config, n, t, device=device, dtype=cache.dtype)
     # Attend over the prompt's own T slots only: prefill numerics do not depend on the cache capacity.
     saved_kv_len, target.kv_len = target.kv_len, t
+    target.writes_at_start = True  # write_pos is 0 in every row (zeroed above, or a fresh cache)
     try:
         mask4d = build_prefill_mask(attention_mask, t, _model_dtype(model))
         logits = _forward(
@@ -212,6 +213,7 @@ def prefill(
         )
     finally:
         target.kv_len = saved_kv_len
+        target.writes_at_start = False
     if whole:
         target.valid[:, t:] = False
     target.valid[:, :t] = attention_mask.bool()

@@ -26,8 +26,9 @@ rounds. A round costs about ``ADMISSION_COST`` decode steps, so the scheduler
 holds free slots back until idling them would cost more than another round
 (:func:`_steps_to_admission`). Rollouts prefill prompts ahead, in batches of
 the prompts of the next requests of the queue (one refill of the slots), and
-a round only loads staged prompts into slots (:mod:`hybrid_engine.admission`); both run on the
-runner, graphed like a decode step. With shared prefill each distinct prompt
+a round only loads staged prompts into slots, from either of the last two
+batches (:mod:`hybrid_engine.admission`); both run on the runner, graphed
+like a decode step. With shared prefill each distinct prompt
 is prefilled once per call and its K/V fan out to the slots of its samples,
 whichever rounds admit them. ``engine.generate`` admits its batch once,
 eagerly, at its exact width.
@@ -93,26 +94,41 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 class _Staging:
-    """Which prompts of a call sit in the runner's admission stage, and at which rows."""
+    """Which prompts of a call sit in the runner's admission stage, and at which rows.
+
+    Batches alternate between the stage's two halves of ``rows`` rows, so the
+    prompts of the last two batches are staged at once.
+    """
 
     def __init__(self, rows: int, shared_prefill: bool) -> None:
         self.rows = rows
         self.shared = shared_prefill
         self.row_of: dict[tuple[int, ...], int] = {}
         self.used: set[tuple[int, ...]] = set()
+        self.next_half = 0
 
     def unit(self, req: RequestSpec) -> tuple[int, ...]:
         """What is prefilled for ``req``: its prompt, shared by its samples, or its own copy of it."""
         return (req.prompt_index,) if self.shared else (req.prompt_index, req.request_index)
 
-    def next_batch(self, upcoming: Iterable[RequestSpec]) -> list[tuple[int, ...]]:
-        """The next prompts to prefill: those of the next requests of ``upcoming``, as many requests as the
-        stage has rows (one refill of the slots: a batch is never larger than the largest round)."""
+    def overwrites(self, reqs: Iterable[RequestSpec]) -> bool:
+        """Whether the next batch overwrites a prompt of ``reqs``."""
+        return any(self.row_of[self.unit(r)] // self.rows == self.next_half for r in reqs)
+
+    def next_batch(self, upcoming: Iterable[RequestSpec]) -> tuple[list[tuple[int, ...]], int]:
+        """The next prompts to prefill, and the half they go to: those of the next requests of ``upcoming``
+        that are not staged, looking as many requests ahead as a half has rows (one refill of the slots: a
+        batch is never larger than the largest round)."""
+        half = self.next_half
+        self.next_half = 1 - half
+        self.row_of = {unit: row for unit, row in self.row_of.items() if row // self.rows != half}
         batch: dict[tuple[int, ...], None] = {}
         for req in itertools.islice(upcoming, self.rows):
-            batch.setdefault(self.unit(req))
-        self.row_of = {unit: row for row, unit in enumerate(batch)}
-        return list(batch)
+            if self.unit(req) not in self.row_of:
+                batch.setdefault(self.unit(req))
+        for i, unit in enumerate(batch):
+            self.row_of[unit] = half * self.rows + i
+        return list(batch), half
 
 
 def _meta(slots: list[int], sources: list[int], reqs: list[RequestSpec], seed: int) -> list[list[int]]:
@@ -138,8 +154,10 @@ def _admit(
     """Load ``reqs`` into ``slots`` (one admission round), prefilling what they need.
 
     ``staging``: the round reads prompts staged ahead, prefilling the next batch
-    when a request's prompt is not staged (a round straddling two batches runs
-    as two parts); ``None``: the whole batch is prefilled eagerly at its own
+    when a request's prompt is not staged (into the other half of the stage, so
+    a round straddling two batches still runs as one admission, unless that
+    batch overwrites a prompt of the round's earlier requests: then they are
+    admitted first); ``None``: the whole batch is prefilled eagerly at its own
     width into slots 0..n-1, exactly as transformers prefills it (never graphed).
     """
     counters.admission_rounds += 1
@@ -160,21 +178,21 @@ def _admit(
     for i in range(len(reqs) + 1):
         if i < len(reqs) and staging.unit(reqs[i]) in staging.row_of:
             continue
-        if i > start:  # the requests whose prompts are staged now
-            part = reqs[start:i]
+        part = reqs[start:i]
+        if part and (i == len(reqs) or staging.overwrites(part)):  # admit the requests staged so far
             meta = _meta(slots[start:i], [staging.row_of[staging.unit(r)] for r in part], part, seed)
             for r in part:
                 unit = staging.unit(r)
                 counters.kv_row_copies += unit in staging.used
                 staging.used.add(unit)
             runner.admit(meta, sampling_key)
+            start = i
         if i < len(reqs):
-            batch = staging.next_batch(itertools.chain(reqs[i:], queue))
+            batch, half = staging.next_batch(itertools.chain(reqs[i:], queue))
             index = _index([unit[0] for unit in batch], device)
-            runner.prefill_prompts(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index))
+            runner.prefill_prompts(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index), half)
             counters.prefill_forwards += 1
             counters.prefill_rows += len(batch)
-            start = i
 
 
 def _compact(state: DecodeSlots, active: dict[int, RequestSpec], left: dict[int, int], free: list[int],

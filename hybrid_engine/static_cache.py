@@ -25,7 +25,8 @@ Invariants
   ``[B, capacity]``, which slots a query may attend), ``position`` (int64, the
   next position id of each row; differs from ``write_pos`` under left padding).
 * :meth:`update` writes row ``b``'s new keys at ``write_pos[b] + arange(q_len)``
-  with ``scatter_`` (no host reads) and returns the full buffers, or views of
+  with ``scatter_`` (no host reads; a prefill, where every ``write_pos`` is 0,
+  says so with the host flag ``writes_at_start`` and gets a plain copy) and returns the full buffers, or views of
   the first ``kv_len`` slots when the host int ``cache.kv_len`` is set (a
   per-position graph captures with ``kv_len`` frozen). It does NOT advance
   ``write_pos``: the step function does that once per forward, after all layers.
@@ -221,6 +222,9 @@ class StaticKVCache(Cache):
         #: Set around a model forward by :mod:`hybrid_engine.model_step`: sequence-length queries get a device
         #: tensor, as while capturing, so an eager step reads nothing on the host either.
         self.answer_on_device = False
+        #: Host flag set by :func:`~hybrid_engine.model_step.prefill` while every row's ``write_pos`` is 0:
+        #: ``update`` then copies into the first ``q_len`` slots, a plain copy instead of a scatter.
+        self.writes_at_start = False
         self._host = host if host is not None else _HostCounters()
 
     @property
@@ -345,10 +349,14 @@ class StaticKVCache(Cache):
             key_states, value_states = key_states.to(self._dtype), value_states.to(self._dtype)
         if not is_capturing():
             self._check_update(layer, key_states, value_states, q_len)
-        slots = self.write_pos[:, None] + torch.arange(q_len, device=self.write_pos.device)
-        index = slots[:, None, :, None].expand(key_states.shape)
-        layer.keys.scatter_(2, index, key_states)
-        layer.values.scatter_(2, index, value_states)
+        if self.writes_at_start:
+            layer.keys[:, :, :q_len].copy_(key_states)
+            layer.values[:, :, :q_len].copy_(value_states)
+        else:
+            slots = self.write_pos[:, None] + torch.arange(q_len, device=self.write_pos.device)
+            index = slots[:, None, :, None].expand(key_states.shape)
+            layer.keys.scatter_(2, index, key_states)
+            layer.values.scatter_(2, index, value_states)
         self.num_updates += 1
         if self.kv_len is None:
             return layer.keys, layer.values
