@@ -275,9 +275,9 @@ def run_schedule(
     Lengths go to ``counters.lengths``. ``staged`` prefills prompts ahead through
     :meth:`DecodeGraphRunner.prefill_prompts` and admits each round through
     :meth:`DecodeGraphRunner.admit`, staged at the call's prompt width (graph
-    replay where allowed; a round straddling two prefill batches runs as two
-    admissions); otherwise the batch is prefilled eagerly at its own width, as
-    transformers does.
+    replay where allowed; the stage holds the last two prefill batches, so a
+    round straddling them is one admission); otherwise the batch is prefilled
+    eagerly at its own width, as transformers does.
     """
     state = runner.slots
     device = state.device
