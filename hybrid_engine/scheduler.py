@@ -97,7 +97,16 @@ class _Staging:
     """Which prompts of a call sit in the runner's admission stage, and at which rows.
 
     Batches alternate between the stage's two halves of ``rows`` rows, so the
-    prompts of the last two batches are staged at once.
+    prompts of the last two batches are staged at once, which is all a round
+    needs. A batch is made at the first request of a round whose prompt is not
+    staged, for the prompts of the ``rows`` requests from there (at least the
+    rest of the round, since a round has at most ``rows`` requests), so the next
+    batch is made at least ``rows`` requests later, and the one after that, which
+    overwrites this one, in a round that starts past this batch's window. A
+    prompt this batch staged whose samples reach into that round would also be
+    the prompt of the request the next batch was made at (the samples of a
+    prompt are consecutive requests), which was not staged: so none does, and
+    each prompt is prefilled once.
     """
 
     def __init__(self, rows: int, shared_prefill: bool) -> None:
@@ -110,10 +119,6 @@ class _Staging:
     def unit(self, req: RequestSpec) -> tuple[int, ...]:
         """What is prefilled for ``req``: its prompt, shared by its samples, or its own copy of it."""
         return (req.prompt_index,) if self.shared else (req.prompt_index, req.request_index)
-
-    def overwrites(self, reqs: Iterable[RequestSpec]) -> bool:
-        """Whether the next batch overwrites a prompt of ``reqs``."""
-        return any(self.row_of[self.unit(r)] // self.rows == self.next_half for r in reqs)
 
     def next_batch(self, upcoming: Iterable[RequestSpec]) -> tuple[list[tuple[int, ...]], int]:
         """The next prompts to prefill, and the half they go to: those of the next requests of ``upcoming``
@@ -154,11 +159,10 @@ def _admit(
     """Load ``reqs`` into ``slots`` (one admission round), prefilling what they need.
 
     ``staging``: the round reads prompts staged ahead, prefilling the next batch
-    when a request's prompt is not staged (into the other half of the stage, so
-    a round straddling two batches still runs as one admission, unless that
-    batch overwrites a prompt of the round's earlier requests: then they are
-    admitted first); ``None``: the whole batch is prefilled eagerly at its own
-    width into slots 0..n-1, exactly as transformers prefills it (never graphed).
+    (into the other half of the stage) when a request's prompt is not staged, so
+    a round straddling two batches is still one admission; ``None``: the whole
+    batch is prefilled eagerly at its own width into slots 0..n-1, exactly as
+    transformers prefills it (never graphed).
     """
     counters.admission_rounds += 1
     device = prompt_ids.device
@@ -174,25 +178,18 @@ def _admit(
         meta = _meta(slots, list(range(len(reqs))), reqs, seed)
         admit_from_logits(state, logits, torch.tensor(meta, dtype=torch.int64, device=state.device), sampling_key)
         return
-    start = 0
-    for i in range(len(reqs) + 1):
-        if i < len(reqs) and staging.unit(reqs[i]) in staging.row_of:
-            continue
-        part = reqs[start:i]
-        if part and (i == len(reqs) or staging.overwrites(part)):  # admit the requests staged so far
-            meta = _meta(slots[start:i], [staging.row_of[staging.unit(r)] for r in part], part, seed)
-            for r in part:
-                unit = staging.unit(r)
-                counters.kv_row_copies += unit in staging.used
-                staging.used.add(unit)
-            runner.admit(meta, sampling_key)
-            start = i
-        if i < len(reqs):
-            batch, half = staging.next_batch(itertools.chain(reqs[i:], queue))
-            index = _index([unit[0] for unit in batch], device)
-            runner.prefill_prompts(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index), half)
-            counters.prefill_forwards += 1
-            counters.prefill_rows += len(batch)
+    missing = next((i for i, r in enumerate(reqs) if staging.unit(r) not in staging.row_of), None)
+    if missing is not None:  # one batch holds the rest of the round: a round is never larger than a half
+        batch, half = staging.next_batch(itertools.chain(reqs[missing:], queue))
+        index = _index([unit[0] for unit in batch], device)
+        runner.prefill_prompts(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index), half)
+        counters.prefill_forwards += 1
+        counters.prefill_rows += len(batch)
+    for r in reqs:
+        unit = staging.unit(r)
+        counters.kv_row_copies += unit in staging.used
+        staging.used.add(unit)
+    runner.admit(_meta(slots, [staging.row_of[staging.unit(r)] for r in reqs], reqs, seed), sampling_key)
 
 
 def _compact(state: DecodeSlots, active: dict[int, RequestSpec], left: dict[int, int], free: list[int],
