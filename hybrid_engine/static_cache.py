@@ -26,9 +26,10 @@ Invariants
   next position id of each row; differs from ``write_pos`` under left padding).
 * :meth:`update` writes row ``b``'s new keys at ``write_pos[b] + arange(q_len)``
   with ``scatter_`` (no host reads; a prefill, where every ``write_pos`` is 0,
-  says so with the host flag ``writes_at_start`` and gets a plain copy) and returns the full buffers, or views of
-  the first ``kv_len`` slots when the host int ``cache.kv_len`` is set (a
-  per-position graph captures with ``kv_len`` frozen). It does NOT advance
+  says so with the host flag ``writes_at_start`` and gets a plain copy) and
+  returns the full buffers, or views of the first ``kv_len`` slots when the
+  host int ``cache.kv_len`` is set (a per-position graph captures with
+  ``kv_len`` frozen). It does NOT advance
   ``write_pos``: the step function does that once per forward, after all layers.
 * Host-side checks (bounds, dtype, batch) read device values, so they run only
   when the current stream is not capturing
