@@ -7,12 +7,10 @@ a launch-bound forward on a GPU), and the scheduler would have to hold free
 slots idle to batch rounds. So a rollout separates the two:
 
 * :func:`prefill_staged` prefills the prompts of the next requests of the
-  queue (as many requests as a half of the stage has rows) into one half of
-  the :class:`AdmissionStage` cache, and keeps each one's last-position logits
-  (float32) there. Batches alternate between the two halves, so a round can
-  read prompts of the last two batches: a round whose requests straddle two
-  batches still runs as one admission. With shared prefill each prompt is
-  prefilled once per call, however many rounds its samples are admitted in.
+  queue (as many requests as the stage has rows) into the
+  :class:`AdmissionStage` cache, and keeps each one's last-position logits
+  (float32) there. With shared prefill each prompt is prefilled once per
+  call, however many rounds its samples are admitted in.
 * :func:`admit_staged` admits a round of requests whose prompts are staged:
   their K/V are copied into their slots (shared prompts fan out by stage row),
   each one's first token is picked from its prompt's logits with the decode
@@ -23,7 +21,7 @@ slots idle to batch rounds. So a rollout separates the two:
 The runner warms up, captures and replays both per key
 (:class:`~hybrid_engine.graph_runner.PrefillKey`,
 :class:`~hybrid_engine.graph_runner.AdmissionKey`). What a capture freezes:
-the half and the number of prompt rows (exact up to
+the number of prompt rows (exact up to
 :data:`~hybrid_engine.graph_runner.EXACT_PROMPT_ROWS`, since a padding row
 would cost a whole prefill, then the decode buckets), the number of request
 rows (decode buckets: a request row costs only its sampling), the staged
@@ -68,57 +66,53 @@ class StagedPrompts(NamedTuple):
 
     ids: torch.Tensor  # [P, W] prompts, right-aligned
     mask: torch.Tensor  # [P, W]
-    cache: StaticKVCache  # P rows of one half, W slots: where the prompts are prefilled
+    cache: StaticKVCache  # P rows, W slots: where the prompts are prefilled
     logits: torch.Tensor  # [P, V] float32: each prompt's last-position logits
 
 
 class StagedRequests(NamedTuple):
     """An admission round's device inputs, views of an :class:`AdmissionStage` at fixed addresses."""
 
-    cache: StaticKVCache  # every stage row (both halves), W slots: the staged prompts the requests read
-    logits: torch.Tensor  # [2 * rows, V] float32
+    cache: StaticKVCache  # every stage row, W slots: the staged prompts the requests read
+    logits: torch.Tensor  # [rows, V] float32
     meta: torch.Tensor  # [6, R]: slot, stage row of the prompt, request index, budget, min_tokens, seed
 
 
 class AdmissionStage:
     """Static buffers for prefill batches and admission rounds at the largest shape a call needs.
 
-    Two halves of ``rows`` prompt rows each: half ``h`` is rows ``h * rows`` to
-    ``(h + 1) * rows - 1``. A batch of ``p`` prompts ``w`` wide goes into the
-    smallest prompt bucket holding it at the start of one half, a round of
-    ``r`` requests (reading either half) into the smallest request bucket (see
+    A batch of ``p`` prompts ``w`` wide goes into the smallest prompt bucket
+    holding it, a round of ``r`` requests into the smallest request bucket (see
     the module docstring for what is padded and how).
     """
 
     META_ROWS = 6
-    HALVES = 2
 
     def __init__(self, model: PreTrainedModel, rows: int, width: int, *, device: torch.device,
                  dtype: torch.dtype) -> None:
-        self.rows = rows  # per half: the largest prefill batch
+        self.rows = rows
         self.width = width
-        total = self.HALVES * rows
-        self.ids = torch.zeros(total, width, dtype=torch.int64, device=device)
-        self.mask = torch.zeros(total, width, dtype=torch.int64, device=device)
+        self.ids = torch.zeros(rows, width, dtype=torch.int64, device=device)
+        self.mask = torch.zeros(rows, width, dtype=torch.int64, device=device)
         self.meta = torch.zeros(self.META_ROWS, rows, dtype=torch.int64, device=device)
         # float32 holds any logits dtype exactly, and the sampler computes in float32 anyway.
-        self.logits = torch.zeros(total, logits_width(model), dtype=torch.float32, device=device)
-        self.cache = StaticKVCache(model.config, total, width, device=device, dtype=dtype)
+        self.logits = torch.zeros(rows, logits_width(model), dtype=torch.float32, device=device)
+        self.cache = StaticKVCache(model.config, rows, width, device=device, dtype=dtype)
         self.cache.bounds_checks = False
-        self._prompt_views: dict[tuple[int, int, int], StagedPrompts] = {}
+        self._prompt_views: dict[tuple[int, int], StagedPrompts] = {}
         self._request_views: dict[tuple[int, int], StagedRequests] = {}
 
     def fits(self, rows: int, width: int, device: torch.device, dtype: torch.dtype, vocab: int) -> bool:
         return (self.rows >= rows and self.width >= width and self.ids.device == device
                 and self.cache.dtype == dtype and self.logits.shape[1] == vocab)
 
-    def prompts_view(self, prompts: int, width: int, half: int) -> StagedPrompts:
-        """The ``(prompts, width)`` prefill bucket's views at the start of ``half`` (fixed addresses)."""
-        view = self._prompt_views.get((prompts, width, half))
+    def prompts_view(self, prompts: int, width: int) -> StagedPrompts:
+        """The ``(prompts, width)`` prefill bucket's views (fixed addresses)."""
+        view = self._prompt_views.get((prompts, width))
         if view is None:
-            a, b = half * self.rows, half * self.rows + prompts
-            view = self._prompt_views[(prompts, width, half)] = StagedPrompts(
-                self.ids[a:b, :width], self.mask[a:b, :width], self.cache.rows_view(a, b, width), self.logits[a:b])
+            view = self._prompt_views[(prompts, width)] = StagedPrompts(
+                self.ids[:prompts, :width], self.mask[:prompts, :width], self.cache.rows_view(0, prompts, width),
+                self.logits[:prompts])
         return view
 
     def requests_view(self, requests: int, width: int) -> StagedRequests:
@@ -126,15 +120,13 @@ class AdmissionStage:
         view = self._request_views.get((requests, width))
         if view is None:
             view = self._request_views[(requests, width)] = StagedRequests(
-                self.cache.rows_view(0, self.cache.batch_size, width), self.logits, self.meta[:, :requests])
+                self.cache.rows_view(0, self.rows, width), self.logits, self.meta[:, :requests])
         return view
 
-    def stage_prompts(self, ids: torch.Tensor, mask: torch.Tensor, prompts: int, width: int,
-                      half: int) -> StagedPrompts:
-        """Copy a batch's left-padded prompts ``[p, w]`` into its bucket of ``half``, right-aligned: prompt ``i``
-        at row ``half * rows + i``."""
+    def stage_prompts(self, ids: torch.Tensor, mask: torch.Tensor, prompts: int, width: int) -> StagedPrompts:
+        """Copy a batch's left-padded prompts ``[p, w]`` into its bucket, right-aligned: prompt ``i`` at row ``i``."""
         p, w = ids.shape
-        view = self.prompts_view(prompts, width, half)
+        view = self.prompts_view(prompts, width)
         view.mask[:p, : width - w].zero_()
         view.mask[:p, width - w:].copy_(mask)
         view.ids[:p, width - w:].copy_(ids)

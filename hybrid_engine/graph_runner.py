@@ -121,11 +121,10 @@ class GraphKey(NamedTuple):
 
 
 class PrefillKey(NamedTuple):
-    """A staged prefill batch: ``prompts`` prompt rows of ``width`` tokens, into ``half`` of the stage."""
+    """A staged prefill batch: ``prompts`` prompt rows of ``width`` tokens."""
 
     prompts: int
     width: int
-    half: int = 0
 
 
 class AdmissionKey(NamedTuple):
@@ -322,20 +321,19 @@ class DecodeGraphRunner:
         view = self.slots.head(bucket)
         self._run(GraphKey(bucket, sampling_mode(*sampling_key)), lambda: view.step(self.model, sampling_key))
 
-    def prefill_prompts(self, ids: torch.Tensor, mask: torch.Tensor, half: int = 0) -> None:
-        """Prefill prompts ``[p, w]`` (left-padded, ``p`` <= the stage's rows) into stage rows
-        ``half * rows + 0..p-1``.
+    def prefill_prompts(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """Prefill prompts ``[p, w]`` (left-padded, ``p`` <= the stage's rows) into stage rows ``0..p-1``.
 
         Staged at the call's prompt width and run like a decode step (graph
-        replay where allowed); :meth:`admit` reads them until a batch overwrites that half.
+        replay where allowed); :meth:`admit` reads them until the next batch.
         """
         # Every batch of a call is staged at the call's prompt width, so the graphs depend on the call's
         # shape only and stay few over a long run.
         width = self._prompt_width
         ids, mask = ids[:, -width:], mask[:, -width:]  # only left padding is cut: width >= every real prompt
         prompts = self.prompt_rows_for(ids.shape[0])
-        staged = self.stage.stage_prompts(ids, mask, prompts, width, half)
-        self._run(PrefillKey(prompts, width, half), lambda: prefill_staged(self.model, staged))
+        staged = self.stage.stage_prompts(ids, mask, prompts, width)
+        self._run(PrefillKey(prompts, width), lambda: prefill_staged(self.model, staged))
 
     def admit(self, meta: list[list[int]], sampling_key: tuple[float, float, int]) -> None:
         """One admission round of requests whose prompts :meth:`prefill_prompts` staged.

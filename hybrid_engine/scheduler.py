@@ -26,9 +26,8 @@ rounds. A round costs about ``ADMISSION_COST`` decode steps, so the scheduler
 holds free slots back until idling them would cost more than another round
 (:func:`_steps_to_admission`). Rollouts prefill prompts ahead, in batches of
 the prompts of the next requests of the queue (one refill of the slots), and
-a round only loads staged prompts into slots, from either of the last two
-batches (:mod:`hybrid_engine.admission`); both run on the runner, graphed
-like a decode step. With shared prefill each distinct prompt
+a round only loads staged prompts into slots (:mod:`hybrid_engine.admission`); both run on the
+runner, graphed like a decode step. With shared prefill each distinct prompt
 is prefilled once per call and its K/V fan out to the slots of its samples,
 whichever rounds admit them. ``engine.generate`` admits its batch once,
 eagerly, at its exact width.
@@ -94,46 +93,26 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 class _Staging:
-    """Which prompts of a call sit in the runner's admission stage, and at which rows.
-
-    Batches alternate between the stage's two halves of ``rows`` rows, so the
-    prompts of the last two batches are staged at once, which is all a round
-    needs. A batch is made at the first request of a round whose prompt is not
-    staged, for the prompts of the ``rows`` requests from there (at least the
-    rest of the round, since a round has at most ``rows`` requests), so the next
-    batch is made at least ``rows`` requests later, and the one after that, which
-    overwrites this one, in a round that starts past this batch's window. A
-    prompt this batch staged whose samples reach into that round would also be
-    the prompt of the request the next batch was made at (the samples of a
-    prompt are consecutive requests), which was not staged: so none does, and
-    each prompt is prefilled once.
-    """
+    """Which prompts of a call sit in the runner's admission stage, and at which rows."""
 
     def __init__(self, rows: int, shared_prefill: bool) -> None:
         self.rows = rows
         self.shared = shared_prefill
         self.row_of: dict[tuple[int, ...], int] = {}
         self.used: set[tuple[int, ...]] = set()
-        self.next_half = 0
 
     def unit(self, req: RequestSpec) -> tuple[int, ...]:
         """What is prefilled for ``req``: its prompt, shared by its samples, or its own copy of it."""
         return (req.prompt_index,) if self.shared else (req.prompt_index, req.request_index)
 
-    def next_batch(self, upcoming: Iterable[RequestSpec]) -> tuple[list[tuple[int, ...]], int]:
-        """The next prompts to prefill, and the half they go to: those of the next requests of ``upcoming``
-        that are not staged, looking as many requests ahead as a half has rows (one refill of the slots: a
-        batch is never larger than the largest round)."""
-        half = self.next_half
-        self.next_half = 1 - half
-        self.row_of = {unit: row for unit, row in self.row_of.items() if row // self.rows != half}
+    def next_batch(self, upcoming: Iterable[RequestSpec]) -> list[tuple[int, ...]]:
+        """The next prompts to prefill: those of the next requests of ``upcoming``, as many requests as the
+        stage has rows (one refill of the slots: a batch is never larger than the largest round)."""
         batch: dict[tuple[int, ...], None] = {}
         for req in itertools.islice(upcoming, self.rows):
-            if self.unit(req) not in self.row_of:
-                batch.setdefault(self.unit(req))
-        for i, unit in enumerate(batch):
-            self.row_of[unit] = half * self.rows + i
-        return list(batch), half
+            batch.setdefault(self.unit(req))
+        self.row_of = {unit: row for row, unit in enumerate(batch)}
+        return list(batch)
 
 
 def _meta(slots: list[int], sources: list[int], reqs: list[RequestSpec], seed: int) -> list[list[int]]:
@@ -159,10 +138,9 @@ def _admit(
     """Load ``reqs`` into ``slots`` (one admission round), prefilling what they need.
 
     ``staging``: the round reads prompts staged ahead, prefilling the next batch
-    (into the other half of the stage) when a request's prompt is not staged, so
-    a round straddling two batches is still one admission; ``None``: the whole
-    batch is prefilled eagerly at its own width into slots 0..n-1, exactly as
-    transformers prefills it (never graphed).
+    when a request's prompt is not staged (a round straddling two batches runs
+    as two parts); ``None``: the whole batch is prefilled eagerly at its own
+    width into slots 0..n-1, exactly as transformers prefills it (never graphed).
     """
     counters.admission_rounds += 1
     device = prompt_ids.device
@@ -178,18 +156,25 @@ def _admit(
         meta = _meta(slots, list(range(len(reqs))), reqs, seed)
         admit_from_logits(state, logits, torch.tensor(meta, dtype=torch.int64, device=state.device), sampling_key)
         return
-    missing = next((i for i, r in enumerate(reqs) if staging.unit(r) not in staging.row_of), None)
-    if missing is not None:  # one batch holds the rest of the round: a round is never larger than a half
-        batch, half = staging.next_batch(itertools.chain(reqs[missing:], queue))
-        index = _index([unit[0] for unit in batch], device)
-        runner.prefill_prompts(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index), half)
-        counters.prefill_forwards += 1
-        counters.prefill_rows += len(batch)
-    for r in reqs:
-        unit = staging.unit(r)
-        counters.kv_row_copies += unit in staging.used
-        staging.used.add(unit)
-    runner.admit(_meta(slots, [staging.row_of[staging.unit(r)] for r in reqs], reqs, seed), sampling_key)
+    start = 0
+    for i in range(len(reqs) + 1):
+        if i < len(reqs) and staging.unit(reqs[i]) in staging.row_of:
+            continue
+        if i > start:  # the requests whose prompts are staged now
+            part = reqs[start:i]
+            meta = _meta(slots[start:i], [staging.row_of[staging.unit(r)] for r in part], part, seed)
+            for r in part:
+                unit = staging.unit(r)
+                counters.kv_row_copies += unit in staging.used
+                staging.used.add(unit)
+            runner.admit(meta, sampling_key)
+        if i < len(reqs):
+            batch = staging.next_batch(itertools.chain(reqs[i:], queue))
+            index = _index([unit[0] for unit in batch], device)
+            runner.prefill_prompts(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index))
+            counters.prefill_forwards += 1
+            counters.prefill_rows += len(batch)
+            start = i
 
 
 def _compact(state: DecodeSlots, active: dict[int, RequestSpec], left: dict[int, int], free: list[int],
@@ -272,9 +257,9 @@ def run_schedule(
     Lengths go to ``counters.lengths``. ``staged`` prefills prompts ahead through
     :meth:`DecodeGraphRunner.prefill_prompts` and admits each round through
     :meth:`DecodeGraphRunner.admit`, staged at the call's prompt width (graph
-    replay where allowed; the stage holds the last two prefill batches, so a
-    round straddling them is one admission); otherwise the batch is prefilled
-    eagerly at its own width, as transformers does.
+    replay where allowed; a round straddling two prefill batches runs as two
+    admissions); otherwise the batch is prefilled eagerly at its own width, as
+    transformers does.
     """
     state = runner.slots
     device = state.device

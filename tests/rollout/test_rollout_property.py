@@ -1,8 +1,8 @@
 """Property: where a request runs does not change what it samples.
 
 Over prompt count x samples per prompt x slots x per-prompt budgets x continuous or static batching x
-shared prefill x greedy or sampled, a rollout through a few slots (many admission rounds, prefill
-batches staged ahead in the two halves of the stage, rounds that straddle two batches) returns the
+shared prefill x greedy or sampled, a rollout through a few slots (many admission rounds, prompts
+prefilled ahead in batches, rounds that straddle two batches) returns the
 tokens of one wide call that admits every request at once, with lengths equal to the budgets, and
 prefills every prompt once. Eager runs only (the graph runner replays these same steps; graph against
 eager is checked in test_rollout_parity and test_graph_runner), bounded to stay fast (``MAX_EXAMPLES``
