@@ -5,11 +5,15 @@ Paths, decided once per call before any decode step:
 * **delegated** -- arguments the fast path does not cover (beams, scores,
   ``return_dict_in_generate``, logits processors, repetition penalty, a
   ``generation_config`` other than the model's own, ``inputs_embeds``,
-  right-padded prompts, a model that cannot use the static cache) go to
-  transformers' ``model.generate``, eagerly; the reason is recorded in
+  right-padded prompts by the passed or the inferred mask, a model that cannot
+  use the static cache), and any field of the model's ``generation_config``
+  outside :data:`_FAST_PATH_FIELDS` set away from transformers' default (so a
+  newer transformers' field is delegated, not ignored), go to transformers'
+  ``model.generate``, eagerly; the reason is recorded in
   ``graph_stats.last_refusal_reason``. Arguments at transformers' defaults
-  (``repetition_penalty=1.0``, ``num_beams=1``...) change nothing and are not
-  delegated; unset sampling knobs take transformers' defaults (``top_k`` 50).
+  (``repetition_penalty=1.0``, ``num_beams=1``, ``logits_processor=None``...)
+  change nothing and are not delegated; unset sampling knobs take
+  transformers' defaults (``top_k`` 50).
 * **ours** -- the whole batch is prefilled at once (never captured) and decoded
   on the engine's :class:`~hybrid_engine.graph_runner.DecodeGraphRunner` by the
   slot scheduler (:mod:`hybrid_engine.scheduler`), with transformers'
@@ -32,6 +36,8 @@ pick identical tokens.
 from __future__ import annotations
 
 import dataclasses
+import operator
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,16 +78,22 @@ _FAST_KWARGS: dict[str, Any] = {
     "output_hidden_states": False,
     "synced_gpus": False,
 }
-# generation_config fields that change the output if not at their default.
-_GEN_CONFIG_FIELDS = (
-    "num_beams", "num_beam_groups", "num_return_sequences", "repetition_penalty", "no_repeat_ngram_size",
-    "bad_words_ids", "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens",
-    "typical_p", "epsilon_cutoff", "eta_cutoff", "min_p", "min_length", "encoder_repetition_penalty",
-    "sequence_bias", "renormalize_logits", "guidance_scale", "exponential_decay_length_penalty",
-    "return_dict_in_generate", "output_scores", "output_logits", "penalty_alpha", "stop_strings",
-    "max_time", "force_words_ids", "constraints", "watermarking_config", "diversity_penalty",
-    "length_penalty", "prompt_lookup_num_tokens", "assistant_early_exit", "dola_layers", "cache_implementation",
-)
+# generate()'s own parameters besides the prompt: None is what transformers takes when they are not passed.
+_GENERATE_PARAMS = ("generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+                    "synced_gpus", "assistant_model", "streamer", "negative_prompt_ids",
+                    "negative_prompt_attention_mask", "use_model_defaults", "custom_generate", "tokenizer")
+# generation_config fields the fast path implements, or that cannot change what it returns: bookkeeping, and
+# settings of modes it never runs (beam search, assisted decoding, encoder-decoder models, compilation). Any
+# other field set away from transformers' default (a new transformers version's included) is delegated.
+_FAST_PATH_FIELDS = frozenset({
+    "max_new_tokens", "min_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p",
+    "pad_token_id", "eos_token_id", "bos_token_id", "use_cache", "transformers_version", "decoder_start_token_id",
+    "is_assistant", "compile_config", "disable_compile", "cache_config", "max_cache_len", "prefill_chunk_size",
+    "low_memory", "early_stopping", "length_penalty", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "max_matching_ngram_size",
+    "assistant_ensemble_weight", "output_attentions", "output_hidden_states", "remove_invalid_values",
+    "return_legacy_cache", "continuous_batching_config", "encoder_no_repeat_ngram_size",
+})
 
 def _transformers_defaults() -> dict[str, Any]:
     """The values transformers generates with for fields nobody set: 5.x keeps them apart
@@ -94,9 +106,11 @@ def _transformers_defaults() -> dict[str, Any]:
 _GEN_DEFAULTS = _transformers_defaults()
 
 
-def unimplemented_generation_fields(gen: Any, fields: Sequence[str] = _GEN_CONFIG_FIELDS) -> list[str]:
-    """The ``fields`` a ``GenerationConfig`` sets away from transformers' defaults: decoding features the fast
-    path does not implement."""
+def unimplemented_generation_fields(gen: Any, fields: Sequence[str] | None = None) -> list[str]:
+    """The fields of a ``GenerationConfig`` set away from transformers' defaults that the fast path does not
+    implement: among ``fields``, or (``None``) among all its fields, unknown ones included."""
+    if fields is None:
+        fields = [f for f in vars(gen) if not f.startswith("_") and f not in _FAST_PATH_FIELDS]
     return [f for f in fields if hasattr(gen, f) and _effective(gen, f) != _GEN_DEFAULTS.get(f)]
 
 
@@ -104,6 +118,16 @@ def _effective(gen: Any, name: str) -> Any:
     """``gen.<name>``, or transformers' default when it is unset (``None``), as transformers resolves it."""
     value = getattr(gen, name, None)
     return _GEN_DEFAULTS.get(name) if value is None else value
+
+
+def _count(name: str, value: Any) -> int:
+    """A token count as an int: Python, NumPy or 0-dim integer tensor values, as transformers takes them."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"generate(): {name} must be an int, got {type(value).__name__}")
 
 
 GRAPHS_OFF = "hybrid_engine.enable_graph_capture is off (or hybrid_engine.enabled is false), so decode runs eagerly."
@@ -159,8 +183,17 @@ class Generator:
 
     # ----------------------------------------------------------- validation
     def _validate(self, args: tuple, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if len(args) > 1:
-            raise TypeError("generate() takes at most one positional argument (the input ids)")
+        if len(args) > 2:
+            raise TypeError("generate() takes at most two positional arguments (the input ids and a "
+                            "generation_config), as transformers' generate")
+        if len(args) == 2:
+            if "generation_config" in kwargs:
+                raise TypeError("generate() got generation_config both as a positional and a keyword argument")
+            if args[1] is not None and not isinstance(args[1], GenerationConfig):
+                raise TypeError("generate(): the second positional argument is the generation_config, a "
+                                f"transformers GenerationConfig, got {type(args[1]).__name__}")
+            kwargs["generation_config"] = args[1]
+            args = args[:1]
         input_ids = kwargs.pop("input_ids", None)
         inputs = args[0] if args else kwargs.pop("inputs", None)
         if inputs is not None and input_ids is not None:
@@ -217,16 +250,18 @@ class Generator:
         min_new = kwargs.get("min_new_tokens")
         if min_new is None:
             min_new = gen.min_new_tokens or 0
-        for name, value in (("max_new_tokens", max_new), ("min_new_tokens", min_new)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"generate(): {name} must be an int, got {type(value).__name__}")
+        max_new, min_new = _count("max_new_tokens", max_new), _count("min_new_tokens", min_new)
         if max_new <= 0:
             raise ValueError(
                 f"generate(): max_new_tokens must be > 0, got {max_new} (with max_length, it must exceed the "
                 f"prompt length {width})"
             )
-        if not 0 <= min_new <= max_new:
-            raise ValueError(f"generate(): min_new_tokens ({min_new}) must be in 0..max_new_tokens ({max_new})")
+        if min_new < 0:
+            raise ValueError(f"generate(): min_new_tokens must be >= 0, got {min_new}")
+        if min_new > max_new:  # transformers warns and generates max_new_tokens tokens, EOS suppressed throughout
+            warnings.warn(f"generate(): min_new_tokens ({min_new}) is larger than max_new_tokens ({max_new}): "
+                          f"{max_new} tokens are generated, none of them EOS", UserWarning, stacklevel=4)
+            min_new = max_new
         limit = max_positions(self.model.config)
         if limit is not None:
             # Positions count real tokens (padding takes none), and the last new token is never fed back.
@@ -251,6 +286,8 @@ class Generator:
         odd = []
         for name, value in kwargs.items():
             if name not in _FAST_KWARGS:
+                if (name in _GENERATE_PARAMS and value is None) or name == "disable_compile":
+                    continue  # not passed, as transformers sees it; nothing here compiles
                 if name in _GEN_DEFAULTS and value == _GEN_DEFAULTS[name]:
                     continue  # a field at transformers' default (repetition_penalty=1.0...): nothing to implement
                 if name == "generation_config" and value == self.model.generation_config:
@@ -270,7 +307,8 @@ class Generator:
                 "implement; delegated to transformers' generate, which runs eagerly."
             )
         if mask is not None and not bool(mask[:, -1].bool().all()):
-            return "The prompts are not left-padded; delegated to transformers' generate, which runs eagerly."
+            return ("The prompts are not left-padded (as the attention mask, passed or inferred from pad_token_id, "
+                    "says); delegated to transformers' generate, which runs eagerly.")
         try:
             check_model_supported(self.model)
         except (TypeError, ValueError) as exc:
@@ -282,21 +320,28 @@ class Generator:
                     f"max_out_tokens to at most {window} for the fast path.")
         return None
 
-    def _plan(self, input_ids, mask, kwargs, max_new, min_new) -> _Plan:
+    def _special_ids(self, kwargs: dict[str, Any]) -> tuple[list[int], int | None]:
+        """(EOS ids, pad id) of the call, as transformers resolves them (pad falls back to the first EOS)."""
         gen = self.model.generation_config
-        device = model_device(self.model)
-        ids = input_ids.to(device=device, dtype=torch.long)
         eos = list(token_ids(kwargs.get("eos_token_id", gen.eos_token_id)))
         pad = kwargs.get("pad_token_id", gen.pad_token_id)
         if pad is None and eos:
             pad = eos[0]
-        if mask is None:
-            # transformers infers the mask from padding when it can tell padding from EOS.
-            if pad is not None and pad not in eos and bool((ids == pad).any()):
-                mask = (ids != pad).long()
-            else:
-                mask = torch.ones_like(ids)
-        mask = mask.to(device=device, dtype=torch.long)
+        return eos, None if pad is None else int(pad)
+
+    def _inferred_mask(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """The mask transformers infers when none is passed: from padding, when it can tell padding from EOS."""
+        eos, pad = self._special_ids(kwargs)
+        if pad is not None and pad not in eos and bool((input_ids == pad).any()):
+            return (input_ids != pad).long()
+        return None
+
+    def _plan(self, input_ids, mask, kwargs, max_new, min_new) -> _Plan:
+        gen = self.model.generation_config
+        device = model_device(self.model)
+        ids = input_ids.to(device=device, dtype=torch.long)
+        eos, pad = self._special_ids(kwargs)
+        mask = (torch.ones_like(ids) if mask is None else mask).to(device=device, dtype=torch.long)
         do_sample = bool(kwargs.get("do_sample", _effective(gen, "do_sample")))
         if do_sample:
             # Unset knobs take transformers' defaults (top_k 50 on every version), as its generate does.
@@ -312,7 +357,7 @@ class Generator:
             sampling = (float(temperature), float(top_p), int(top_k))
         else:
             sampling = (0.0, 1.0, -1)
-        return _Plan(ids, mask, max_new, min_new, sampling, eos, None if pad is None else int(pad))
+        return _Plan(ids, mask, max_new, min_new, sampling, eos, pad)
 
     # ----------------------------------------------------------------- run
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -322,14 +367,15 @@ class Generator:
                                      warn=self.config.hybrid_engine.enable_graph_capture)
             return self.model.generate(*args, **kwargs)
         input_ids, mask = self._validate(args, kwargs)
-        reason = self._unsupported(kwargs, mask)
+        effective = mask if mask is not None else self._inferred_mask(input_ids, kwargs)
+        reason = self._unsupported(kwargs, effective)
         if reason is not None:  # transformers checks the lengths of what it runs; the static cache is not used
             self.runner.note_refusal(reason, warn=self.config.hybrid_engine.enable_graph_capture)
             if mask is not None:
                 kwargs["attention_mask"] = mask
             return self.model.generate(input_ids=input_ids, **kwargs)
-        max_new, min_new = self._lengths(input_ids, mask, kwargs)
-        plan = self._plan(input_ids, mask, kwargs, max_new, min_new)
+        max_new, min_new = self._lengths(input_ids, effective, kwargs)
+        plan = self._plan(input_ids, effective, kwargs, max_new, min_new)
         # One seed per call, from torch's global generator (torch.manual_seed makes it reproducible), made
         # distinct per data-parallel rank (ranks usually seed alike).
         seed = rank_seed(int(torch.randint(0, 2**62, (1,)).item())) if plan.sampling[0] > 0 else 0

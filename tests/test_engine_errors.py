@@ -33,7 +33,7 @@ CASES = [
     ({"max_new_tokens": 0, "min_new_tokens": 0}, ValueError, "max_new_tokens must be > 0"),
     ({"max_new_tokens": -2, "min_new_tokens": None}, ValueError, "max_new_tokens must be > 0"),
     ({"max_new_tokens": 2.5}, TypeError, "max_new_tokens must be an int"),
-    ({"max_new_tokens": 3, "min_new_tokens": 5}, ValueError, "min_new_tokens"),
+    ({"max_new_tokens": 3, "min_new_tokens": -1}, ValueError, "min_new_tokens must be >= 0"),
     ({"max_new_tokens": 61, "min_new_tokens": 61}, ValueError, "max_out_tokens=64"),
     ({"input_ids": None}, ValueError, "input_ids is required"),
 ]
@@ -81,8 +81,12 @@ def test_two_prompts_given_and_extra_positional():
     ids = torch.randint(4, 384, (1, 3))
     with pytest.raises(ValueError, match="pass the prompt once"):
         engine.generate(ids, input_ids=ids, max_new_tokens=2)
-    with pytest.raises(TypeError, match="at most one positional"):
+    with pytest.raises(TypeError, match="second positional argument is the generation_config"):
         engine.generate(ids, ids, max_new_tokens=2)
+    with pytest.raises(TypeError, match="at most two positional"):
+        engine.generate(ids, None, ids, max_new_tokens=2)
+    with pytest.raises(TypeError, match="both as a positional and a keyword"):
+        engine.generate(ids, None, generation_config=None, max_new_tokens=2)
 
 
 def _graph_engine(name="tiny-llama", seed=0):

@@ -3,9 +3,11 @@
 import copy
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from conftest import left_padded_prompts as prompts
+from transformers import GenerationConfig
 
 from hybrid_engine.engine import initialize
 from hybrid_engine.tiny_models import build_model
@@ -218,6 +220,94 @@ def test_right_padded_prompts_delegate():
         out = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
         ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
     assert torch.equal(out, ref) and "left-padded" in engine.graph_stats.last_refusal_reason
+
+
+def test_right_padded_prompts_without_a_mask_delegate_too():
+    """With no attention_mask, transformers infers one from pad_token_id; right padding it shows (or a row of
+    padding only) is not what the fast path runs, so the call is handed over as with a passed mask."""
+    model = build_model("tiny-qwen3", seed=6)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    pad = model.generation_config.pad_token_id
+    for ids in (torch.tensor([[10, 11, 12, pad], [13, 14, 15, 16]]), torch.tensor([[pad, pad, pad], [7, 8, 9]])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # transformers warns about right padding
+            out = engine.generate(ids, max_new_tokens=5, do_sample=False)
+            ref = model.generate(ids, max_new_tokens=5, do_sample=False)
+        assert torch.equal(out, ref) and "left-padded" in engine.graph_stats.last_refusal_reason
+    ids = torch.tensor([[pad, 11, 12], [13, 14, 15]])  # left padding, inferred: the fast path, graphed
+    assert torch.equal(engine.generate(ids, max_new_tokens=5, do_sample=False),
+                       model.generate(ids, max_new_tokens=5, do_sample=False))
+    assert engine.graph_stats.last_refusal_reason is None and engine.graph_stats.replays > 0
+
+
+def test_generation_config_fields_the_fast_path_does_not_implement_are_delegated_whatever_they_are():
+    """Not a fixed list of fields: any field of the model's generation_config outside the ones the fast path
+    implements (or that cannot change its output), set away from transformers' default, goes to transformers,
+    including fields of newer transformers versions (top_h on 5.x) and ones this code has never heard of."""
+    model = build_model("tiny-gpt2", seed=3)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    ids, mask = prompts(2, 5)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=True, top_k=0)
+    fields = [("some_future_field", 3), ("token_healing", True)]
+    if hasattr(GenerationConfig(), "top_h"):
+        fields.append(("top_h", 0.01))
+    for name, value in fields:
+        saved = copy.deepcopy(model.generation_config)
+        setattr(model.generation_config, name, value)
+        try:
+            results = []
+            for run in (engine.generate, model.generate):
+                torch.manual_seed(0)
+                try:
+                    results.append(run(**kw))
+                except ValueError as exc:  # token_healing needs a tokenizer: transformers refuses it
+                    results.append(type(exc))
+            assert name in engine.graph_stats.last_refusal_reason
+            ours, ref = results
+            assert ours is ref if isinstance(ref, type) else torch.equal(ours, ref)
+        finally:
+            model.generation_config = saved
+    # Bookkeeping and settings of modes the fast path never runs keep it.
+    model.generation_config.transformers_version, model.generation_config.length_penalty = "0.0.1", 2.0
+    engine.generate(**kw)
+    assert engine.graph_stats.last_refusal_reason is None
+
+
+def test_min_new_tokens_above_max_new_tokens_warns_and_generates_as_transformers():
+    model = build_model("tiny-llama", seed=12)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    ids, mask = prompts(2, 4)
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=16, do_sample=False,
+              eos_token_id=int(free[0, 4 + 1]), pad_token_id=0)  # an EOS the model would emit: suppressed
+    with pytest.warns(UserWarning, match=r"min_new_tokens \(16\) is larger than max_new_tokens \(4\)"):
+        ours = engine.generate(**kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers warns about the unfeasible length too
+        ref = model.generate(**kw)
+    assert torch.equal(ours, ref) and ours.shape == (2, 8)
+
+
+def test_transformers_call_forms_keep_the_fast_path():
+    """generation_config as the second positional argument, counts as NumPy or tensor ints, and generate()'s
+    own parameters passed as None (what transformers takes when they are not passed)."""
+    model = build_model("tiny-qwen2", seed=9)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    ids, mask = prompts(2, 5)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    none_params = dict(logits_processor=None, stopping_criteria=None, prefix_allowed_tokens_fn=None, streamer=None,
+                       assistant_model=None, negative_prompt_ids=None, synced_gpus=None, disable_compile=True)
+    calls = [((ids, model.generation_config), {"max_new_tokens": 4}), ((ids,), {"max_new_tokens": np.int64(4)}),
+             ((ids,), {"max_new_tokens": torch.tensor(4)}), ((ids,), {"max_new_tokens": 4, **none_params})]
+    for args, extra in calls:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no delegation warning
+            ours = engine.generate(*args, attention_mask=mask, do_sample=False, **extra)
+        assert torch.equal(ours, ref) and engine.graph_stats.last_refusal_reason is None
+    other = GenerationConfig(max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=2)
+    with pytest.warns(UserWarning, match="generation_config"):
+        ours = engine.generate(ids, other, attention_mask=mask)
+    assert torch.equal(ours, model.generate(ids, other, attention_mask=mask))
 
 
 def test_generate_in_train_mode_restores_train_mode():
