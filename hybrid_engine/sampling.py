@@ -158,8 +158,8 @@ def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
         raise ValueError(  # noqa: TRY004
             f"top_k must be an integer (-1 or 0 disables it), got {top_k!r}"
         )
-    if top_k < -1:
-        raise ValueError(f"top_k must be >= -1 (-1 or 0 disables it), got {top_k!r}")
+    if not -1 <= top_k < 2**63:
+        raise ValueError(f"top_k must be in -1..2**63-1 (-1 or 0 disables it), got {top_k!r}")
 
 
 def sampling_mode(temperature: float, top_p: float, top_k: int) -> tuple[bool, bool, bool]:

@@ -96,7 +96,8 @@ class HybridEngineRollout:
         gen = getattr(model, "generation_config", None)
         sources = [cfg.pad_token_id, getattr(tok, "pad_token_id", None), getattr(gen, "pad_token_id", None),
                    getattr(model.config, "pad_token_id", None)]
-        pad = next((int(p) for p in sources if isinstance(p, int)), None)
+        # A negative id (old Llama configs carry -1) is no token: the next source, or the first EOS, pads.
+        pad = next((int(p) for p in sources if isinstance(p, int) and p >= 0), None)
         eos_sources = (cfg.eos_token_id, getattr(tok, "eos_token_id", None), getattr(gen, "eos_token_id", None),
                        getattr(model.config, "eos_token_id", None))
         eos = next((ids for ids in map(token_ids, eos_sources) if ids), ())
@@ -155,6 +156,7 @@ class HybridEngineRollout:
         t_start = time.perf_counter()
         if not isinstance(request, RolloutRequest):
             raise TypeError(f"generate: request must be a RolloutRequest, got {type(request).__name__}")
+        request.validate()  # its fields may have changed since construction
         if sampling is None:
             sampling = SamplingConfig()
         if not isinstance(sampling, SamplingConfig):

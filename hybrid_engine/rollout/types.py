@@ -151,6 +151,11 @@ class RolloutRequest:
     request_ids: list[int] | None = field(default=None)
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check (and normalise) the fields; :meth:`HybridEngineRollout.generate` calls it again, so a request
+        changed after construction is refused as a bad one would have been."""
         owner = "RolloutRequest"
         ids = self.prompt_ids
         if not isinstance(ids, torch.Tensor):

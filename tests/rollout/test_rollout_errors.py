@@ -64,6 +64,7 @@ def test_bad_requests_raise_then_next_call_works(rollout):
         (lambda: SamplingConfig(top_p=1.5), ValueError, "top_p"),
         (lambda: SamplingConfig(n_samples_per_prompt=0), ValueError, "n_samples_per_prompt"),
         (lambda: SamplingConfig(top_k=-2), ValueError, "top_k"),
+        (lambda: SamplingConfig(top_k=2**63), ValueError, "top_k must be in -1..2..63-1"),
         (lambda: SamplingConfig(temperature=1e-300), ValueError, "temperature must be 0 .greedy. or at least"),
         (lambda: RolloutRequest(ids, request_ids=[2**63, 1]), ValueError, "request_ids must be below 2..63"),
         (lambda: rollout.generate(RolloutRequest(ids, request_ids=[2**62, 7]),
@@ -80,6 +81,38 @@ def test_bad_requests_raise_then_next_call_works(rollout):
         _check_still_works(rollout, baseline)
     # Captured once, by the first call (one graph per bucket it may reach), never again after the errors.
     assert rollout.total_graph_captures == len(rollout.graph_stats.buckets) == rollout.graph_stats.captures
+
+
+def _mutated(field, value):
+    request = _good_request()
+    setattr(request, field, value)
+    return request
+
+
+@pytest.mark.parametrize("field,value,exc,text", [
+    ("max_new_tokens", [0, 3], ValueError, "max_new_tokens must be"),
+    ("max_new_tokens", [2], ValueError, "max_new_tokens must be a list of 2 ints"),
+    ("request_ids", [4, 4], ValueError, "request_ids must be distinct"),
+    ("prompt_attention_mask", torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]), ValueError, "left-padded"),
+    ("prompt_ids", torch.ones(2, 5), TypeError, "integer token ids"),
+])
+def test_a_request_changed_after_construction_is_checked_again(rollout, field, value, exc, text):
+    baseline = _check_still_works(rollout)
+    with pytest.raises(exc, match=text):
+        rollout.generate(_mutated(field, value), SAMPLING)
+    _check_still_works(rollout, baseline)
+
+
+def test_a_negative_pad_id_in_the_model_config_is_not_used():
+    """Old Llama configs carry pad_token_id=-1: responses are padded with the first EOS instead, so the
+    batch can be fed back to the model."""
+    model = build_model("tiny-llama", seed=1)
+    model.config.pad_token_id, model.generation_config.pad_token_id = -1, None
+    good = _good_request()
+    request = RolloutRequest(good.prompt_ids, good.prompt_attention_mask, max_new_tokens=[1, 4])
+    batch = HybridEngineRollout(model, config=RolloutConfig(eos_token_id=2)).generate(request, SAMPLING)
+    assert int(batch.input_ids.min()) >= 0 and batch.responses[0, 1:].tolist() == [2, 2, 2]
+    model(batch.input_ids, attention_mask=batch.attention_mask)
 
 
 def test_cache_capacity_and_position_limit(model):
