@@ -194,9 +194,14 @@ def test_scalar_setitem_is_capturable(acc):
         (lambda x: torch.allclose(x, x), "torch.allclose"),
         (lambda x: torch.multinomial(x.softmax(0), 1), "torch.multinomial"),
         (lambda x: torch.multinomial(x.softmax(0), 2, replacement=False), "torch.multinomial"),
+        (lambda x: x.to("cpu"), r"Tensor.to\('cpu'\)"),
+        (lambda x: x.to("cpu", copy=True), r"Tensor.to\('cpu'\)"),
+        (lambda x: x.to(device="cpu:0", copy=True), r"Tensor.to\('cpu'\)"),
+        (lambda x: torch.histc(x), "torch.histc without a range"),
+        (lambda x: torch.linalg.inv(torch.eye(2) + x[:1, None]), "linalg error check"),
     ],
     ids=["str", "print", "percent-s", "f-string", "numpy", "dlpack", "allclose", "multinomial-1",
-         "multinomial-no-replacement"],
+         "multinomial-no-replacement", "to-cpu", "to-cpu-copy", "to-device-cpu", "histc", "linalg-inv"],
 )
 def test_host_reads_hidden_in_printing_and_checking_ops_raise(acc, bad, what):
     """On a device, printing a tensor (a logging hook, say) reads it on the host, and the CUDA kernels of
@@ -207,6 +212,22 @@ def test_host_reads_hidden_in_printing_and_checking_ops_raise(acc, bad, what):
     with pytest.raises(GraphCaptureError, match=what), acc.capture_to_graph(g):
         bad(x)
     bad(x)  # fine outside capture
+
+
+def test_device_moves_and_checked_forms_that_read_nothing_on_the_host_are_capturable(acc):
+    """``x.to(<the device>)`` is a same-device no-op on a GPU too; ``histc`` with a range and the ``*_ex``
+    linalg forms without an error check read nothing on the host."""
+    x = torch.arange(4.0)
+
+    def step():
+        a = x.to(x.device) + x.to(torch.device("cpu"), torch.float64).float()
+        h = torch.histc(x, bins=4, min=0, max=4)
+        inv, _ = torch.linalg.inv_ex(torch.eye(2) * 2)
+        return a + h + inv.sum()
+
+    g, out = capture(acc, step)
+    acc.replay_graph(g)
+    assert out.tolist() == [2.0, 4.0, 6.0, 8.0]
 
 
 def test_multinomial_with_replacement_is_capturable(acc):

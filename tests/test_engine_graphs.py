@@ -433,14 +433,17 @@ def test_hook_that_reads_the_host_refuses_graphs_naming_the_module():
     pre.remove()
 
 
-def test_a_logging_hook_refuses_graphs_instead_of_going_silent():
-    """Printing a tensor reads it on the host: on CUDA the capture fails. The emulation refuses it too,
-    so the hook keeps running (eagerly) instead of running at capture only and never again."""
+@pytest.mark.parametrize("log", [lambda o: f"{o[:, -1, :2]}", lambda o: o[:, -1, :2].detach().to("cpu")],
+                         ids=["formatted", "copied-to-cpu"])
+def test_a_logging_hook_refuses_graphs_instead_of_going_silent(log):
+    """Printing a tensor, or copying it to the host, reads it on the host: on CUDA the capture fails. The
+    emulation refuses it too, so the hook keeps running (eagerly) instead of running at capture only and
+    never again."""
     model = build_model("tiny-gpt2")
     graph, eager = engines(model)
     ids, mask = prompts(2, 4)
-    lines: list[str] = []
-    handle = model.lm_head.register_forward_hook(lambda m, i, o: lines.append(f"{o[:, -1, :2]}"))
+    lines: list = []
+    handle = model.lm_head.register_forward_hook(lambda m, i, o: lines.append(log(o)))
     try:
         expected = gen(eager, ids, mask)
         eager_lines = len(lines)

@@ -41,9 +41,11 @@ below models one CUDA-graph rule:
   Device work with a Python scalar (``x * 2 + 5``, ``torch.full``,
   ``x[0] = 1``) stays legal.
 * Host reads the dispatcher never sees raise too: printing or formatting a
-  tensor, ``numpy.asarray``, ``__dlpack__``, and the ops whose CUDA kernels
-  read a value on the host (``allclose``; ``multinomial`` without replacement
-  or for one sample). So do an explicit ``torch.Generator`` (a device graph
+  tensor, ``numpy.asarray``, ``__dlpack__``, ``Tensor.to("cpu")``
+  (a device-to-host copy on a device; ``x.to(torch.device)`` stays legal, as
+  the emulation's device is the CPU), and the ops whose CUDA kernels read a
+  value on the host (``allclose``; ``multinomial`` without replacement or for
+  one sample; ``histc`` without a range; ``torch.linalg`` error checks). So do an explicit ``torch.Generator`` (a device graph
   freezes an unregistered one), ``synchronize()`` and ``query()``.
 * Empty-family allocations (``torch.empty``, ``empty_like``, ...) inside a
   graph are filled with garbage at every replay: on a device that block holds
@@ -113,9 +115,12 @@ _FORBIDDEN_OPS = {
     aten.bincount.default: "torch.bincount (data-dependent shape)",
     aten.repeat_interleave.Tensor: "repeat_interleave with tensor repeats (data-dependent shape)",
     aten.allclose.default: "torch.allclose (returns a host bool)",
+    aten._linalg_check_errors.default: "a torch.linalg error check (reads the info flags on the host; use the "
+                                       "*_ex variant with check_errors=False)",
 }
 # Ops whose CUDA kernel reads a device value on the host before launching (never visible as a separate op).
 _MULTINOMIAL = aten.multinomial.default
+_HISTC = aten.histc.default
 # Empty-family ops: on a device their memory holds whatever an earlier replay or graph left there.
 _EMPTY_OPS = {op._op for op in (aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
                                 aten.new_empty.default, aten.new_empty_strided.default)}
@@ -132,6 +137,9 @@ _FORBIDDEN_TENSOR_METHODS = {
     torch.Tensor.__array__: "numpy.asarray(tensor) (device-to-host read)",
     torch.Tensor.__dlpack__: "Tensor.__dlpack__ (hands device memory to another library)",
 }
+# Tensor.to / Tensor.copy_ targets that name the host: on a device, a device-to-host copy (as .cpu()).
+_TO = torch.Tensor.to
+_HOST_NAMES = ("cpu",)
 
 _LIFT_OPS = (aten.lift_fresh.default, aten.lift_fresh_copy.default)
 _HOST_DATA = (
@@ -376,6 +384,9 @@ class _Recorder(TorchDispatchMode):
         what = _FORBIDDEN_OPS.get(func)
         if what is not None:
             raise _not_permitted(what)
+        if func is _HISTC and _arg(args, kwargs, 2, "min", 0) == _arg(args, kwargs, 3, "max", 0):
+            raise _not_permitted("torch.histc without a range (its CUDA kernel reads the data's min and max on "
+                                 "the host)")
         if func is _MULTINOMIAL and (not _arg(args, kwargs, 2, "replacement", False)
                                      or _arg(args, kwargs, 1, "num_samples", 1) == 1):
             raise _not_permitted("torch.multinomial without replacement or for one sample (its CUDA kernel "
@@ -458,6 +469,14 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _names_the_host(args: tuple, kwargs: dict) -> bool:
+    """Whether ``Tensor.to``'s target is the host by name (``"cpu"``, ``"cpu:0"``, ``device="cpu"``): on a
+    device that is a device-to-host copy. A ``torch.device`` object stays legal: the emulation's own device is
+    the CPU, so ``x.to(model_device)`` is a same-device no-op as it is on a GPU."""
+    target = kwargs.get("device", args[0] if args else None)
+    return isinstance(target, str) and target.split(":")[0] in _HOST_NAMES
+
+
 class _HostSyncGuard(TorchFunctionMode):
     """Rejects Python-level host reads that never reach the aten dispatcher."""
 
@@ -469,6 +488,8 @@ class _HostSyncGuard(TorchFunctionMode):
         what = _FORBIDDEN_TENSOR_METHODS.get(func)
         if what is not None:
             raise _not_permitted(what)
+        if func is _TO and _names_the_host(args[1:], kwargs or {}):
+            raise _not_permitted("Tensor.to('cpu') (device-to-host read)")
         if func is _SETITEM and len(args) == 3 and isinstance(args[2], _PY_SCALARS):
             self.rec.scalar_setitem += 1
             try:
