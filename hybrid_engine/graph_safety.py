@@ -12,8 +12,9 @@ disagree with eager decoding without any error:
 * the precision a forward runs in: ``torch.autocast`` around the call, or a
   forward replaced on the instance (accelerate's mixed-precision wrapper):
   a capture bakes the dtypes of that run into every kernel;
-* the module tree and each module's plain host attributes: a submodule
-  swapped or its ``forward`` patched on the instance, a norm's ``eps``, and
+* the module tree and each module's plain attributes: a submodule swapped or
+  its ``forward`` patched on the instance, a norm's ``eps``, a tensor
+  attribute that is neither a parameter nor a buffer re-assigned, and
   the state of an adapter layer (PEFT's LoRA layers: its forward branches on
   whether the adapter is merged, active or disabled and bakes its scaling in
   as a constant, so an in-place ``merge_adapter()``, with no re-allocation,
@@ -144,8 +145,11 @@ _SKIP = object()
 
 def _plain(value: Any) -> Any:
     """``value`` as a comparable host value when it is plain data (numbers, strings, dtypes and containers
-    of them), else ``_SKIP``: objects and tensors are left to the other fingerprints, so an attribute
-    rebuilt at every forward never forces a recapture."""
+    of them) or a tensor (by address, dtype, shape and device: a graph reads a plain tensor attribute, one
+    that is neither a parameter nor a buffer, by address too, so re-assigning it must recapture), else
+    ``_SKIP``: other objects are left to the other fingerprints."""
+    if isinstance(value, torch.Tensor):
+        return "tensor", value.data_ptr(), value.dtype, tuple(value.shape), str(value.device)
     if value is None or isinstance(value, (bool, int, str, torch.dtype)):
         return value
     if isinstance(value, float):

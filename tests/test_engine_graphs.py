@@ -634,6 +634,34 @@ def test_a_module_patched_swapped_or_reconfigured_after_capture_is_recaptured(ch
     assert graph.graph_stats.captures == 2
 
 
+@pytest.mark.parametrize("keep_old", [True, False], ids=["old-tensor-still-held", "old-tensor-dropped"])
+def test_a_plain_tensor_attribute_re_assigned_after_capture_is_recaptured(keep_old):
+    """A tensor held as a plain module attribute (neither a parameter nor a buffer), read by a captured hook:
+    the graph reads it by address, so assigning a new tensor must recapture. Before, the graph replayed the
+    old value silently (old tensor still held) or every later call raised a stale-address error."""
+    model = build_model("tiny-llama", seed=5)
+    graph, eager = engines(model)
+    ids, mask = prompts(2, 4)
+    head = model.lm_head
+    head.scale = torch.ones(())
+    handle = head.register_forward_hook(lambda m, i, o: o * m.scale)
+    try:
+        before = gen(graph, ids, mask)
+        old = head.scale
+        head.scale = torch.full((), -1.0)
+        if not keep_old:
+            del old
+        after = gen(graph, ids, mask)
+        assert torch.equal(after, gen(eager, ids, mask)) and not torch.equal(after, before)
+        s = graph.graph_stats
+        assert s.invalidations == 1 and s.captures == 2
+        head.scale.fill_(2.0)  # an in-place update is read by the next replay, with no recapture
+        assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
+        assert graph.graph_stats.captures == 2
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gpt2"])
 @pytest.mark.parametrize("delta", [64, -16])
 def test_resized_token_embeddings_between_calls(arch, delta):
