@@ -45,8 +45,9 @@ below models one CUDA-graph rule:
   (a device-to-host copy on a device; ``x.to(torch.device)`` stays legal, as
   the emulation's device is the CPU), and the ops whose CUDA kernels read a
   value on the host (``allclose``; ``multinomial`` without replacement or for
-  one sample; ``histc`` without a range; ``torch.linalg`` error checks). So do an explicit ``torch.Generator`` (a device graph
-  freezes an unregistered one), ``synchronize()`` and ``query()``.
+  one sample; ``histc`` without a range; ``torch.linalg`` error checks). So
+  do an explicit ``torch.Generator`` (a device graph freezes an unregistered
+  one), ``synchronize()`` and ``query()``.
 * Empty-family allocations (``torch.empty``, ``empty_like``, ...) inside a
   graph are filled with garbage at every replay: on a device that block holds
   whatever the last replay or another graph left there.
@@ -137,7 +138,7 @@ _FORBIDDEN_TENSOR_METHODS = {
     torch.Tensor.__array__: "numpy.asarray(tensor) (device-to-host read)",
     torch.Tensor.__dlpack__: "Tensor.__dlpack__ (hands device memory to another library)",
 }
-# Tensor.to / Tensor.copy_ targets that name the host: on a device, a device-to-host copy (as .cpu()).
+# Tensor.to targets that name the host: on a device, a device-to-host copy (as .cpu()).
 _TO = torch.Tensor.to
 _HOST_NAMES = ("cpu",)
 
