@@ -136,6 +136,36 @@ def _check_optimizer(state: dict[str, Any], optimizer: torch.optim.Optimizer, pa
                          f"{saved_sizes} parameters, but this engine's {mine} has {sizes}; {fix}")
 
 
+def _check_loadable(state: dict[str, Any], training: LocalTraining, module: torch.nn.Module, path: Path, *,
+                    strict: bool, load_scheduler: bool) -> None:
+    """Raise before anything is loaded if the module, master or scheduler state of ``state`` does not fit this
+    engine (``load_state_dict`` copies what fits before it raises, and a scheduler of another type fails with a
+    bare ``KeyError``): a refused load changes nothing."""
+    own = module.state_dict()
+    saved = state["module"]
+    wrong = [k for k, v in saved.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+    if wrong or (strict and (missing or unexpected)):
+        what = "; ".join(f"{label}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+                         for label, keys in (("shapes differ", wrong), ("missing", missing if strict else []),
+                                             ("unexpected", unexpected if strict else [])) if keys)
+        raise ValueError(f"load_checkpoint: {path} does not fit this model ({what}); it was saved from another "
+                         "model" + ("" if wrong else ", or pass load_module_strict=False to load what matches"))
+    if training.masters is not None:
+        masters = training.masters.masters
+        shapes = [tuple(m.shape) for m in state["master_weights"]]
+        if shapes != [tuple(m.shape) for m in masters]:
+            raise ValueError(f"load_checkpoint: the checkpoint holds {len(shapes)} master weights, the engine "
+                             f"{len(masters)} (or their shapes differ); it was saved from another model, another "
+                             "set of trainable parameters or another precision setting")
+    scheduler, saved_sched = training.lr_scheduler, state.get("lr_scheduler")
+    if load_scheduler and scheduler is not None and saved_sched is not None and hasattr(scheduler, "state_dict"):
+        if set(scheduler.state_dict()) != set(saved_sched):
+            raise ValueError(f"load_checkpoint: {path} holds the state of another learning-rate scheduler than "
+                             f"this engine's {type(scheduler).__name__}; build the engine with the same scheduler, "
+                             "or pass load_lr_scheduler_states=False")
+
+
 def _tag_directory(root: Path, tag: str | None) -> Path | None:
     """``root/<tag>``, the tag read from ``root/latest`` when not given; ``None`` when there is no such file."""
     if tag is None:
@@ -173,6 +203,7 @@ def save(engine: CheckpointedEngine, save_dir: Any, tag: str | None, client_stat
         "lr_scheduler": training.lr_scheduler.state_dict() if training.lr_scheduler is not None else None,
         "global_steps": training.global_steps,
         "micro_steps": training.micro_steps,
+        "skipped_steps": training.skipped_steps,
         "rng": rng,
         "client_state": packed_client_state,
     }
@@ -244,6 +275,8 @@ def load(engine: CheckpointedEngine, load_dir: Any, tag: str | None, *, load_mod
     if load_optimizer:
         _check_optimizer(state, training.optimizer, path)
     client_state = _unpack_client_state(state)  # before the engine changes: it may fail to unpickle
+    _check_loadable(state, training, engine.module, path, strict=load_module_strict,
+                    load_scheduler=not load_module_only and load_lr_scheduler_states)
     engine.module.load_state_dict(state["module"], strict=load_module_strict)
     if training.masters is not None:
         training.masters.load_state_dict(state["master_weights"])
@@ -256,5 +289,6 @@ def load(engine: CheckpointedEngine, load_dir: Any, tag: str | None, *, load_mod
             training.lr_scheduler.load_state_dict(state["lr_scheduler"])
         training.global_steps = int(state["global_steps"])
         training.micro_steps = int(state["micro_steps"])
+        training.skipped_steps = int(state.get("skipped_steps", 0))  # not in checkpoints before 2026-12-01
         _set_rng_state(state["rng"], device)
     return str(root / tag), client_state

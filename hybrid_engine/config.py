@@ -431,7 +431,7 @@ class EngineConfig(BaseModel):
         for key in data:
             if key in known or key in _DEEPSPEED_PASSTHROUGH:
                 continue
-            hint = _suggest(key, known)
+            hint = _suggest(key, [*known, "scheduler"])  # DeepSpeed's section stage 0 reads too
             if hint is not None:
                 raise ValueError(f"unknown top-level key {key!r}; did you mean {hint!r}?")
         return data

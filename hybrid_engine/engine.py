@@ -400,4 +400,7 @@ def _local_training(model: nn.Module, optimizer: torch.optim.Optimizer | None, c
         lr_scheduler = lr_scheduler(optimizer)
     elif lr_scheduler is None:
         lr_scheduler = build_scheduler(cfg, optimizer)  # the config's "scheduler" section, as DeepSpeed's
-    return LocalTraining(model, optimizer, cfg, lr_scheduler, masters)
+    training = LocalTraining(model, optimizer, cfg, lr_scheduler, masters)
+    if masters is not None:
+        masters.cast_module()  # last: a refused setup leaves the caller's model in its own precision
+    return training

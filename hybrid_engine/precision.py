@@ -26,22 +26,32 @@ __all__ = ["MasterWeights"]
 
 
 class MasterWeights:
-    """fp32 masters for a module's trainable parameters, which are cast to ``dtype`` in place of the module."""
+    """fp32 masters for a module's trainable parameters, which :meth:`cast_module` then casts to ``dtype``."""
 
     def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
         self.dtype = dtype
+        self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.masters = [nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params]
         self._by_param = {id(p): m for p, m in zip(self.params, self.masters)}
-        # Parameters keep their identity (``param.data`` is swapped), so optimizers built on them can be remapped.
-        module.to(dtype)
+        self._frozen = {id(p) for p in module.parameters() if not p.requires_grad}
+
+    def cast_module(self) -> None:
+        """Cast the module to ``dtype``, once everything that could refuse the setup is built: an error before
+        it leaves the caller's model as it was. Parameters keep their identity (``param.data`` is swapped), so
+        optimizers built on them can be remapped."""
+        self.module.to(self.dtype)
 
     def master_params(self, params: Any) -> Any:
-        """``params`` (parameters or param-group dicts, as an optimizer takes them) with masters substituted."""
+        """``params`` (parameters or param-group dicts, as an optimizer takes them) with masters substituted;
+        the model's frozen parameters are left out, as DeepSpeed's mixed-precision optimizers leave them."""
         items = list(params)
         if items and isinstance(items[0], dict):
-            return [{**group, "params": [self._master(p) for p in group["params"]]} for group in items]
-        return [self._master(p) for p in items]
+            return [{**group, "params": self._masters_of(group["params"])} for group in items]
+        return self._masters_of(items)
+
+    def _masters_of(self, params: Any) -> list[nn.Parameter]:
+        return [self._master(p) for p in params if id(p) not in self._frozen]
 
     def _master(self, param: nn.Parameter) -> nn.Parameter:
         master = self._by_param.get(id(param))

@@ -74,7 +74,9 @@ class LossScalePolicy:
     Static (``loss_scale > 0``): never changes; an overflowing step is only skipped.
     Dynamic: starts at ``2**initial_scale_power``. An overflow halves it (never
     below ``min_loss_scale``) once ``hysteresis`` overflows have been absorbed;
-    each overflow before that only uses one up. After ``loss_scale_window``
+    each overflow before that only uses one up. One that would halve it while it
+    is at ``min_loss_scale`` already is an error, as DeepSpeed's
+    ``DynamicLossScaler`` raises (every later step would be skipped). After ``loss_scale_window``
     clean steps since the last overflow it doubles, and the hysteresis is
     restored then (or after every clean step with ``consecutive_hysteresis``).
     """
@@ -93,6 +95,11 @@ class LossScalePolicy:
             return self.scale
         if overflow:
             if self.hysteresis_left <= 1:
+                if self.scale == self.min_scale:
+                    raise RuntimeError(
+                        f"fp16: the gradients overflowed with the loss scale already at fp16.min_loss_scale "
+                        f"({self.min_scale:g}), so it cannot be lowered and every step would be skipped (DeepSpeed "
+                        "stops the run here too); lower fp16.min_loss_scale, lower the learning rate, or use bf16")
                 self.scale = max(self.scale / 2, self.min_scale)
             else:
                 self.hysteresis_left -= 1
@@ -190,15 +197,15 @@ class LocalTraining:
             self.masters.fold_gradients()
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        optimizer = self.optimizer
+        if optimizer is None:  # before any counting: a refused step changes nothing
+            raise RuntimeError(
+                "engine.step(): no optimizer; pass optimizer= to initialize() or set config.optimizer"
+            )
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
-        optimizer = self.optimizer
-        if optimizer is None:
-            raise RuntimeError(
-                "engine.step(): no optimizer; pass optimizer= to initialize() or set config.optimizer"
-            )
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         if self.config.gradient_clipping > 0:
@@ -216,10 +223,12 @@ class LocalTraining:
         self.skipped_steps += not stepped
         if self.masters is not None and stepped:
             self.masters.publish()
-        if stepped and self.lr_scheduler is not None:
-            self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.zero_grad()
-        self.global_steps += 1
+        try:
+            if stepped and self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        finally:  # the optimizer has stepped: its gradients are spent and the step counts, whatever lr_kwargs did
+            self.zero_grad()
+            self.global_steps += 1
 
     def _grads_finite(self) -> bool:
         """Whether every gradient the optimizer steps is finite (one host read, at boundaries only)."""

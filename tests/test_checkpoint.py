@@ -217,6 +217,52 @@ def test_loading_another_optimizers_state_is_a_clear_error_that_changes_nothing(
     assert_unchanged(split, before)
 
 
+def test_a_checkpoint_of_another_model_scheduler_or_trainable_set_is_refused_before_anything_loads(tmp_path):
+    """load_state_dict copies what fits before it raises, and a scheduler of another type failed with a bare
+    KeyError after the module, the masters and the optimizer were loaded: all of it is checked first now."""
+    _, source = engine_with_state(bf16={"enabled": True})
+    ids = prompts(2, 5)[0]
+    train_once(source, ids)
+    source.save_checkpoint(tmp_path)
+    cases = []
+    wide = build_model("tiny-llama", seed=3, intermediate_size=96)  # other shapes
+    cases.append((initialize(model=wide, config={"bf16": {"enabled": True},
+                                                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})[0],
+                  "does not fit this model .shapes differ"))
+    _, step_lr = engine_with_state(bf16={"enabled": True})
+    step_lr.training_backend.lr_scheduler = torch.optim.lr_scheduler.StepLR(step_lr.optimizer, 2)
+    cases.append((step_lr, "another learning-rate scheduler than this engine's StepLR"))
+    frozen_model = build_model("tiny-llama", seed=3)
+    frozen_model.lm_head.weight.requires_grad_(False)  # another set of trainable parameters: other masters
+    frozen, *_ = initialize(model=frozen_model, config={"bf16": {"enabled": True},
+                                                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}},
+                            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s))
+    cases.append((frozen, "master weights"))
+    for engine, match in cases:
+        train_once(engine, ids)
+        before = snapshot(engine)
+        masters = [m.detach().clone() for m in engine.training_backend.masters.masters]
+        with pytest.raises(ValueError, match=match):
+            engine.load_checkpoint(tmp_path, load_optimizer_states=False)
+        assert_unchanged(engine, before)
+        assert all(torch.equal(a, b) for a, b in zip(engine.training_backend.masters.masters, masters))
+        train_once(engine, ids)  # still usable
+    assert step_lr.load_checkpoint(tmp_path, load_optimizer_states=False, load_lr_scheduler_states=False)[0]
+
+
+def test_skipped_steps_round_trip(tmp_path):
+    model, engine = engine_with_state(fp16={"enabled": True, "initial_scale_power": 8})
+    ids = prompts(2, 5)[0]
+    engine.backward(engine(input_ids=ids, labels=ids).loss * float("inf"))
+    engine.step()
+    train_once(engine, ids)
+    assert engine.skipped_steps == 1
+    engine.save_checkpoint(tmp_path)
+    _, fresh = engine_with_state(fp16={"enabled": True, "initial_scale_power": 8})
+    fresh.load_checkpoint(tmp_path)
+    assert fresh.skipped_steps == 1 and fresh.global_steps == engine.global_steps
+
+
 def test_format_2_checkpoints_still_load(tmp_path):
     """Checkpoints written before format 3: client_state inline, no optimizer class."""
     _, engine = engine_with_state()

@@ -178,7 +178,10 @@ def test_fp16_loss_scale_follows_deepspeeds_policy():
     assert _fp16_scales({"loss_scale": 128}, "o..o.") == [128.0] * 5  # static: only skips
     window = {"initial_scale_power": 4, "loss_scale_window": 2, "hysteresis": 1}
     assert _fp16_scales(window, "o...") == [8.0, 8.0, 8.0, 16.0]
-    assert _fp16_scales({**window, "min_loss_scale": 4}, "oooo") == [8.0, 4.0, 4.0, 4.0]
+    assert _fp16_scales({**window, "min_loss_scale": 4}, "oo.") == [8.0, 4.0, 4.0]
+    # An overflow at min_loss_scale cannot lower it: DeepSpeed's DynamicLossScaler stops the run (it raises).
+    with pytest.raises(RuntimeError, match=r"already at fp16.min_loss_scale \(4\)"):
+        _fp16_scales({**window, "min_loss_scale": 4}, "ooo")
     assert _fp16_scales({"initial_scale_power": 4, "loss_scale_window": 2}, "o.o") == [16.0, 16.0, 8.0]
     assert _fp16_scales({"initial_scale_power": 4, "loss_scale_window": 2, "consecutive_hysteresis": True},
                         "o.o") == [16.0, 16.0, 16.0]
@@ -379,3 +382,53 @@ def test_fp16_where_deepspeed_would_train_it_wrongly_or_not_at_all_is_refused_by
     # DeepSpeed's CPU accelerator has no fp16: named before deepspeed.initialize fails on it.
     with pytest.raises(ValueError, match="fp16.enabled: DeepSpeed's cpu accelerator does not support fp16.*bf16"):
         initialize(model=build_model("tiny-gpt2"), config={**fp16, "zero_optimization": {"stage": 1}})
+
+
+@pytest.mark.parametrize("bad", [{"scheduler": {"type": "NoSuchLR"}}, {"optimizer": {"type": "AdamW",
+                                                                                    "params": {"lr": "fast"}}}],
+                         ids=["bad-scheduler", "bad-optimizer-params"])
+def test_a_refused_bf16_setup_leaves_the_callers_model_in_its_own_precision(bad):
+    model = build_model("tiny-gpt2", seed=1)
+    config = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **bad}
+    with pytest.raises(ValueError):
+        initialize(model=model, config=config)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    engine, *_ = initialize(model=model, config={"bf16": {"enabled": True},
+                                                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_frozen_parameters_passed_to_a_bf16_engine_are_left_out_as_deepspeed_does():
+    """The PEFT pattern: model_parameters=model.parameters() with most of them frozen. The optimizer steps the
+    fp32 masters of the trainable ones only (it was a ValueError about 'a parameter outside the model')."""
+    model = build_model("tiny-gpt2", seed=1)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("lm_head") or ".h.1." in name)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, optimizer, *_ = initialize(model=model, model_parameters=model.parameters(), config={
+        "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    assert len(stepped) == len(trainable) and all(p.dtype == torch.float32 for p in stepped)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    engine.backward(engine(**batch()).loss)
+    engine.step()
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def test_a_misspelt_scheduler_section_is_refused():
+    for key in ("schedular", "Scheduler", "lr_scheduler"):
+        with pytest.raises(ValueError, match=f"unknown top-level key '{key}'; did you mean 'scheduler'"):
+            initialize(model=build_model("tiny-gpt2"), config={key: {"type": "WarmupLR"}})
+
+
+def test_a_refused_step_changes_no_counter_and_a_failing_scheduler_step_still_spends_the_gradients():
+    engine, *_ = initialize(model=build_model("tiny-gpt2"), config={})
+    with pytest.raises(RuntimeError, match="no optimizer"):
+        engine.step()
+    assert engine.training_backend.micro_steps == 0 and engine.global_steps == 0
+    engine, *_ = initialize(model=build_model("tiny-gpt2"), config={
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-2}}, "scheduler": {"type": "WarmupLR"}})
+    engine.backward(engine(**batch()).loss)
+    with pytest.raises(TypeError):
+        engine.step(lr_kwargs={"no_such_argument": 1})
+    assert engine.global_steps == 1 and all(p.grad is None for p in engine.module.parameters())
