@@ -178,9 +178,29 @@ def test_bench_parity(tmp_path, capsys):
     _total(d["token_agreement"])
 
 
+def test_bench_parity_model_checks_that_one_model(tmp_path, capsys):
+    d = _run(tmp_path, capsys, "bench", "parity", "--model", "tiny-opt", "--batch-size", "1", "--prompt-len", "4",
+             "--new-tokens", "2")
+    assert {r["model"] for r in d["rows"]} == {"tiny-opt"} and d["ok"] is True
+
+
+def test_figures_that_do_not_exist_are_null_in_strict_json(tmp_path, capsys):
+    """--measured 0 (a command BENCHMARKS.md shows) times nothing in part 1: null, not NaN, which strict JSON
+    parsers refuse."""
+    out = tmp_path / "result.json"
+    assert main(["bench", "continuous", "--model", "tiny", "--prompt-len", "8", "--new-tokens", "4", "--measured",
+                 "0", "--mixed-requests", "0", "--longtail-requests", "0", "--json", str(out)]) == 0
+    assert "skipped (--measured 0)" in capsys.readouterr().out
+    text = out.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    latency = json.loads(text)["latency"]
+    assert latency["speedup"] is None and latency["eager_median_ms"] is None
+
+
 def test_bench_soak(tmp_path, capsys):
+    # RSS is measured by the real soak run (BENCHMARKS.md); here the bound is loose, captures are what count.
     d = _run(tmp_path, capsys, "bench", "soak", "--model", "tiny", "--iterations", "12", "--checkpoints", "4",
-             "--batch-size", "3", "--samples", "2", "--new-tokens", "6")
+             "--batch-size", "3", "--samples", "2", "--new-tokens", "6", "--max-rss-growth-mb", "512")
     assert d["benchmark"] == "soak" and [p["iteration"] for p in d["samples"]] == [3, 6, 9, 12]
     for p in d["samples"]:
         assert p["rss_mb"] > 0 and p["decode_graphs"] >= 1 and p["fallbacks"] == 0
@@ -190,3 +210,16 @@ def test_bench_soak(tmp_path, capsys):
                                  - next(p["captures"] + p["admission_captures"] for p in d["samples"]
                                         if p["iteration"] == after["from_iteration"]))
     _total(d["token_agreement"])
+
+
+def test_a_short_soak_counts_the_admission_captures_as_warm_up_and_a_growing_one_fails(tmp_path, capsys):
+    """The second call captures the admission graphs: a run shorter than 20 iterations took them for growth
+    (warm-up = 10 % of the run) and reported NOT flat, yet exited 0 even when it was not flat."""
+    argv = ["bench", "soak", "--model", "tiny", "--iterations", "4", "--checkpoints", "4", "--batch-size", "2",
+            "--samples", "2", "--new-tokens", "4"]
+    d = _run(tmp_path, capsys, *argv, "--max-rss-growth-mb", "512")
+    assert d["after_warmup"]["from_iteration"] == 2 and d["after_warmup"]["captures"] == 0
+    assert d["after_warmup"]["flat"] is True
+    with pytest.raises(SystemExit, match="captures or memory grew after the warm-up"):
+        main([*argv, "--max-rss-growth-mb", "-1", "--json", str(tmp_path / "grown.json")])
+    assert "NOT flat" in capsys.readouterr().out

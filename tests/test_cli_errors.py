@@ -161,7 +161,8 @@ def test_a_model_path_without_weights(capsys, tmp_path):
     ([*DEMO, "--iterations", "0"], "--iterations must be >= 1, got 0"),
     ([*DEMO, "--check-prompts", "0"], "--check-prompts must be >= 1"),
     ([*DEMO, "--threads", "0"], "--threads must be >= 1"),
-    ([*DEMO, "--lr", "-1"], "--lr must be >= 0"),
+    ([*DEMO, "--lr", "-1"], "--lr must be a finite number >= 0"),
+    ([*DEMO, "--lr", "inf"], "--lr must be a finite number >= 0"),
     (["bench", "decode", "--dtype", "fp8"], "--dtype 'fp8'"),
     (["bench", "decode", "--threads", "-1"], "--threads must be >= 1"),
     (["bench", "decode", "--new-tokens", "0"], "--new-tokens must be >= 1"),
@@ -170,6 +171,50 @@ def test_a_model_path_without_weights(capsys, tmp_path):
 ])
 def test_other_bad_options(capsys, argv, expected):
     _usage_error(capsys, argv, expected)
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["bench", "continuous", "--measured", "-2"], "--measured must be >= 0"),
+    (["bench", "continuous", "--mixed-repeats", "0"], "--mixed-repeats must be >= 1, got 0"),
+    (["bench", "continuous", "--mixed-max-batch", "0"], "--mixed-max-batch must be >= 1, got 0"),
+    (["bench", "continuous", "--mixed-max-new", "0"], "--mixed-max-new must be >= 1, got 0"),
+    (["bench", "continuous", "--mixed-prompt-len", "0"], "--mixed-prompt-len must be >= 1, got 0"),
+    (["bench", "continuous", "--mixed-requests", "0", "--longtail-repeats", "0"], "--longtail-repeats must be >= 1"),
+    (["bench", "parity", "--models", ","], "--models ',' names no model"),
+    (["bench", "parity", "--temperature", "0"], "--temperature must be > 0"),
+    (["bench", "parity", "--plot", "p.png"], "bench parity draws no plot"),
+    (["bench", "rlhf", "--lr", "-1"], "--lr must be a finite number >= 0"),
+    (["bench", "rlhf", "--lr", "nan"], "--lr must be a finite number >= 0"),
+    (["bench", "rlhf", "--zero-stage", "1", "--timeout", "-1"], "--timeout must be a number of seconds > 0"),
+    (["bench", "soak", "--lr", "-1"], "--lr must be a finite number >= 0"),
+], ids=["measured", "mixed-repeats", "mixed-max-batch", "mixed-max-new", "mixed-prompt-len", "longtail-repeats",
+        "parity-no-models", "parity-temperature-0", "parity-plot", "rlhf-lr", "rlhf-lr-nan", "rlhf-timeout",
+        "soak-lr"])
+def test_options_that_failed_mid_run_are_checked_up_front(capsys, argv, expected):
+    """Each of these ran part of a bench, then raised an internal error (or passed an empty parity check)."""
+    _usage_error(capsys, argv, expected)
+
+
+@pytest.mark.parametrize("command", [["bench", "decode"], ["bench", "parity"], DEMO])
+def test_an_unwritable_json_path_is_refused_before_the_run(capsys, command, tmp_path):
+    _usage_error(capsys, [*command, "--json", str(tmp_path)], "--json", "is a directory")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    _usage_error(capsys, [*command, "--json", str(blocker / "out.json")], "--json", "cannot create its directory")
+
+
+@pytest.mark.parametrize("value", ["bogus", "cuda"])
+def test_an_unusable_accelerator_in_the_environment_gives_way_to_device_or_is_one_error(capsys, monkeypatch, value):
+    if value == "cuda" and torch.cuda.is_available():  # pragma: no cover - a GPU machine
+        pytest.skip("CUDA is usable here")
+    monkeypatch.setenv("HYBRID_ENGINE_ACCELERATOR", value)
+    set_accelerator(None)
+    _usage_error(capsys, ["bench", "decode", "--model", "tiny"], "no usable accelerator",
+                 "HYBRID_ENGINE_ACCELERATOR", "--device")
+    set_accelerator(None)
+    from hybrid_engine.benchmarks.common import select_device
+
+    assert select_device("cpu").device().type == "cpu"  # an explicit --device wins over the variable
 
 
 def test_usage_error_outside_main_still_exits_with_its_message():

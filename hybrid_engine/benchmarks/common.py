@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import shlex
@@ -51,7 +52,13 @@ def select_device(name: str | None) -> Any:
     from ..accelerator import KNOWN_BACKENDS, build_accelerator, get_accelerator, set_accelerator
 
     if not name:
-        return get_accelerator()
+        try:
+            acc = get_accelerator()
+            acc.device()
+            return acc
+        except Exception as exc:  # HYBRID_ENGINE_ACCELERATOR names one this machine cannot use
+            raise UsageError(f"no usable accelerator ({type(exc).__name__}: {exc}); fix or unset "
+                             f"HYBRID_ENGINE_ACCELERATOR, or pass --device") from None
     key = name.strip().lower()
     if key not in KNOWN_BACKENDS:
         raise UsageError(f"--device {name!r} is not a device this engine knows: choose one of "
@@ -62,7 +69,11 @@ def select_device(name: str | None) -> Any:
             raise UsageError(f"--device {key} is not available on this machine (torch {torch.__version__} finds no "
                              f"{key} device); available: {', '.join(available)}. Use --device "
                              f"{available[0]}, or leave --device out to auto-detect")
-    if key != get_accelerator().device().type:
+    try:
+        current = get_accelerator().device().type
+    except Exception:  # HYBRID_ENGINE_ACCELERATOR names one this machine cannot use: --device decides
+        current = None
+    if key != current:
         set_accelerator(build_accelerator(key))
     return get_accelerator()
 
@@ -306,13 +317,40 @@ def gib(n_bytes: int | float | None) -> str:
     return f"{n_bytes / 2**30:.2f} GiB"
 
 
+def check_output_path(option: str, path: str | None) -> None:
+    """Fail fast, before any measuring, when ``path`` (``--json``, ``--plot``) cannot be written."""
+    if not path:
+        return
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise UsageError(f"{option} {path!r} is a directory; give a file path")
+    parent = os.path.dirname(full)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{option} {path!r}: cannot create its directory {parent} ({exc.strerror})") from None
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"{option} {path!r}: the directory {parent} is not writable")
+
+
 def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Strict JSON: a figure that does not exist (NaN, infinity) is written as ``null``."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     with open(path, "w") as fh:
-        json.dump(payload, fh, indent=2, default=_json_default)
+        json.dump(_finite(payload), fh, indent=2, default=_json_default, allow_nan=False)
         fh.write("\n")
     print(f"wrote {path}")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _json_default(o: Any) -> Any:
@@ -418,6 +456,8 @@ def finish(args: argparse.Namespace, payload: dict[str, Any], text: str, draw: C
 def prepare(args: argparse.Namespace) -> tuple[Any, torch.device, torch.dtype, dict[str, Any]]:
     """The common start of every bench: option checks, accelerator, threads, dtype and environment header."""
     check_plot_available(getattr(args, "plot", None))
+    check_output_path("--json", getattr(args, "json", None))
+    check_output_path("--plot", getattr(args, "plot", None))
     check_common_args(args)
     acc = select_device(args.device)
     device = acc.device()

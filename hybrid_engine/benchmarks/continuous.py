@@ -175,10 +175,12 @@ def _part1(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -
     problem = C.graph_side_problem("part 1", graph_counts(graph))
     eager = graph = m_e = m_g = None  # free both models before part 2
     gc.collect()
-    e_med, g_med = C.median(eager_ms), C.median(graph_ms)
+    measured = bool(eager_ms)  # --measured 0: the warm-up checks only, no timing
+    e_med, g_med = (C.median(eager_ms), C.median(graph_ms)) if measured else (None, None)
     return {
-        "eager_median_ms": e_med, "graph_median_ms": g_med, "speedup": C.speedup(e_med, g_med),
-        "eager_tok_s": B * N / (e_med / 1e3), "graph_tok_s": B * N / (g_med / 1e3),
+        "eager_median_ms": e_med, "graph_median_ms": g_med, "speedup": C.speedup(e_med, g_med) if measured else None,
+        "eager_tok_s": B * N / (e_med / 1e3) if measured else None,
+        "graph_tok_s": B * N / (g_med / 1e3) if measured else None,
         "first_graph_call_ms": warm_ms["graph"][0], "first_eager_call_ms": warm_ms["eager"][0],
         "eager_ms": eager_ms, "graph_ms": graph_ms, "warmup_ms": warm_ms,
         "seed_checks": seed_checks,
@@ -412,10 +414,26 @@ def _long_tail_text(lt: dict[str, Any], dtype: torch.dtype) -> str:
     )
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _check_counts(args: argparse.Namespace) -> None:
+    """The part-specific counts, checked before part 1 runs (a bad one would fail only mid-run)."""
     if args.warmup < 2:
         raise UsageError(f"--warmup must be >= 2 (the first call warms each bucket up, the second captures it), "
                          f"got {args.warmup}")
+    if args.measured < 0:
+        raise UsageError(f"--measured must be >= 0 (0 skips part 1's timed calls), got {args.measured}")
+    for on, options in ((args.mixed_requests > 0, ("mixed_max_batch", "mixed_max_new", "mixed_prompt_len",
+                                                   "mixed_repeats")),
+                        (args.longtail_requests > 0, ("longtail_repeats",))):
+        for dest in options if on else ():
+            if getattr(args, dest) < 1:
+                raise UsageError(f"--{dest.replace('_', '-')} must be >= 1, got {getattr(args, dest)}")
+    for dest in ("mixed_requests", "longtail_requests"):
+        if getattr(args, dest) < 0:
+            raise UsageError(f"--{dest.replace('_', '-')} must be >= 0 (0 skips that part), got {getattr(args, dest)}")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    _check_counts(args)
     acc, device, dtype, env = C.prepare(args)
     if args.longtail_requests > 0:
         _check_long_tail_args(args, device)
@@ -441,17 +459,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "token_agreement": {"identical": identical, "total": total},
         "graph_side_problems": [p for part in (p1, p2, lt) if part for p in part["graph_side_problems"]],
     }
+    def timing(ms: float | None, tok_s: float | None) -> list[str]:
+        return ["skipped (--measured 0)"] * 2 if ms is None else [f"{ms:.2f} ms", f"{tok_s:.0f} tokens/s"]
+
     t1 = C.format_table(["mode", "median latency", "throughput"], [
-        ["eager", f"{p1['eager_median_ms']:.2f} ms", f"{p1['eager_tok_s']:.0f} tokens/s"],
-        ["graph reuse", f"{p1['graph_median_ms']:.2f} ms", f"{p1['graph_tok_s']:.0f} tokens/s"],
+        ["eager", *timing(p1["eager_median_ms"], p1["eager_tok_s"])],
+        ["graph reuse", *timing(p1["graph_median_ms"], p1["graph_tok_s"])],
     ])
+    speed = "n/a (--measured 0)" if p1["speedup"] is None else f"{p1['speedup']:.2f}x"
     checks = "; ".join(f"seed {c['prompt_seed']}: {c['identical']}/{c['total']} identical, "
                        f"{c['graph_captures_this_call']} captures" for c in p1["seed_checks"])
     text = (
         f"\nbench continuous: {C.model_label(args)} {C.dtype_name(dtype)}, batch {args.batch_size}, "
         f"{args.prompt_len}-token prompt, {args.new_tokens} new tokens, greedy, continuous batching, "
         f"{args.warmup} warm-up + {args.measured} measured calls\n{C.environment_lines(env)}\n\n{t1}\n\n"
-        f"steady-state speedup: {p1['speedup']:.2f}x; first graph call (with capture): "
+        f"steady-state speedup: {speed}; first graph call (with capture): "
         f"{p1['first_graph_call_ms']:.1f} ms (first eager call {p1['first_eager_call_ms']:.1f} ms)\n"
         f"prompts: {checks}\n"
         f"measured calls: {p1['measured_agreement']['identical']}/{p1['measured_agreement']['total']} identical"
@@ -472,10 +494,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     text += f"\n\ntoken agreement overall: {identical}/{total}"
 
     def draw(plt: Any) -> None:
-        panels = 1 + bool(p2) + bool(lt)
-        plt.subplot(1, panels, 1)
-        C.bar_pairs(plt, ["batch-1 latency"], [p1["eager_tok_s"]], [p1["graph_tok_s"]], "tokens / s")
-        for i, (part, what) in enumerate(((p, w) for p, w in ((p2, "mixed"), (lt, "long tail")) if p), start=2):
+        timed = p1["speedup"] is not None
+        panels = timed + bool(p2) + bool(lt)
+        if timed:
+            plt.subplot(1, panels, 1)
+            C.bar_pairs(plt, ["batch-1 latency"], [p1["eager_tok_s"]], [p1["graph_tok_s"]], "tokens / s")
+        for i, (part, what) in enumerate(((p, w) for p, w in ((p2, "mixed"), (lt, "long tail")) if p),
+                                         start=1 + timed):
             plt.subplot(1, panels, i)
             plt.bar(["static", "continuous"], [part["static"]["tok_s"], part["continuous"]["tok_s"]])
             plt.ylabel(f"tokens / s ({what} workload)")

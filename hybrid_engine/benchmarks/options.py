@@ -187,8 +187,10 @@ def check_common_args(args: argparse.Namespace) -> None:
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}; leave it out for the default")
-    if not getattr(args, "model_path", None) and getattr(args, "models", None):  # bench parity: a list
+    if not getattr(args, "model_path", None) and getattr(args, "models", None) is not None:  # bench parity
         names = [m.strip() for m in args.models.split(",") if m.strip()]
+        if not names:
+            raise UsageError(f"--models {args.models!r} names no model; give comma-separated model names")
         models = [(name, model_config(name, option="--models")) for name in names]
     else:
         models = [model_label_and_config(getattr(args, "model_path", None), getattr(args, "model", None))]
@@ -202,6 +204,8 @@ def check_common_args(args: argparse.Namespace) -> None:
             validate_sampling(args.temperature, args.top_p, -1)
         except (TypeError, ValueError) as exc:
             raise UsageError(f"--temperature/--top-p: {exc}") from None
+        if args.temperature == 0:
+            raise UsageError("--temperature must be > 0: it sets the sampled check (the greedy one always runs)")
     if new_tokens is None:
         return
     mixed = None  # bench continuous part 2 runs the main model too (part 3 picks its own, --longtail-model)

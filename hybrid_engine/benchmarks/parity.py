@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from . import common as C
+from .options import UsageError
 from .paths import engine_generate, graph_counts, make_engine, make_rollout, rollout_generate, rollout_tokens
 
 DEFAULT_MODELS = "tiny-gpt2,tiny-opt,tiny-llama,tiny-qwen2,tiny-qwen3,tiny-mistral"
@@ -29,8 +30,10 @@ DEFAULT_MODELS = "tiny-gpt2,tiny-opt,tiny-llama,tiny-qwen2,tiny-qwen3,tiny-mistr
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     C.add_common_args(p, default_model="tiny-gpt2")
-    p.add_argument("--models", default=DEFAULT_MODELS,
-                   help=f"comma-separated model names (default {DEFAULT_MODELS}); --model-path overrides")
+    p.set_defaults(model=None)  # --model checks that one model, as --models with one name
+    p.add_argument("--models", default=None,
+                   help=f"comma-separated model names (default {DEFAULT_MODELS}, or --model's one); "
+                        "--model-path overrides")
     p.add_argument("--batch-size", type=int, default=4, help="prompts (default 4)")
     p.add_argument("--prompt-len", type=int, default=16, help="longest prompt; shorter ones are left-padded (default 16)")
     p.add_argument("--new-tokens", type=int, default=24, help="new tokens (default 24)")
@@ -87,6 +90,11 @@ def _rollout_pair(args, model_args, dtype, device, ids, mask, sampled: bool) -> 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.plot:
+        raise UsageError("bench parity draws no plot (its result is pass or fail); leave --plot out")
+    if args.models is None:
+        args.models = args.model or DEFAULT_MODELS
+    args.model = args.model or args.models.split(",")[0].strip() or None  # what the thread choice reads
     acc, device, dtype, env = C.prepare(args)
     names = [args.model_path] if args.model_path else [m.strip() for m in args.models.split(",") if m.strip()]
     rows = []
@@ -112,7 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 acc.empty_cache()
     identical = sum(r["identical"] for r in rows)
     total = sum(r["total"] for r in rows)
-    ok = all(r["ok"] for r in rows)
+    ok = bool(rows) and all(r["ok"] for r in rows)
     payload = {"benchmark": "parity", "environment": env,
                "settings": {"models": names, "dtype": C.dtype_name(dtype), "batch_size": args.batch_size,
                             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,

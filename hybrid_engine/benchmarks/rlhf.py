@@ -136,11 +136,15 @@ def _run_mode(args: argparse.Namespace, graphs: bool, dtype: torch.dtype, device
 
 def _launch_ranks(args: argparse.Namespace) -> dict[str, Any]:
     """Start ``--world-size`` ranks that each run this same command; they print (rank 0 reports)."""
-    from ..launch import run_ranks
+    from ..launch import RanksTimedOut, run_ranks
 
     world = args.world_size or 2
     print(f"bench rlhf: ZeRO stage {args.zero_stage} (DeepSpeed) on {world} ranks (loopback) ...", flush=True)
-    proc = run_ranks(["-m", "hybrid_engine", *args.argv], nproc=world, timeout_s=args.timeout, capture=False)
+    try:
+        proc = run_ranks(["-m", "hybrid_engine", *args.argv], nproc=world, timeout_s=args.timeout, capture=False)
+    except RanksTimedOut:
+        raise SystemExit(f"error: the ranks of bench rlhf --zero-stage {args.zero_stage} did not finish within "
+                         f"--timeout {args.timeout:g} s and were stopped; raise --timeout") from None
     if proc.returncode != 0:
         raise SystemExit(f"error: a rank of bench rlhf --zero-stage {args.zero_stage} exited with {proc.returncode}")
     return {"benchmark": "rlhf", "world_size": world, "zero_stage": args.zero_stage}
@@ -163,6 +167,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--world-size must be >= 1")
     if args.zero3_inference_copy and args.zero_stage != 3:
         raise UsageError("--zero3-inference-copy needs --zero-stage 3")
+    if not 0 <= args.lr < float("inf"):
+        raise UsageError(f"--lr must be a finite number >= 0, got {args.lr}")
+    if not 0 < args.timeout < float("inf"):
+        raise UsageError(f"--timeout must be a number of seconds > 0, got {args.timeout}")
     ranks = args.zero_stage > 0 or args.world_size is not None  # the bench starts ranks
     if ranks and "RANK" not in os.environ:
         check_common_args(args)  # before any rank starts: a bad option is one error here, not one per rank

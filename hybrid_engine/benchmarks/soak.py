@@ -74,6 +74,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.iterations < 1 or args.checkpoints < 1 or not 0 <= args.warmup_fraction < 1:
         raise UsageError("--iterations and --checkpoints must be >= 1, --warmup-fraction in [0, 1)")
+    if not 0 <= args.lr < float("inf"):
+        raise UsageError(f"--lr must be a finite number >= 0, got {args.lr}")
     acc, device, dtype, env = C.prepare(args)
     model = C.build_bench_model(args, dtype, device, seed=args.seed)
     for m in model.modules():  # RL fine-tuning runs without dropout (the training forward scores the sampler)
@@ -125,7 +127,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         s_, t_ = C.agreement(a.input_ids, b.input_ids)
         same, total = same + s_, total + t_
 
-    warm_at = max(1, int(args.iterations * args.warmup_fraction))
+    # The first call captures the decode graphs, the second the admission ones (a key is warmed up, then captured).
+    warm_at = max(C.WARMUP_CALLS, int(args.iterations * args.warmup_fraction))
     base = next((p for p in samples if p["iteration"] >= warm_at), samples[-1])
     end = samples[-1]
     captures_after = (end["captures"] + end["admission_captures"]) - (base["captures"] + base["admission_captures"])
@@ -172,4 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ax2.legend(loc="lower right")
 
     C.finish(args, payload, text, draw, f"soak: {C.model_label(args)}, {args.iterations} iterations")
+    if not flat or same != total:  # the report is out; the run failed what it checks
+        raise SystemExit("error: " + ("; ".join(
+            ([] if flat else ["captures or memory grew after the warm-up"])
+            + ([] if same == total else [f"graph and eager rollouts differ ({same}/{total} tokens identical)"]))))
     return payload
