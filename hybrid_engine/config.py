@@ -441,6 +441,12 @@ class EngineConfig(BaseModel):
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
         if self.zero_optimization.stage == 0:
+            autocast = (self.model_extra or {}).get("torch_autocast")
+            if isinstance(autocast, dict) and autocast.get("enabled"):
+                raise ValueError(
+                    "torch_autocast.enabled is applied by DeepSpeed's engine (zero_optimization.stage 1-3); at stage "
+                    "0 training is plain PyTorch and would run without it: set zero_optimization.stage to 1, use "
+                    "bf16.enabled, or wrap your forward in torch.autocast yourself")
             _refuse_deepspeed_only_at_stage_0("fp16", self.fp16.model_extra or {}, _FP16_DEEPSPEED_KEYS)
             _refuse_deepspeed_only_at_stage_0("bf16", self.bf16.model_extra or {}, _BF16_DEEPSPEED_KEYS)
         world = (info.context or {}).get("world_size") or world_size()

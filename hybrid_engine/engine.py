@@ -144,10 +144,22 @@ class HybridEngine(nn.Module):
         """``zero_optimization.stage``: 0 trains in plain PyTorch (on DeepSpeed across ranks), 1-3 on DeepSpeed ZeRO."""
         return self.config.zero_optimization.stage
 
-    @property
     def gradient_accumulation_steps(self) -> int:
-        """Micro-batches per optimizer step."""
+        """Micro-batches per optimizer step (a method, as on DeepSpeed's engine)."""
         return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over every data-parallel rank, as DeepSpeed's engine says."""
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per ``forward``/``backward`` on one rank, as DeepSpeed's engine says."""
+        return self.config.train_micro_batch_size_per_gpu
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each optimizer param group (empty without an optimizer), as DeepSpeed's."""
+        optimizer = self.optimizer
+        return [group["lr"] for group in optimizer.param_groups] if optimizer is not None else []
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` call will update the weights."""

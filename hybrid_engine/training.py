@@ -57,14 +57,17 @@ def build_optimizer(config: EngineConfig, params: Any) -> torch.optim.Optimizer 
     kwargs.pop("torch_adam", None)  # DeepSpeed's switch between its fused Adam and torch's; torch's here
     adam_w_mode = kwargs.pop("adam_w_mode", True) if spec.type in ("Adam", "AdamW") else None
     if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
+        betas = kwargs["betas"]
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise ValueError(f"optimizer.params.betas must be a pair [beta1, beta2], got {betas!r}")
+        kwargs["betas"] = tuple(betas)
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.AdamW if adam_w_mode else torch.optim.Adam,
            "SGD": torch.optim.SGD}[spec.type]
     if spec.type == "SGD" and "lr" not in kwargs:
         kwargs["lr"] = 1e-3  # torch's SGD needs an explicit learning rate
     try:
         return cls(params, **kwargs)
-    except TypeError as exc:
+    except (TypeError, IndexError) as exc:
         raise ValueError(f"optimizer.params are not valid for {spec.type}: {exc}") from exc
 
 

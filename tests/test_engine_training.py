@@ -432,3 +432,26 @@ def test_a_refused_step_changes_no_counter_and_a_failing_scheduler_step_still_sp
     with pytest.raises(TypeError):
         engine.step(lr_kwargs={"no_such_argument": 1})
     assert engine.global_steps == 1 and all(p.grad is None for p in engine.module.parameters())
+
+
+def test_deepspeeds_engine_methods_answer_as_on_deepspeed():
+    engine, *_ = initialize(model=build_model("tiny-gpt2"), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert engine.gradient_accumulation_steps() == 3 and engine.train_micro_batch_size_per_gpu() == 2
+    assert engine.train_batch_size() == 6 and engine.get_lr() == [1e-3]
+    assert initialize(model=build_model("tiny-gpt2"), config={})[0].get_lr() == []
+
+
+@pytest.mark.parametrize("betas", [0.9, [0.9], [0.9, 0.99, 0.1]])
+def test_betas_that_are_not_a_pair_are_refused_by_name(betas):
+    with pytest.raises(ValueError, match=r"optimizer.params.betas must be a pair"):
+        initialize(model=build_model("tiny-gpt2"), config={
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": betas}}})
+
+
+def test_torch_autocast_at_stage_0_is_refused_instead_of_ignored():
+    config = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+    with pytest.raises(ValueError, match=r"torch_autocast.enabled is applied by DeepSpeed's engine"):
+        initialize(model=build_model("tiny-gpt2"), config=config)
+    initialize(model=build_model("tiny-gpt2"), config={"torch_autocast": {"enabled": False}})  # off: nothing lost

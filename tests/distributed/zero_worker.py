@@ -250,7 +250,7 @@ def main() -> None:
         result["wrapped_stage"] = wrapped.zero_stage
         # Training settings are the DeepSpeed engine's own, not the defaults of the hybrid_engine-only config.
         result["wrapped_matches_deepspeed"] = (
-            wrapped.gradient_accumulation_steps == ds_engine.gradient_accumulation_steps()
+            wrapped.gradient_accumulation_steps() == ds_engine.gradient_accumulation_steps()
             and wrapped.config.bf16.enabled == ds_engine.bfloat16_enabled()
             and wrapped.config.train_micro_batch_size_per_gpu == ds_engine.train_micro_batch_size_per_gpu())
         out = wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
