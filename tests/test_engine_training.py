@@ -390,7 +390,7 @@ def test_fp16_where_deepspeed_would_train_it_wrongly_or_not_at_all_is_refused_by
 def test_a_refused_bf16_setup_leaves_the_callers_model_in_its_own_precision(bad):
     model = build_model("tiny-gpt2", seed=1)
     config = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **bad}
-    with pytest.raises(ValueError):
+    with pytest.raises((ValueError, ImportError)):  # ImportError: DeepSpeed's schedulers without DeepSpeed
         initialize(model=model, config=config)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     engine, *_ = initialize(model=model, config={"bf16": {"enabled": True},
@@ -426,8 +426,8 @@ def test_a_refused_step_changes_no_counter_and_a_failing_scheduler_step_still_sp
     with pytest.raises(RuntimeError, match="no optimizer"):
         engine.step()
     assert engine.training_backend.micro_steps == 0 and engine.global_steps == 0
-    engine, *_ = initialize(model=build_model("tiny-gpt2"), config={
-        "optimizer": {"type": "SGD", "params": {"lr": 1e-2}}, "scheduler": {"type": "WarmupLR"}})
+    engine, *_ = initialize(model=build_model("tiny-gpt2"), config={"optimizer": {"type": "SGD", "params": {"lr": 1e-2}}},
+                            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0))
     engine.backward(engine(**batch()).loss)
     with pytest.raises(TypeError):
         engine.step(lr_kwargs={"no_such_argument": 1})
