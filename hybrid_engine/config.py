@@ -86,6 +86,10 @@ _OPTIMIZER_TYPES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
 _DEEPSPEED_OPTIMIZERS = ("adagrad", "lamb", "lion", "muadam", "muadamw", "musgd", "muon", "onebitadam",
                          "zerooneadam", "onebitlamb")
 
+# Sections that change training which DeepSpeed 0.19 has removed (its config refuses them): refused at stage 0,
+# where nothing would apply them; at stages 1-3 DeepSpeed's own config check answers.
+_REMOVED_FROM_DEEPSPEED = ("amp", "sparse_attention", "progressive_layer_drop")
+
 # Real DeepSpeed top-level keys we do not use: passed through untouched, never
 # reported as misspellings of our own keys.
 _DEEPSPEED_PASSTHROUGH = frozenset(
@@ -441,12 +445,20 @@ class EngineConfig(BaseModel):
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
         if self.zero_optimization.stage == 0:
-            autocast = (self.model_extra or {}).get("torch_autocast")
+            extra = self.model_extra or {}
+            autocast = extra.get("torch_autocast")
             if isinstance(autocast, dict) and autocast.get("enabled"):
                 raise ValueError(
                     "torch_autocast.enabled is applied by DeepSpeed's engine (zero_optimization.stage 1-3); at stage "
                     "0 training is plain PyTorch and would run without it: set zero_optimization.stage to 1, use "
                     "bf16.enabled, or wrap your forward in torch.autocast yourself")
+            for key in _REMOVED_FROM_DEEPSPEED:
+                section = extra.get(key)
+                if section is not None and (not isinstance(section, dict) or section.get("enabled", True)):
+                    raise ValueError(
+                        f"{key} would change training, but at zero_optimization.stage 0 (plain PyTorch) nothing "
+                        f"applies it, and DeepSpeed 0.19 has removed it (its config refuses {key!r}); remove the "
+                        "section (for mixed precision use bf16 or fp16)")
             _refuse_deepspeed_only_at_stage_0("fp16", self.fp16.model_extra or {}, _FP16_DEEPSPEED_KEYS)
             _refuse_deepspeed_only_at_stage_0("bf16", self.bf16.model_extra or {}, _BF16_DEEPSPEED_KEYS)
         world = (info.context or {}).get("world_size") or world_size()

@@ -261,7 +261,9 @@ def sample_tokens(
     # capped at the last kept position in case u * total rounds up to the total.
     pos = (cdf <= u * cdf[..., -1:]).sum(dim=-1, keepdim=True)
     kept = torch.isfinite(sorted_lp).sum(dim=-1, keepdim=True)
-    pos = torch.minimum(pos, kept - 1)
+    # Non-finite logits (a diverged model) keep nothing: position 0, with a NaN logprob that says so, rather
+    # than an index of -1 (on a GPU a device-side assert that leaves the context unusable).
+    pos = torch.minimum(pos, (kept - 1).clamp(min=0))
     tokens = sort_index.gather(-1, pos).squeeze(-1)
     logprobs = sorted_lp.gather(-1, pos).squeeze(-1)
     return tokens, logprobs

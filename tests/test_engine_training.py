@@ -455,3 +455,14 @@ def test_torch_autocast_at_stage_0_is_refused_instead_of_ignored():
     with pytest.raises(ValueError, match=r"torch_autocast.enabled is applied by DeepSpeed's engine"):
         initialize(model=build_model("tiny-gpt2"), config=config)
     initialize(model=build_model("tiny-gpt2"), config={"torch_autocast": {"enabled": False}})  # off: nothing lost
+
+
+
+@pytest.mark.parametrize("section", [{"amp": {"enabled": True}}, {"sparse_attention": {"mode": "fixed"}},
+                                     {"progressive_layer_drop": {"enabled": True}}])
+def test_sections_deepspeed_removed_are_refused_at_stage_0_instead_of_ignored(section):
+    (key,) = section
+    with pytest.raises(ValueError, match=f"{key} would change training"):
+        initialize(model=build_model("tiny-gpt2"), config=section)
+    if key != "sparse_attention":  # switched off: nothing is lost
+        initialize(model=build_model("tiny-gpt2"), config={key: {"enabled": False}})

@@ -368,3 +368,16 @@ def test_validation_accepts_valid():
     validate_sampling(0, 1, -1)
     validate_sampling(0.5, 0.01, 0)
     validate_sampling(2.0, 1.0, 100)
+
+
+@pytest.mark.parametrize("top_p,top_k", [(1.0, -1), (0.9, 5)])
+def test_non_finite_logits_sample_an_index_in_range_with_a_nan_logprob(top_p, top_k):
+    """A diverged model's NaN logits kept no token, and the sampler gathered index -1: an IndexError here, a
+    device-side assert (a CUDA context lost) on a GPU. It picks a token in range now, and its NaN logprob says
+    what happened."""
+    logits = torch.full((3, 16), float("nan"))
+    logits[1] = torch.arange(16.0)  # a healthy row in the same batch is sampled as ever
+    tokens, logprobs = sample_tokens(logits, temperature=1.0, top_p=top_p, top_k=top_k, seed=torch.tensor(7),
+                                     request_index=torch.arange(3), token_index=torch.zeros(3, dtype=torch.int64))
+    assert ((tokens >= 0) & (tokens < 16)).all()
+    assert torch.isnan(logprobs[0]) and torch.isnan(logprobs[2]) and torch.isfinite(logprobs[1])
