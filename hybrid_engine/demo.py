@@ -168,7 +168,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     ``--device`` is checked by :func:`~hybrid_engine.benchmarks.common.select_device`.
     """
     from .benchmarks.common import check_output_path
-    from .benchmarks.options import UsageError, check_generation_length, model_label_and_config
+    from .benchmarks.options import (
+        UsageError,
+        check_generation_length,
+        check_learning_rate,
+        model_label_and_config,
+    )
 
     for option, value in (("--iterations", args.iterations), ("--batch-size", args.batch_size),
                           ("--samples", args.samples), ("--new-tokens", args.new_tokens),
@@ -177,8 +182,7 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise UsageError(f"{option} must be >= 1, got {value}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}; leave it out for the default")
-    if not 0 <= args.lr < float("inf"):
-        raise UsageError(f"--lr must be a finite number >= 0, got {args.lr}")
+    check_learning_rate(args.lr)
     check_output_path("--json", args.json)
     label, config = model_label_and_config(args.model_path, f"tiny-{args.model}")
     check_generation_length(config, label, prompt_tokens=DEMO_PROMPT_LEN, new_tokens=args.new_tokens)

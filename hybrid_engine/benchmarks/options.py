@@ -174,6 +174,12 @@ def check_generation_length(config: Any, label: str, *, prompt_tokens: int, new_
 _COUNTS = ("batch_size", "repeats", "iterations", "samples")
 
 
+def check_learning_rate(lr: float) -> None:
+    """``--lr``: a finite number >= 0 (``demo``, ``bench rlhf``, ``bench soak``)."""
+    if not 0 <= lr < float("inf"):
+        raise UsageError(f"--lr must be a finite number >= 0, got {lr}")
+
+
 def check_common_args(args: argparse.Namespace) -> None:
     """Up-front checks of the options every bench shares (``--dtype``, ``--threads``, ``--model``/``--models``,
     ``--model-path``) and of ``--prompt-len``/``--new-tokens`` against each model's position limit.
@@ -187,6 +193,8 @@ def check_common_args(args: argparse.Namespace) -> None:
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}; leave it out for the default")
+    if getattr(args, "lr", None) is not None:
+        check_learning_rate(args.lr)
     if not getattr(args, "model_path", None) and getattr(args, "models", None) is not None:  # bench parity
         names = [m.strip() for m in args.models.split(",") if m.strip()]
         if not names:

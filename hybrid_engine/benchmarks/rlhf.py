@@ -167,8 +167,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--world-size must be >= 1")
     if args.zero3_inference_copy and args.zero_stage != 3:
         raise UsageError("--zero3-inference-copy needs --zero-stage 3")
-    if not 0 <= args.lr < float("inf"):
-        raise UsageError(f"--lr must be a finite number >= 0, got {args.lr}")
     if not 0 < args.timeout < float("inf"):
         raise UsageError(f"--timeout must be a number of seconds > 0, got {args.timeout}")
     ranks = args.zero_stage > 0 or args.world_size is not None  # the bench starts ranks

@@ -74,8 +74,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.iterations < 1 or args.checkpoints < 1 or not 0 <= args.warmup_fraction < 1:
         raise UsageError("--iterations and --checkpoints must be >= 1, --warmup-fraction in [0, 1)")
-    if not 0 <= args.lr < float("inf"):
-        raise UsageError(f"--lr must be a finite number >= 0, got {args.lr}")
     acc, device, dtype, env = C.prepare(args)
     model = C.build_bench_model(args, dtype, device, seed=args.seed)
     for m in model.modules():  # RL fine-tuning runs without dropout (the training forward scores the sampler)
