@@ -66,6 +66,9 @@ __all__ = ["STATE_FILE", "load", "save"]
 STATE_FILE = "hybrid_engine_states.pt"
 LATEST_FILE = "latest"
 FORMAT = 3
+#: What every readable checkpoint holds (skipped_steps and optimizer_class are newer, and optional).
+REQUIRED_KEYS = frozenset({"format", "module", "optimizer", "master_weights", "loss_scaler", "lr_scheduler",
+                           "global_steps", "micro_steps", "rng", "client_state"})
 READABLE_FORMATS = (2, 3)  # 2: client_state inline (weights_only-safe values only), no optimizer class
 
 
@@ -262,10 +265,14 @@ def load(engine: CheckpointedEngine, load_dir: Any, tag: str | None, *, load_mod
                 "zero_to_fp32.py and load that into the model")
         warnings.warn(f"load_checkpoint: no checkpoint at {path}", UserWarning, stacklevel=3)
         return None, None
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if state.get("format") not in READABLE_FORMATS:
-        raise ValueError(f"load_checkpoint: {path} is not a hybrid-engine checkpoint of format "
-                         f"{' or '.join(map(str, READABLE_FORMATS))}")
+    not_ours = (f"load_checkpoint: {path} is not a hybrid-engine checkpoint of format "
+                f"{' or '.join(map(str, READABLE_FORMATS))}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated, garbage, or not a torch file: torch's unpickler errors vary
+        raise ValueError(f"{not_ours} (it cannot be read: {type(exc).__name__}: {exc})") from exc
+    if not isinstance(state, dict) or state.get("format") not in READABLE_FORMATS or not REQUIRED_KEYS <= set(state):
+        raise ValueError(not_ours)
     if (state["master_weights"] is None) != (training.masters is None):
         raise ValueError(f"load_checkpoint: {path} was saved with bf16/fp16 "
                          f"{'off' if state['master_weights'] is None else 'on'}, but this engine has it "

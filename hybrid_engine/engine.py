@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -285,6 +286,12 @@ class HybridEngine(nn.Module):
         if isinstance(self.training_backend, DeepSpeedTraining):
             self.training_backend.destroy()
 
+    def invalidate_graphs(self) -> None:
+        """Drop ``generate``'s graphs; the next call captures again. Needed only after a change the graph
+        fingerprint cannot see, such as a module-level function patched (:mod:`hybrid_engine.graph_safety`)."""
+        with exclusive_generation(self.inference_module, "HybridEngine.invalidate_graphs"):
+            self._generator.runner.invalidate()
+
     @property
     def graph_stats(self) -> GraphStats:
         """Graph counters of ``generate`` (captures, replays, refusal reason, memory): :class:`GraphStats`."""
@@ -297,7 +304,7 @@ class HybridEngine(nn.Module):
 
 def initialize(
     model: nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None = None,
     config: ConfigSource | None = None,
     model_parameters: Any = None,
     **kwargs: Any,
@@ -311,7 +318,8 @@ def initialize(
     parallelism averages the gradients), or when an ``mpu`` (model-parallel unit,
     which sets the data-parallel group) is given. Otherwise stage 0 is plain
     PyTorch on this rank alone (a frozen reference model, say). The optimizer is
-    ``optimizer`` if given, else the one ``config.optimizer`` describes over
+    ``optimizer`` if given (an optimizer, or a callable building one from the parameters), else the
+    one ``config.optimizer`` describes over
     ``model_parameters`` (default: the model's trainable parameters), else
     ``None`` (generation only). ``lr_scheduler`` (a scheduler, or a callable
     building one from the optimizer) is stepped with the optimizer. With ``bf16`` or
@@ -337,6 +345,9 @@ def initialize(
     ranks = _data_parallel_ranks(mpu)
     cfg = load_config(config if config is not None else {}, world_size=ranks)
     lr_scheduler = kwargs.get("lr_scheduler")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
+        raise TypeError("initialize(): optimizer must be a torch.optim.Optimizer, a callable that builds one from "
+                        f"the model's parameters (as deepspeed.initialize takes), or None, got {type(optimizer).__name__}")
     if lr_scheduler is not None and not hasattr(lr_scheduler, "step") and not callable(lr_scheduler):
         raise TypeError("initialize(): lr_scheduler must be a scheduler (with .step()) or a callable that "
                         f"builds one from the optimizer, got {type(lr_scheduler).__name__}")
@@ -394,15 +405,22 @@ def _data_parallel_ranks(mpu: Any) -> int:
     return int(get())
 
 
-def _local_training(model: nn.Module, optimizer: torch.optim.Optimizer | None, cfg: EngineConfig,
+def _local_training(model: nn.Module, optimizer: Any, cfg: EngineConfig,
                     lr_scheduler: Any, model_parameters: Any) -> LocalTraining:
     dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
     masters = MasterWeights(model, dtype) if dtype is not None else None
-    if optimizer is None:
+    if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
         params = model_parameters if model_parameters is not None else [
             p for p in model.parameters() if p.requires_grad
         ]
-        optimizer = build_optimizer(cfg, masters.master_params(params) if masters is not None else params)
+        params = masters.master_params(params) if masters is not None else params
+        if optimizer is None:
+            optimizer = build_optimizer(cfg, params)
+        else:  # a callable builds the optimizer from the parameters, as deepspeed.initialize's does
+            optimizer = optimizer(params)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError("initialize(): the optimizer callable must return a torch.optim.Optimizer, got "
+                                f"{type(optimizer).__name__}")
     elif masters is not None:
         masters.adopt(optimizer)
     if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):

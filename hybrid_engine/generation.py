@@ -47,7 +47,7 @@ from transformers import GenerationConfig
 from .config import EngineConfig
 from .graph_runner import DecodeGraphRunner, GraphStats
 from .inputs import check_device, model_device
-from .model_step import check_model_supported, max_positions, token_ids
+from .model_step import check_model_supported, max_positions, token_id, token_ids
 from .ranks import rank_seed
 from .sampling import validate_sampling
 from .scheduler import Counters, RequestSpec, gather_responses, run_schedule
@@ -189,11 +189,13 @@ class Generator:
         if len(args) == 2:
             if "generation_config" in kwargs:
                 raise TypeError("generate() got generation_config both as a positional and a keyword argument")
-            if args[1] is not None and not isinstance(args[1], GenerationConfig):
-                raise TypeError("generate(): the second positional argument is the generation_config, a "
-                                f"transformers GenerationConfig, got {type(args[1]).__name__}")
             kwargs["generation_config"] = args[1]
             args = args[:1]
+        gen_config = kwargs.get("generation_config")
+        if gen_config is not None and not isinstance(gen_config, GenerationConfig):
+            raise TypeError("generate(): generation_config (the keyword, or the second positional argument) must be "
+                            f"a transformers GenerationConfig, got {type(gen_config).__name__}; pass settings such "
+                            "as max_new_tokens as keyword arguments instead")
         input_ids = kwargs.pop("input_ids", None)
         inputs = args[0] if args else kwargs.pop("inputs", None)
         if inputs is not None and input_ids is not None:
@@ -233,6 +235,9 @@ class Generator:
                     f"{tuple(input_ids.shape)}; pass the mask returned with the input ids by the tokenizer"
                 )
             check_device("generate(): attention_mask", mask, self.model)
+            if bool(((mask != 0) & (mask != 1)).any()):  # other values would become out-of-range positions
+                raise ValueError("generate(): attention_mask must hold only 0 (padding) and 1 (a real token); pass "
+                                 "the mask returned with the input ids by the tokenizer")
         return input_ids, mask
 
     def _lengths(self, input_ids: torch.Tensor, mask: torch.Tensor | None, kwargs: dict[str, Any]) -> tuple[int, int]:
@@ -323,11 +328,11 @@ class Generator:
     def _special_ids(self, kwargs: dict[str, Any]) -> tuple[list[int], int | None]:
         """(EOS ids, pad id) of the call, as transformers resolves them (pad falls back to the first EOS)."""
         gen = self.model.generation_config
-        eos = list(token_ids(kwargs.get("eos_token_id", gen.eos_token_id)))
+        eos = list(token_ids(kwargs.get("eos_token_id", gen.eos_token_id), "generate(): eos_token_id"))
         pad = kwargs.get("pad_token_id", gen.pad_token_id)
         if pad is None and eos:
             pad = eos[0]
-        return eos, None if pad is None else int(pad)
+        return eos, None if pad is None else token_id(pad, "generate(): pad_token_id")
 
     def _inferred_mask(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
         """The mask transformers infers when none is passed: from padding, when it can tell padding from EOS."""

@@ -73,6 +73,7 @@ from .graph_safety import (
 from .inputs import model_device
 from .model_step import max_positions
 from .sampling import sampling_mode
+from .static_cache import sliding_window
 
 __all__ = ["EXACT_PROMPT_ROWS", "MAX_CAPTURE_FAILURES", "AdmissionKey", "DecodeGraphRunner", "GraphKey", "GraphStats",
            "PrefillKey", "decode_grad_mode", "default_graph_buckets"]
@@ -268,6 +269,12 @@ class DecodeGraphRunner:
             self.slots = slots = None  # free the old buffers before allocating the new ones
             self.slots = slots = DecodeSlots(model, need, capacity, width, num_eos=num_eos, device=device,
                                              dtype=dtype, position_limit=max_positions(model.config))
+        window = sliding_window(model.config)  # checked on allocation; the config may have changed since
+        if window is not None and window < slots.capacity:
+            raise ValueError(
+                f"the model's config now uses sliding-window attention (window {window}) smaller than the decode "
+                f"cache's capacity {slots.capacity}; sliding windows are not supported by this cache"
+            )
         if prompt_width is not None:
             self._prompt_width = prompt_width
             stage = self.stage

@@ -1,19 +1,23 @@
 """What a captured decode graph silently depends on, and how the runner notices a change.
 
 A graph reads every weight by address and replays exactly the kernels it
-recorded. Two things a user can change between calls would make a replay
+recorded. These things a user can change between calls would make a replay
 disagree with eager decoding without any error:
 
-* a parameter or buffer re-allocated (``load_state_dict(assign=True)``,
+* a parameter or buffer re-allocated or re-laid-out (``load_state_dict(assign=True)``,
   ``.to(dtype)``, ``param.data = ...``, a LoRA merge): the graph keeps reading
-  the old storage;
+  the old storage, with the old strides;
 * a forward hook or pre-hook added or removed: the graph keeps running the
   hooks it recorded, and no others;
-* the precision a forward runs in: ``torch.autocast`` around the call, or a
-  forward replaced on the instance (accelerate's mixed-precision wrapper):
-  a capture bakes the dtypes of that run into every kernel;
+* the precision a forward runs in: ``torch.autocast`` around the call, a
+  forward replaced on the instance (accelerate's mixed-precision wrapper), or
+  the kernel switches (``sdpa_kernel``'s backends, TF32): a capture bakes the
+  dtypes and kernels of that run into the graph;
+* the config's plain fields (Llama's layer loop reads ``num_hidden_layers``
+  at every forward) and the attention function registered for the model's
+  implementation;
 * the module tree and each module's plain attributes: a submodule swapped or
-  its ``forward`` patched on the instance, a norm's ``eps``, a tensor
+  its ``forward`` patched on the instance or its class, a norm's ``eps``, a tensor
   attribute that is neither a parameter nor a buffer re-assigned, and
   the state of an adapter layer (PEFT's LoRA layers: its forward branches on
   whether the adapter is merged, active or disabled and bakes its scaling in
@@ -21,8 +25,10 @@ disagree with eager decoding without any error:
   would otherwise replay the unmerged branch on merged weights and count the
   adapter twice; :func:`adapter_fingerprint` names that part).
 
-:func:`graph_fingerprint` covers all four (plus the attention implementation);
-the runner compares it before replaying and recaptures when it changed.
+:func:`graph_fingerprint` covers them all; the runner compares it before each
+call's replays and recaptures when it changed. A module-level function patched
+after a capture (``modeling_llama.apply_rotary_pos_emb = ...``) is out of its
+sight: call ``invalidate_graphs()`` on the engine or rollout after such a patch.
 
 Hooks are captured like any other device work, never suspended, so graph
 output always equals eager output with the same hooks. A hook that cannot be
@@ -40,9 +46,12 @@ from typing import Any
 
 import torch
 from torch.nn.modules import module as _module_mod
+from transformers import PretrainedConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-__all__ = ["ADAPTER_STATE", "HookCaptureError", "adapter_fingerprint", "attributed_hooks", "graph_fingerprint",
-           "hook_fingerprint", "hook_registered", "module_fingerprint", "precision_fingerprint", "weight_fingerprint"]
+__all__ = ["ADAPTER_STATE", "HookCaptureError", "adapter_fingerprint", "attributed_hooks", "config_fingerprint",
+           "graph_fingerprint", "hook_fingerprint", "hook_registered", "kernel_choices", "module_fingerprint",
+           "precision_fingerprint", "weight_fingerprint"]
 
 # Hook tables a forward consults: per module, and process-wide (``register_module_forward_hook``).
 _HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook"}
@@ -65,11 +74,17 @@ class HookCaptureError(RuntimeError):
         )
 
 
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """How a kernel sees a tensor: address, dtype, shape, strides (``w.data = w.data.t()`` keeps the rest of a
+    square weight) and device."""
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), str(t.device)
+
+
 def weight_fingerprint(model: torch.nn.Module, *, requires_grad: bool = True) -> tuple:
-    """(name, address, dtype, shape, device[, requires_grad]) of every parameter and buffer: changes when any
+    """(name, address, dtype, shape, strides, device[, requires_grad]) of every parameter and buffer: changes when any
     is re-allocated (or, as eager kernels may differ then, starts or stops requiring grad)."""
     return tuple(
-        (name, t.data_ptr(), t.dtype, tuple(t.shape), str(t.device)) + ((t.requires_grad,) if requires_grad else ())
+        (name, *_tensor_key(t)) + ((t.requires_grad,) if requires_grad else ())
         for name, t in list(model.named_parameters()) + list(model.named_buffers())
     )
 
@@ -149,7 +164,7 @@ def _plain(value: Any) -> Any:
     that is neither a parameter nor a buffer, by address too, so re-assigning it must recapture), else
     ``_SKIP``: other objects are left to the other fingerprints."""
     if isinstance(value, torch.Tensor):
-        return "tensor", value.data_ptr(), value.dtype, tuple(value.shape), str(value.device)
+        return ("tensor", *_tensor_key(value))
     if value is None or isinstance(value, (bool, int, str, torch.dtype)):
         return value
     if isinstance(value, float):
@@ -163,35 +178,61 @@ def _plain(value: Any) -> Any:
 
 
 def module_fingerprint(model: torch.nn.Module) -> tuple:
-    """Per module: where it is (name, identity, class), a ``forward`` set on the instance (a kernel patch),
-    and its plain host attributes (``eps``, flags): what a captured step freezes from the module tree, so
-    a submodule swapped or patched, or an attribute changed, after a capture drops the graphs."""
+    """Per module: where it is (name, identity, class), its ``forward`` (set on the instance or patched on the
+    class: a kernel patch), and its plain host attributes (``eps``, flags): what a captured step freezes from
+    the module tree, so a submodule swapped or patched, or an attribute changed, after a capture drops the
+    graphs."""
     out = []
     for name, m in model.named_modules():
         state = m.__dict__
-        forward = state.get("forward")
+        forward = state.get("forward", type(m).forward)
         attrs = tuple((k, v) for k, v in ((k, _plain(v)) for k, v in state.items() if k not in _MODULE_INTERNALS)
                       if v is not _SKIP)
-        out.append((name, id(m), type(m).__qualname__, None if forward is None else id(forward), attrs))
+        out.append((name, id(m), type(m).__qualname__, id(forward), attrs))
     return tuple(out)
 
 
+def config_fingerprint(config: Any) -> tuple:
+    """The plain fields of the model's config and of its sub-configs: a forward reads some of them at every
+    call (Llama's ``num_hidden_layers`` bounds its layer loop, and transformers' early-exit assistant lowers
+    it), so a capture freezes them."""
+    fields = []
+    for key, value in vars(config).items() if config is not None else ():
+        part = config_fingerprint(value) if isinstance(value, PretrainedConfig) else _plain(value)
+        if part is not _SKIP:
+            fields.append((key, part))
+    return tuple(fields)
+
+
 def precision_fingerprint(model: torch.nn.Module) -> tuple:
-    """Autocast on the model's device at call time, and a forward set on the instance (which may enter
-    autocast itself, as accelerate's wrapper does): changes when either does."""
+    """Autocast on the model's device at call time, a forward set on the instance (which may enter
+    autocast itself, as accelerate's wrapper does) and the :func:`kernel_choices`: changes when any does."""
     param = next(model.parameters(), None)
     device_type = param.device.type if param is not None else "cpu"
     enabled = torch.is_autocast_enabled(device_type)
     forward = model.__dict__.get("forward")
-    return enabled, torch.get_autocast_dtype(device_type) if enabled else None, None if forward is None else id(forward)
+    return (enabled, torch.get_autocast_dtype(device_type) if enabled else None,
+            None if forward is None else id(forward), kernel_choices())
+
+
+def kernel_choices() -> tuple:
+    """The process-wide switches that pick kernels at capture: the attention backends ``sdpa_kernel`` allows
+    (it sets them on every device) and the matmul precision (TF32, reduced-precision reductions)."""
+    cuda = torch.backends.cuda
+    return (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
+            cuda.cudnn_sdp_enabled(), torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
+            cuda.matmul.allow_fp16_reduced_precision_reduction, cuda.matmul.allow_bf16_reduced_precision_reduction)
 
 
 def graph_fingerprint(model: torch.nn.Module) -> tuple:
     """Everything a captured decode step bakes in from the model: weights, hooks, precision, the module tree
-    and its host attributes (adapter state among them: :data:`ADAPTER_STATE` are plain attributes), attention."""
-    attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    and its host attributes (adapter state among them: :data:`ADAPTER_STATE` are plain attributes), the config,
+    and the attention implementation with the function registered for it."""
+    config = getattr(model, "config", None)
+    attn = getattr(config, "_attn_implementation", None)
+    attn_function = ALL_ATTENTION_FUNCTIONS.get(attn) if isinstance(attn, str) else None
     return (weight_fingerprint(model), hook_fingerprint(model), precision_fingerprint(model),
-            module_fingerprint(model), str(attn))
+            module_fingerprint(model), config_fingerprint(config), str(attn), id(attn_function))
 
 
 def _attributed(hook: Callable[..., Any], where: str, kind: str, handle_id: int) -> Callable[..., Any]:

@@ -130,6 +130,27 @@ def test_missing_checkpoints_and_bad_arguments_are_clear(tmp_path):
     assert engine.load_checkpoint(tmp_path)[0] == str(tmp_path / "global_step0")
 
 
+@pytest.mark.parametrize("content", [["not", "a", "dict"], {"format": 3}, b"\x00garbage", None],
+                         ids=["a-list", "a-dict-missing-keys", "garbage-bytes", "truncated"])
+def test_a_file_that_is_no_checkpoint_is_refused_by_name_and_changes_nothing(tmp_path, content):
+    """Before: AttributeError ('list' has no 'get'), KeyError ('master_weights') or torch's unpickling errors."""
+    model, engine = engine_with_state()
+    assert engine.save_checkpoint(tmp_path, tag="good") is True
+    path = tmp_path / "bad" / STATE_FILE
+    path.parent.mkdir()
+    if content is None:
+        path.write_bytes((tmp_path / "good" / STATE_FILE).read_bytes()[:200])
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=f"{path} is not a hybrid-engine checkpoint of format 2 or 3"):
+        engine.load_checkpoint(tmp_path, tag="bad")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert engine.load_checkpoint(tmp_path, tag="good")[0] == str(tmp_path / "good")
+
+
 def test_lr_scheduler_is_stepped_with_the_optimizer_not_per_micro_step():
     model = build_model("tiny-gpt2", seed=1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

@@ -36,6 +36,16 @@ CASES = [
     ({"max_new_tokens": 3, "min_new_tokens": -1}, ValueError, "min_new_tokens must be >= 0"),
     ({"max_new_tokens": 61, "min_new_tokens": 61}, ValueError, "max_out_tokens=64"),
     ({"input_ids": None}, ValueError, "input_ids is required"),
+    # Other mask values became out-of-range positions (an IndexError on CPU, a device-side assert on a GPU).
+    ({"attention_mask": torch.tensor([[1, 1, 1, 30]] * 2)}, ValueError, "attention_mask must hold only 0"),
+    ({"attention_mask": torch.tensor([[-10, 1, 1, 1]] * 2)}, ValueError, "attention_mask must hold only 0"),
+    ({"attention_mask": torch.tensor([[0.5, 1, 1, 1]] * 2)}, ValueError, "attention_mask must hold only 0"),
+    ({"generation_config": "greedy"}, TypeError, "generation_config .* must be a transformers GenerationConfig"),
+    ({"generation_config": {"max_new_tokens": 3}}, TypeError, "must be a transformers GenerationConfig, got dict"),
+    ({"eos_token_id": 2**70}, ValueError, "eos_token_id: token id .* does not fit in int64"),
+    ({"eos_token_id": [2, "abc"]}, TypeError, "eos_token_id must hold integer token ids, got str"),
+    ({"eos_token_id": 2.7}, TypeError, "eos_token_id must hold integer token ids, got float"),
+    ({"pad_token_id": 2**70}, ValueError, "pad_token_id: token id .* does not fit in int64"),
 ]
 
 
@@ -81,7 +91,7 @@ def test_two_prompts_given_and_extra_positional():
     ids = torch.randint(4, 384, (1, 3))
     with pytest.raises(ValueError, match="pass the prompt once"):
         engine.generate(ids, input_ids=ids, max_new_tokens=2)
-    with pytest.raises(TypeError, match="second positional argument is the generation_config"):
+    with pytest.raises(TypeError, match="the second positional argument.* must be a transformers GenerationConfig"):
         engine.generate(ids, ids, max_new_tokens=2)
     with pytest.raises(TypeError, match="at most two positional"):
         engine.generate(ids, None, ids, max_new_tokens=2)

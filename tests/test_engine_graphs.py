@@ -613,11 +613,23 @@ def _change_norm_eps(model):
             m.variance_epsilon = 10.0
 
 
-@pytest.mark.parametrize("change", [_patch_head_forward, _swap_activation, _change_norm_eps],
-                         ids=["submodule-forward-patched", "activation-swapped", "norm-eps-changed"])
+def _drop_a_layer(model):
+    model.config.num_hidden_layers -= 1  # Llama's layer loop reads it at every forward (early-exit assistants)
+
+
+def _transpose_a_square_weight(model):
+    proj = model.model.layers[0].self_attn.o_proj
+    assert proj.weight.shape[0] == proj.weight.shape[1]
+    proj.weight.data = proj.weight.data.t()  # same address, dtype and shape: only the strides change
+
+
+@pytest.mark.parametrize("change", [_patch_head_forward, _swap_activation, _change_norm_eps, _drop_a_layer,
+                                    _transpose_a_square_weight],
+                         ids=["submodule-forward-patched", "activation-swapped", "norm-eps-changed",
+                              "config-num-layers-lowered", "weight-re-laid-out"])
 def test_a_module_patched_swapped_or_reconfigured_after_capture_is_recaptured(change):
-    """The captured step froze the module tree and its host attributes, not only the weights: a change to
-    either must drop the graphs, or they replay the old model."""
+    """The captured step froze the module tree, its host attributes, the config and the weights' layout, not
+    only the weights' addresses: a change to any must drop the graphs, or they replay the old model."""
     model = build_model("tiny-llama", seed=5)
     graph, eager = engines(model)
     ids, mask = prompts(2, 4)
@@ -632,6 +644,85 @@ def test_a_module_patched_swapped_or_reconfigured_after_capture_is_recaptured(ch
     assert s.invalidations == 1 and s.captures == 2
     gen(graph, ids, mask)  # nothing changed since: replayed, not captured again
     assert graph.graph_stats.captures == 2
+
+
+def _patch_norm_class(monkeypatch, model):
+    norm = type(model.model.norm)
+    plain = norm.forward
+    monkeypatch.setattr(norm, "forward", lambda self, x: plain(self, x) * -1.0)  # a class-level kernel patch
+
+
+def _patch_attention_function(monkeypatch, model):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = model.config._attn_implementation
+    plain = ALL_ATTENTION_FUNCTIONS[impl]
+
+    def loud(module, query, *args, **kwargs):
+        out, weights = plain(module, query, *args, **kwargs)
+        return out * 3.0, weights
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, impl, loud)
+
+
+@pytest.mark.parametrize("patch", [_patch_norm_class, _patch_attention_function],
+                         ids=["module-class-forward", "registered-attention-function"])
+def test_a_kernel_patched_on_the_class_or_registry_recaptures_and_again_when_undone(monkeypatch, patch):
+    """Liger-style patchers replace a module class's forward or the attention function transformers looks up
+    at every forward; graphs captured before must not replay after, nor graphs captured under the patch once
+    it is undone."""
+    model = build_model("tiny-llama", seed=5)
+    graph, eager = engines(model)
+    ids, mask = prompts(2, 4)
+    before = gen(graph, ids, mask)
+    with monkeypatch.context() as m:
+        patch(m, model)
+        patched = gen(graph, ids, mask)
+        assert torch.equal(patched, gen(eager, ids, mask)) and not torch.equal(patched, before)
+        assert graph.graph_stats.invalidations == 1
+    assert torch.equal(gen(graph, ids, mask), before)
+    s = graph.graph_stats
+    assert s.invalidations == 2 and s.captures == 3 and s.replays > 0
+
+
+def test_kernel_switches_changed_after_capture_recapture():
+    """``sdpa_kernel`` (on every device) and the matmul precision pick the kernels a capture records: a graph
+    captured under one choice replayed under another would not match eager steps to the bit."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = build_model("tiny-llama", seed=5)
+    graph, eager = engines(model)
+    ids, mask = prompts(2, 4)
+    gen(graph, ids, mask)
+    with sdpa_kernel(SDPBackend.MATH):
+        assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
+    assert graph.graph_stats.invalidations == 1
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium" if precision != "medium" else "high")
+    try:
+        assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert graph.graph_stats.invalidations == 2  # the graphs captured under MATH only are dropped
+    gen(graph, ids, mask)
+    assert graph.graph_stats.invalidations == 3 and graph.graph_stats.replays > 0
+
+
+def test_invalidate_graphs_drops_them_for_a_patch_no_fingerprint_sees(monkeypatch):
+    """A module-level function patched after capture (here Llama's rotary embedding) is invisible to the graph
+    fingerprint: ``invalidate_graphs()`` is the documented way to recapture."""
+    import transformers.models.llama.modeling_llama as llama
+
+    model = build_model("tiny-llama", seed=5)
+    graph, eager = engines(model)
+    ids, mask = prompts(2, 4)
+    gen(graph, ids, mask)
+    plain = llama.apply_rotary_pos_emb
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", lambda q, k, *a, **kw: plain(-q, k, *a, **kw))
+    graph.invalidate_graphs()
+    assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
+    s = graph.graph_stats
+    assert s.invalidations == 1 and s.captures == 2 and s.replays > 0
 
 
 @pytest.mark.parametrize("keep_old", [True, False], ids=["old-tensor-still-held", "old-tensor-dropped"])

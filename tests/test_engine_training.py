@@ -276,6 +276,29 @@ def test_train_eval_switch():
         engine.step()
 
 
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_an_optimizer_callable_builds_the_optimizer_from_the_parameters_as_deepspeed_does(precision):
+    """deepspeed.initialize takes "Optimizer or Callable that returns an Optimizer"; before, stage 0 took the
+    callable as the optimizer and failed later, in get_lr() or step()."""
+    import functools
+
+    config = {precision: {"enabled": True}} if precision else {}
+    model = build_model("tiny-gpt2")
+    engine, opt, _, _ = initialize(model=model, optimizer=functools.partial(torch.optim.SGD, lr=0.5), config=config)
+    assert isinstance(opt, torch.optim.SGD) and engine.optimizer is opt and engine.get_lr() == [0.5]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    want = torch.float32 if precision else next(model.parameters()).dtype
+    assert len(params) == len(list(model.parameters())) and all(p.dtype == want for p in params)
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.backward(engine(**batch()).loss)
+    engine.step()
+    assert engine.global_steps == 1 and any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, a callable"):
+        initialize(model=build_model("tiny-gpt2"), optimizer="adam", config={})
+    with pytest.raises(TypeError, match="the optimizer callable must return a torch.optim.Optimizer, got list"):
+        initialize(model=build_model("tiny-gpt2"), optimizer=lambda params: list(params), config={})
+
+
 def test_initialize_rejects_bad_arguments():
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         initialize(model=None, config={})

@@ -32,7 +32,7 @@ from hybrid_engine.config import EngineConfig
 from hybrid_engine.exclusive import exclusive_generation
 from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats, decode_grad_mode
 from hybrid_engine.inputs import check_device, decode_model
-from hybrid_engine.model_step import check_model_supported, max_positions, token_ids
+from hybrid_engine.model_step import MAX_TOKEN_ID, check_model_supported, max_positions, token_ids
 from hybrid_engine.ranks import rank_seed
 from hybrid_engine.scheduler import Counters, RequestSpec, gather_responses, run_schedule
 from hybrid_engine.timing import PhaseTimer
@@ -62,6 +62,11 @@ def _unwrap_model(engine: Any) -> PreTrainedModel:
         "HybridEngineRollout: engine must be a HybridEngine (with .module a transformers PreTrainedModel) "
         f"or a transformers PreTrainedModel, got {type(engine).__name__}"
     )
+
+
+#: The most tokens one call's batch may hold (2**31: a 16 GiB int64 tensor), a guard against a mistyped
+#: n_samples_per_prompt exhausting host memory before a single step runs.
+MAX_BATCH_ELEMENTS = 2**31
 
 
 class HybridEngineRollout:
@@ -97,10 +102,11 @@ class HybridEngineRollout:
         sources = [cfg.pad_token_id, getattr(tok, "pad_token_id", None), getattr(gen, "pad_token_id", None),
                    getattr(model.config, "pad_token_id", None)]
         # A negative id (old Llama configs carry -1) is no token: the next source, or the first EOS, pads.
-        pad = next((int(p) for p in sources if isinstance(p, int) and p >= 0), None)
+        pad = next((int(p) for p in sources if isinstance(p, int) and 0 <= p <= MAX_TOKEN_ID), None)
         eos_sources = (cfg.eos_token_id, getattr(tok, "eos_token_id", None), getattr(gen, "eos_token_id", None),
                        getattr(model.config, "eos_token_id", None))
-        eos = next((ids for ids in map(token_ids, eos_sources) if ids), ())
+        eos = next((ids for ids in (token_ids(s, "HybridEngineRollout: eos_token_id") for s in eos_sources) if ids),
+                   ())
         if pad is None and not eos:
             raise ValueError(
                 "HybridEngineRollout: neither a pad nor an EOS token id is known; pass a tokenizer, or "
@@ -119,6 +125,12 @@ class HybridEngineRollout:
     def release(self) -> None:
         """Free the decode slots and every graph (the next call re-allocates and recaptures)."""
         self.runner.release()
+
+    def invalidate_graphs(self) -> None:
+        """Drop every graph (the buffers stay); the next call captures again. Needed only after a change the
+        graph fingerprint cannot see, such as a module-level function patched (:mod:`hybrid_engine.graph_safety`)."""
+        with exclusive_generation(self.model, "HybridEngineRollout.invalidate_graphs"):
+            self.runner.invalidate()
 
     @property
     def graph_stats(self) -> GraphStats:
@@ -202,6 +214,12 @@ class HybridEngineRollout:
 
         n = sampling.n_samples_per_prompt
         num_prompts = request.prompt_ids.shape[0]
+        if num_prompts * n * (request.prompt_ids.shape[1] + max_new) > MAX_BATCH_ELEMENTS:
+            raise ValueError(
+                f"generate: {num_prompts} prompts x n_samples_per_prompt={n} rows of {request.prompt_ids.shape[1]} "
+                f"prompt + {max_new} new tokens would be more than {MAX_BATCH_ELEMENTS} tokens in one batch; lower "
+                "n_samples_per_prompt or split the request"
+            )
         budgets = request.max_new_tokens or [max_new] * num_prompts
         uids = request.request_ids or list(range(num_prompts))
         if (max(uids) + 1) * n > 2**63:  # each sample's random stream is request_id * n + sample, an int64

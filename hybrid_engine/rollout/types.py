@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybrid_engine.model_step import MAX_TOKEN_ID
 from hybrid_engine.sampling import validate_sampling
 
 __all__ = ["RolloutBatch", "RolloutConfig", "RolloutRequest", "SamplingConfig"]
@@ -23,7 +24,8 @@ def is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_int(owner: str, name: str, value: object, *, minimum: int, allow_none: bool = False) -> None:
+def _check_int(owner: str, name: str, value: object, *, minimum: int, maximum: int | None = None,
+               allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if not is_int(value):
@@ -31,6 +33,8 @@ def _check_int(owner: str, name: str, value: object, *, minimum: int, allow_none
         raise TypeError(f"{owner}: {name} must be an int{none}, got {type(value).__name__} ({value!r})")
     if value < minimum:  # type: ignore[operator]
         raise ValueError(f"{owner}: {name} must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:  # type: ignore[operator]
+        raise ValueError(f"{owner}: {name} must be <= {maximum}, got {value!r}")
 
 
 def _check_bool(owner: str, name: str, value: object) -> None:
@@ -67,17 +71,17 @@ class RolloutConfig:
             _check_bool(owner, name, getattr(self, name))
         _check_int(owner, "max_batch_size", self.max_batch_size, minimum=1, allow_none=True)
         _check_int(owner, "cache_capacity", self.cache_capacity, minimum=2, allow_none=True)
-        _check_int(owner, "pad_token_id", self.pad_token_id, minimum=0, allow_none=True)
+        _check_int(owner, "pad_token_id", self.pad_token_id, minimum=0, maximum=MAX_TOKEN_ID, allow_none=True)
         _check_int(owner, "sync_interval", self.sync_interval, minimum=1)
         eos = self.eos_token_id
         if eos is not None and not is_int(eos):
             if not isinstance(eos, (list, tuple)) or not eos:
                 raise TypeError(f"{owner}: eos_token_id must be an int, a non-empty list of ints or None, got {eos!r}")
             for e in eos:
-                _check_int(owner, "eos_token_id", e, minimum=0)
+                _check_int(owner, "eos_token_id", e, minimum=0, maximum=MAX_TOKEN_ID)
             object.__setattr__(self, "eos_token_id", tuple(int(e) for e in eos))
         elif eos is not None:
-            _check_int(owner, "eos_token_id", eos, minimum=0)
+            _check_int(owner, "eos_token_id", eos, minimum=0, maximum=MAX_TOKEN_ID)
         sizes = self.graph_batch_sizes
         if sizes is not None:
             if not isinstance(sizes, (list, tuple)) or not sizes:

@@ -74,6 +74,10 @@ def test_bad_requests_raise_then_next_call_works(rollout):
         (lambda: RolloutConfig(graph_batch_sizes=[1, 2], max_batch_size=4), ValueError, "graph_batch_sizes"),
         (lambda: rollout.generate(ids, SAMPLING), TypeError, "RolloutRequest"),
         (lambda: rollout.generate(RolloutRequest(ids + 1000), SAMPLING), ValueError, "vocab_size"),
+        (lambda: RolloutConfig(pad_token_id=2**70), ValueError, "pad_token_id must be <= 9223372036854775807"),
+        (lambda: RolloutConfig(eos_token_id=[2, 2**64]), ValueError, "eos_token_id must be <= 9223372036854775807"),
+        (lambda: rollout.generate(RolloutRequest(ids), SamplingConfig(max_new_tokens=4, n_samples_per_prompt=2**40)),
+         ValueError, "n_samples_per_prompt=1099511627776 rows .* lower n_samples_per_prompt"),
     ]
     for make, exc, text in bad:
         with pytest.raises(exc, match=text):
@@ -113,6 +117,24 @@ def test_a_negative_pad_id_in_the_model_config_is_not_used():
     batch = HybridEngineRollout(model, config=RolloutConfig(eos_token_id=2)).generate(request, SAMPLING)
     assert int(batch.input_ids.min()) >= 0 and batch.responses[0, 1:].tolist() == [2, 2, 2]
     model(batch.input_ids, attention_mask=batch.attention_mask)
+
+
+@pytest.mark.parametrize("eos,exc,text", [(2**64, ValueError, "does not fit in int64"),
+                                           ("abc", TypeError, "must hold integer token ids, got str"),
+                                           (2.7, TypeError, "must hold integer token ids, got float")])
+def test_an_eos_id_from_the_tokenizer_that_is_no_token_id_is_refused_by_name(model, eos, exc, text):
+    """Before: an int64 overflow naming nothing, a bare int() error, or 2.7 silently taken as EOS 2."""
+
+    class Tokenizer:
+        pad_token_id = 0
+        eos_token_id = eos
+
+    bad = HybridEngineRollout(model, tokenizer=Tokenizer(), config=RolloutConfig(use_graph_capture=True))
+    with pytest.raises(exc, match=f"HybridEngineRollout: eos_token_id.*{text}"):
+        bad.generate(_good_request(), SAMPLING)
+    Tokenizer.eos_token_id = 2
+    assert_batches_identical(bad.generate(_good_request(), SAMPLING), _check_still_works(
+        HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0, eos_token_id=2))))
 
 
 def test_cache_capacity_and_position_limit(model):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from rollout_helpers import (
     assert_batches_identical,
@@ -289,3 +290,43 @@ def test_graph_stats_enabled_says_whether_the_rollout_replays_graphs():
         rollout.generate(request, sampling)
         stats = rollout.graph_stats
         assert stats.enabled is graphs and (stats.captures > 0) is graphs
+
+
+def test_a_class_level_kernel_patch_recaptures_and_its_graphs_go_when_it_is_undone(monkeypatch):
+    """Patching a module class's forward (as Liger-style patchers do on models that exist already) changes what
+    eager steps run: decode and admission graphs captured before must not replay after, and those captured
+    under the patch must not outlive it."""
+    model = build_model("tiny-llama", seed=3)
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, max_batch_size=2,
+                                                              pad_token_id=0, eos_token_id=10_000))
+    request = left_padded_prompts([4, 6, 3], seed=10)
+    sampling = SamplingConfig(max_new_tokens=5, temperature=0.0)
+    before = rollout.generate(request, sampling)
+    with monkeypatch.context() as m:
+        norm = type(model.model.norm)
+        plain = norm.forward
+        m.setattr(norm, "forward", lambda self, x: plain(self, x) * -1.0)
+        patched = rollout.generate(request, sampling)
+        assert_batches_identical(patched, run(model, request, sampling, graphs=False, max_batch_size=2)[0])
+        assert not torch.equal(patched.input_ids, before.input_ids)
+    assert_batches_identical(rollout.generate(request, sampling), before)
+    assert rollout.graph_stats.invalidations == 2 and rollout.last_stats["graph_replays"] > 0
+
+
+def test_a_sliding_window_set_after_the_cache_exists_is_refused_as_for_a_new_rollout():
+    """The cache attends over every slot; the window is checked when it is allocated, and again on every call,
+    since a rollout keeps its cache across calls (before, it decoded with full attention, silently)."""
+    model = build_model("tiny-mistral", seed=3)
+    request = left_padded_prompts([4, 6], seed=10)
+    sampling = SamplingConfig(max_new_tokens=5, temperature=0.0)
+    for graphs in (True, False):
+        rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=graphs, pad_token_id=0,
+                                                                  eos_token_id=10_000))
+        expected = rollout.generate(request, sampling)
+        model.config.sliding_window = 4
+        try:
+            with pytest.raises(ValueError, match=r"sliding-window attention \(window 4\)"):
+                rollout.generate(request, sampling)
+        finally:
+            model.config.sliding_window = None
+        assert_batches_identical(rollout.generate(request, sampling), expected)  # usable once it is gone
