@@ -2,8 +2,9 @@
 
 The emulation is the only "GPU" CI has, so each test here pins one place where
 CUDA capture fails or misbehaves: the default stream, host data copied in
-during capture, outputs that hold garbage until the first replay, and the
-memory a graph pool holds.
+during capture, host reads (in every overload), refusals the body catches,
+metadata changed in place, outputs that hold garbage until the first replay,
+and the memory a graph pool holds.
 """
 
 import threading
@@ -167,7 +168,8 @@ def test_device_work_with_python_scalars_is_capturable(acc, ok, want):
 
 
 def test_scalar_setitem_is_capturable(acc):
-    """``t[i] = 3`` lifts a CPU scalar here, but on a device it is a fill kernel: legal in capture."""
+    """``t[i] = 3`` lifts a CPU scalar here, but on a device it is a fill kernel: legal in capture. A NumPy
+    scalar is a host scalar too."""
     idx = torch.tensor([1])
 
     def step():
@@ -175,11 +177,53 @@ def test_scalar_setitem_is_capturable(acc):
         y[0] = 7
         y[idx] = 2.5
         y[2:] = True
-        return y
+        n = torch.zeros(2, dtype=torch.int64)
+        n[0] = np.int64(3)
+        n[1:] = np.int32(4)
+        return y, n
 
-    g, y = capture(acc, step)
+    g, (y, n) = capture(acc, step)
     acc.replay_graph(g)
-    assert y.tolist() == [7.0, 2.5, 1.0, 1.0]
+    assert y.tolist() == [7.0, 2.5, 1.0, 1.0] and n.tolist() == [3, 4]
+
+
+def test_bool_mask_setitem_with_a_scalar_is_a_masked_fill(acc):
+    """CUDA's ``index_put_`` turns ``x[mask] = <host scalar>`` into ``masked_fill_``: no nonzero, no sync."""
+    x = torch.arange(6.0)
+    mask = x > 2
+
+    def step():
+        y = x * 1
+        y[mask] = float("-inf")
+        z = x.long().repeat(2, 1)
+        z[:, mask] = np.int64(-1)
+        return y, z
+
+    g, (y, z) = capture(acc, step)
+    for m in (mask, ~mask):  # the graph reads the mask on the device, at every replay
+        mask.copy_(m)
+        acc.replay_graph(g)
+        assert torch.equal(y, x.masked_fill(mask, float("-inf")))
+        assert torch.equal(z, x.long().masked_fill(mask, -1).repeat(2, 1))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda x, m: x.__setitem__(m, x[0]),
+        lambda x, m: x.index_put_((m,), torch.scalar_tensor(1.0)),
+        lambda x, m: x.__setitem__((m, m), 1.0),
+        lambda x, m: x.index_put_((m,), torch.ones(()), accumulate=True),
+    ],
+    ids=["tensor-value", "index_put-0-dim-tensor", "two-masks", "accumulate"],
+)
+def test_bool_mask_puts_that_need_nonzero_raise(acc, bad):
+    """A tensor value, two masks or ``accumulate=True`` take CUDA's ``nonzero`` path: a host sync."""
+    x = torch.arange(6.0).reshape(6, 1).expand(6, 6).clone()
+    m = torch.arange(6) > 2
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="boolean mask"), acc.capture_to_graph(g):
+        bad(x, m)
 
 
 @pytest.mark.parametrize(
@@ -197,11 +241,33 @@ def test_scalar_setitem_is_capturable(acc):
         (lambda x: x.to("cpu"), r"Tensor.to\('cpu'\)"),
         (lambda x: x.to("cpu", copy=True), r"Tensor.to\('cpu'\)"),
         (lambda x: x.to(device="cpu:0", copy=True), r"Tensor.to\('cpu'\)"),
+        (lambda x: x.type("torch.DoubleTensor"), r"Tensor.type\(<a CPU tensor type>\)"),
+        (lambda x: x.type(torch.FloatTensor), r"Tensor.type\(<a CPU tensor type>\)"),
+        (lambda x: x.type(dtype="torch.LongTensor"), r"Tensor.type\(<a CPU tensor type>\)"),
         (lambda x: torch.histc(x), "torch.histc without a range"),
         (lambda x: torch.linalg.inv(torch.eye(2) + x[:1, None]), "linalg error check"),
+        # out= overloads run the same host read
+        (lambda x: torch.nonzero(x, out=torch.empty(0, dtype=torch.long)), "torch.nonzero"),
+        (lambda x: torch.masked_select(x, x > 1, out=torch.empty(0)), "torch.masked_select"),
+        (lambda x: torch.multinomial(x.softmax(0), 1, out=torch.empty(1, dtype=torch.long)), "torch.multinomial"),
+        (lambda x: torch.histc(x, bins=4, out=torch.empty(4)), "torch.histc without a range"),
+        # CUDA linalg kernels that check their info flags (or compute) on the host, with no *_ex form
+        (lambda x: torch.linalg.svd(x.view(2, 2) + 1), "torch.linalg.svd"),
+        (lambda x: torch.linalg.svdvals(x.view(2, 2) + 1), "torch.linalg.svd"),
+        (lambda x: torch.linalg.matrix_rank(x.view(2, 2) + 1), "torch.linalg.svd"),
+        (lambda x: torch.linalg.pinv(x.view(2, 2) + 1), "torch.linalg.pinv"),
+        (lambda x: torch.linalg.eigh(x.view(2, 2) + 1), "torch.linalg.eigh"),
+        (lambda x: torch.linalg.eigvalsh(x.view(2, 2) + 1), "torch.linalg.eigh"),
+        (lambda x: torch.linalg.eig(x.view(2, 2) + 1), "torch.linalg.eig"),
+        (lambda x: torch.linalg.eigvals(x.view(2, 2) + 1), "torch.linalg.eig"),
+        (lambda x: torch.linalg.lstsq(x.view(2, 2) + 1, x[:2, None]), "torch.linalg.lstsq"),
+        (lambda x: torch.repeat_interleave(x, x.long()), "repeat_interleave with tensor repeats"),
     ],
     ids=["str", "print", "percent-s", "f-string", "numpy", "dlpack", "allclose", "multinomial-1",
-         "multinomial-no-replacement", "to-cpu", "to-cpu-copy", "to-device-cpu", "histc", "linalg-inv"],
+         "multinomial-no-replacement", "to-cpu", "to-cpu-copy", "to-device-cpu", "type-name", "type-class",
+         "type-keyword", "histc", "linalg-inv", "nonzero-out", "masked_select-out", "multinomial-out", "histc-out",
+         "svd", "svdvals", "matrix_rank", "pinv", "eigh", "eigvalsh", "eig", "eigvals", "lstsq",
+         "repeat_interleave"],
 )
 def test_host_reads_hidden_in_printing_and_checking_ops_raise(acc, bad, what):
     """On a device, printing a tensor (a logging hook, say) reads it on the host, and the CUDA kernels of
@@ -215,19 +281,24 @@ def test_host_reads_hidden_in_printing_and_checking_ops_raise(acc, bad, what):
 
 
 def test_device_moves_and_checked_forms_that_read_nothing_on_the_host_are_capturable(acc):
-    """``x.to(<the device>)`` is a same-device no-op on a GPU too; ``histc`` with a range and the ``*_ex``
-    linalg forms without an error check read nothing on the host."""
+    """``x.to(<the device>)`` and ``x.type(<a dtype>)`` stay on the device on a GPU too; ``histc`` with a range,
+    the ``*_ex`` linalg forms without an error check and ``repeat_interleave`` told its ``output_size`` read
+    nothing on the host."""
     x = torch.arange(4.0)
+    reps = torch.tensor([0, 2, 1, 0])
 
     def step():
-        a = x.to(x.device) + x.to(torch.device("cpu"), torch.float64).float()
+        a = x.to(x.device) + x.to(torch.device("cpu"), torch.float64).float() + x.type(torch.float64).float()
+        assert x.type() == "torch.FloatTensor"  # a name, no copy
         h = torch.histc(x, bins=4, min=0, max=4)
         inv, _ = torch.linalg.inv_ex(torch.eye(2) * 2)
-        return a + h + inv.sum()
+        r = torch.repeat_interleave(x, reps, output_size=3) + x.repeat_interleave(reps, dim=0, output_size=3)
+        return a + h + inv.sum(), r
 
-    g, out = capture(acc, step)
+    g, (out, r) = capture(acc, step)
     acc.replay_graph(g)
-    assert out.tolist() == [2.0, 4.0, 6.0, 8.0]
+    assert out.tolist() == [2.0, 5.0, 8.0, 11.0]
+    assert r.tolist() == [2.0, 2.0, 4.0]
 
 
 def test_multinomial_with_replacement_is_capturable(acc):
@@ -238,18 +309,99 @@ def test_multinomial_with_replacement_is_capturable(acc):
     assert out.tolist() == [2, 2, 2]
 
 
-def test_an_explicit_generator_inside_capture_raises(acc):
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda gen: torch.rand(3, generator=gen),
+        lambda gen: torch.poisson(torch.full((3,), 3.0), generator=gen),  # passed on positionally
+        lambda gen: torch._standard_gamma(torch.ones(3), gen),
+    ],
+    ids=["keyword", "poisson", "positional"],
+)
+def test_an_explicit_generator_inside_capture_raises(acc, draw):
     """A device graph freezes an unregistered generator's state; the emulation has no registration, so it
-    refuses any explicit generator (the default one advances at every replay, as CUDA's philox offsets do)."""
+    refuses any explicit generator but the default one, which CUDA registers with every capture (it advances
+    at every replay, as CUDA's philox offsets do)."""
     gen = torch.Generator().manual_seed(0)
     g = acc.create_graph()
     with pytest.raises(GraphCaptureError, match="explicit torch.Generator"), acc.capture_to_graph(g):
-        torch.rand(3, generator=gen)
-    g, out = capture(acc, lambda: torch.rand(3))
+        draw(gen)
+    g, out = capture(acc, lambda: draw(torch.default_generator))
     acc.replay_graph(g)
     first = out.clone()
     acc.replay_graph(g)
     assert not torch.equal(first, out)
+
+
+@pytest.mark.parametrize(
+    "refused,what",
+    [
+        (lambda y: int(y.sum()), "reading a tensor value on the host"),
+        (lambda y: print("debug", y), "printing a tensor"),
+        (lambda y: torch.tensor([1, 2]), "host data"),
+    ],
+    ids=["int", "print", "tensor"],
+)
+def test_a_refusal_the_body_catches_still_fails_the_capture(acc, refused, what):
+    """On CUDA the illegal call invalidates the capture (``cudaErrorStreamCaptureInvalidated`` at capture end),
+    so a body that tolerates the error (a fallback, a logging hook) still gets no graph."""
+    x = torch.arange(4.0)
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match=f"invalidated.*The first: .*{what}"), acc.capture_to_graph(g):
+        y = x * 2
+        for bad in (refused, lambda y: y.tolist()):  # the first refusal is the one named
+            try:
+                bad(y)
+            except GraphCaptureError:
+                pass
+    assert not g.is_captured and not acc.is_current_stream_capturing()
+    g, y = capture(acc, lambda: x * 2)  # the next capture starts clean
+    acc.replay_graph(g)
+    assert y.tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda w, other: w.t_(),
+        lambda w, other: w.unsqueeze_(0),
+        lambda w, other: w.squeeze_(),
+        lambda w, other: w.transpose_(0, 1),
+        lambda w, other: w.as_strided_((2, 2), (1, 2)),
+        lambda w, other: w.set_(other),
+        lambda w, other: w.set_(other.untyped_storage(), 0, (2, 2), (2, 1)),
+        lambda w, other: setattr(w, "data", other),
+    ],
+    ids=["t_", "unsqueeze_", "squeeze_", "transpose_", "as_strided_", "set_", "set_-storage", "data"],
+)
+def test_changing_a_preexisting_tensors_metadata_in_place_raises(acc, change):
+    """On a device this changes host metadata once, at capture, and kernels captured after it keep the new
+    shape or storage; re-issuing it at every replay (what a recording of ops does) alternates shapes or reads
+    the wrong storage, so the emulation refuses it (before it runs)."""
+    w, other, x = torch.eye(2), torch.full((2, 2), 3.0), torch.ones(1, 2)
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="metadata .* of a tensor that existed before capture"):
+        with acc.capture_to_graph(g):
+            x @ w
+            change(w, other)
+            x @ w
+    assert not g.is_captured and torch.equal(w, torch.eye(2))
+
+
+def test_metadata_changed_in_place_on_a_tensor_made_inside_capture_replays(acc):
+    """A tensor made inside capture is made afresh at every replay: changing its metadata replays faithfully."""
+    x = torch.arange(6.0)
+
+    def step():
+        y = (x * 1).view(2, 3)
+        y.t_()
+        y.unsqueeze_(0)
+        return y + 0
+
+    g, out = capture(acc, step)
+    for _ in range(3):
+        acc.replay_graph(g)
+        assert out.shape == (1, 3, 2) and torch.equal(out[0], x.view(2, 3).t())
 
 
 def test_synchronising_or_querying_inside_capture_raises(acc):
@@ -274,12 +426,15 @@ def test_empty_memory_read_in_a_graph_is_garbage_at_every_replay(acc):
     def step():
         scratch = torch.empty(3)
         scratch[:2] = x[:2]  # the last element is never written
-        return scratch + 1, torch.empty_like(x, dtype=torch.int64)
+        permuted = torch.empty_permuted((3,), (0,))
+        permuted[1:] = x[1:]
+        return scratch + 1, permuted + 1, torch.empty_like(x, dtype=torch.int64)
 
-    g, (y, ints) = capture(acc, step)
+    g, (y, p, ints) = capture(acc, step)
     for _ in range(2):
         acc.replay_graph(g)
         assert y[:2].tolist() == [1.0, 2.0] and torch.isnan(y[2])
+        assert torch.isnan(p[0]) and p[1:].tolist() == [2.0, 3.0]
         assert (ints == torch.iinfo(torch.int64).min).all()
 
 

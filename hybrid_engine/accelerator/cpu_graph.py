@@ -12,15 +12,28 @@ below models one CUDA-graph rule:
   tensors: storages that captured work mutates are snapshotted on first write
   and restored when the capture ends. The first real execution is the first
   replay.
+* A refused operation (any :class:`GraphCaptureError` below) invalidates the
+  capture even when the body catches the error, as CUDA's
+  ``cudaErrorStreamCaptureInvalidated``: the capture then fails at its end,
+  naming the first refusal.
+* Capture does not advance the default generator (CUDA records draws at
+  offsets of its own): its state is restored at capture end. Each replay draws
+  fresh numbers from it.
 * Tensors allocated inside capture hold garbage until the first replay (CUDA
   only reserves their memory). Every static output (a tensor allocated inside
   capture and still referenced when it ends) is poisoned at capture end: NaN
   for floating point, the most extreme value for integers, ``True`` for bool.
-  Code that reads an output before replaying sees garbage on CPU too.
+  Code that reads an output before replaying sees garbage on CPU too. So does
+  a pre-existing tensor that an ``out=`` op resized inside capture (CUDA gives
+  it a block of the graph's pool).
 * Pre-existing tensors are read *by storage*, as a GPU graph reads by address:
   an in-place update (``param.add_``) is seen by the next replay, but a tensor
   whose storage was swapped (``param.data = ...``) keeps being read from the
   old storage, so stale-weight bugs show up on CPU as they would on a GPU.
+* Metadata changed in place on a pre-existing tensor inside capture (``t_``,
+  ``unsqueeze_``, ``transpose_``, ``as_strided_``, ``set_``, assigning
+  ``.data``: ops tagged ``inplace_view``) raises: on a device it changes host
+  metadata once, at capture, which a recording of ops cannot reproduce.
 * A device graph holds no reference to what it uses: once nothing but graphs
   holds a storage a graph uses, that memory is free on a device, and a replay
   would use whatever was allocated there next. Replay then raises
@@ -29,36 +42,52 @@ below models one CUDA-graph rule:
   are checked; the rest (scalars the dispatcher wrapped) are the graph's own.
   Holding a storage means holding a tensor on it: a bare ``UntypedStorage``
   object, or a NumPy array behind a dropped ``from_numpy`` tensor, does not
-  count (refused where CUDA might still work).
-* Static outputs are updated in place by every replay.
+  count (refused where CUDA might still work). A storage whose memory moved
+  (``Tensor.resize_`` growing a graph input) is a stale address too.
+* Static outputs are updated in place by every replay. A graph captured under
+  ``torch.inference_mode`` replays under it, wherever it is replayed (CUDA
+  replays kernels whatever the grad mode).
 * Host synchronisations and data-dependent shapes (``.item()``, ``bool(t)``,
-  ``.tolist()``, ``.numpy()``, ``.cpu()``, ``nonzero``, boolean-mask indexing)
-  raise :class:`GraphCaptureError` while capturing (CUDA: "operation not
-  permitted when stream is capturing").
+  ``.tolist()``, ``.numpy()``, ``.cpu()``, ``nonzero``, boolean-mask indexing,
+  ``repeat_interleave`` with tensor repeats and no ``output_size``), in every
+  overload (``out=`` too), raise :class:`GraphCaptureError` while capturing
+  (CUDA: "operation not permitted when stream is capturing"). ``x[mask] = 3``
+  stays legal: CUDA turns it into ``masked_fill_`` with a host scalar.
 * Host data materialised inside capture (``torch.tensor``, ``torch.as_tensor``,
   ``torch.from_numpy``, ``Tensor.new_tensor``, a Python list as an index) raises
   too: on a device it is a host-to-device copy, which capture cannot record.
-  Device work with a Python scalar (``x * 2 + 5``, ``torch.full``,
+  Device work with a Python or NumPy scalar (``x * 2 + 5``, ``torch.full``,
   ``x[0] = 1``) stays legal.
 * Host reads the dispatcher never sees raise too: printing or formatting a
-  tensor, ``numpy.asarray``, ``__dlpack__``, ``Tensor.to("cpu")``
-  (a device-to-host copy on a device; ``x.to(torch.device)`` stays legal, as
-  the emulation's device is the CPU), and the ops whose CUDA kernels read a
-  value on the host (``allclose``; ``multinomial`` without replacement or for
-  one sample; ``histc`` without a range; ``torch.linalg`` error checks). So
-  do an explicit ``torch.Generator`` (a device graph freezes an unregistered
-  one), ``synchronize()`` and ``query()``.
+  tensor, ``numpy.asarray``, ``__dlpack__``, ``Tensor.to("cpu")`` and
+  ``Tensor.type("torch.FloatTensor")`` (device-to-host copies on a device;
+  ``x.to(torch.device)`` and ``x.type(torch.float64)`` stay legal, as the
+  emulation's device is the CPU), and the ops whose CUDA kernels read a value
+  on the host (``allclose``; ``multinomial`` without replacement or for one
+  sample; ``histc`` without a range; ``torch.linalg`` error checks, and
+  ``svd``, ``eigh``, ``eig``, ``eigvals`` and ``lstsq``, which check inside).
+  So do an explicit ``torch.Generator`` other than the default one (a device
+  graph freezes an unregistered one; the default one is registered),
+  ``synchronize()`` and ``query()``.
+* ``torch._assert_async`` is recorded: a replay whose condition fails raises,
+  as a device-side assert does.
 * Empty-family allocations (``torch.empty``, ``empty_like``, ...) inside a
   graph are filled with garbage at every replay: on a device that block holds
   whatever the last replay or another graph left there.
 * Capture is per thread, as CUDA's ``thread_local`` capture mode, which every
   backend path requests: another thread's work neither breaks a capture nor is
-  recorded into it.
+  recorded into it. Not modelled: capture runs ops for real, so another thread
+  sees capture-time writes to pre-existing tensors until capture end, and the
+  restore at capture end undoes that thread's own writes to those storages
+  (and its draws from the default generator).
 * Streams: CUDA refuses to capture on the default stream, and work issued on
   the default stream while a capture is running breaks the capture. There is
   a per-thread current :class:`CPUStream` (initially the default one); capture
   refuses to begin while the default stream is current, and ops issued on it
-  during a capture raise.
+  during a capture raise. Not modelled: a side stream that never joined the
+  capture (no ``wait_stream`` on the capturing one) is recorded as if it had;
+  CUDA runs its work once, outside the graph, and fails capture end for a fork
+  that never rejoins.
 * Memory pools: graphs captured with the same pool handle share one
   :class:`CPUGraphPool`. A pool owns the static outputs of its graphs plus one
   workspace for intermediates, sized to the largest peak of any one graph
@@ -77,6 +106,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from numbers import Number
 from typing import Any, NamedTuple
 
 import torch
@@ -96,36 +126,64 @@ class GraphReplayError(RuntimeError):
     """A replay would read memory a device graph no longer owns (a stale address)."""
 
 
+_state = threading.local()
+
+
+def _refused(message: str) -> GraphCaptureError:
+    """The error for a refused operation; it also invalidates this thread's running capture (CUDA:
+    ``cudaErrorStreamCaptureInvalidated`` at capture end), so a body that catches it still fails."""
+    err = GraphCaptureError(message)
+    rec = getattr(_state, "recorder", None)
+    if rec is not None and rec.invalidated is None:
+        rec.invalidated = err
+    return err
+
+
 def _not_permitted(what: str) -> GraphCaptureError:
-    return GraphCaptureError(
+    return _refused(
         f"{what} is not permitted while capturing a graph: it needs a host synchronisation or a "
         "data-dependent shape. Keep such work outside the captured region."
     )
 
 
+# By overload packet: every overload (``out=`` too) runs the same host read.
 _FORBIDDEN_OPS = {
-    aten._local_scalar_dense.default: "reading a tensor value on the host (.item(), bool(), int(), float())",
-    aten.equal.default: "torch.equal (returns a host bool)",
-    aten.is_nonzero.default: "bool(tensor)",
-    aten.nonzero.default: "torch.nonzero (data-dependent shape)",
-    aten.masked_select.default: "torch.masked_select (data-dependent shape)",
-    aten.argwhere.default: "torch.argwhere (data-dependent shape)",
-    aten._unique2.default: "torch.unique (data-dependent shape)",
-    aten.unique_dim.default: "torch.unique (data-dependent shape)",
-    aten.unique_consecutive.default: "torch.unique_consecutive (data-dependent shape)",
-    aten.bincount.default: "torch.bincount (data-dependent shape)",
-    aten.repeat_interleave.Tensor: "repeat_interleave with tensor repeats (data-dependent shape)",
-    aten.allclose.default: "torch.allclose (returns a host bool)",
-    aten._linalg_check_errors.default: "a torch.linalg error check (reads the info flags on the host; use the "
-                                       "*_ex variant with check_errors=False)",
+    aten._local_scalar_dense: "reading a tensor value on the host (.item(), bool(), int(), float())",
+    aten.equal: "torch.equal (returns a host bool)",
+    aten.is_nonzero: "bool(tensor)",
+    aten.nonzero: "torch.nonzero (data-dependent shape)",
+    aten.masked_select: "torch.masked_select (data-dependent shape)",
+    aten.argwhere: "torch.argwhere (data-dependent shape)",
+    aten._unique2: "torch.unique (data-dependent shape)",
+    aten.unique_dim: "torch.unique (data-dependent shape)",
+    aten.unique_consecutive: "torch.unique_consecutive (data-dependent shape)",
+    aten.bincount: "torch.bincount (data-dependent shape)",
+    aten.allclose: "torch.allclose (returns a host bool)",
+    aten._linalg_check_errors: "a torch.linalg error check (reads the info flags on the host; use the *_ex "
+                               "variant with check_errors=False)",
+    # CUDA kernels that check their info flags (or, for eig, compute on the host) inside, with no *_ex form.
+    aten._linalg_svd: "torch.linalg.svd / svdvals / matrix_rank (the CUDA kernel checks convergence on the "
+                      "host)",
+    aten.linalg_pinv: "torch.linalg.pinv (an svd or eigh inside, which checks convergence on the host)",
+    aten._linalg_eigh: "torch.linalg.eigh / eigvalsh (the CUDA kernel checks convergence on the host)",
+    aten.linalg_eig: "torch.linalg.eig / eigvals (computed on the host on CUDA)",
+    aten.linalg_eigvals: "torch.linalg.eigvals (computed on the host on CUDA)",
+    aten.linalg_lstsq: "torch.linalg.lstsq (the CUDA kernel checks its info flags on the host)",
 }
 # Ops whose CUDA kernel reads a device value on the host before launching (never visible as a separate op).
-_MULTINOMIAL = aten.multinomial.default
-_HISTC = aten.histc.default
+_MULTINOMIAL = aten.multinomial
+_HISTC = aten.histc
+# Without output_size, its CUDA kernel reads the total of the repeats on the host.
+_REPEAT_INTERLEAVE = aten.repeat_interleave
 # Empty-family ops: on a device their memory holds whatever an earlier replay or graph left there.
 _EMPTY_OPS = {op._op for op in (aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
-                                aten.new_empty.default, aten.new_empty_strided.default)}
+                                aten.empty_permuted.default, aten.new_empty.default, aten.new_empty_strided.default)}
 _INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+_MASK_DTYPES = (torch.bool, torch.uint8)
+# The default generator is registered with every CUDA capture: passing it explicitly is legal.
+_DEFAULT_GENERATOR = torch.default_generator._cdata
+# No output and no mutation, but a device-side assert at every replay: recorded all the same.
+_ASSERT_ASYNC = aten._assert_async
 
 _FORBIDDEN_TENSOR_METHODS = {
     torch.Tensor.tolist: "Tensor.tolist() (device-to-host read)",
@@ -141,6 +199,8 @@ _FORBIDDEN_TENSOR_METHODS = {
 # Tensor.to targets that name the host: on a device, a device-to-host copy (as .cpu()).
 _TO = torch.Tensor.to
 _HOST_NAMES = ("cpu",)
+_TYPE = torch.Tensor.type
+_SET_DATA = torch.Tensor.data.__set__  # ``t.data = other``: never reaches the dispatcher
 
 _LIFT_OPS = (aten.lift_fresh.default, aten.lift_fresh_copy.default)
 _HOST_DATA = (
@@ -148,9 +208,6 @@ _HOST_DATA = (
     "Tensor.new_tensor, a Python list as an index)"
 )
 _SETITEM = torch.Tensor.__setitem__
-_PY_SCALARS = (bool, int, float, complex)
-
-_state = threading.local()
 
 
 def is_cpu_graph_capturing() -> bool:
@@ -293,6 +350,22 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
     return args[index] if len(args) > index else kwargs.get(name, default)
 
 
+def _schema_arg(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
+    """An op argument by its schema name, whatever its position in this overload."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return _arg(args, kwargs, i, name, None)
+    return None
+
+
+def _metadata_refused(what: str) -> GraphCaptureError:
+    return _refused(
+        f"{what} changes the metadata (shape, strides or storage) of a tensor that existed before capture: on a "
+        "device that happens once, on the host, at capture, and the graph keeps what its kernels were captured "
+        "with; the emulation cannot replay it. Do it before capture, or on a new view (w.t() instead of w.t_())."
+    )
+
+
 def _poisoned_empty(op: Any, garbage: Any) -> Any:
     """``op`` (an empty-family op), then its output filled with ``garbage``, as stale device memory reads."""
     def run(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -301,7 +374,8 @@ def _poisoned_empty(op: Any, garbage: Any) -> Any:
 
 
 def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    """The storage's identity (its StorageImpl), which an empty storage has too and a resize keeps."""
+    return t.untyped_storage()._cdata
 
 
 class _Step:
@@ -331,9 +405,12 @@ class _Recorder(TorchDispatchMode):
         self.externals: dict[int, tuple[torch.Tensor, torch.Tensor, str]] = {}  # id -> (original, alias, reader)
         self.op: Any = None  # the op being recorded, to name an external's first reader
         self.own_storages: set[int] = set()
-        self.snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        # storage key -> (a tensor on it, its bytes and data pointer at the first write)
+        self.snapshots: dict[int, tuple[torch.Tensor, torch.UntypedStorage, int]] = {}
         self.steps: list[_Step] = []
-        self.scalar_setitem = 0  # > 0 while ``tensor[idx] = <python scalar>`` runs
+        self.scalar_setitem = 0  # > 0 while ``tensor[idx] = <python or numpy scalar>`` runs
+        self.invalidated: GraphCaptureError | None = None  # the first refusal
+        self.inference = False  # an op ran under torch.inference_mode
 
     # -- argument templates -------------------------------------------------
     def _leaf(self, value: Any) -> tuple[bool, Any]:
@@ -373,7 +450,7 @@ class _Recorder(TorchDispatchMode):
         base_kwargs, kw_direct = {}, []
         for k, a in kwargs.items():
             if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
-                raise GraphCaptureError(f"CPU graph emulation: unsupported tensor list in keyword {k!r}")
+                raise _refused(f"CPU graph emulation: unsupported tensor list in keyword {k!r}")
             is_slot, v = self._leaf(a)
             base_kwargs[k] = None if is_slot else v
             if is_slot:
@@ -382,54 +459,71 @@ class _Recorder(TorchDispatchMode):
 
     # -- capture-time safety --------------------------------------------------
     def _check_permitted(self, func, args, kwargs) -> None:
-        what = _FORBIDDEN_OPS.get(func)
+        packet = func.overloadpacket
+        what = _FORBIDDEN_OPS.get(packet)
         if what is not None:
             raise _not_permitted(what)
-        if func is _HISTC and _arg(args, kwargs, 2, "min", 0) == _arg(args, kwargs, 3, "max", 0):
+        if packet is _HISTC and _arg(args, kwargs, 2, "min", 0) == _arg(args, kwargs, 3, "max", 0):
             raise _not_permitted("torch.histc without a range (its CUDA kernel reads the data's min and max on "
                                  "the host)")
-        if func is _MULTINOMIAL and (not _arg(args, kwargs, 2, "replacement", False)
-                                     or _arg(args, kwargs, 1, "num_samples", 1) == 1):
+        if packet is _MULTINOMIAL and (not _arg(args, kwargs, 2, "replacement", False)
+                                       or _arg(args, kwargs, 1, "num_samples", 1) == 1):
             raise _not_permitted("torch.multinomial without replacement or for one sample (its CUDA kernel "
                                  "checks the probabilities with .item())")
-        if kwargs.get("generator") is not None:
-            raise GraphCaptureError(
+        if (packet is _REPEAT_INTERLEAVE and kwargs.get("output_size") is None
+                and isinstance(_schema_arg(func, args, kwargs, "repeats"), torch.Tensor)):
+            raise _not_permitted("repeat_interleave with tensor repeats and no output_size (data-dependent shape)")
+        if any(isinstance(a, torch.Generator) and a._cdata != _DEFAULT_GENERATOR for a in (*args, *kwargs.values())):
+            raise _refused(
                 f"{func} draws from an explicit torch.Generator while a graph is capturing: a device graph "
                 "freezes that generator's state unless it is registered with the graph; use the default "
                 "generator, or counter-based sampling"
             )
         if current_cpu_stream() is _DEFAULT_STREAM:
-            raise GraphCaptureError(
+            raise _refused(
                 f"{func} was issued on the default stream while a graph is capturing: CUDA forbids work on "
                 "the default stream during capture (it would synchronise with the capturing stream)"
             )
         if func in _LIFT_OPS and not (self.scalar_setitem and args[0].dim() == 0):
             # ``x[i] = 3`` lifts a 0-dim CPU scalar; on a device that is a fill, not a host copy.
-            raise GraphCaptureError(
+            raise _refused(
                 f"{_HOST_DATA} is not permitted while capturing a graph: on a device it is a host-to-device "
                 "copy, which capture cannot record. Allocate it before capture and copy_ into it, or use a "
                 "device op with a Python scalar (torch.full, torch.zeros, x * 2 + 5)."
             )
-        if func in _INDEX_OPS:
-            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-            for idx in indices or ():
-                if isinstance(idx, torch.Tensor) and idx.dtype in (torch.bool, torch.uint8):
+        if func in _INDEX_OPS and not self._is_masked_fill(func, args, kwargs):
+            for idx in _arg(args, kwargs, 1, "indices", ()) or ():
+                if isinstance(idx, torch.Tensor) and idx.dtype in _MASK_DTYPES:
                     raise _not_permitted("indexing with a boolean mask (data-dependent shape)")
+        if torch.Tag.inplace_view in func.tags and id(args[0]) not in self.slot_of:
+            raise _metadata_refused(str(func))
+
+    def _is_masked_fill(self, func, args, kwargs) -> bool:
+        """``x[mask] = <python or numpy scalar>``: CUDA's ``index_put_`` turns it into ``masked_fill_`` with
+        the host scalar (one bool mask, the other indices None, no accumulation): no sync, no shape."""
+        if not self.scalar_setitem or func is aten.index.Tensor:
+            return False
+        indices = _arg(args, kwargs, 1, "indices", ())
+        value = _arg(args, kwargs, 2, "values", None)
+        masks = [i for i in indices if i is not None]
+        return (not _arg(args, kwargs, 3, "accumulate", False) and isinstance(value, torch.Tensor)
+                and value.dim() == 0 and len(masks) == 1 and masks[0].dtype in _MASK_DTYPES)
 
     def _snapshot_written(self, func, args, kwargs) -> None:
-        """Save pre-existing storages this op writes, to restore at capture end."""
+        """Save pre-existing storages this op writes (empty ones too: ``out=`` may resize them), to restore
+        at capture end."""
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             for t in value if isinstance(value, (list, tuple)) else (value,):
-                if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+                if not isinstance(t, torch.Tensor):
                     continue
                 key = _storage_key(t)
                 if key in self.own_storages or key in self.snapshots:
                     continue
                 storage = t.untyped_storage()
-                self.snapshots[key] = (storage, storage.clone())
+                self.snapshots[key] = (t.detach(), storage.clone(), storage.data_ptr())
 
     # -- the dispatch hook --------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -438,15 +532,16 @@ class _Recorder(TorchDispatchMode):
         self._check_permitted(func, args, kwargs)
         self._snapshot_written(func, args, kwargs)
         template = self._template(args, kwargs)
+        self.inference = self.inference or torch.is_inference_mode_enabled()
         out = func(*args, **kwargs)
 
         flat_out, _ = tree_flatten(out)
         has_tensor = any(isinstance(o, torch.Tensor) for o in flat_out)
-        if not has_tensor and not func._schema.is_mutable:
+        if not has_tensor and not func._schema.is_mutable and func.overloadpacket is not _ASSERT_ASYNC:
             return out  # a pure host-side query (e.g. SDPA backend choice); nothing to replay
-        single = isinstance(out, torch.Tensor)
+        single = isinstance(out, torch.Tensor) or out is None  # None: replay stores nothing
         if not single and not isinstance(out, (tuple, list)) and has_tensor:
-            raise GraphCaptureError(f"CPU graph emulation: unsupported output structure from {func}")
+            raise _refused(f"CPU graph emulation: unsupported output structure from {func}")
         outs = (out,) if single else (out if isinstance(out, (tuple, list)) else ())
         input_storages = {_storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         out_slots = []
@@ -478,6 +573,15 @@ def _names_the_host(args: tuple, kwargs: dict) -> bool:
     return isinstance(target, str) and target.split(":")[0] in _HOST_NAMES
 
 
+def _names_a_host_type(args: tuple, kwargs: dict) -> bool:
+    """Whether ``Tensor.type``'s target is a CPU tensor type (``"torch.FloatTensor"``, ``torch.FloatTensor``):
+    on a device, a device-to-host copy. A dtype stays legal."""
+    target = kwargs.get("dtype", args[0] if args else None)
+    if isinstance(target, type):
+        target = f"{target.__module__}.{target.__name__}"
+    return isinstance(target, str) and not target.startswith("torch.cuda.")
+
+
 class _HostSyncGuard(TorchFunctionMode):
     """Rejects Python-level host reads that never reach the aten dispatcher."""
 
@@ -491,7 +595,11 @@ class _HostSyncGuard(TorchFunctionMode):
             raise _not_permitted(what)
         if func is _TO and _names_the_host(args[1:], kwargs or {}):
             raise _not_permitted("Tensor.to('cpu') (device-to-host read)")
-        if func is _SETITEM and len(args) == 3 and isinstance(args[2], _PY_SCALARS):
+        if func is _TYPE and _names_a_host_type(args[1:], kwargs or {}):
+            raise _not_permitted("Tensor.type(<a CPU tensor type>) (device-to-host read)")
+        if func == _SET_DATA and id(args[0]) not in self.rec.slot_of:
+            raise _metadata_refused("assigning Tensor.data")
+        if func is _SETITEM and len(args) == 3 and isinstance(args[2], Number):
             self.rec.scalar_setitem += 1
             try:
                 return func(*args, **(kwargs or {}))
@@ -512,6 +620,7 @@ class CPUGraph:
         self._forget: Callable[[], Any] = lambda: None  # takes the guards' references out of the registry
         self._pool = CPUGraphPool()
         self._order = 0  # capture order within the pool
+        self._inference = False  # captured under torch.inference_mode: replayed under it
         self.static_bytes = 0  # bytes of static outputs (capture time)
         self.workspace_bytes = 0  # peak bytes of live intermediates during one replay
 
@@ -581,6 +690,7 @@ class CPUGraph:
         self._steps = steps
         self._num_slots = len(refs)
         self._static_outputs = static
+        self._inference = rec.inference
         readers = [(alias, reader) for _, alias, reader in rec.externals.values()]
         rec.externals.clear()  # the originals: only what outside the graph holds may count as held
         self._externals = [alias for alias, _ in readers]
@@ -598,17 +708,14 @@ class CPUGraph:
         if steps is None:
             raise RuntimeError("CPUGraph.replay(): the graph has not been captured")
         if is_cpu_graph_capturing():
-            raise GraphCaptureError("replaying a graph while capturing another is not permitted")
+            raise _refused("replaying a graph while capturing another is not permitted")
         for guard in self._guards:
             if _use_count(guard.cdata) <= _graph_refs.get(guard.cdata, 0) + _PY_STORAGE_REFS:
-                raise GraphReplayError(
-                    f"CPU graph emulation: this replay would use freed memory, a stale address: {guard.what}, "
-                    "which nothing but graphs holds any more (on a device the graph reads and writes whatever was "
-                    "allocated there since). Keep every tensor a graph uses alive and update it in place (copy_), "
-                    "or capture a new graph after replacing it."
-                )
+                raise _stale(guard, "which nothing but graphs holds any more")
+            if guard.alias.data_ptr() != guard.ptr:
+                raise _stale(guard, "whose memory was reallocated since capture (Tensor.resize_ growing it)")
         vals: list[Any] = [None] * self._num_slots
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        with torch.inference_mode() if self._inference else torch.no_grad(), torch.autocast("cpu", enabled=False):
             for st in steps:
                 args = st.args
                 if st.direct or st.nested:
@@ -644,11 +751,21 @@ class CPUGraph:
             self._pool._clobber_after(self._order)
 
 
+def _stale(guard: _StorageGuard, why: str) -> GraphReplayError:
+    return GraphReplayError(
+        f"CPU graph emulation: this replay would use freed memory, a stale address: {guard.what}, {why} (on a "
+        "device the graph reads and writes whatever was allocated there since). Keep every tensor a graph uses "
+        "alive and update it in place (copy_), or capture a new graph after replacing it."
+    )
+
+
 class _StorageGuard(NamedTuple):
     ref: StorageWeakRef  # keeps ``cdata`` valid without keeping the memory alive
     cdata: int
     aliases: int  # references this graph holds
     what: str
+    alias: torch.Tensor  # one of them (the graph holds it anyway)
+    ptr: int  # its data pointer at capture end: the address the graph baked in
 
 
 _use_count = torch._C._storage_Use_Count
@@ -689,7 +806,7 @@ def _storage_guards(readers: list[tuple[torch.Tensor, str]]) -> list[_StorageGua
             if _use_count(cdata) > held_by_graphs + _PY_STORAGE_REFS:
                 _graph_refs[cdata] = held_by_graphs
                 what = f"a {list(alias.shape)} {str(alias.dtype).removeprefix('torch.')} tensor (first used by {reader})"
-                guards.append(_StorageGuard(ref, cdata, aliases, what))
+                guards.append(_StorageGuard(ref, cdata, aliases, what, alias, alias.data_ptr()))
     return guards
 
 
@@ -710,7 +827,7 @@ def _own_storages_of(tensors: list[torch.Tensor], own: set[int]) -> tuple[list[i
     nbytes: dict[int, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = storage._cdata
         if storage.nbytes() > 0 and key in own:
             keys.append(key)
             nbytes[key] = storage.nbytes()
@@ -753,7 +870,7 @@ def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iter
     there); ``pool`` shares a :class:`CPUGraphPool` with earlier graphs.
     """
     if is_cpu_graph_capturing():
-        raise GraphCaptureError("nested graph capture is not permitted")
+        raise _refused("nested graph capture is not permitted")
     if graph.is_captured:
         raise RuntimeError("this graph was already captured; call reset() or create a new graph")
     if pool is not None and not isinstance(pool, CPUGraphPool):
@@ -764,6 +881,7 @@ def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iter
             "stream); capture_to_graph(stream=None) captures on the accelerator's graph_stream()"
         )
     rec = _Recorder()
+    rng = torch.default_generator.get_state()
     _state.recorder = rec
     ok = False
     try:
@@ -772,9 +890,37 @@ def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iter
         ok = True
     finally:
         _state.recorder = None
-        for storage, saved in rec.snapshots.values():
-            storage.copy_(saved)
+        torch.default_generator.set_state(rng)  # a capture draws nothing: CUDA keeps the eager offset
+        failed = _restore(rec.snapshots.values())
         rec.snapshots.clear()
-        if ok:
-            graph._finalize(rec, pool if pool is not None else graph.pool())
+        if not ok:
+            rec.externals.clear()
+    try:  # the body completed
+        if failed is not None:
+            raise GraphCaptureError(f"CPU graph emulation: restoring what the capture wrote failed: {failed}") from failed
+        if rec.invalidated is not None:
+            raise GraphCaptureError(
+                "the capture was invalidated by an operation refused inside it, although the body caught the "
+                f"error (CUDA: cudaErrorStreamCaptureInvalidated at capture end). The first: {rec.invalidated}"
+            ) from rec.invalidated
+        graph._finalize(rec, pool if pool is not None else graph.pool())
+    finally:
         rec.externals.clear()
+
+
+def _restore(snapshots: Iterable[tuple[torch.Tensor, torch.UntypedStorage, int]]) -> Exception | None:
+    """Undo capture-time writes to pre-existing storages; the first failure, after trying every one.
+
+    A storage the capture resized (an ``out=`` op; empty ones included) got new memory, which on a device is a
+    block of the graph's pool: garbage until the first replay, not its old contents."""
+    failed = None
+    for alias, saved, ptr in snapshots:
+        storage = alias.untyped_storage()
+        try:
+            if storage.nbytes() != saved.nbytes() or storage.data_ptr() != ptr:
+                _poison((alias,))
+            else:
+                storage.copy_(saved)
+        except Exception as e:  # noqa: BLE001 - restore the rest first
+            failed = failed or e
+    return failed
