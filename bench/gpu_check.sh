@@ -13,7 +13,7 @@
 #                   and the long-tailed workload (8 slots, one request in 8 wants 48 tokens, the rest 3-6;
 #                   continuous vs static batching side by side: decode steps, prefills, host syncs, wall)
 #   6. rlhf         `bench rlhf`, opt-1.3b shape, batch 8, fp16 (captures and capture time per iteration)
-#   7. decode       the same for the opt-1.3b shape (last: it gets what is left of the budget)
+#   7. decode       the same for the opt-1.3b shape at batch 1, 8 and 32 (last: it gets what is left of the budget)
 # After the steps, headlines.txt (also appended to summary.txt) lists the figures to read first
 # (parity, long-tail step and wall ratios, rlhf captures per iteration), taken from the JSON files.
 # Reports: every step's text log, JSON and (when matplotlib is there) PNG go to a work folder
@@ -82,7 +82,8 @@ else
   DTYPE=fp16
   PARITY_ARGS="--models tiny-gpt2,tiny-opt,tiny-llama,tiny-qwen2,gpt2 --batch-size 4 --prompt-len 32 --new-tokens 32"
   DECODE_A="--model gpt2 --batch-sizes 1,4,8,16,32 --prompt-len 256 --new-tokens 128 --repeats 2"
-  DECODE_B="--model opt-1.3b --batch-sizes 1,4,8,16,32 --prompt-len 256 --new-tokens 128 --repeats 1"
+  # Last, on what is left of the budget (its JSON is written at its end): three batch sizes, not five.
+  DECODE_B="--model opt-1.3b --batch-sizes 1,8,32 --prompt-len 256 --new-tokens 128 --repeats 1"
   CONT_ARGS="--model gpt2 --prompt-len 32 --new-tokens 32 --warmup 2 --measured 5 --mixed-requests 64 --mixed-max-batch 16 --mixed-max-new 128 --mixed-prompt-len 64 --longtail-requests 64 --longtail-slots 8 --longtail-long 48 --longtail-short 3,6 --longtail-repeats 3 --longtail-model same"
   RLHF_ARGS="--model opt-1.3b --batch-size 8 --prompt-len 256 --new-tokens 128 --warmup 1 --iterations 4"
 fi
@@ -147,12 +148,14 @@ install() {
     fi
   fi
   # --no-build-isolation: the build backend (setuptools) comes from the image, not the network.
+  # Every step runs `python -m hybrid_engine` from the repository root, which imports the source tree
+  # anyway; the install proves the package installs, checked from outside the tree.
+  local from=/
   if ! "$PY" -m pip install -q --no-deps --no-index --no-build-isolation --target "$TARGET" "$REPO"; then
-    # Every step runs `python -m hybrid_engine` from the repository root, which imports the
-    # source tree anyway; the install only proves the package installs.
     echo "pip could not build the package here (no setuptools?); the steps run from the source tree"
+    from="$REPO"
   fi
-  PYTHONPATH="$TARGET" "$PY" -c "import hybrid_engine, pydantic; print('hybrid_engine from', hybrid_engine.__file__, '; pydantic', pydantic.VERSION)"
+  (cd "$from" && PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import hybrid_engine, pydantic; print('hybrid_engine from', hybrid_engine.__file__, '; pydantic', pydantic.VERSION)")
 }
 
 if [ "$MODE" = dry ]; then

@@ -508,6 +508,9 @@ class DecodeGraphRunner:
             cache.restore_host_state(state)
 
     def _capture_failed(self, reason: str) -> None:
+        # CUDA's allocator keeps "recording" into the pool of a capture that could not end, and refuses any
+        # later capture into it: the next capture starts a pool of its own (the graphs captured keep theirs).
+        self._pool = None
         self._stats.fallbacks += 1
         self._call_eager = True
         self.note_refusal(reason)

@@ -93,14 +93,18 @@ def build_decode_mask(valid: torch.Tensor, dtype: torch.dtype, kv_len: int | Non
 
 
 def build_prefill_mask(attention_mask: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[N, 1, T, kv_len]`` additive mask for a prompt written at slots ``0..T-1``: causal AND key is a real token."""
+    """``[N, 1, T, kv_len]`` additive mask for a prompt written at slots ``0..T-1``: causal AND key is a real token.
+
+    A padding query also sees its own slot: a row with every key masked is all ``finfo.min``, which fp16 eager
+    attention can round to ``-inf`` and softmax to NaN, and a NaN in a padding slot's K/V poisons every real
+    row that masks it (NaN + mask is NaN). Real rows are unchanged: a masked key weighs exactly 0."""
     n, t = attention_mask.shape
     device = attention_mask.device
     key_real = torch.zeros(n, kv_len, dtype=torch.bool, device=device)
     key_real[:, :t] = attention_mask.bool()
     q = torch.arange(t, device=device)[:, None]
     k = torch.arange(kv_len, device=device)[None, :]
-    allowed = (k <= q)[None, :, :] & key_real[:, None, :]
+    allowed = ((k <= q)[None, :, :] & key_real[:, None, :]) | (k == q)[None, :, :]
     zero = torch.zeros((), dtype=dtype, device=device)
     neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
     return torch.where(allowed, zero, neg)[:, None, :, :]

@@ -469,19 +469,31 @@ def test_a_failed_capture_raises_the_bodys_error_not_the_failed_end(api, monkeyp
     assert acc.current_stream() is acc.default_stream() and not acc.is_current_stream_capturing()
 
 
-def _emulating_cuda_module(reserved: dict | None = None):
+def _emulating_cuda_module(reserved: dict | None = None, failing_captures: tuple[int, ...] = ()):
     """A stub ``torch.cuda`` whose ``graph`` records with the CPU emulation and, like CUDA, fails to end a
     capture its body broke; ``reserved["bytes"]``, when given, is what ``memory_reserved`` reports, and each
-    capture reserves 4096 more for its pool."""
+    capture reserves 4096 more for its pool. Like CUDA's allocator, a pool whose capture failed stays
+    "recording" and refuses any later capture into it; the captures numbered in ``failing_captures``
+    (from 1) fail at their end, as one running out of memory would."""
     from hybrid_engine.accelerator import cpu_graph as emu
+
+    recording: set[int] = set()
+    count = [0]
 
     @contextlib.contextmanager
     def graph(g, pool=None, stream=None):
+        if pool is not None and id(pool) in recording:
+            raise RuntimeError("stub: beginAllocateToPool: already recording to mempool_id")
+        count[0] += 1
         with emu.cpu_stream(stream):
             try:
                 with emu.capture_cpu_graph(g, pool=pool):
                     yield
+                    if count[0] in failing_captures:
+                        raise RuntimeError("stub: CUDA out of memory while capturing")
             except BaseException:
+                if pool is not None:
+                    recording.add(id(pool))  # the allocator never ends allocating to it
                 raise RuntimeError(f"stub: CUDA {INVALIDATED}") from None
         if reserved is not None:
             reserved["bytes"] += 4096
@@ -521,6 +533,46 @@ def test_an_uncapturable_hook_is_refused_by_name_when_ending_the_capture_fails_t
     stats = _decode_steps(model)
     assert "'transformer.h.0'" in stats.last_refusal_reason and INVALIDATED not in stats.last_refusal_reason
     assert stats.captures == 0 and "disabled" not in stats.last_refusal_reason
+
+
+@pytest.mark.stub
+def test_a_capture_that_fails_into_the_shared_pool_does_not_doom_the_later_ones():
+    """On CUDA a capture that cannot end leaves its pool "recording", and every later capture into that pool
+    fails ("already recording to mempool_id"): before, three such failures disabled graphs for good."""
+    import warnings
+
+    from hybrid_engine.graph_runner import DecodeGraphRunner, decode_grad_mode
+    from hybrid_engine.tiny_models import build_model
+
+    set_accelerator(TorchBackendAccelerator("cpu", _emulating_cuda_module(failing_captures=(2,))))
+    runner, key = DecodeGraphRunner(build_model("tiny-gpt2")), (0.0, 1.0, -1)
+    with warnings.catch_warnings(), decode_grad_mode():
+        warnings.simplefilter("ignore")
+        for _ in range(4):
+            slots = runner.prepare(rows=4, capacity=32, width=16, num_eos=1, graphs=True)
+            slots.set_special_ids(0, (2,))
+            slots.knobs.set(*key)
+            for bucket in (4, 4, 2, 2, 1, 1):  # captures 4 (into its own pool), then 2 (fails), then 1
+                runner.step(bucket, key)
+    stats = runner.stats
+    assert stats.buckets == (1, 2, 4) and stats.fallbacks == 1 and stats.replays > 0
+    assert "disabled" not in (stats.last_refusal_reason or "")
+
+
+@pytest.mark.stub
+def test_graph_memory_of_a_cuda_pool_is_the_size_of_its_segments_in_the_allocator_snapshot():
+    """torch.cuda.graph empties the cache before capturing, so a difference of reserved memory can be 0."""
+    calls = []
+
+    def memory_snapshot(mempool_id=None, include_traces=True):
+        calls.append((mempool_id, include_traces))
+        return [{"total_size": 2 << 20}, {"total_size": 1 << 20}] if mempool_id == (0, 7) else []
+
+    module = make_stub_backend("CUDAGraph", [])
+    module.memory_snapshot = memory_snapshot
+    acc = TorchBackendAccelerator("cuda", module)
+    assert acc.graph_memory_bytes((0, 7)) == 3 << 20 and calls == [((0, 7), False)]
+    assert acc.graph_memory_bytes(None) is None
 
 
 @pytest.mark.stub

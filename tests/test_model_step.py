@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from hybrid_engine.accelerator import GraphCaptureError
 from hybrid_engine.model_step import (
     build_decode_mask,
+    build_prefill_mask,
     check_model_supported,
     decode_one_token,
     prefill,
@@ -273,3 +274,23 @@ def test_tokenizer_matches_model_ids():
     enc = tok(["the of", "and to in is"], padding=True, return_tensors="pt")
     assert enc["attention_mask"][0].tolist() == [0, 0, 1, 1]
     assert int(enc["input_ids"].max()) < model.config.vocab_size
+
+
+def test_a_padding_query_sees_its_own_slot_so_fp16_eager_attention_makes_no_nan():
+    """Every key of a padding query is masked; in fp16 eager attention a very negative score plus
+    finfo.min rounds to -inf, the row's softmax is NaN, and the NaN written into the padding slot's K/V at
+    the next layer poisons every real row (NaN + mask is NaN). Here every score is about -64."""
+    model = build_model("tiny-gpt2", seed=0, dtype=torch.float16, attn_implementation="eager")
+    width = model.config.n_embd
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.weight.zero_()
+            bias = torch.zeros(3 * width)
+            bias[:width], bias[width:2 * width] = -2.0, 2.0  # every query -2, every key +2: scores of -64
+            block.attn.c_attn.bias.copy_(bias)
+    ids = torch.tensor([[PAD_ID, PAD_ID, 5, 6], [7, 8, 9, 10]])
+    mask = (ids != PAD_ID).long()
+    cache = StaticKVCache(model.config, 2, 8, dtype=torch.float16)
+    logits = prefill(model, cache, ids, mask)
+    assert torch.isfinite(logits).all()
+    assert not build_prefill_mask(mask, 8, torch.float16).amax(-1).lt(0).any()  # no row masked throughout

@@ -288,6 +288,20 @@ class TorchBackendAccelerator(Accelerator):
     def graph_pool(self, graph: Any) -> Any | None:
         return self._graph_api.pool_of(graph) if self._graph_api else None
 
+    def graph_memory_bytes(self, pool: Any) -> int | None:
+        """The segments the allocator holds for ``pool`` (``torch.cuda.memory_snapshot(mempool_id=...)``):
+        not a difference of reserved memory, which capture itself changes (``torch.cuda.graph`` empties the
+        cache first). ``None`` where the module cannot say."""
+        snapshot = getattr(self._module, "memory_snapshot", None)
+        if not isinstance(pool, tuple) or not callable(snapshot) or not _takes(snapshot, "mempool_id"):
+            return None
+        extra = {"include_traces": False} if _takes(snapshot, "include_traces") else {}
+        try:
+            segments = snapshot(mempool_id=pool, **extra)
+        except Exception:  # an older or partial implementation: the runner falls back to reserved memory
+            return None
+        return sum(int(seg.get("total_size", 0)) for seg in segments)
+
     def is_current_stream_capturing(self) -> bool:
         api = self._graph_api
         if api is None:
