@@ -9,6 +9,7 @@ the graph's baked addresses no longer point at.
 
 import pytest
 import torch
+from test_cpu_graph import capture
 
 from hybrid_engine.accelerator import CPUAccelerator, GraphCaptureError, GraphReplayError
 
@@ -16,13 +17,6 @@ from hybrid_engine.accelerator import CPUAccelerator, GraphCaptureError, GraphRe
 @pytest.fixture
 def acc():
     return CPUAccelerator()
-
-
-def capture(acc, fn):
-    g = acc.create_graph()
-    with torch.no_grad(), acc.capture_to_graph(g):
-        out = fn()
-    return g, out
 
 
 # ------------------------------------------------------------ capture end
