@@ -66,6 +66,8 @@ def make_stub_backend(graph_cls_name: str, log: list, capturing_fn: bool = True,
             log.append(("replay",))
 
         def pool(self):
+            if not getattr(self, "captured", False):  # as the real classes: "without a preceding successful capture"
+                raise RuntimeError("stub: Called pool() without a preceding successful capture.")
             return ("pool-of", id(self))
 
     default = StubStream("default", log)
@@ -86,7 +88,7 @@ def make_stub_backend(graph_cls_name: str, log: list, capturing_fn: bool = True,
             state["current"] = prev
 
     @contextlib.contextmanager
-    def graph(g, pool=None, stream=None, capture_error_mode="global"):
+    def graph_with_mode(g, pool=None, stream=None, capture_error_mode="global"):
         # Like torch.cuda.graph: its own side stream when none is given; CUDA refuses the default one.
         s = stream if stream is not None else StubStream("graph-internal", log)
         if s is default:
@@ -97,10 +99,14 @@ def make_stub_backend(graph_cls_name: str, log: list, capturing_fn: bool = True,
         state["capturing"] = True
         try:
             yield
+            g.captured = True
         finally:
             state["capturing"] = False
             state["current"] = prev
             log.append(("exit",))
+
+    def graph(g, pool=None, stream=None):  # torch.xpu.graph (2.11, 2.13): no capture_error_mode
+        return graph_with_mode(g, pool, stream, capture_error_mode=None)
 
     class StubEvent:
         def __init__(self, enable_timing=False):
@@ -108,7 +114,7 @@ def make_stub_backend(graph_cls_name: str, log: list, capturing_fn: bool = True,
 
     mod = types.SimpleNamespace(
         Event=StubEvent,
-        graph=graph,
+        graph=graph if graph_cls_name == "XPUGraph" else graph_with_mode,
         synchronize=lambda: log.append(("sync",)),
         is_available=lambda: True,
         memory_allocated=lambda: 1234,
@@ -141,6 +147,8 @@ def test_stub_native_graph_wiring(name, cls_name, monkeypatch):
     assert acc.supports_graph_capture
     g = acc.create_graph()
     assert type(g).__name__ == "StubGraph"
+    with acc.capture_to_graph(g):  # a pool handle exists only after a capture, as on the real classes
+        pass
     pool = acc.graph_pool(g)
     assert pool == ("pool-of", id(g))
     g2 = acc.create_graph()
@@ -151,7 +159,9 @@ def test_stub_native_graph_wiring(name, cls_name, monkeypatch):
     assert acc.is_current_stream_capturing() is False
     acc.replay_graph(g2)
     assert ("enter", "StubGraph", pool, s1) in log
-    assert stub.stub_state["mode"] == "thread_local"  # another thread's host read must not break the capture
+    # Another thread's host read must not break the capture: thread-local mode where the API takes a mode;
+    # torch.xpu.graph takes none, and gets none.
+    assert stub.stub_state["mode"] == (None if name == "xpu" else "thread_local")
     assert g2.replays == 1
     assert acc.memory_allocated() == 1234 and acc.max_memory_allocated() == 5678
     assert type(acc.Event(enable_timing=True)).__name__ == "StubEvent" and ("event", True) in log
@@ -210,10 +220,11 @@ def test_stub_module_without_streams_captures_without_one():
     assert acc.default_stream() is None and acc.graph_stream() is None
     with acc.on_graph_stream() as s:
         assert s is None
-    with acc.capture_to_graph(acc.create_graph()):
+    g = acc.create_graph()
+    with acc.capture_to_graph(g):
         pass
     assert [e[3] for e in log if e[0] == "enter"][0].name == "graph-internal"  # the native default applies
-    assert acc.graph_memory_bytes(acc.graph_pool(acc.create_graph())) is None
+    assert acc.graph_memory_bytes(acc.graph_pool(g)) is None
 
 
 @pytest.mark.stub
@@ -289,6 +300,39 @@ def test_stub_torch_accelerator_graph_preferred_when_registered(monkeypatch):
     assert log == ["construct", "construct", ("begin", (1, 2), acc.graph_stream().name), ("mode", "thread_local"),
                    "end", "replay"]
     assert acc.graph_pool(g) == (7, 7)
+
+
+@pytest.mark.stub
+def test_a_backend_that_warns_about_the_capture_mode_at_every_capture_is_said_once_in_the_log(monkeypatch, caplog):
+    """XPU's torch.accelerator.Graph warns at each capture_begin that it falls back to its default error mode:
+    under -W error every capture would fail, and otherwise each would warn."""
+    import logging
+    import warnings
+
+    log: list = []
+    native = make_stub_backend("XPUGraph", [])
+    graph_cls = make_stub_accelerator_graph(native, log)
+    begin = graph_cls.capture_begin
+
+    def warning_begin(self):
+        if self.capture_error_mode != "default":
+            warnings.warn("XPUGraph currently only support default GraphCaptureMode. Falling back to default "
+                          "capture behavior.", UserWarning, stacklevel=2)
+        begin(self)
+
+    monkeypatch.setattr(graph_cls, "capture_begin", warning_begin)
+    monkeypatch.setattr(torch.accelerator, "Graph", graph_cls, raising=False)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("xpu"))
+    acc = TorchBackendAccelerator("xpu", native)
+    assert acc.graph_api == "torch.accelerator.Graph"
+    with caplog.at_level(logging.INFO, logger="hybrid_engine.accelerator.backends"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            with acc.capture_to_graph(acc.create_graph()):
+                pass
+    assert log.count("end") == 2
+    said = [r.getMessage() for r in caplog.records if "GraphCaptureMode" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("Graph capture on xpu: XPUGraph currently")
 
 
 @pytest.mark.stub

@@ -23,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ContextManager
@@ -41,6 +43,8 @@ from .cpu_graph import (
     default_cpu_stream,
     is_cpu_graph_capturing,
 )
+
+logger = logging.getLogger(__name__)
 
 # Backend-module attribute names of native graph classes; probed with hasattr.
 _NATIVE_GRAPH_CLASSES = ("CUDAGraph", "NPUGraph", "XPUGraph")
@@ -63,7 +67,8 @@ _capture_flag = threading.local()
 
 #: Captures forbid unsafe calls (syncs, allocations outside the pool) in the capturing thread only, as
 #: torch.compile's CUDA graph trees capture: another thread's engine or training on the same device
-#: neither fails nor breaks this capture (under "global" its next host read would do both).
+#: neither fails nor breaks this capture (under "global" its next host read would do both). Requested where
+#: the API takes a mode: torch.xpu.graph takes none, and XPU's torch.accelerator.Graph falls back to its default.
 CAPTURE_ERROR_MODE = "thread_local"
 
 
@@ -101,6 +106,23 @@ def _end_failed_capture(end: Callable[[], Any]) -> None:
         pass
 
 
+_said_at_capture: set[str] = set()
+
+
+def _begin_quietly(graph: Any, backend_name: str) -> None:
+    """``graph.capture_begin()``, with what it warns said once, in the log: XPU's implementation warns at every
+    capture that it falls back from the requested (thread-local) error mode to its default, which would be a
+    warning per capture, and under ``-W error`` a failed capture each time."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph.capture_begin()
+    for w in caught:
+        text = f"{backend_name}: {w.message}"
+        if text not in _said_at_capture:
+            _said_at_capture.add(text)
+            logger.info("Graph capture on %s", text)
+
+
 def _probe_accelerator_graph(backend_name: str, synchronize: Callable[[], Any]) -> GraphAPI | None:
     """``torch.accelerator.Graph`` if the current backend implements it."""
     graph_cls = getattr(getattr(torch, "accelerator", None), "Graph", None)
@@ -123,7 +145,7 @@ def _probe_accelerator_graph(backend_name: str, synchronize: Callable[[], Any]) 
             graph.capture_error_mode = CAPTURE_ERROR_MODE
         synchronize()  # as torch.cuda.graph does: no pending work may leak into the capture
         with _flag_capturing():
-            graph.capture_begin()
+            _begin_quietly(graph, backend_name)
             try:
                 yield
             except BaseException:
