@@ -135,7 +135,9 @@ class DecodeSlots:
         park = capacity - 1
         self._park_write = park
         self._park_position = park if position_limit is None else min(park, position_limit - 1)
-        self._heads: dict[int, DecodeSlots] = {rows: self}
+        # Views by row count; never ``self`` nor shared with a view: a reference cycle would keep the KV cache
+        # alive after release() until Python's cyclic collector happens to run.
+        self._heads: dict[int, DecodeSlots] = {}
 
     @property
     def device(self) -> torch.device:
@@ -155,12 +157,15 @@ class DecodeSlots:
 
     def head(self, n: int) -> DecodeSlots:
         """The first ``n`` slots, as slots sharing these tensors (what the graph of bucket ``n`` runs on)."""
+        if n == self.rows:
+            return self
         view = self._heads.get(n)
         if view is None:
             if not 1 <= n <= self.rows:
                 raise ValueError(f"DecodeSlots.head: n must be in 1..{self.rows}, got {n}")
             view = object.__new__(DecodeSlots)
             view.__dict__.update(self.__dict__)
+            view._heads = {}
             view.rows = n
             view.cache = self.cache.rows_view(0, n)
             for name in _ROW_TENSORS:

@@ -282,7 +282,8 @@ class HybridEngine(nn.Module):
         ``deepspeed.comm.destroy_process_group()``). The engine cannot train or
         generate with DeepSpeed afterwards.
         """
-        self._generator.runner.release()
+        with exclusive_generation(self.inference_module, "HybridEngine.destroy"):  # after a running generate
+            self._generator.runner.release()
         if isinstance(self.training_backend, DeepSpeedTraining):
             self.training_backend.destroy()
 

@@ -58,6 +58,7 @@ than the capacity are refused.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -114,7 +115,9 @@ class _StaticKVLayer(CacheLayerMixin):
 
     def __init__(self, owner: "StaticKVCache", layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
         super().__init__()
-        self._owner = owner
+        # A proxy, not a reference: the cache holds its layers, and a cycle would keep the KV buffers alive
+        # after release() until Python's cyclic collector happened to run.
+        self._owner = weakref.proxy(owner)
         self.layer_idx = layer_idx
         self.keys = keys
         self.values = values

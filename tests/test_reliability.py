@@ -67,6 +67,63 @@ def test_concurrent_rollouts_on_one_model_each_get_their_own_answer(graphs):
         assert torch.equal(got[name].response_logprobs, expected[name].response_logprobs), name
 
 
+@pytest.mark.parametrize("teardown", ["rollout.release", "engine.destroy"])
+def test_release_and_destroy_wait_for_a_generate_running_in_another_thread(teardown):
+    """Before, they freed the slots under the running call: AttributeError ('NoneType' has no 'device')."""
+    model = build_model("tiny-llama", seed=4)
+    request = RolloutRequest(*prompts(3, 5, seed=1))
+    expected = rollout_for(model, graphs=False).generate(request, SAMPLED)
+    rollout = rollout_for(model, graphs=False)
+    engine, *_ = initialize(model=model, config={})
+    entered, never = threading.Event(), threading.Event()
+    handle = pause_first_decode_of("caller", model, entered, never)  # pauses one second inside the call
+    got, errors = {}, []
+
+    def call():
+        try:
+            got["batch"] = rollout.generate(request, SAMPLED)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    def tear_down():
+        entered.wait(timeout=5)
+        (rollout.release if teardown == "rollout.release" else engine.destroy)()
+
+    threads = [threading.Thread(target=call, name="caller"), threading.Thread(target=tear_down)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    handle.remove()
+    assert entered.is_set() and not any(t.is_alive() for t in threads) and not errors
+    assert torch.equal(got["batch"].input_ids, expected.input_ids)
+
+
+def test_released_decode_buffers_are_freed_at_once_not_when_the_cyclic_collector_runs():
+    """A release (or buffers regrown by a larger call) must give the KV cache back when the last reference
+    goes: before, the slots sat in a reference cycle with their own views, held until a cyclic collection
+    (the oldest generation's had never run in 200 calls of release_inference_cache)."""
+    import gc
+    import weakref
+
+    rollout = rollout_for(build_model("tiny-llama", seed=4))
+    small, large = RolloutRequest(*prompts(2, 5, seed=1)), RolloutRequest(*prompts(4, 9, seed=2))
+    gc.collect()
+    gc.disable()
+    try:
+        rollout.generate(small, SAMPLED)
+        slots = weakref.ref(rollout.runner.slots)
+        kv = weakref.ref(rollout.runner.slots.cache.kv)
+        rollout.release()
+        assert slots() is None and kv() is None
+        rollout.generate(small, SamplingConfig(max_new_tokens=4))
+        slots = weakref.ref(rollout.runner.slots)
+        rollout.generate(large, SamplingConfig(max_new_tokens=30))  # more rows and positions: new buffers
+        assert slots() is None
+    finally:
+        gc.enable()
+
+
 def test_engine_and_rollout_on_one_model_are_serialised_too():
     """They share the model's train/eval mode: interleaved, the first to return would put the model back in
     train mode (dropout on) under the other's feet."""

@@ -123,8 +123,10 @@ class HybridEngineRollout:
             raise UnsupportedModelError(f"HybridEngineRollout: {exc}") from exc
 
     def release(self) -> None:
-        """Free the decode slots and every graph (the next call re-allocates and recaptures)."""
-        self.runner.release()
+        """Free the decode slots and every graph (the next call re-allocates and recaptures). Waits for a
+        ``generate`` running in another thread on this model, as ``generate`` calls wait for each other."""
+        with exclusive_generation(self.model, "HybridEngineRollout.release"):
+            self.runner.release()
 
     def invalidate_graphs(self) -> None:
         """Drop every graph (the buffers stay); the next call captures again. Needed only after a change the
