@@ -90,6 +90,11 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    for flag in ("layers", "hidden", "heads", "vocab", "prompt", "iters"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag} must be >= 1, got {getattr(a, flag)}")
+    if min(a.batch) < 1:
+        p.error(f"--batch sizes must be >= 1, got {a.batch}")
     model = build(a.layers, a.hidden, a.heads, a.vocab)
     acc = CPUAccelerator()
     rows = [measure(model, b, a.prompt, a.prompt + 64, a.iters, acc) for b in a.batch]

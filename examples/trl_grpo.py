@@ -174,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.lora < 0:
         p.error(f"--lora must be a LoRA rank >= 1 (or 0 for none), got {args.lora}")
+    for flag, least in (("steps", 1), ("prompts_per_step", 1), ("num_generations", 2),
+                        ("max_completion_length", 1), ("threads", 1)):
+        if getattr(args, flag) < least:  # GRPO normalises rewards within a group: it needs two generations
+            p.error(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
     torch.set_num_threads(args.threads)
     quiet = contextlib.nullcontext()
     if args.zero3:

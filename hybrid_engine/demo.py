@@ -1,6 +1,6 @@
 """``hybrid-engine demo``: a small, real RL loop on one engine, with graph-captured rollouts.
 
-What it does, on a laptop CPU in 10-30 seconds:
+What it does, on a laptop CPU in a few seconds:
 
 * model: a tiny GPT-2-shaped causal LM built from a config with seeded random
   weights (``--model`` picks another tiny architecture; ``--model-path`` loads a
@@ -77,11 +77,30 @@ def build_model_and_tokenizer(args: argparse.Namespace, device: torch.device):
 
         model = build_model(f"tiny-{args.model}", seed=args.seed)
         tokenizer = build_tokenizer(int(model.config.vocab_size))
-    # RL fine-tuning runs without dropout: the training forward must score the very policy that sampled.
+    without_dropout(model)
+    return model.to(device), tokenizer
+
+
+def _is_dropout_rate(name: str, value: Any) -> bool:
+    return isinstance(value, float) and ("dropout" in name or name.endswith("pdrop") or name == "layerdrop")
+
+
+def without_dropout(model: torch.nn.Module) -> None:
+    """RL fine-tuning runs without dropout: the training forward must score the very policy that sampled.
+    Dropout modules, and the float rates some models apply with ``F.dropout`` (OPT's ``self.dropout``) or
+    read from the config, are all set to 0."""
+    configs = [getattr(model, "config", None)]
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    return model.to(device), tokenizer
+        for name, value in list(vars(module).items()):
+            if _is_dropout_rate(name, value):
+                setattr(module, name, 0.0)
+        configs.append(getattr(module, "config", None))
+    for config in {id(c): c for c in configs if c is not None}.values():
+        for name, value in list(vars(config).items()):
+            if _is_dropout_rate(name, value):
+                setattr(config, name, 0.0)
 
 
 def word_token_ids(tokenizer: Any, vocab_size: int) -> torch.Tensor:

@@ -178,6 +178,24 @@ def test_bench_parity(tmp_path, capsys):
     _total(d["token_agreement"])
 
 
+def test_bench_parity_that_fails_says_why(tmp_path, capsys):
+    """Before: every row 'N/N identical' with ok=NO and a bare 'FAIL', the reason only in a warning above."""
+    from hybrid_engine.accelerator import CPUAccelerator, set_accelerator
+
+    set_accelerator(CPUAccelerator(emulate_graphs=False))
+    out = tmp_path / "parity.json"
+    try:
+        with pytest.warns(UserWarning), pytest.raises(SystemExit):
+            main(["bench", "parity", "--models", "tiny-llama", "--batch-size", "1", "--prompt-len", "4",
+                  "--new-tokens", "2", "--device", "cpu", "--json", str(out)])
+    finally:
+        set_accelerator(None)
+    printed = capsys.readouterr().out
+    failures = json.loads(out.read_text())["failures"]
+    assert len(failures) == 4 and all("the graph side ran eagerly" in f for f in failures)
+    assert "-> FAIL\n  tiny-llama/engine/greedy: the graph side ran eagerly" in printed
+
+
 def test_bench_parity_model_checks_that_one_model(tmp_path, capsys):
     d = _run(tmp_path, capsys, "bench", "parity", "--model", "tiny-opt", "--batch-size", "1", "--prompt-len", "4",
              "--new-tokens", "2")
@@ -212,7 +230,8 @@ def test_bench_soak(tmp_path, capsys):
     _total(d["token_agreement"])
 
 
-def test_a_short_soak_counts_the_admission_captures_as_warm_up_and_a_growing_one_fails(tmp_path, capsys):
+def test_a_short_soak_counts_the_admission_captures_as_warm_up_and_a_growing_one_fails(tmp_path, capsys,
+                                                                                       monkeypatch):
     """The second call captures the admission graphs: a run shorter than 20 iterations took them for growth
     (warm-up = 10 % of the run) and reported NOT flat, yet exited 0 even when it was not flat."""
     argv = ["bench", "soak", "--model", "tiny", "--iterations", "4", "--checkpoints", "4", "--batch-size", "2",
@@ -220,6 +239,33 @@ def test_a_short_soak_counts_the_admission_captures_as_warm_up_and_a_growing_one
     d = _run(tmp_path, capsys, *argv, "--max-rss-growth-mb", "512")
     assert d["after_warmup"]["from_iteration"] == 2 and d["after_warmup"]["captures"] == 0
     assert d["after_warmup"]["flat"] is True
+    import itertools
+
+    import hybrid_engine.benchmarks.soak as soak
+
+    grows = itertools.count(1000, 100)  # a leak of 100 MiB per sample
+    monkeypatch.setattr(soak, "resident_mb", lambda: float(next(grows)))
     with pytest.raises(SystemExit, match="captures or memory grew after the warm-up"):
-        main([*argv, "--max-rss-growth-mb", "-1", "--json", str(tmp_path / "grown.json")])
+        main([*argv, "--json", str(tmp_path / "grown.json")])
     assert "NOT flat" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [None, ["--iters", "0"], ["--batch", "0"]], ids=["runs", "iters-0", "batch-0"])
+def test_bench_cpu_graph_replay_script(tmp_path, bad):
+    """bench/cpu_graph_replay.py at a tiny shape: replayed logits equal eager ones; bad counts are one usage line
+    (before, --iters 0 ended in a StatisticsError traceback)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "cpu_graph_replay.py"
+    out = tmp_path / "replay.json"
+    argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--batch", "1", "--iters", "2",
+            "--json", str(out), *(bad or [])]
+    proc = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    if bad is None:
+        assert proc.returncode == 0, proc.stderr
+        assert all(row["logits_identical"] for row in json.loads(out.read_text())["rows"])
+    else:
+        assert proc.returncode == 2 and f"{bad[0]}" in proc.stderr and "Traceback" not in proc.stderr

@@ -95,7 +95,7 @@ def test_bench_prompt_plus_new_tokens_past_the_position_limit(capsys, bench):
     (["bench", "overhead", "--repeats", "0"], ("--repeats must be >= 1, got 0",)),
     (["bench", "rlhf", "--batch-size", "0"], ("--batch-size must be >= 1, got 0",)),
     (["bench", "soak", "--samples", "0"], ("--samples must be >= 1, got 0",)),
-    (["bench", "parity", "--temperature", "-1"], ("--temperature/--top-p", "temperature")),
+    (["bench", "parity", "--temperature", "-1"], ("--temperature must be > 0, got -1.0",)),
     (["bench", "parity", "--top-p", "0"], ("--temperature/--top-p", "top_p")),
     (["bench", "continuous", "--warmup", "1"], ("--warmup must be >= 2",)),
 ], ids=["decode-repeats", "overhead-repeats", "rlhf-batch", "soak-samples", "parity-temperature", "parity-top-p",
@@ -187,9 +187,13 @@ def test_other_bad_options(capsys, argv, expected):
     (["bench", "rlhf", "--lr", "nan"], "--lr must be a finite number >= 0"),
     (["bench", "rlhf", "--zero-stage", "1", "--timeout", "-1"], "--timeout must be a number of seconds > 0"),
     (["bench", "soak", "--lr", "-1"], "--lr must be a finite number >= 0"),
+    (["bench", "soak", "--max-rss-growth-mb", "-1"], "--max-rss-growth-mb must be a finite number >= 0"),
+    (["bench", "soak", "--max-rss-growth-mb", "nan"], "--max-rss-growth-mb must be a finite number >= 0"),
+    (["bench", "soak", "--warmup-fraction", "1.5"], "--warmup-fraction must be in [0, 1), got 1.5"),
+    (["bench", "soak", "--checkpoints", "0"], "--checkpoints must be >= 1, got 0"),
 ], ids=["measured", "mixed-repeats", "mixed-max-batch", "mixed-max-new", "mixed-prompt-len", "longtail-repeats",
         "parity-no-models", "parity-temperature-0", "parity-plot", "rlhf-lr", "rlhf-lr-nan", "rlhf-timeout",
-        "soak-lr"])
+        "soak-lr", "soak-rss-negative", "soak-rss-nan", "soak-warmup-fraction", "soak-checkpoints"])
 def test_options_that_failed_mid_run_are_checked_up_front(capsys, argv, expected):
     """Each of these ran part of a bench, then raised an internal error (or passed an empty parity check)."""
     _usage_error(capsys, argv, expected)

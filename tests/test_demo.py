@@ -29,6 +29,25 @@ def test_word_targets_are_words_only():
     assert not any(w.startswith("tok") or len(w) < 2 for w in words)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama", "qwen2"])
+def test_the_demo_policy_has_no_dropout_so_training_scores_what_was_sampled(arch):
+    """OPT applies dropout with F.dropout at a float rate (no Dropout module): before, the demo's training
+    forward under --model opt differed from the rollout's log-probs by 0.1-0.3."""
+    import argparse
+
+    from hybrid_engine.demo import build_model_and_tokenizer
+
+    model, _ = build_model_and_tokenizer(argparse.Namespace(model_path=None, model=arch, seed=0),
+                                         torch.device("cpu"))
+    ids = torch.randint(4, 384, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.eval()
+        eval_logits = model(ids).logits
+        model.train()
+        train_logits = model(ids).logits
+    assert torch.allclose(train_logits, eval_logits, atol=1e-5)
+
+
 @pytest.mark.parametrize("graphs", [True, False])
 def test_demo_runs_and_reports(tmp_path, capsys, graphs):
     out = tmp_path / "demo.json"

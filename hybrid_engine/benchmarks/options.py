@@ -208,12 +208,13 @@ def check_common_args(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise UsageError(f"--{dest.replace('_', '-')} must be >= 1, got {value}")
     if getattr(args, "top_p", None) is not None:  # bench parity's sampled check
+        if not args.temperature > 0:  # NaN and negatives too
+            raise UsageError(f"--temperature must be > 0, got {args.temperature}: it sets the sampled check (the "
+                             "greedy one always runs)")
         try:
             validate_sampling(args.temperature, args.top_p, -1)
         except (TypeError, ValueError) as exc:
             raise UsageError(f"--temperature/--top-p: {exc}") from None
-        if args.temperature == 0:
-            raise UsageError("--temperature must be > 0: it sets the sampled check (the greedy one always runs)")
     if new_tokens is None:
         return
     mixed = None  # bench continuous part 2 runs the main model too (part 3 picks its own, --longtail-model)

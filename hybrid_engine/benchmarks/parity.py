@@ -121,18 +121,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     identical = sum(r["identical"] for r in rows)
     total = sum(r["total"] for r in rows)
     ok = bool(rows) and all(r["ok"] for r in rows)
+    why = [f"{r['model']}/{r['path']}/{r['mode']}: {r['total'] - r['identical']} of {r['total']} tokens differ"
+           for r in rows if r["identical"] != r["total"]]
+    why += [problem for r in rows if not r["replayed"]
+            and (problem := C.graph_side_problem(f"{r['model']}/{r['path']}/{r['mode']}", r["graph"] or {}))]
     payload = {"benchmark": "parity", "environment": env,
                "settings": {"models": names, "dtype": C.dtype_name(dtype), "batch_size": args.batch_size,
                             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                             "temperature": args.temperature, "top_p": args.top_p},
-               "rows": rows, "token_agreement": {"identical": identical, "total": total}, "ok": ok}
+               "rows": rows, "token_agreement": {"identical": identical, "total": total}, "ok": ok,
+               "failures": why}
     table = C.format_table(["model", "path", "mode", "identical", "graph replays", "ok"], [
         [r["model"], r["path"], r["mode"], f"{r['identical']}/{r['total']}",
          (r["graph"] or {}).get("replays"), "yes" if r["ok"] else "NO"] for r in rows
     ])
     text = (f"\nbench parity: graph vs eager tokens, {C.dtype_name(dtype)}, batch {args.batch_size}, prompts up to "
             f"{args.prompt_len} tokens (left-padded), {args.new_tokens} new tokens\n{C.environment_lines(env)}\n\n"
-            f"{table}\n\ntoken agreement: {identical}/{total} -> {'PASS' if ok else 'FAIL'}")
+            f"{table}\n\ntoken agreement: {identical}/{total} -> {'PASS' if ok else 'FAIL'}"
+            + "".join(f"\n  {line}" for line in why))
     C.finish(args, payload, text, None, "parity")
     if not ok:
         raise SystemExit(1)

@@ -90,4 +90,4 @@ def graph_counts(obj: Any) -> dict[str, Any]:
                 "refusal": d.get("last_refusal_reason")}
     last = getattr(obj, "last_stats", None) or {}
     return {"captures": last.get("graph_captures"), "replays": last.get("graph_replays"),
-            "fallbacks": last.get("fallbacks")}
+            "fallbacks": last.get("fallbacks"), "refusal": last.get("last_refusal_reason")}

@@ -70,15 +70,18 @@ def _sample(it: int, rollout: Any, engine: Any, acc: Any, started: float, last: 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from .. import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig, initialize
-    from ..demo import group_advantages, make_prompts, policy_loss, rewards_of
+    from ..demo import group_advantages, make_prompts, policy_loss, rewards_of, without_dropout
 
-    if args.iterations < 1 or args.checkpoints < 1 or not 0 <= args.warmup_fraction < 1:
-        raise UsageError("--iterations and --checkpoints must be >= 1, --warmup-fraction in [0, 1)")
+    for flag, value in (("--iterations", args.iterations), ("--checkpoints", args.checkpoints)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.warmup_fraction < 1:
+        raise UsageError(f"--warmup-fraction must be in [0, 1), got {args.warmup_fraction}")
+    if not 0 <= args.max_rss_growth_mb < float("inf"):  # NaN fails this too
+        raise UsageError(f"--max-rss-growth-mb must be a finite number >= 0, got {args.max_rss_growth_mb}")
     acc, device, dtype, env = C.prepare(args)
     model = C.build_bench_model(args, dtype, device, seed=args.seed)
-    for m in model.modules():  # RL fine-tuning runs without dropout (the training forward scores the sampler)
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    without_dropout(model)  # RL fine-tuning runs without dropout (the training forward scores the sampler)
     vocab = int(model.config.vocab_size)
     pad, eos = C.special_ids(model)
     engine, *_ = initialize(model=model, config={

@@ -392,17 +392,33 @@ def test_fsdp_is_refused_and_the_zero3_copy_flag_warns_when_nothing_is_partition
     assert fn.inference_copy is None and fn.rollout.model is _model()
 
 
+def _example_script():
+    path = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
+    spec = importlib.util.spec_from_file_location("trl_grpo_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
 @pytest.mark.parametrize("lora", [[], ["--lora", "4"]], ids=["full", "lora"])
 def test_example_script_runs_and_graphs_match_eager(monkeypatch, capsys, lora):
     if lora:
         pytest.importorskip("peft")
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    path = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
-    spec = importlib.util.spec_from_file_location("trl_grpo_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = _example_script()
     assert example.main(["--compare", "--steps", "2", "--max-completion-length", "4", *lora]) == 0
     out = capsys.readouterr().out
     assert "completions identical at every step: yes" in out
     assert "| on | 2 | 4 | 2 |" in out and "| off | 2 | 0 | 0 |" in out  # 2 admission graphs: prefill, admit
     assert ("LoRA r=4" in out) == bool(lora)
+
+
+@pytest.mark.parametrize("flags", [["--steps", "-3"], ["--steps", "0"], ["--prompts-per-step", "0"],
+                                   ["--num-generations", "1"], ["--max-completion-length", "0"],
+                                   ["--threads", "0"]])
+def test_example_script_refuses_bad_counts_by_flag(capsys, flags):
+    """Before: --steps -3 trained 18 steps and exited 0; the others ended in tracebacks deep in TRL or torch."""
+    example = _example_script()
+    with pytest.raises(SystemExit) as exit_info:
+        example.main(flags)
+    assert exit_info.value.code == 2 and f"{flags[0]} must be >=" in capsys.readouterr().err
