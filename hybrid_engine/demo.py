@@ -189,8 +189,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     from .benchmarks.common import check_output_path
     from .benchmarks.options import (
         UsageError,
+        check_finite_nonnegative,
         check_generation_length,
-        check_learning_rate,
         model_label_and_config,
     )
 
@@ -201,7 +201,7 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise UsageError(f"{option} must be >= 1, got {value}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}; leave it out for the default")
-    check_learning_rate(args.lr)
+    check_finite_nonnegative("--lr", args.lr)
     check_output_path("--json", args.json)
     label, config = model_label_and_config(args.model_path, f"tiny-{args.model}")
     check_generation_length(config, label, prompt_tokens=DEMO_PROMPT_LEN, new_tokens=args.new_tokens)

@@ -171,13 +171,14 @@ def check_generation_length(config: Any, label: str, *, prompt_tokens: int, new_
 
 
 #: Count options (``args`` attributes) that must be at least 1 wherever a bench has them.
-_COUNTS = ("batch_size", "repeats", "iterations", "samples")
+_COUNTS = ("batch_size", "repeats", "iterations", "samples", "checkpoints")
+# Options that must be a finite number >= 0: --lr (demo, bench rlhf, bench soak), --max-rss-growth-mb (soak).
+_AMOUNTS = ("lr", "max_rss_growth_mb")
 
 
-def check_learning_rate(lr: float) -> None:
-    """``--lr``: a finite number >= 0 (``demo``, ``bench rlhf``, ``bench soak``)."""
-    if not 0 <= lr < float("inf"):
-        raise UsageError(f"--lr must be a finite number >= 0, got {lr}")
+def check_finite_nonnegative(option: str, value: float) -> None:
+    if not 0 <= value < float("inf"):  # NaN fails this too
+        raise UsageError(f"{option} must be a finite number >= 0, got {value}")
 
 
 def check_common_args(args: argparse.Namespace) -> None:
@@ -193,8 +194,9 @@ def check_common_args(args: argparse.Namespace) -> None:
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}; leave it out for the default")
-    if getattr(args, "lr", None) is not None:
-        check_learning_rate(args.lr)
+    for dest in _AMOUNTS:
+        if getattr(args, dest, None) is not None:
+            check_finite_nonnegative(f"--{dest.replace('_', '-')}", getattr(args, dest))
     if not getattr(args, "model_path", None) and getattr(args, "models", None) is not None:  # bench parity
         names = [m.strip() for m in args.models.split(",") if m.strip()]
         if not names:

@@ -72,14 +72,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from .. import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig, initialize
     from ..demo import group_advantages, make_prompts, policy_loss, rewards_of, without_dropout
 
-    for flag, value in (("--iterations", args.iterations), ("--checkpoints", args.checkpoints)):
-        if value < 1:
-            raise UsageError(f"{flag} must be >= 1, got {value}")
     if not 0 <= args.warmup_fraction < 1:
         raise UsageError(f"--warmup-fraction must be in [0, 1), got {args.warmup_fraction}")
-    if not 0 <= args.max_rss_growth_mb < float("inf"):  # NaN fails this too
-        raise UsageError(f"--max-rss-growth-mb must be a finite number >= 0, got {args.max_rss_growth_mb}")
-    acc, device, dtype, env = C.prepare(args)
+    acc, device, dtype, env = C.prepare(args)  # --iterations, --checkpoints, --lr, --max-rss-growth-mb too
     model = C.build_bench_model(args, dtype, device, seed=args.seed)
     without_dropout(model)  # RL fine-tuning runs without dropout (the training forward scores the sampler)
     vocab = int(model.config.vocab_size)
