@@ -140,14 +140,17 @@ def _check_optimizer(state: dict[str, Any], optimizer: torch.optim.Optimizer, pa
 
 
 def _check_loadable(state: dict[str, Any], training: LocalTraining, module: torch.nn.Module, path: Path, *,
-                    strict: bool, load_scheduler: bool) -> None:
+                    strict: bool, load_scheduler: bool, check_module: bool) -> None:
     """Raise before anything is loaded if the module, master or scheduler state of ``state`` does not fit this
     engine (``load_state_dict`` copies what fits before it raises, and a scheduler of another type fails with a
-    bare ``KeyError``): a refused load changes nothing."""
-    own = module.state_dict()
-    saved = state["module"]
+    bare ``KeyError``): a refused load changes nothing. Frozen parameters a checkpoint left out
+    (``exclude_frozen_parameters``) are not missing. ``check_module=False``: a ``custom_load_fn`` loads the
+    module state, as it sees fit."""
+    own = module.state_dict() if check_module else {}
+    saved = state["module"] if check_module else {}
     wrong = [k for k, v in saved.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
-    missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+    missing = sorted(set(own) - set(saved) - set(state.get("frozen_excluded") or ()))
+    unexpected = sorted(set(saved) - set(own))
     if wrong or (strict and (missing or unexpected)):
         what = "; ".join(f"{label}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
                          for label, keys in (("shapes differ", wrong), ("missing", missing if strict else []),
@@ -185,7 +188,7 @@ def _deepspeed_files(directory: Path) -> list[str]:
 
 
 def save(engine: CheckpointedEngine, save_dir: Any, tag: str | None, client_state: dict[str, Any] | None,
-         save_latest: bool) -> bool:
+         save_latest: bool, exclude_frozen_parameters: bool = False) -> bool:
     root = _directory(save_dir, "save_checkpoint: save_dir")
     _check_tag(tag)
     if client_state is not None and not isinstance(client_state, dict):
@@ -193,12 +196,20 @@ def save(engine: CheckpointedEngine, save_dir: Any, tag: str | None, client_stat
     tag = tag or f"global_step{engine.global_steps}"
     rng = _rng_state(model_device(engine.module))
     training = engine.training_backend
+    if not isinstance(exclude_frozen_parameters, bool):
+        raise TypeError(f"save_checkpoint: exclude_frozen_parameters must be True or False, got "
+                        f"{exclude_frozen_parameters!r}")
     if not isinstance(training, LocalTraining):
-        return training.save_checkpoint(root, tag, client_state or {}, save_latest, rng)
+        return training.save_checkpoint(root, tag, client_state or {}, save_latest, rng,
+                                        exclude_frozen_parameters=exclude_frozen_parameters)
     packed_client_state = _pack_client_state(client_state)  # before writing anything: it may not pickle
+    module_state = engine.module.state_dict()
+    frozen = sorted(name for name, p in engine.module.named_parameters()
+                    if exclude_frozen_parameters and not p.requires_grad and name in module_state)
     state = {
         "format": FORMAT,
-        "module": engine.module.state_dict(),
+        "module": {k: v for k, v in module_state.items() if k not in set(frozen)},
+        "frozen_excluded": frozen,  # left out by exclude_frozen_parameters: not missing when loaded
         "optimizer": training.optimizer.state_dict() if training.optimizer is not None else None,
         "optimizer_class": type(training.optimizer).__name__ if training.optimizer is not None else None,
         "master_weights": training.masters.state_dict() if training.masters is not None else None,
@@ -222,9 +233,12 @@ def save(engine: CheckpointedEngine, save_dir: Any, tag: str | None, client_stat
 
 def load(engine: CheckpointedEngine, load_dir: Any, tag: str | None, *, load_module_strict: bool,
          load_optimizer_states: bool, load_lr_scheduler_states: bool,
-         load_module_only: bool) -> tuple[str | None, dict[str, Any] | None]:
+         load_module_only: bool, custom_load_fn: Any = None) -> tuple[str | None, dict[str, Any] | None]:
     root = _directory(load_dir, "load_checkpoint: load_dir")
     _check_tag(tag)
+    if custom_load_fn is not None and not callable(custom_load_fn):
+        raise TypeError("load_checkpoint: custom_load_fn must be a callable taking (src=state_dict, dst=module), "
+                        f"got {type(custom_load_fn).__name__}")
     training = engine.training_backend
     device = model_device(engine.module)
     if not isinstance(training, LocalTraining):
@@ -237,7 +251,8 @@ def load(engine: CheckpointedEngine, load_dir: Any, tag: str | None, *, load_mod
         try:
             path, client_state, rng = training.load_checkpoint(
                 root, tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
-                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                custom_load_fn=custom_load_fn)
         except AssertionError as exc:  # DeepSpeed's own check of the files it expects
             found = ", ".join(_deepspeed_files(directory)) if directory is not None else "nothing"
             raise ValueError(
@@ -283,8 +298,12 @@ def load(engine: CheckpointedEngine, load_dir: Any, tag: str | None, *, load_mod
         _check_optimizer(state, training.optimizer, path)
     client_state = _unpack_client_state(state)  # before the engine changes: it may fail to unpickle
     _check_loadable(state, training, engine.module, path, strict=load_module_strict,
-                    load_scheduler=not load_module_only and load_lr_scheduler_states)
-    engine.module.load_state_dict(state["module"], strict=load_module_strict)
+                    load_scheduler=not load_module_only and load_lr_scheduler_states,
+                    check_module=custom_load_fn is None)
+    if custom_load_fn is not None:  # the caller's own loading of the module state, as DeepSpeed's
+        custom_load_fn(src=state["module"], dst=engine.module)
+    else:  # strictness checked above; frozen parameters the checkpoint left out keep their values
+        engine.module.load_state_dict(state["module"], strict=load_module_strict and not state.get("frozen_excluded"))
     if training.masters is not None:
         training.masters.load_state_dict(state["master_weights"])
     if not load_module_only:

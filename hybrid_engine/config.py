@@ -412,8 +412,8 @@ class EngineConfig(BaseModel):
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     optimizer: OptimizerConfig | None = None
-    gradient_clipping: StrictFloat = Field(default=0.0, ge=0)
-    steps_per_print: StrictInt = Field(default=10, gt=0)
+    gradient_clipping: StrictFloat = Field(default=1.0, ge=0)  # DeepSpeed's default (0 turns clipping off)
+    steps_per_print: StrictInt | None = Field(default=None, gt=0)  # DeepSpeed's default: no progress lines
     hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
 
     @model_validator(mode="before")

@@ -131,7 +131,7 @@ def make_prompts(n: int, vocab_size: int, *, pad_id: int, special: set[int], see
 
 
 def rewards_of(batch: Any, target: torch.Tensor) -> torch.Tensor:
-    """Fraction of each response's real tokens (EOS excluded) that are in ``target``."""
+    """Fraction of each response's real tokens (up to and including its EOS) that are in ``target``."""
     resp = batch.input_ids[:, batch.response_start_idx:].cpu()
     real = batch.attention_mask[:, batch.response_start_idx:].cpu().bool()
     hits = target[resp.clamp(min=0, max=len(target) - 1)] & real

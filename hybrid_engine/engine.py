@@ -20,7 +20,7 @@ gathered inference copy (:mod:`hybrid_engine.inference_copy`).
 
 Train/eval: ``eval()`` selects the inference path, ``train()`` the training
 forward. ``generate`` called in train mode runs that one call in eval mode (no
-dropout) under ``torch.no_grad`` and restores train mode afterwards.
+dropout) under ``torch.no_grad`` and gives every submodule its own mode back.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ from torch import nn
 
 from . import checkpoint
 from .config import ConfigSource, EngineConfig, load_config, world_size
+from .engine_interface import DeepSpeedEngineInterface
 from .exclusive import exclusive_generation
 from .generation import Generator
-from .graph_runner import GraphStats, decode_grad_mode
+from .graph_runner import GraphStats, decode_grad_mode, eval_for_generation
 from .inference_copy import InferenceCopy
 from .inputs import decode_model
 from .precision import MasterWeights
@@ -49,11 +50,13 @@ from .zero import build as build_deepspeed_training
 __all__ = ["HybridEngine", "initialize"]
 
 
-class HybridEngine(nn.Module):
+class HybridEngine(DeepSpeedEngineInterface, nn.Module):
     """Wraps ``module`` (a causal LM) for training and fast rollout generation.
 
     Built by :func:`initialize` or :meth:`from_deepspeed`; ``training_backend``
-    owns the optimizer, the LR scheduler and the step counters.
+    owns the optimizer, the LR scheduler and the step counters. DeepSpeed's
+    smaller engine queries (ranks, config flags, ``was_step_applied``, ``no_sync``...)
+    come from :class:`~hybrid_engine.engine_interface.DeepSpeedEngineInterface`.
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig, training: LocalTraining | DeepSpeedTraining):
@@ -170,15 +173,16 @@ class HybridEngine(nn.Module):
         """The training forward of ``module`` (through DeepSpeed's engine under ZeRO)."""
         return self.training_backend.forward(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss / gradient_accumulation_steps`` (loss-scaled under fp16), as DeepSpeed's
-        ``backward``: ``retain_graph`` keeps the autograd graph, ``scale_wrt_gas=False`` skips the division."""
+        ``backward``: ``retain_graph`` keeps the autograd graph, ``scale_wrt_gas=False`` skips the division.
+        Returns the loss after that division (not loss-scaled), as DeepSpeed's does."""
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError("engine.backward(loss): loss must be a scalar tensor")
         for name, value in (("retain_graph", retain_graph), ("scale_wrt_gas", scale_wrt_gas)):
             if not isinstance(value, bool):
                 raise TypeError(f"engine.backward: {name} must be True or False, got {value!r}")
-        self.training_backend.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        return self.training_backend.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Count a micro-step; at an accumulation boundary clip, step the optimizer and zero grads. As in
@@ -193,24 +197,22 @@ class HybridEngine(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         self.training_backend.zero_grad(set_to_none=set_to_none)
 
-    @property
-    def loss_scale(self) -> float:
-        """The current fp16 loss scale (1.0 without fp16)."""
-        return self.training_backend.loss_scale
-
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
-                        client_state: dict[str, Any] | None = None, save_latest: bool = True) -> bool:
+                        client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
         """Save the training state under ``save_dir/tag`` (DeepSpeed's names; returns ``True``).
 
         Saved: the model, the optimizer, the fp32 master weights (bf16/fp16), the fp16
         loss scaler, the LR scheduler, the step counters, torch's RNG state (CPU and
         the accelerator's, which seeds sampled ``generate`` calls and dropout) and
         ``client_state``. ``tag`` defaults to ``global_step<N>``; ``save_latest``
-        records it in ``save_dir/latest`` for :meth:`load_checkpoint`. Under ZeRO 1-3
+        records it in ``save_dir/latest`` for :meth:`load_checkpoint`. ``exclude_frozen_parameters``
+        leaves parameters with ``requires_grad=False`` out (a LoRA run's base weights), as DeepSpeed does;
+        loading such a checkpoint keeps the model's own values of them. Under ZeRO 1-3
         this is DeepSpeed's ``save_checkpoint`` (every rank must call it).
         """
-        return checkpoint.save(self, save_dir, tag, client_state, save_latest)
+        return checkpoint.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -235,10 +237,12 @@ class HybridEngine(nn.Module):
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+                        load_module_only: bool = False,
+                        custom_load_fn: Callable[..., Any] | None = None) -> tuple[str | None, dict[str, Any] | None]:
         """Restore what :meth:`save_checkpoint` saved; returns ``(load_path, client_state)``.
 
-        ``tag`` defaults to the one in ``load_dir/latest``. When there is no such
+        ``custom_load_fn(src=state_dict, dst=module)``, as in DeepSpeed, loads the module state in place of
+        ``load_state_dict``. ``tag`` defaults to the one in ``load_dir/latest``. When there is no such
         checkpoint it warns and returns ``(None, None)``, as DeepSpeed does. The
         engine's graphs are dropped and recaptured by the next ``generate``
         (loading may re-allocate; rollouts compare weight addresses before replaying).
@@ -247,7 +251,7 @@ class HybridEngine(nn.Module):
             result = checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
                                      load_optimizer_states=load_optimizer_states,
                                      load_lr_scheduler_states=load_lr_scheduler_states,
-                                     load_module_only=load_module_only)
+                                     load_module_only=load_module_only, custom_load_fn=custom_load_fn)
             if result[0] is not None:
                 self._generator.runner.invalidate()
                 if self._inference_copy is not None:
@@ -258,21 +262,14 @@ class HybridEngine(nn.Module):
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """Drop-in for transformers' ``generate`` (same arguments, same return value).
 
-        In train mode the call runs in eval mode (no dropout) and train mode is
-        restored afterwards. Concurrent calls on one model are serialised
+        In train mode the call runs in eval mode (no dropout); afterwards every
+        submodule has its own mode back. Concurrent calls on one model are serialised
         (:mod:`hybrid_engine.exclusive`). See :mod:`hybrid_engine.generation` for the paths
         and :mod:`hybrid_engine.graph_policy` for when graphs are refused.
         """
-        with exclusive_generation(self.inference_module, "HybridEngine.generate"):
-            was_training = self.module.training
-            if was_training:
-                self.module.eval()
-            try:
-                with decode_grad_mode(), gathered_for_inference(self.inference_module):
-                    return self._generator.generate(*args, **kwargs)
-            finally:
-                if was_training:
-                    self.module.train()
+        with exclusive_generation(self.inference_module, "HybridEngine.generate"), eval_for_generation(self.module):
+            with decode_grad_mode(), gathered_for_inference(self.inference_module):
+                return self._generator.generate(*args, **kwargs)
 
     def destroy(self) -> None:
         """Release the engine's decode buffers and graphs and, under ZeRO, DeepSpeed's engine state.
@@ -410,6 +407,7 @@ def _local_training(model: nn.Module, optimizer: Any, cfg: EngineConfig,
                     lr_scheduler: Any, model_parameters: Any) -> LocalTraining:
     dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
     masters = MasterWeights(model, dtype) if dtype is not None else None
+    optimizer_arg = optimizer
     if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
         params = model_parameters if model_parameters is not None else [
             p for p in model.parameters() if p.requires_grad
@@ -432,6 +430,7 @@ def _local_training(model: nn.Module, optimizer: Any, cfg: EngineConfig,
     elif lr_scheduler is None:
         lr_scheduler = build_scheduler(cfg, optimizer)  # the config's "scheduler" section, as DeepSpeed's
     training = LocalTraining(model, optimizer, cfg, lr_scheduler, masters)
+    training.built_from_config = optimizer_arg is None
     if masters is not None:
         masters.cast_module()  # last: a refused setup leaves the caller's model in its own precision
     return training

@@ -95,6 +95,22 @@ def decode_grad_mode() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def eval_for_generation(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (no dropout) for the block; afterwards every submodule gets its own mode back
+    (a submodule the caller had put in eval inside a training model stays in eval)."""
+    modes = [(module, module.training) for module in model.modules()]
+    if not any(training for _, training in modes):
+        yield
+        return
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 def default_graph_buckets(max_batch_size: int) -> tuple[int, ...]:
     """1, 2, 4, 8, then multiples of 8, up to the first bucket that holds ``max_batch_size``.
 

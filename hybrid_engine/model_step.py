@@ -180,7 +180,8 @@ def _forward(
         out = model(**kwargs)
     finally:
         cache.answer_on_device = False
-    return out.logits[:, -1]
+    logits = out[0] if isinstance(out, tuple) else out.logits  # a tuple under config.return_dict=False
+    return logits[:, -1]
 
 
 def _check_tokens(cache: StaticKVCache, tokens: torch.Tensor) -> None:

@@ -23,6 +23,9 @@ AdamW's decoupled weight decay unless ``adam_w_mode`` is false, both as
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,9 +34,12 @@ from torch import nn
 from .config import EngineConfig
 from .inputs import model_device
 from .precision import MasterWeights
+from .ranks import rank
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LOCAL_OPTIMIZERS", "LocalTraining", "LossScalePolicy", "PolicyGradScaler", "build_optimizer",
-           "build_scheduler"]
+           "build_scheduler", "optimizer_momenta"]
 
 
 #: The optimizer types stage 0 builds itself (with torch's optimizers); ZeRO 1-3 hand any type to DeepSpeed.
@@ -43,7 +49,8 @@ LOCAL_OPTIMIZERS = ("AdamW", "Adam", "SGD")
 def build_optimizer(config: EngineConfig, params: Any) -> torch.optim.Optimizer | None:
     """The optimizer ``config.optimizer`` describes (AdamW, Adam or SGD) over ``params``, or ``None``.
 
-    As in DeepSpeed, ``Adam`` means AdamW's decoupled weight decay unless ``adam_w_mode`` is false.
+    As in DeepSpeed, ``Adam`` means AdamW's decoupled weight decay unless ``adam_w_mode`` is false, and
+    ``weight_decay`` defaults to 0 as in DeepSpeed's fused Adam (torch's own default with ``torch_adam``).
     """
     spec = config.optimizer
     if spec is None:
@@ -54,8 +61,12 @@ def build_optimizer(config: EngineConfig, params: Any) -> torch.optim.Optimizer 
             f"one of {', '.join(LOCAL_OPTIMIZERS)}, or pass optimizer= to initialize()"
         )
     kwargs = dict(spec.params)
-    kwargs.pop("torch_adam", None)  # DeepSpeed's switch between its fused Adam and torch's; torch's here
+    # DeepSpeed's switch between its fused Adam and torch's; torch's here, with the fused one's default weight
+    # decay (0; torch's AdamW defaults to 0.01) unless the config asks for torch's optimizer itself.
+    torch_adam = kwargs.pop("torch_adam", False)
     adam_w_mode = kwargs.pop("adam_w_mode", True) if spec.type in ("Adam", "AdamW") else None
+    if adam_w_mode is not None and not torch_adam:
+        kwargs.setdefault("weight_decay", 0.0)
     if "betas" in kwargs:
         betas = kwargs["betas"]
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:
@@ -69,6 +80,14 @@ def build_optimizer(config: EngineConfig, params: Any) -> torch.optim.Optimizer 
         return cls(params, **kwargs)
     except (TypeError, IndexError) as exc:
         raise ValueError(f"optimizer.params are not valid for {spec.type}: {exc}") from exc
+
+
+def optimizer_momenta(optimizer: torch.optim.Optimizer | None) -> list[Any]:
+    """Each param group's ``betas`` (Adam family) or ``momentum`` (SGD, RMSprop), 0.0 where it has neither:
+    DeepSpeed's ``get_mom``."""
+    if optimizer is None:
+        return []
+    return [group.get("betas", group.get("momentum", 0.0)) for group in optimizer.param_groups]
 
 
 class LossScalePolicy:
@@ -139,9 +158,10 @@ class PolicyGradScaler(torch.amp.GradScaler):
 
 
 def build_scheduler(config: EngineConfig, optimizer: torch.optim.Optimizer | None) -> Any | None:
-    """The LR scheduler of the config's ``scheduler`` section, built with DeepSpeed's own classes
-    (``deepspeed.runtime.lr_schedules``: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest),
-    as ``deepspeed.initialize`` builds it at stages 1-3; ``None`` without that section."""
+    """The LR scheduler of the config's ``scheduler`` section, built as ``deepspeed.initialize`` builds it at
+    stages 1-3: with DeepSpeed's own classes (``deepspeed.runtime.lr_schedules``: WarmupLR, WarmupDecayLR,
+    WarmupCosineLR, OneCycle, LRRangeTest), else the ``torch.optim.lr_scheduler`` class of that name;
+    ``None`` without that section."""
     section = config.model_extra.get("scheduler") if config.model_extra else None
     if section is None:
         return None
@@ -156,11 +176,17 @@ def build_scheduler(config: EngineConfig, optimizer: torch.optim.Optimizer | Non
     from deepspeed.runtime import lr_schedules
 
     name = section["type"]
-    if name not in getattr(lr_schedules, "VALID_LR_SCHEDULES", ()) or not hasattr(lr_schedules, name):
+    if name in getattr(lr_schedules, "VALID_LR_SCHEDULES", ()) and hasattr(lr_schedules, name):
+        cls = getattr(lr_schedules, name)
+    elif isinstance(getattr(torch.optim.lr_scheduler, name, None), type) and \
+            issubclass(getattr(torch.optim.lr_scheduler, name), torch.optim.lr_scheduler.LRScheduler):
+        cls = getattr(torch.optim.lr_scheduler, name)  # DeepSpeed's fallback for a type it has no class of
+    else:
         valid = ", ".join(getattr(lr_schedules, "VALID_LR_SCHEDULES", ()))
-        raise ValueError(f"scheduler.type {name!r} is not a DeepSpeed LR schedule; valid types are {valid}")
+        raise ValueError(f"scheduler.type {name!r} is neither a DeepSpeed LR schedule ({valid}) nor a "
+                         "torch.optim.lr_scheduler class; use one of those, or pass lr_scheduler= to initialize()")
     try:
-        return getattr(lr_schedules, name)(optimizer, **dict(section.get("params") or {}))
+        return cls(optimizer, **dict(section.get("params") or {}))
     except TypeError as exc:
         raise ValueError(f"scheduler.params are not valid for {name}: {exc}") from exc
 
@@ -179,6 +205,15 @@ class LocalTraining:
         self.micro_steps = 0
         #: Optimizer steps skipped for non-finite gradients (fp16 overflow, or bf16 with check_grad_overflow).
         self.skipped_steps = 0
+        #: Whether the last ``step()`` updated the weights (DeepSpeed's ``was_step_applied``).
+        self.step_applied = False
+        #: The gradient norm clipping measured at the last optimizer step (a device scalar), or ``None``.
+        self.grad_norm: torch.Tensor | None = None
+        #: DeepSpeed's ``set_gradient_accumulation_boundary``: overrides the micro-step count when not ``None``.
+        self.boundary_override: bool | None = None
+        self.inside_no_sync = False
+        #: Whether the optimizer was built from ``config.optimizer`` (not passed in): DeepSpeed's ``optimizer_name``.
+        self.built_from_config = False
         self.scaler: PolicyGradScaler | None = None
         if config.fp16.enabled:
             # GradScaler scales, unscales and skips; the scale itself follows DeepSpeed's policy.
@@ -188,16 +223,30 @@ class LocalTraining:
         return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self.boundary_override is not None:
+            return self.boundary_override
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DeepSpeed's ``no_sync``: one process has no gradients to reduce, so only its rules are kept
+        (no re-entry, no ``step()`` inside)."""
+        if self.inside_no_sync:
+            raise RuntimeError("engine.no_sync() cannot be entered again inside itself (as in DeepSpeed)")
+        self.inside_no_sync = True
+        try:
+            yield
+        finally:
+            self.inside_no_sync = False
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         if scale_wrt_gas:
             loss = loss / self.config.gradient_accumulation_steps
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        loss.backward(retain_graph=retain_graph)
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        scaled.backward(retain_graph=retain_graph)
         if self.masters is not None:
             self.masters.fold_gradients()
+        return loss  # as DeepSpeed's backward: the loss divided by the accumulation steps, not loss-scaled
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         optimizer = self.optimizer
@@ -205,15 +254,19 @@ class LocalTraining:
             raise RuntimeError(
                 "engine.step(): no optimizer; pass optimizer= to initialize() or set config.optimizer"
             )
+        if self.inside_no_sync:
+            raise RuntimeError("engine.step() cannot be called inside engine.no_sync() (as in DeepSpeed); step "
+                               "after the block")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
+        self.step_applied = False
         if not boundary:
             return
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         if self.config.gradient_clipping > 0:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, self.config.gradient_clipping)
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.gradient_clipping)
         stepped = True
         if self.scaler is not None:
             stepped = self._grads_finite()  # unscaled above; GradScaler skips exactly these steps
@@ -224,14 +277,30 @@ class LocalTraining:
         else:
             optimizer.step()
         self.skipped_steps += not stepped
+        self.step_applied = stepped
         if self.masters is not None and stepped:
             self.masters.publish()
         try:
             if stepped and self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
+                try:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+                except TypeError as exc:
+                    if not lr_kwargs:
+                        raise
+                    raise TypeError(f"engine.step(lr_kwargs={lr_kwargs!r}): {type(self.lr_scheduler).__name__}.step "
+                                    f"does not take them ({exc}); the optimizer step was taken, the scheduler "
+                                    "did not step") from exc
         finally:  # the optimizer has stepped: its gradients are spent and the step counts, whatever lr_kwargs did
             self.zero_grad()
             self.global_steps += 1
+            self._report_progress()
+
+    def _report_progress(self) -> None:
+        """DeepSpeed's progress line every ``steps_per_print`` optimizer steps (logged at INFO, rank 0)."""
+        every = self.config.steps_per_print
+        if every and self.global_steps % every == 0 and rank() == 0:
+            logger.info("step=%d, skipped=%d, lr=%s, mom=%s", self.global_steps, self.skipped_steps,
+                        [group["lr"] for group in self.optimizer.param_groups], optimizer_momenta(self.optimizer))
 
     def _grads_finite(self) -> bool:
         """Whether every gradient the optimizer steps is finite (one host read, at boundaries only)."""

@@ -209,13 +209,17 @@ def deepspeed_config(config: EngineConfig) -> dict[str, Any]:
     """The dict handed to ``deepspeed.initialize``: our config without our own ``hybrid_engine`` section.
 
     DeepSpeed's Adam/AdamW default to its fused kernel, a C++ op compiled at first
-    use; unless the config chooses (``optimizer.params.torch_adam``), torch's is used.
+    use; unless the config chooses (``optimizer.params.torch_adam``), torch's is used,
+    with the fused kernel's default ``weight_decay`` of 0 (torch's AdamW defaults to 0.01).
     """
     data = config.to_dict()
     data.pop("hybrid_engine", None)  # ours; DeepSpeed's own section of that name would build its engine
     optimizer = data.get("optimizer")
     if optimizer is not None and optimizer["type"] in ("Adam", "AdamW"):
-        optimizer.setdefault("params", {}).setdefault("torch_adam", True)
+        params = optimizer.setdefault("params", {})
+        if "torch_adam" not in params:
+            params["torch_adam"] = True
+            params.setdefault("weight_decay", 0.0)
     return data
 
 
@@ -286,8 +290,8 @@ class DeepSpeedTraining:
     def is_gradient_accumulation_boundary(self) -> bool:
         return bool(self.ds_engine.is_gradient_accumulation_boundary())
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
-        self.ds_engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        return self.ds_engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         self.ds_engine.step(lr_kwargs=lr_kwargs)
@@ -306,11 +310,12 @@ class DeepSpeedTraining:
             destroy_deepspeed_engine(self, "_ds_engine")
 
     def save_checkpoint(self, save_dir: Any, tag: str, client_state: dict[str, Any],
-                        save_latest: bool, rng: dict[str, Any]) -> bool:
+                        save_latest: bool, rng: dict[str, Any], exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's ``save_checkpoint``, plus this rank's RNG states in ``<tag>/`` :func:`rng_file`: at ZeRO
         1/2 DeepSpeed writes ``client_state`` from rank 0 only, so every rank would load rank 0's streams."""
         state = {**client_state, RNG_CLIENT_KEY: rng}
-        ok = bool(self.ds_engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest))
+        ok = bool(self.ds_engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest,
+                                                 exclude_frozen_parameters=exclude_frozen_parameters))
         directory = os.path.join(save_dir, tag)
         os.makedirs(directory, exist_ok=True)
         torch.save(rng, os.path.join(directory, rng_file()))

@@ -99,11 +99,11 @@ def test_optimizer_state_and_fp16_scaler_round_trip(tmp_path):
     opt_state = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.optimizer.state_dict()["state"].items()}
     masters = [m.detach().clone() for m in engine.training_backend.masters.masters]
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    scale = engine.loss_scale
+    scale = engine.cur_scale
     train_once(engine, ids)
     engine.training_backend.scaler.update(new_scale=3.0)
     engine.load_checkpoint(tmp_path)
-    assert engine.loss_scale == scale
+    assert engine.cur_scale == scale
     # The fp32 masters come back exactly (not re-derived from the fp16 module), and the module with them.
     assert all(torch.equal(a, b) for a, b in zip(engine.training_backend.masters.masters, masters))
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())

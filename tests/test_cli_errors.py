@@ -182,7 +182,6 @@ def test_other_bad_options(capsys, argv, expected):
     (["bench", "continuous", "--mixed-requests", "0", "--longtail-repeats", "0"], "--longtail-repeats must be >= 1"),
     (["bench", "parity", "--models", ","], "--models ',' names no model"),
     (["bench", "parity", "--temperature", "0"], "--temperature must be > 0"),
-    (["bench", "parity", "--plot", "p.png"], "bench parity draws no plot"),
     (["bench", "rlhf", "--lr", "-1"], "--lr must be a finite number >= 0"),
     (["bench", "rlhf", "--lr", "nan"], "--lr must be a finite number >= 0"),
     (["bench", "rlhf", "--zero-stage", "1", "--timeout", "-1"], "--timeout must be a number of seconds > 0"),
@@ -192,11 +191,18 @@ def test_other_bad_options(capsys, argv, expected):
     (["bench", "soak", "--warmup-fraction", "1.5"], "--warmup-fraction must be in [0, 1), got 1.5"),
     (["bench", "soak", "--checkpoints", "0"], "--checkpoints must be >= 1, got 0"),
 ], ids=["measured", "mixed-repeats", "mixed-max-batch", "mixed-max-new", "mixed-prompt-len", "longtail-repeats",
-        "parity-no-models", "parity-temperature-0", "parity-plot", "rlhf-lr", "rlhf-lr-nan", "rlhf-timeout",
+        "parity-no-models", "parity-temperature-0", "rlhf-lr", "rlhf-lr-nan", "rlhf-timeout",
         "soak-lr", "soak-rss-negative", "soak-rss-nan", "soak-warmup-fraction", "soak-checkpoints"])
 def test_options_that_failed_mid_run_are_checked_up_front(capsys, argv, expected):
     """Each of these ran part of a bench, then raised an internal error (or passed an empty parity check)."""
     _usage_error(capsys, argv, expected)
+
+
+def test_bench_parity_has_no_plot_option(capsys):
+    """Its result is pass or fail: there is nothing to draw, so --help does not offer --plot and argparse refuses it."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "parity", "--plot", "p.png"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --plot" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", [["bench", "decode"], ["bench", "parity"], DEMO])

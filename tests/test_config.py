@@ -60,7 +60,7 @@ def test_defaults():
     assert cfg.fp16.enabled is False
     assert cfg.bf16.enabled is False
     assert cfg.optimizer is None
-    assert cfg.gradient_clipping == 0.0
+    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print is None  # DeepSpeed's defaults
 
 
 # -------------------------------------------------------------------- inputs

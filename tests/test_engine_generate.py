@@ -319,3 +319,41 @@ def test_generate_in_train_mode_restores_train_mode():
     engine.train()
     assert torch.equal(engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4), ref)
     assert model.training and all(m.training for m in model.modules())
+
+
+def test_generate_in_train_mode_gives_each_submodule_its_own_mode_back():
+    """transformers' generate leaves module modes alone: a submodule the caller put in eval inside a training
+    model (frozen dropout, say) must still be in eval after a generate call, on both front ends."""
+    from hybrid_engine import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
+
+    model = build_model("tiny-gpt2", seed=7)
+    engine, *_ = initialize(model=model, config={})
+    rollout = HybridEngineRollout(engine, config=RolloutConfig(pad_token_id=0, eos_token_id=2))
+    ids, mask = prompts(2, 4)
+    model.train()
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    for m in dropouts:
+        m.eval()
+    modes = {name: m.training for name, m in model.named_modules()}
+    engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=3))
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    assert model.training and dropouts and not any(m.training for m in dropouts)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_model_configured_to_return_tuples_generates_as_transformers(graphs):
+    """``config.return_dict=False`` makes a transformers 4.x forward return a tuple; the fast path read
+    ``.logits`` off it (AttributeError). Where transformers' own generate cannot run so, there is nothing to match."""
+    model = build_model("tiny-gpt2", seed=7)
+    model.config.return_dict = False
+    ids, mask = prompts(2, 4)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    try:
+        ref = model.generate(**kw)
+    except Exception as exc:  # transformers 5 models no longer return tuples under generate
+        pytest.skip(f"transformers' own generate fails with return_dict=False here: {type(exc).__name__}")
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": graphs}})
+    assert torch.equal(engine.generate(**kw), ref)
+    assert engine.graph_stats.fallbacks == 0 and (engine.graph_stats.replays > 0) == graphs

@@ -59,7 +59,8 @@ def test_stage0_and_no_section_are_plain_pytorch():
     engine, *_ = initialize(
         model=model, config={"zero_optimization": {"stage": 0}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     )
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    # DeepSpeed's defaults: its fused Adam's weight decay (0) and gradient_clipping 1.0.
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
     engine.train()
     ref.train()
     for step in range(2):
@@ -67,6 +68,7 @@ def test_stage0_and_no_section_are_plain_pytorch():
         engine.backward(loss)
         engine.step()
         ref(**batch(step)).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         ref_opt.step()
         ref_opt.zero_grad()
     for a, b in zip(model.parameters(), ref.parameters()):
@@ -134,14 +136,14 @@ def test_fp16_uses_grad_scaler():
         model=build_model("tiny-gpt2"),
         config={"fp16": {"enabled": True, "initial_scale_power": 8}, "optimizer": {"type": "SGD", "params": {"lr": 0.01}}},
     )
-    assert engine.loss_scale == 256.0
+    assert engine.cur_scale == 256.0
     before = [p.detach().clone() for p in engine.module.parameters()]
     out = engine(**batch())
     assert out.logits.dtype == torch.float16
     engine.backward(out.loss)
     engine.step()
     changed = any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
-    assert changed or engine.loss_scale < 256.0  # stepped, or skipped an overflow and backed off
+    assert changed or engine.cur_scale < 256.0  # stepped, or skipped an overflow and backed off
 
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale_after_the_hysteresis():
@@ -154,7 +156,7 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale_after_the_hysteresis(
     for _ in range(2):
         engine.backward(engine(**batch()).loss * float("inf"))
         engine.step()
-        scales.append(engine.loss_scale)
+        scales.append(engine.cur_scale)
     assert scales == [256.0, 128.0] and engine.global_steps == 2 and engine.skipped_steps == 2
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
@@ -169,7 +171,7 @@ def _fp16_scales(fp16: dict, steps: str) -> list[float]:
         loss = engine(**batch(i)).loss
         engine.backward(loss * float("inf") if kind == "o" else loss)
         engine.step()
-        out.append(engine.loss_scale)
+        out.append(engine.cur_scale)
     return out
 
 
@@ -229,9 +231,17 @@ def test_the_config_scheduler_section_is_built_with_deepspeeds_schedule_at_stage
         expected.step()
         assert opt.param_groups[0]["lr"] == reference.param_groups[0]["lr"]
     assert 0 < opt.param_groups[0]["lr"] < 0.1
-    with pytest.raises(ValueError, match="'WarmupLRR' is not a DeepSpeed LR schedule; valid types are .*WarmupLR"):
+    with pytest.raises(ValueError, match="'WarmupLRR' is neither a DeepSpeed LR schedule .*WarmupLR.* nor a torch"):
         initialize(model=build_model("tiny-gpt2"), config={"optimizer": {"type": "SGD"},
                                                             "scheduler": {"type": "WarmupLRR"}})
+    # A type DeepSpeed has no class of is torch's, as deepspeed.initialize falls back to torch.optim.lr_scheduler.
+    _, opt, _, step_lr = initialize(model=build_model("tiny-gpt2"), config={
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "scheduler": {"type": "StepLR", "params": {"step_size": 1, "gamma": 0.5}}})
+    assert isinstance(step_lr, torch.optim.lr_scheduler.StepLR)
+    opt.step()
+    step_lr.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
 
 
 @pytest.mark.parametrize("check", [True, False])
@@ -401,7 +411,7 @@ def test_fp16_where_deepspeed_would_train_it_wrongly_or_not_at_all_is_refused_by
         initialize(model=build_model("tiny-gpt2"), config=fp16)
     monkeypatch.setenv("WORLD_SIZE", "1")
     engine, *_ = initialize(model=build_model("tiny-gpt2"), config=fp16)  # one process: plain PyTorch fp16
-    assert engine.loss_scale > 1
+    assert engine.cur_scale > 1
     # DeepSpeed's CPU accelerator has no fp16: named before deepspeed.initialize fails on it.
     with pytest.raises(ValueError, match="fp16.enabled: DeepSpeed's cpu accelerator does not support fp16.*bf16"):
         initialize(model=build_model("tiny-gpt2"), config={**fp16, "zero_optimization": {"stage": 1}})

@@ -48,11 +48,15 @@ def test_the_deepspeed_config_is_ours_without_our_section_and_with_torch_adam():
                        "hybrid_engine": {"enable_graph_capture": True}})
     ds = deepspeed_config(cfg)
     assert "hybrid_engine" not in ds  # DeepSpeed would build its own hybrid engine from that section
-    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
+    # torch's AdamW stands in for DeepSpeed's fused Adam, with the fused one's default weight decay (0, not 0.01)
+    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True, "weight_decay": 0.0}}
     assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True}
-    assert ds["bf16"]["enabled"] is True and ds["gradient_clipping"] == 0.0  # DeepSpeed's own default is 1.0
+    assert ds["bf16"]["enabled"] is True and ds["gradient_clipping"] == 1.0  # DeepSpeed's own default
+    assert "steps_per_print" not in ds  # unset: DeepSpeed's default (no progress lines)
     chosen = load_config({"optimizer": {"type": "Adam", "params": {"torch_adam": False}}})
-    assert deepspeed_config(chosen)["optimizer"]["params"]["torch_adam"] is False  # the user's choice stands
+    assert deepspeed_config(chosen)["optimizer"]["params"] == {"torch_adam": False}  # the user's choice stands
+    torch_chosen = load_config({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}})
+    assert deepspeed_config(torch_chosen)["optimizer"]["params"] == {"torch_adam": True}  # torch's own defaults
     assert deepspeed_config(load_config({"optimizer": {"type": "SGD"}}))["optimizer"]["params"] == {}
 
 

@@ -414,7 +414,7 @@ def parse_int_list(text: str) -> list[int]:
     return values
 
 
-def add_common_args(p: argparse.ArgumentParser, *, default_model: str) -> None:
+def add_common_args(p: argparse.ArgumentParser, *, default_model: str, plot: bool = True) -> None:
     p.add_argument("--model", default=default_model,
                    help=f"config-built random-weight model: tiny (=tiny-gpt2), tiny-opt, tiny-llama, tiny-qwen2, "
                         f"tiny-qwen3, tiny-mistral, gpt2 (124M shape), opt-125m, opt-1.3b (default {default_model})")
@@ -425,7 +425,8 @@ def add_common_args(p: argparse.ArgumentParser, *, default_model: str) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: 1 for tiny models on CPU, torch's default otherwise)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
-    p.add_argument("--plot", default=None, metavar="PATH", help="also write a PNG plot to PATH (needs matplotlib)")
+    if plot:
+        p.add_argument("--plot", default=None, metavar="PATH", help="also write a PNG plot to PATH (needs matplotlib)")
 
 
 def graph_side_problem(label: str, counts: dict[str, Any]) -> str | None:
@@ -447,8 +448,9 @@ def finish(args: argparse.Namespace, payload: dict[str, Any], text: str, draw: C
     print(text)
     if args.json:
         write_json(args.json, payload)
-    if args.plot and draw is not None:
-        write_plot(args.plot, draw, title)
+    plot = getattr(args, "plot", None)  # bench parity has no --plot
+    if plot and draw is not None:
+        write_plot(plot, draw, title)
     if problems:
         raise SystemExit("error: " + "; ".join(problems))
 

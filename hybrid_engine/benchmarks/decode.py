@@ -1,10 +1,11 @@
 """``hybrid-engine bench decode``: ms per decode step and tok/s over batch sizes, eager vs graph.
 
 The reference's shape: a 256-token prompt, 128 new tokens, greedy, batch 1, 4,
-8, 16 and 32. For every batch size, both paths (the per-position engine and
-the rollout engine) run eager and graph side by side in this process: one
-warm-up call each (the graph's first call captures), then ``--repeats``
-measured calls, interleaved eager/graph, and the median is reported.
+8, 16 and 32. For every batch size, both paths (``engine.generate`` and the
+rollout engine, both on the graph runner) run eager and graph side by side in
+this process: two warm-up calls each (the first warms each key up, the second
+captures the keys a call visits once), then ``--repeats`` measured calls,
+interleaved eager/graph, and the median is reported.
 
 ``ms / step`` is the wall time of one whole generate call divided by the number
 of new tokens (the prefill is amortised over the steps, as in the reference);

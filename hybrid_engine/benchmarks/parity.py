@@ -22,14 +22,13 @@ from typing import Any
 import torch
 
 from . import common as C
-from .options import UsageError
 from .paths import engine_generate, graph_counts, make_engine, make_rollout, rollout_generate, rollout_tokens
 
 DEFAULT_MODELS = "tiny-gpt2,tiny-opt,tiny-llama,tiny-qwen2,tiny-qwen3,tiny-mistral"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    C.add_common_args(p, default_model="tiny-gpt2")
+    C.add_common_args(p, default_model="tiny-gpt2", plot=False)  # its result is pass or fail: nothing to draw
     p.set_defaults(model=None)  # --model checks that one model, as --models with one name
     p.add_argument("--models", default=None,
                    help=f"comma-separated model names (default {DEFAULT_MODELS}, or --model's one); "
@@ -90,8 +89,6 @@ def _rollout_pair(args, model_args, dtype, device, ids, mask, sampled: bool) -> 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.plot:
-        raise UsageError("bench parity draws no plot (its result is pass or fail); leave --plot out")
     if args.models is None:
         args.models = args.model or DEFAULT_MODELS
     args.model = args.model or args.models.split(",")[0].strip() or None  # what the thread choice reads

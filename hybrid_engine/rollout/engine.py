@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 from hybrid_engine.admission import width_bucket
 from hybrid_engine.config import EngineConfig
 from hybrid_engine.exclusive import exclusive_generation
-from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats, decode_grad_mode
+from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats, decode_grad_mode, eval_for_generation
 from hybrid_engine.inputs import check_device, decode_model
 from hybrid_engine.model_step import MAX_TOKEN_ID, check_model_supported, max_positions, token_ids
 from hybrid_engine.ranks import rank_seed
@@ -144,14 +144,8 @@ class HybridEngineRollout:
 
     @contextlib.contextmanager
     def _inference_mode(self) -> Iterator[None]:
-        model = self.model
-        was_training = model.training
-        model.eval()
-        try:
-            with decode_grad_mode():
-                yield
-        finally:
-            model.train(was_training)
+        with eval_for_generation(self.model), decode_grad_mode():
+            yield
 
     # ------------------------------------------------------------- generate
     def generate(self, request: RolloutRequest, sampling: SamplingConfig | None = None) -> RolloutBatch:
@@ -192,9 +186,12 @@ class HybridEngineRollout:
                 "truncate the prompts"
             )
         if limit is not None and longest + max_new > limit:
+            # One more than decoding needs (the last token is never fed back): a rollout is for training, and
+            # the training forward over prompt + response feeds every token.
             raise ValueError(
                 f"generate: the longest prompt ({longest} tokens) plus max_new_tokens ({max_new}) exceeds the "
-                f"model's position limit {limit}; lower max_new_tokens or truncate the prompts"
+                f"model's position limit {limit}, so the training forward over prompt + response could not run; "
+                "lower max_new_tokens or truncate the prompts"
             )
         needed = longest + max_new
         if cfg.cache_capacity is not None and cfg.cache_capacity < needed:

@@ -29,18 +29,28 @@ def train(stage: int, model: torch.nn.Module) -> dict:
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     engine, optimizer, loader, scheduler = initialize(
         model=model, config=config, lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5))
-    boundaries, lrs = [], []
+    boundaries, lrs, returned, applied, samples, norms = [], [], [], [], [], []
     for i in range(6):
         boundaries.append(engine.is_gradient_accumulation_boundary())
         ids = batch(i)
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        returned.append(float(engine.backward(engine(input_ids=ids, labels=ids).loss)))
         engine.step()
         lrs.append(scheduler.get_last_lr()[0])
+        applied.append(engine.was_step_applied())
+        samples.append(engine.global_samples)
+        norms.append(engine.get_global_grad_norm())
+    # DeepSpeed's smaller engine queries: stage 0 answers them itself, ZeRO 1-3 through DeepSpeed's engine.
+    queries = {"gradient_clipping": engine.gradient_clipping(), "zero_stage": engine.zero_optimization_stage(),
+               "fp16": engine.fp16_enabled(), "bf16": engine.bfloat16_enabled(), "loss_scale": engine.loss_scale(),
+               "steps_per_print": engine.steps_per_print(), "optimizer_name": engine.optimizer_name(),
+               "mom": engine.get_mom(), "world_size": engine.world_size, "dp_world_size": engine.dp_world_size,
+               "global_rank": engine.global_rank, "local_rank": engine.local_rank, "device": str(engine.device)}
     with gathered_for_inference(model):
         weights = [p.detach().clone() for p in model.parameters()]
     result = {"boundaries": boundaries, "lrs": lrs, "global_steps": engine.global_steps,
               "micro_steps": engine.micro_steps, "scheduler_is_engines": scheduler is engine.lr_scheduler,
-              "optimizer": type(optimizer).__name__, "loader": loader, "weights": weights}
+              "optimizer": type(optimizer).__name__, "loader": loader, "weights": weights, "returned": returned,
+              "applied": applied, "samples": samples, "norms": norms, "queries": queries}
     engine.destroy()
     return result
 

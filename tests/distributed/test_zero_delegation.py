@@ -27,6 +27,17 @@ def test_accumulation_clipping_and_scheduler_match_stage_0(tmp_path):
         assert r["global_steps"] == 3 and r["micro_steps"] == 6
         for a, b in zip(r["weights"], ref["weights"]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)  # updates are ~1e-2: order noise only
+        # DeepSpeed's engine queries, answered by DeepSpeed at ZeRO 1-3 and by stage 0 itself, agree.
+        assert r["applied"] == ref["applied"] == [False, True] * 3
+        assert r["samples"] == ref["samples"] == [0, 4, 4, 8, 8, 12]  # train_batch_size 4 per optimizer step
+        torch.testing.assert_close(r["returned"], ref["returned"], rtol=1e-4, atol=1e-5)  # loss / accumulation
+        assert ref["norms"][1] is not None and all(n is not None for n in r["norms"][1::2])
+        torch.testing.assert_close(r["norms"][1::2], ref["norms"][1::2], rtol=1e-4, atol=1e-5)
+        assert r["queries"] == {**ref["queries"], "zero_stage": stage}
+    assert ref["queries"] == {"gradient_clipping": 0.5, "zero_stage": 0, "fp16": False, "bf16": False,
+                              "loss_scale": 0.0, "steps_per_print": None, "optimizer_name": "adamw",
+                              "mom": [(0.9, 0.999)], "world_size": 1, "dp_world_size": 1, "global_rank": 0,
+                              "local_rank": 0, "device": "cpu"}
 
 
 def test_a_model_parallel_unit_reaches_deepspeed_and_sets_the_data_parallel_world(tmp_path):
