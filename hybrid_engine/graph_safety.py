@@ -215,12 +215,34 @@ def precision_fingerprint(model: torch.nn.Module) -> tuple:
             None if forward is None else id(forward), kernel_choices())
 
 
+#: Where torch (2.9 and later) keeps its per-backend float32 precision (``fp32_precision``), under torch.backends.
+_FP32_PRECISION_SWITCHES = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul",
+                            "mkldnn.conv", "mkldnn.rnn")
+
+
+def _fp32_precisions() -> tuple:
+    """The float32 matmul precision, from both of torch's APIs: the legacy one, which raises once the
+    per-backend one has been used (then ``None``: the per-backend fields hold the choice), and each backend's
+    ``fp32_precision`` (``None`` where this torch has none)."""
+    try:
+        legacy: str | None = torch.get_float32_matmul_precision()
+    except RuntimeError:  # "checking the matmul precision without a specific backend name": mixed APIs
+        legacy = None
+    fields = []
+    for path in _FP32_PRECISION_SWITCHES:
+        node: Any = torch.backends
+        for part in filter(None, path.split(".")):
+            node = getattr(node, part, None)
+        fields.append(getattr(node, "fp32_precision", None))
+    return (legacy, *fields)
+
+
 def kernel_choices() -> tuple:
     """The process-wide switches that pick kernels at capture: the attention backends ``sdpa_kernel`` allows
     (it sets them on every device) and the matmul precision (TF32, reduced-precision reductions)."""
     cuda = torch.backends.cuda
     return (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
-            cuda.cudnn_sdp_enabled(), torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
+            cuda.cudnn_sdp_enabled(), _fp32_precisions(), torch.backends.cudnn.allow_tf32,
             cuda.matmul.allow_fp16_reduced_precision_reduction, cuda.matmul.allow_bf16_reduced_precision_reduction)
 
 

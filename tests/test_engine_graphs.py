@@ -5,7 +5,11 @@ transformers' ``generate``): pinned and unpinned lengths, EOS, sampling, left
 padding, bucket compaction, refusals, capture failures, hooks and weight changes.
 """
 
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -706,6 +710,40 @@ def test_kernel_switches_changed_after_capture_recapture():
     assert graph.graph_stats.invalidations == 2  # the graphs captured under MATH only are dropped
     gen(graph, ids, mask)
     assert graph.graph_stats.invalidations == 3 and graph.graph_stats.replays > 0
+
+
+_NEW_PRECISION_API = """
+import torch
+from hybrid_engine.engine import initialize
+from hybrid_engine.tiny_models import build_model
+
+model = build_model("tiny-llama", seed=5)
+cfg = {"hybrid_engine": {"enabled": True, "enable_graph_capture": True, "max_out_tokens": 64}}
+graph, eager = initialize(model=model, config=cfg)[0], initialize(model=model, config={})[0]
+ids = torch.randint(4, 300, (2, 4), generator=torch.Generator().manual_seed(0))
+mask = torch.ones_like(ids)
+run = lambda e: e.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+first = run(graph)
+before = graph.graph_stats.captures
+torch.backends.cuda.matmul.fp32_precision = "tf32"  # the per-backend API (torch >= 2.9): numerics on CPU unchanged
+assert torch.equal(run(graph), run(eager)) and torch.equal(run(graph), first)
+stats = graph.graph_stats
+assert stats.invalidations == 1 and stats.captures == 2 * before and stats.fallbacks == 0, stats
+print("ok")
+"""
+
+
+def test_the_per_backend_matmul_precision_api_is_a_kernel_switch_too():
+    """torch >= 2.9's ``torch.backends.<backend>.fp32_precision``: once set, torch's legacy
+    ``get_float32_matmul_precision()`` raises, which made every ``generate`` call fail. It is read per
+    backend now, and a change recaptures like the legacy switch. (In a subprocess: the mixed-API state is
+    process-wide and cannot be undone.)"""
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("this torch has no per-backend fp32_precision")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", _NEW_PRECISION_API], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 def test_invalidate_graphs_drops_them_for_a_patch_no_fingerprint_sees(monkeypatch):
