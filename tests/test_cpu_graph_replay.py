@@ -2,14 +2,15 @@
 
 Capture runs nothing on a device: whatever it wrote to pre-existing tensors is
 undone at its end (or, for memory it reallocated, garbage), and it draws
-nothing from the default generator. A replay runs every recorded kernel (an
-async assert included), whatever the grad mode around it, and refuses memory
-the graph's baked addresses no longer point at.
+nothing from the default generator (seeding it inside capture fails the
+capture). A replay runs every recorded kernel (an async assert included),
+whatever the grad mode around it, and refuses memory the graph's baked
+addresses no longer point at, static outputs rebound since capture included.
 """
 
 import pytest
 import torch
-from test_cpu_graph import capture
+from test_cpu_graph import capture as _capture
 
 from hybrid_engine.accelerator import CPUAccelerator, GraphCaptureError, GraphReplayError
 
@@ -17,6 +18,15 @@ from hybrid_engine.accelerator import CPUAccelerator, GraphCaptureError, GraphRe
 @pytest.fixture
 def acc():
     return CPUAccelerator()
+
+
+def capture(acc, fn, pool=None):
+    if pool is None:
+        return _capture(acc, fn)
+    g = acc.create_graph()
+    with torch.no_grad(), acc.capture_to_graph(g, pool=pool):
+        out = fn()
+    return g, out
 
 
 # ------------------------------------------------------------ capture end
@@ -73,6 +83,25 @@ def test_capture_leaves_the_default_generator_where_it_was(acc):
     assert torch.equal(r, second)
 
 
+@pytest.mark.parametrize(
+    "reseed",
+    [lambda acc: torch.manual_seed(1234), lambda acc: torch.seed(), lambda acc: torch.default_generator.manual_seed(7)],
+    ids=["torch.manual_seed", "torch.seed", "default_generator.manual_seed"],
+)
+def test_seeding_the_default_generator_inside_capture_fails_it(acc, reseed):
+    """CUDA's generator asserts it is not capturing when seeded. Capture end compares the seed with the one it
+    began with (before restoring the generator, which would hide it) and leaves the generator as it was."""
+    torch.manual_seed(0)
+    first = torch.rand(4)
+    torch.manual_seed(0)
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="seeded inside the capture"), acc.capture_to_graph(g):
+        reseed(acc)
+        torch.rand(4)
+    assert not g.is_captured and torch.initial_seed() == 0
+    assert torch.equal(torch.rand(4), first)
+
+
 # ----------------------------------------------------------------- replay
 def test_an_async_assert_is_checked_at_every_replay(acc):
     """``torch._assert_async`` is a device-side assert on CUDA: it has no output, yet every replay runs it."""
@@ -118,3 +147,40 @@ def test_replay_refuses_an_input_whose_memory_moved(acc):
     x.resize_(1 << 20)
     with pytest.raises(GraphReplayError, match=r"stale address: a \[4\] float32 tensor .*reallocated"):
         acc.replay_graph(g)
+
+
+@pytest.mark.parametrize(
+    "rebind",
+    [
+        lambda out: setattr(out, "data", torch.zeros(4)),
+        lambda out: out.set_(torch.full((4,), 9.0)),
+        lambda out: out.resize_(1000),
+        lambda out: out.resize_(2, 2),
+        lambda out: out.unsqueeze_(0),
+    ],
+    ids=["data", "set_", "resize_-grow", "resize_-reshape", "unsqueeze_"],
+)
+def test_replay_refuses_a_static_output_rebound_since_capture(acc, rebind):
+    """A CUDA graph keeps writing the address it captured: an output whose storage was swapped (or whose view of
+    it changed) would silently stop seeing the results, so the emulation refuses to replay, before running."""
+    x = torch.arange(4.0)
+    g, out = capture(acc, lambda: x * 2)
+    acc.replay_graph(g)
+    rebind(out)
+    before = out.clone()
+    x.add_(1)
+    with pytest.raises(GraphReplayError, match="static output .* copy them"):
+        acc.replay_graph(g)
+    torch.testing.assert_close(out, before, rtol=0, atol=0, equal_nan=True)  # garbage, if resize_ grew it
+
+
+def test_a_shared_pool_never_garbles_memory_an_output_was_rebound_to(acc):
+    """Replaying an earlier graph of a pool garbles the pool's blocks of later graphs' outputs, not a tensor the
+    caller rebound such an output to (that memory is not the pool's)."""
+    x = torch.arange(4.0)
+    g1, _ = capture(acc, lambda: x + 1)
+    g2, out2 = capture(acc, lambda: x * 3, pool=acc.graph_pool(g1))
+    acc.replay_graph(g2)
+    out2.data = torch.ones(4)
+    acc.replay_graph(g1)
+    assert out2.tolist() == [1.0] * 4

@@ -2,9 +2,10 @@
 
 The emulation is the only "GPU" CI has, so each test here pins one place where
 CUDA capture fails or misbehaves: the default stream, host data copied in
-during capture, host reads (in every overload), refusals the body catches,
-metadata changed in place, outputs that hold garbage until the first replay,
-and the memory a graph pool holds.
+during capture, host reads (in every overload, and those a CUDA kernel does
+inside one op), the nn fast paths, refusals the body catches, metadata changed
+in place, host waits on events, seeding and emptying the cache, outputs that
+hold garbage until the first replay, and the memory a graph pool holds.
 """
 
 import threading
@@ -12,6 +13,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.overrides import BaseTorchFunctionMode
 
 from hybrid_engine.accelerator import (
     Accelerator,
@@ -280,6 +283,124 @@ def test_host_reads_hidden_in_printing_and_checking_ops_raise(acc, bad, what):
     bad(x)  # fine outside capture
 
 
+@pytest.mark.parametrize(
+    "bad,what",
+    [
+        (lambda x: x.masked_fill(x > 2, x[0]), "masked_fill with a tensor value"),
+        (lambda x: (x * 1).masked_fill_(x > 2, torch.scalar_tensor(-1.0)), "masked_fill_ with a tensor value"),
+        (lambda x: torch.ops.aten.masked_fill.Tensor_out(x, x > 2, x[0], out=torch.empty(4)),
+         "masked_fill with a tensor value"),
+        (lambda x: x.index_fill(0, x[:2].long(), x[0]), "index_fill with a tensor value"),
+        (lambda x: (x * 1).index_fill_(0, x[:2].long(), x[0]), "index_fill_ with a tensor value"),
+        (lambda x: torch.linspace(x[0], x[3], 4), "torch.linspace with a tensor start or end"),
+        (lambda x: torch.linspace(x[0], 3.0, 4), "torch.linspace with a tensor start or end"),
+        (lambda x: torch.linspace(0.0, x[3], 4, out=torch.empty(4)), "torch.linspace with a tensor start or end"),
+        (lambda x: torch.logspace(x[0], x[1], 3), "torch.logspace with a tensor start or end"),
+        (lambda x: torch.normal(x, x + 1), "torch.normal with a tensor std"),
+        (lambda x: torch.normal(0.0, x + 1), "torch.normal with a tensor std"),
+        (lambda x: torch.isin(torch.arange(8), torch.arange(40)), "torch.isin with assume_unique=False"),
+        (lambda x: torch.isin(x, x.repeat(3)), "torch.isin with assume_unique=False"),
+        (lambda x: torch.isin(3, torch.arange(10)), "torch.isin with assume_unique=False"),
+        (lambda x: torch.segment_reduce(x, "sum", lengths=torch.full((2,), 2)), "torch.segment_reduce with lengths"),
+    ],
+    ids=["masked_fill", "masked_fill_", "masked_fill-out", "index_fill", "index_fill_", "linspace",
+         "linspace-tensor-start", "linspace-out", "logspace", "normal", "normal-float-mean", "isin-sorting",
+         "isin-repeated", "isin-scalar-element", "segment_reduce-lengths"],
+)
+def test_host_reads_inside_one_op_raise(acc, bad, what):
+    """These CUDA kernels call ``.item()`` (``isin``: ``torch.unique``) on a tensor argument inside the one aten op
+    the recorder sees, so no separate host read ever reaches it: the emulation refuses the op by its arguments."""
+    x = torch.arange(4.0)
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match=what), acc.capture_to_graph(g):
+        bad(x)
+    assert not g.is_captured
+    bad(x)  # fine outside capture
+
+
+def test_the_same_ops_with_host_scalars_or_without_the_check_are_capturable(acc):
+    """A Python scalar value, start, end or std is a kernel parameter; ``isin`` with few test elements (or told
+    ``assume_unique``) never calls ``unique``; ``segment_reduce`` with ``unsafe=True`` or ``offsets`` checks
+    nothing on the host."""
+    x, idx = torch.arange(4.0), torch.tensor([0, 1])
+    lengths, offsets = torch.tensor([1, 3]), torch.tensor([0, 1, 4])
+
+    def step():
+        filled = x.masked_fill(x > 2, -1.0) + x.index_fill(0, idx, 7.0)
+        spaced = torch.linspace(0.0, 3.0, 4) + torch.logspace(0.0, 1.0, 4)
+        drawn = torch.normal(x, 0.0)  # std 0: the mean, exactly
+        found = torch.isin(x, x[:2]).float() + torch.isin(x, torch.arange(12.0) + 2, assume_unique=True).float()
+        reduced = (torch.segment_reduce(x, "sum", lengths=lengths, unsafe=True)
+                   + torch.segment_reduce(x, "sum", offsets=offsets))
+        return filled, spaced, drawn, found, reduced
+
+    g, outs = capture(acc, step)
+    x.add_(1)  # read on the device at every replay
+    acc.replay_graph(g)
+    assert [o.tolist() for o in outs] == [o.tolist() for o in step()]
+
+
+def test_one_hot_given_num_classes_is_capturable_and_checks_the_class_values_at_replay(acc):
+    """CUDA's ``one_hot`` reads nothing on the host when told ``num_classes`` (a scatter, whose device assert
+    fires on an out-of-range class); without it, it reads the maximum with ``.item()``."""
+    idx = torch.tensor([[0, 2], [1, 0]])
+    g, (out, empty) = capture(acc, lambda: (F.one_hot(idx, num_classes=3), F.one_hot(idx[:0], 3)))
+    acc.replay_graph(g)
+    assert torch.equal(out, F.one_hot(idx, 3)) and empty.shape == (0, 2, 3)
+    idx.copy_(torch.tensor([[2, 2], [0, 1]]))
+    acc.replay_graph(g)
+    assert torch.equal(out, F.one_hot(idx, 3))
+    idx.fill_(3)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        acc.replay_graph(g)
+    with pytest.raises(GraphCaptureError, match="reading a tensor value"), acc.capture_to_graph(acc.create_graph()):
+        F.one_hot(idx)
+
+
+# --------------------------------------------------------------- nn fast paths
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+@pytest.mark.parametrize("mask_check", [True, False], ids=["mask-check", "no-mask-check"])
+def test_the_transformer_encoder_fast_path_with_a_padding_mask_raises(acc, mask_check):
+    """In eval mode with a padding mask, ``nn.TransformerEncoder`` converts its input to a nested tensor: on CUDA
+    the sizes come from the mask, read on the host, and capture fails. The emulation must take the fast path
+    (the warm-up's) during capture too, and refuse its nested-tensor ops."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+    enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=True, mask_check=mask_check).eval()
+    src = torch.randn(2, 5, 8)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="_nested_tensor_from_mask"):
+        with torch.no_grad(), acc.capture_to_graph(g):
+            enc(src, src_key_padding_mask=pad)
+    assert torch.overrides.has_torch_function is torch._C._has_torch_function  # restored after a failed capture
+    sizes = torch.tensor([[5, 8], [3, 8]])
+    with pytest.raises(GraphCaptureError, match="_nested_from_padded"), acc.capture_to_graph(acc.create_graph()):
+        torch._nested_from_padded(src, sizes)
+
+
+def test_nn_fast_path_checks_see_what_they_would_without_the_emulation(acc):
+    """The emulation's torch-function mode would make ``has_torch_function`` true for every tensor, sending nn
+    modules down their slow path during capture only. It answers as without the emulation while capturing (and
+    is the original again after), but still counts a mode of the caller's own."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0).eval()
+    src = torch.randn(2, 5, 8)
+    original = torch.overrides.has_torch_function
+    g = acc.create_graph()
+    with torch.no_grad(), acc.capture_to_graph(g):
+        assert not torch.overrides.has_torch_function((src,))
+        with BaseTorchFunctionMode():
+            assert torch.overrides.has_torch_function((src,))
+        out = layer(src)
+    assert torch.overrides.has_torch_function is original
+    assert g.num_ops < 5  # the fused fast-path kernel, not the ~40 ops of the slow path
+    acc.replay_graph(g)
+    with torch.no_grad():
+        torch.testing.assert_close(out, layer(src))
+
+
 def test_device_moves_and_checked_forms_that_read_nothing_on_the_host_are_capturable(acc):
     """``x.to(<the device>)`` and ``x.type(<a dtype>)`` stay on the device on a GPU too; ``histc`` with a range,
     the ``*_ex`` linalg forms without an error check and ``repeat_interleave`` told its ``output_size`` read
@@ -416,6 +537,50 @@ def test_synchronising_or_querying_inside_capture_raises(acc):
         acc.current_stream().query()
     acc.synchronize()  # fine outside capture
     assert acc.current_stream().query() is True
+
+
+def test_events_record_inside_capture_but_host_waits_on_them_raise(acc):
+    """Recording an event inside capture is legal on CUDA (a dependency inside the graph); waiting for it on the
+    host is not. The CPU has no device clock: no timing events."""
+    ev = acc.Event()
+    ev.record()
+    ev.wait(acc.Stream())
+    assert ev.query() is True
+    ev.synchronize()
+    assert acc.Event(enable_timing=True) is None
+    for wait in ("synchronize", "query"):
+        g = acc.create_graph()
+        with pytest.raises(GraphCaptureError, match=f"event.{wait}"), acc.capture_to_graph(g):
+            y = torch.ones(2) * 2
+            ev.record()
+            ev.wait()
+            getattr(ev, wait)()
+        assert not g.is_captured
+    g, y = capture(acc, lambda: (ev.record(acc.current_stream()), torch.ones(2) * 2)[1])
+    acc.replay_graph(g)
+    assert y.tolist() == [2.0, 2.0]
+    with pytest.raises(TypeError, match="CPUStream"):
+        ev.record("not a stream")
+
+
+@pytest.mark.parametrize(
+    "call,what",
+    [
+        (lambda acc: acc.manual_seed(1), "accelerator.manual_seed"),
+        (lambda acc: acc.empty_cache(), r"accelerator.empty_cache\(\)"),
+    ],
+    ids=["manual_seed", "empty_cache"],
+)
+def test_seeding_or_emptying_the_cache_inside_capture_raises(acc, call, what):
+    """CUDA's generator asserts it is not capturing when seeded; its allocator asserts no capture is underway when
+    it empties its cache. A body that catches the error still gets no graph."""
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match=f"invalidated.*The first: .*{what}"), acc.capture_to_graph(g):
+        torch.ones(2) * 2
+        with pytest.raises(GraphCaptureError, match=what):
+            call(acc)
+    assert not g.is_captured
+    call(acc)  # fine outside capture
 
 
 def test_empty_memory_read_in_a_graph_is_garbage_at_every_replay(acc):

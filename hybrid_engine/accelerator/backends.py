@@ -34,6 +34,7 @@ import torch
 
 from .base import Accelerator
 from .cpu_graph import (
+    CPUEvent,
     CPUGraph,
     CPUGraphPool,
     CPUStream,
@@ -42,6 +43,7 @@ from .cpu_graph import (
     current_cpu_stream,
     default_cpu_stream,
     is_cpu_graph_capturing,
+    refuse_while_capturing,
 )
 
 logger = logging.getLogger(__name__)
@@ -367,6 +369,28 @@ class CPUAccelerator(Accelerator):
 
     def graph_stream(self) -> CPUStream:
         return super().graph_stream()
+
+    def Event(self, enable_timing: bool = False) -> CPUEvent | None:  # noqa: N802
+        """A :class:`CPUEvent` for ordering and host waits (refused while capturing, as on CUDA). No timing
+        events: the CPU has no device clock, so ``enable_timing=True`` gives ``None`` and callers time on the host
+        (``PhaseTimer`` does)."""
+        return None if enable_timing else CPUEvent()
+
+    # refused while capturing, as CUDA refuses them -----------------------
+    def manual_seed(self, seed: int) -> None:
+        refuse_while_capturing(
+            "seeding (accelerator.manual_seed)",
+            "CUDA's generator asserts it is not capturing when seeded; seed before capture",
+        )
+        super().manual_seed(seed)
+
+    def empty_cache(self) -> None:
+        refuse_while_capturing(
+            "accelerator.empty_cache()",
+            "CUDA's caching allocator asserts no capture is underway when it releases its cached blocks; empty the "
+            "cache before or after capture",
+        )
+        super().empty_cache()
 
     # graph hooks ---------------------------------------------------------
     def create_graph(self) -> CPUGraph | None:

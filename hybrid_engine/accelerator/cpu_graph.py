@@ -18,7 +18,14 @@ below models one CUDA-graph rule:
   naming the first refusal.
 * Capture does not advance the default generator (CUDA records draws at
   offsets of its own): its state is restored at capture end. Each replay draws
-  fresh numbers from it.
+  fresh numbers from it. Seeding it inside capture fails the capture (CUDA's
+  generator asserts it is not capturing): the accelerator's ``manual_seed``
+  raises at once, and capture end compares the generator's seed with the one
+  it began with, before restoring it, which catches ``torch.manual_seed`` with
+  another seed and ``torch.seed()``. Not caught: re-seeding with the same seed,
+  and ``torch.get_rng_state``/``set_rng_state`` of a state with the same seed
+  (CUDA refuses those too). ``accelerator.empty_cache()`` is refused as well
+  (CUDA's allocator asserts no capture is underway).
 * Tensors allocated inside capture hold garbage until the first replay (CUDA
   only reserves their memory). Every static output (a tensor allocated inside
   capture and still referenced when it ends) is poisoned at capture end: NaN
@@ -46,7 +53,13 @@ below models one CUDA-graph rule:
   (``Tensor.resize_`` growing a graph input) is a stale address too.
 * Static outputs are updated in place by every replay. A graph captured under
   ``torch.inference_mode`` replays under it, wherever it is replayed (CUDA
-  replays kernels whatever the grad mode).
+  replays kernels whatever the grad mode). A static output whose storage
+  changed since capture (``out.data = ...``, ``out.set_(...)``, ``resize_``
+  growing it) makes the replay raise :class:`GraphReplayError`: CUDA keeps
+  writing the captured address, so the rebound tensor would silently stop
+  seeing the results. So does one whose view of its storage changed
+  (``out.resize_(2, 2)``, ``out.t_()``): CUDA writes the captured layout,
+  which copying into the new view would not reproduce.
 * Host synchronisations and data-dependent shapes (``.item()``, ``bool(t)``,
   ``.tolist()``, ``.numpy()``, ``.cpu()``, ``nonzero``, boolean-mask indexing,
   ``repeat_interleave`` with tensor repeats and no ``output_size``), in every
@@ -65,10 +78,28 @@ below models one CUDA-graph rule:
   emulation's device is the CPU), and the ops whose CUDA kernels read a value
   on the host (``allclose``; ``multinomial`` without replacement or for one
   sample; ``histc`` without a range; ``torch.linalg`` error checks, and
-  ``svd``, ``eigh``, ``eig``, ``eigvals`` and ``lstsq``, which check inside).
+  ``svd``, ``eigh``, ``eig``, ``eigvals`` and ``lstsq``, which check inside;
+  ``masked_fill``/``index_fill`` with a tensor value, ``linspace``/``logspace``
+  with a tensor start or end, ``normal`` with a tensor std, ``segment_reduce``
+  with ``lengths`` and ``unsafe=False``, all of which call ``.item()`` inside
+  the one op; ``isin`` without ``assume_unique`` and with as many test elements
+  as its sorting path needs, which calls ``torch.unique``).
   So do an explicit ``torch.Generator`` other than the default one (a device
-  graph freezes an unregistered one; the default one is registered),
-  ``synchronize()`` and ``query()``.
+  graph freezes an unregistered one; the default one is registered), and
+  ``synchronize()`` and ``query()`` of a stream or of an event (the CPU
+  accelerator's ``Event()``; recording one stays legal, and as the CPU has no
+  device clock, ``Event(enable_timing=True)`` is ``None``).
+* ``F.one_hot`` given ``num_classes`` runs as on CUDA (a scatter, no host
+  check of the class values, whose bounds a replay still checks); without
+  ``num_classes`` it reads the maximum on the host, and raises.
+* nn fast paths: the nested-tensor ops of the ``nn.TransformerEncoder`` fast
+  path with a padding mask (``_nested_tensor_from_mask``, its left-aligned
+  check, ``_nested_from_padded``) read the mask on the host, and raise. The
+  emulation's own torch-function mode would make
+  ``torch.overrides.has_torch_function`` true, sending ``nn.Transformer*`` and
+  ``nn.MultiheadAttention`` down their slow path during capture only: while a
+  thread captures, ``torch.overrides.has_torch_function`` (the attribute, read
+  by those checks at call time) answers as without the emulation.
 * ``torch._assert_async`` is recorded: a replay whose condition fails raises,
   as a device-side assert does.
 * Empty-family allocations (``torch.empty``, ``empty_like``, ...) inside a
@@ -79,7 +110,11 @@ below models one CUDA-graph rule:
   recorded into it. Not modelled: capture runs ops for real, so another thread
   sees capture-time writes to pre-existing tensors until capture end, and the
   restore at capture end undoes that thread's own writes to those storages
-  (and its draws from the default generator).
+  (and its draws from the default generator); another thread that seeds the
+  default generator fails the capture.
+* Not modelled either: host reads through a storage (``t.untyped_storage()``
+  and its ``cpu()``, ``tolist()``), which never reach the dispatcher or a
+  torch-function mode.
 * Streams: CUDA refuses to capture on the default stream, and work issued on
   the default stream while a capture is running breaks the capture. There is
   a per-thread current :class:`CPUStream` (initially the default one); capture
@@ -139,6 +174,13 @@ def _refused(message: str) -> GraphCaptureError:
     return err
 
 
+def refuse_while_capturing(what: str, why: str) -> None:
+    """Raise (and invalidate the capture) if this thread is capturing: for calls CUDA refuses during capture that
+    are no op the recorder sees (seeding, emptying the allocator cache)."""
+    if getattr(_state, "recorder", None) is not None:
+        raise _refused(f"{what} is not permitted while a graph is capturing: {why}")
+
+
 def _not_permitted(what: str) -> GraphCaptureError:
     return _refused(
         f"{what} is not permitted while capturing a graph: it needs a host synchronisation or a "
@@ -169,12 +211,28 @@ _FORBIDDEN_OPS = {
     aten.linalg_eig: "torch.linalg.eig / eigvals (computed on the host on CUDA)",
     aten.linalg_eigvals: "torch.linalg.eigvals (computed on the host on CUDA)",
     aten.linalg_lstsq: "torch.linalg.lstsq (the CUDA kernel checks its info flags on the host)",
+    # The nn.TransformerEncoder / MultiheadAttention fast paths (eval mode, a padding mask): nested tensors whose
+    # sizes are read on the host.
+    aten._nested_tensor_from_mask: "torch._nested_tensor_from_mask (the nn.TransformerEncoder fast path with a "
+                                   "padding mask: reads the mask on the host; capture the module in train mode, "
+                                   "with enable_nested_tensor=False, or without src_key_padding_mask)",
+    aten._nested_tensor_from_mask_left_aligned: "torch._nested_tensor_from_mask_left_aligned (returns a host bool; "
+                                                "the nn.TransformerEncoder fast path's mask check)",
+    aten._nested_from_padded: "torch._nested_from_padded (nested sizes read on the host)",
 }
 # Ops whose CUDA kernel reads a device value on the host before launching (never visible as a separate op).
 _MULTINOMIAL = aten.multinomial
 _HISTC = aten.histc
 # Without output_size, its CUDA kernel reads the total of the repeats on the host.
 _REPEAT_INTERLEAVE = aten.repeat_interleave
+# Ops whose CUDA kernel calls ``.item()`` (or ``_unique``) on one of its tensor arguments inside the one aten op the
+# recorder sees, for some overloads or arguments: see :func:`_hidden_host_read`.
+_TENSOR_VALUE_FILLS = {aten.masked_fill: "masked_fill", aten.masked_fill_: "masked_fill_",
+                       aten.index_fill: "index_fill", aten.index_fill_: "index_fill_"}
+_SPACES = {aten.linspace: "torch.linspace", aten.logspace: "torch.logspace"}
+_NORMAL = aten.normal
+_ISIN = aten.isin
+_SEGMENT_REDUCE = aten.segment_reduce
 # Empty-family ops: on a device their memory holds whatever an earlier replay or graph left there.
 _EMPTY_OPS = {op._op for op in (aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
                                 aten.empty_permuted.default, aten.new_empty.default, aten.new_empty_strided.default)}
@@ -208,6 +266,44 @@ _HOST_DATA = (
     "Tensor.new_tensor, a Python list as an index)"
 )
 _SETITEM = torch.Tensor.__setitem__
+_ONE_HOT = torch.nn.functional.one_hot
+
+
+# ------------------------------------------------------------ nn fast paths
+# nn.TransformerEncoder, TransformerEncoderLayer and MultiheadAttention take their fast paths (fused kernels; nested
+# tensors from a padding mask, which read the mask on the host) only when ``torch.overrides.has_torch_function``
+# is false for their tensors. Any torch-function mode makes it true, the emulation's own (:class:`_HostSyncGuard`)
+# included: capture would take the slow path where the eager warm-up and a CUDA capture take the fast one. While a
+# thread captures, that check is answered as without the emulation: the capturing thread's guard does not count
+# when it is the innermost mode. The original returns once no capture is running.
+_HAS_TORCH_FUNCTION = torch.overrides.has_torch_function
+_fast_path_lock = threading.Lock()
+_fast_path_captures = 0  # captures running in any thread
+
+
+def _has_torch_function_without_emulation(args: Any) -> bool:
+    guard = getattr(_state, "guard", None)
+    depth = torch._C._len_torch_function_stack()
+    if guard is not None and depth and torch._C._get_function_stack_at(depth - 1) is guard:
+        with torch.overrides._pop_mode_temporarily():
+            return _HAS_TORCH_FUNCTION(args)
+    return _HAS_TORCH_FUNCTION(args)
+
+
+@contextlib.contextmanager
+def _fast_paths_as_without_emulation() -> Iterator[None]:
+    global _fast_path_captures
+    with _fast_path_lock:
+        if _fast_path_captures == 0:
+            torch.overrides.has_torch_function = _has_torch_function_without_emulation
+        _fast_path_captures += 1
+    try:
+        yield
+    finally:
+        with _fast_path_lock:
+            _fast_path_captures -= 1
+            if _fast_path_captures == 0:
+                torch.overrides.has_torch_function = _HAS_TORCH_FUNCTION
 
 
 def is_cpu_graph_capturing() -> bool:
@@ -245,6 +341,36 @@ class CPUStream:
 
     def __repr__(self) -> str:
         return f"<CPUStream {'default' if self.is_default else hex(id(self))}>"
+
+
+class CPUEvent:
+    """A CPU "event" (``torch.cuda.Event`` without timing): recording it is legal during capture (a dependency
+    inside the graph on CUDA); waiting on it from the host (``synchronize()``, ``query()``) is refused while
+    capturing, as for :class:`CPUStream`. Outside capture, CPU work has always completed."""
+
+    __slots__ = ("__weakref__",)
+
+    def record(self, stream: CPUStream | None = None) -> None:
+        if stream is not None and not isinstance(stream, CPUStream):
+            raise TypeError(f"record: expected a CPUStream, got {type(stream).__name__}")
+
+    def wait(self, stream: CPUStream | None = None) -> None:
+        """Make ``stream`` (the current one by default) wait for this event (a no-op: CPU work is ordered)."""
+        if stream is not None and not isinstance(stream, CPUStream):
+            raise TypeError(f"wait: expected a CPUStream, got {type(stream).__name__}")
+
+    def synchronize(self) -> None:
+        if is_cpu_graph_capturing():
+            raise _not_permitted("event.synchronize()")
+
+    def query(self) -> bool:
+        """True: all work before a CPU event has completed."""
+        if is_cpu_graph_capturing():
+            raise _not_permitted("event.query()")
+        return True
+
+    def __repr__(self) -> str:
+        return f"<CPUEvent {hex(id(self))}>"
 
 
 _DEFAULT_STREAM = CPUStream(_default=True)
@@ -313,7 +439,7 @@ class CPUGraphPool:
         (their blocks may be its intermediates)."""
         for graph in list(self._with_outputs):
             if graph._order > order:
-                _poison(ref() for _, ref in graph._static_outputs)
+                _poison(graph._own_outputs())
 
 
 def _garbage(dtype: torch.dtype) -> Any:
@@ -355,6 +481,43 @@ def _schema_arg(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
     for i, a in enumerate(func._schema.arguments):
         if a.name == name:
             return _arg(args, kwargs, i, name, None)
+    return None
+
+
+def _hidden_host_read(packet: Any, func: Any, args: tuple, kwargs: dict) -> str | None:
+    """What the CUDA kernel of this op reads on the host inside the op (with the fix), or None.
+
+    These reads happen inside one aten op, so the recorder never sees a separate ``_local_scalar_dense``."""
+    if packet in _TENSOR_VALUE_FILLS:
+        if isinstance(_schema_arg(func, args, kwargs, "value"), torch.Tensor):
+            fix = "torch.where(mask, value, x)" if packet in (aten.masked_fill, aten.masked_fill_) else None
+            return (f"{_TENSOR_VALUE_FILLS[packet]} with a tensor value (its CUDA kernel reads the value with "
+                    f".item(); pass a Python scalar{', or use ' + fix if fix else ''})")
+    elif packet in _SPACES:
+        if any(isinstance(_schema_arg(func, args, kwargs, n), torch.Tensor) for n in ("start", "end")):
+            return (f"{_SPACES[packet]} with a tensor start or end (its kernel reads them with .item(); pass "
+                    "Python scalars, or compute from torch.arange(steps))")
+    elif packet is _NORMAL:
+        if isinstance(_schema_arg(func, args, kwargs, "std"), torch.Tensor):
+            return ("torch.normal with a tensor std (its CUDA kernel checks std >= 0 with .item(); pass a float "
+                    "std, or draw mean + std * torch.randn_like(mean))")
+    elif packet is _ISIN:
+        elements = _schema_arg(func, args, kwargs, "elements")
+        test = _schema_arg(func, args, kwargs, "test_elements")
+        n = elements.numel() if isinstance(elements, torch.Tensor) else 1  # isin(scalar, tensor): one element
+        # TensorCompare.cpp: from this many test elements on, the sorting path, which calls _unique unless
+        # assume_unique.
+        if (isinstance(test, torch.Tensor) and n > 0 and not _schema_arg(func, args, kwargs, "assume_unique")
+                and test.numel() >= int(10.0 * n ** 0.145)):
+            return ("torch.isin with assume_unique=False and this many test elements (its sorting path calls "
+                    "torch.unique, a data-dependent shape; pass assume_unique=True when both inputs are unique, "
+                    "or compare directly: (elements[..., None] == test_elements.flatten()).any(-1))")
+    elif packet is _SEGMENT_REDUCE:
+        if (_schema_arg(func, args, kwargs, "offsets") is None
+                and isinstance(_schema_arg(func, args, kwargs, "lengths"), torch.Tensor)
+                and not _schema_arg(func, args, kwargs, "unsafe")):
+            return ("torch.segment_reduce with lengths and unsafe=False (it checks the lengths with .item(); "
+                    "pass unsafe=True, or offsets instead of lengths)")
     return None
 
 
@@ -470,6 +633,9 @@ class _Recorder(TorchDispatchMode):
                                        or _arg(args, kwargs, 1, "num_samples", 1) == 1):
             raise _not_permitted("torch.multinomial without replacement or for one sample (its CUDA kernel "
                                  "checks the probabilities with .item())")
+        hidden = _hidden_host_read(packet, func, args, kwargs)
+        if hidden is not None:
+            raise _not_permitted(hidden)
         if (packet is _REPEAT_INTERLEAVE and kwargs.get("output_size") is None
                 and isinstance(_schema_arg(func, args, kwargs, "repeats"), torch.Tensor)):
             raise _not_permitted("repeat_interleave with tensor repeats and no output_size (data-dependent shape)")
@@ -582,6 +748,19 @@ def _names_a_host_type(args: tuple, kwargs: dict) -> bool:
     return isinstance(target, str) and not target.startswith("torch.cuda.")
 
 
+def _one_hot_as_on_a_device(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``F.one_hot`` given ``num_classes``, as its CUDA kernel runs it (Onehot.cpp): no host check of the class
+    values (the CPU kernel reads their min and max with ``.item()``), just a scatter, whose bounds check raises
+    at capture and at every replay where CUDA's device assert would fire. ``None``: run the op itself (no
+    ``num_classes``, which reads the max on CUDA too, or arguments it rejects)."""
+    t = _arg(args, kwargs, 0, "input", None)
+    num_classes = _arg(args, kwargs, 1, "num_classes", -1)
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or type(num_classes) is not int or num_classes < 1:
+        return None
+    out = torch.zeros((*t.shape, num_classes), dtype=t.dtype, device=t.device)
+    return out.scatter_(-1, t.unsqueeze(-1), 1)
+
+
 class _HostSyncGuard(TorchFunctionMode):
     """Rejects Python-level host reads that never reach the aten dispatcher."""
 
@@ -599,6 +778,10 @@ class _HostSyncGuard(TorchFunctionMode):
             raise _not_permitted("Tensor.type(<a CPU tensor type>) (device-to-host read)")
         if func == _SET_DATA and id(args[0]) not in self.rec.slot_of:
             raise _metadata_refused("assigning Tensor.data")
+        if func is _ONE_HOT:
+            out = _one_hot_as_on_a_device(args, kwargs or {})
+            if out is not None:
+                return out
         if func is _SETITEM and len(args) == 3 and isinstance(args[2], Number):
             self.rec.scalar_setitem += 1
             try:
@@ -615,6 +798,7 @@ class CPUGraph:
         self._steps: list[_Step] | None = None
         self._num_slots = 0
         self._static_outputs: list[tuple[int, weakref.ref]] = []
+        self._output_layouts: list[tuple] = []  # per static output, its _layout at capture end (the address baked in)
         self._externals: list[torch.Tensor] = []
         self._guards: list[_StorageGuard] = []
         self._forget: Callable[[], Any] = lambda: None  # takes the guards' references out of the registry
@@ -641,6 +825,7 @@ class CPUGraph:
         self._pool._with_outputs.discard(self)
         self._steps = None
         self._static_outputs = []
+        self._output_layouts = []
         self._externals = []
         self._forget()
         self._guards = []
@@ -690,6 +875,7 @@ class CPUGraph:
         self._steps = steps
         self._num_slots = len(refs)
         self._static_outputs = static
+        self._output_layouts = [_layout(ref()) for _, ref in static]
         self._inference = rec.inference
         readers = [(alias, reader) for _, alias, reader in rec.externals.values()]
         rec.externals.clear()  # the originals: only what outside the graph holds may count as held
@@ -703,6 +889,13 @@ class CPUGraph:
         if static:
             pool._with_outputs.add(self)
 
+    def _own_outputs(self) -> Iterator[torch.Tensor]:
+        """The static outputs still alive and still on the memory the graph writes (not rebound since)."""
+        for (_, ref), layout in zip(self._static_outputs, self._output_layouts):
+            static = ref()
+            if static is not None and _layout(static) == layout:
+                yield static
+
     def replay(self) -> None:
         steps = self._steps
         if steps is None:
@@ -714,6 +907,10 @@ class CPUGraph:
                 raise _stale(guard, "which nothing but graphs holds any more")
             if guard.alias.data_ptr() != guard.ptr:
                 raise _stale(guard, "whose memory was reallocated since capture (Tensor.resize_ growing it)")
+        for (_, ref), layout in zip(self._static_outputs, self._output_layouts):
+            static = ref()
+            if static is not None and _layout(static) != layout:
+                raise _rebound(static, layout)
         vals: list[Any] = [None] * self._num_slots
         with torch.inference_mode() if self._inference else torch.no_grad(), torch.autocast("cpu", enabled=False):
             for st in steps:
@@ -749,6 +946,24 @@ class CPUGraph:
                     static.copy_(vals[slot])
         if self._pool._with_outputs:
             self._pool._clobber_after(self._order)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """Where a static output lives: its storage (identity and memory) and its view of it."""
+    storage = t.untyped_storage()
+    return storage._cdata, storage.data_ptr(), storage.nbytes(), t.storage_offset(), tuple(t.shape), t.stride()
+
+
+def _rebound(static: torch.Tensor, layout: tuple) -> GraphReplayError:
+    shape = list(layout[4])
+    now = "its shape or strides" if _layout(static)[:3] == layout[:3] else "its storage"
+    return GraphReplayError(
+        f"CPU graph emulation: a static output of this graph (captured as a {shape} "
+        f"{str(static.dtype).removeprefix('torch.')} tensor) no longer lives where the graph writes it: {now} "
+        "changed since capture (out.data = ..., out.set_(...), out.resize_(...), an in-place view op). On a device "
+        "the graph keeps writing the captured address, so that tensor would no longer see the results. Don't "
+        "rebind graph outputs: copy them (out.clone(), buf.copy_(out)) and leave the output itself alone."
+    )
 
 
 def _stale(guard: _StorageGuard, why: str) -> GraphReplayError:
@@ -881,15 +1096,21 @@ def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iter
             "stream); capture_to_graph(stream=None) captures on the accelerator's graph_stream()"
         )
     rec = _Recorder()
+    guard = _HostSyncGuard(rec)
     rng = torch.default_generator.get_state()
+    seed = torch.default_generator.initial_seed()
     _state.recorder = rec
+    _state.guard = guard
     ok = False
     try:
-        with _HostSyncGuard(rec), rec:
+        with _fast_paths_as_without_emulation(), guard, rec:
             yield
         ok = True
     finally:
         _state.recorder = None
+        _state.guard = None
+        # Before the restore below puts the old seed back: CUDA refuses to seed while capturing.
+        reseeded = torch.default_generator.initial_seed() != seed
         torch.default_generator.set_state(rng)  # a capture draws nothing: CUDA keeps the eager offset
         failed = _restore(rec.snapshots.values())
         rec.snapshots.clear()
@@ -903,6 +1124,13 @@ def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iter
                 "the capture was invalidated by an operation refused inside it, although the body caught the "
                 f"error (CUDA: cudaErrorStreamCaptureInvalidated at capture end). The first: {rec.invalidated}"
             ) from rec.invalidated
+        if reseeded:
+            raise GraphCaptureError(
+                "the default generator was seeded inside the capture (torch.manual_seed with another seed, "
+                "torch.seed(), torch.default_generator.manual_seed or set_state): CUDA refuses to seed its "
+                "generator while a capture is running. Seed before capture; the graph draws fresh numbers from the "
+                "default generator at every replay."
+            )
         graph._finalize(rec, pool if pool is not None else graph.pool())
     finally:
         rec.externals.clear()
