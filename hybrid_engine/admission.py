@@ -53,12 +53,22 @@ from .model_step import prefill
 from .static_cache import StaticKVCache
 
 __all__ = ["AdmissionStage", "StagedPrompts", "StagedRequests", "admit_from_logits", "admit_staged", "prefill_staged",
-           "width_bucket"]
+           "staged_width_within", "width_bucket"]
 
 
 def width_bucket(width: int) -> int:
     """The staged prompt width for prompts of ``width`` tokens: a power of two, at least 8."""
     return max(8, 1 << (width - 1).bit_length())
+
+
+def staged_width_within(longest: int, room: int) -> int:
+    """The staged width for prompts of at most ``longest`` real tokens within ``room`` cache slots (a configured
+    cache capacity less ``max_new_tokens``): a power of two where one fits, else a multiple of 64, else ``room``.
+    Few distinct widths, so few prefill and admission graphs, whatever ``max_new_tokens`` is."""
+    for width in (width_bucket(longest), -(-longest // 64) * 64):
+        if width <= room:
+            return width
+    return room
 
 
 class StagedPrompts(NamedTuple):

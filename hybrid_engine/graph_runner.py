@@ -279,6 +279,14 @@ class DecodeGraphRunner:
         vocab = vocab_sizes(model)
         if slots is None or not slots.fits(need, capacity, width, num_eos, device, dtype, vocab):
             if slots is not None and slots.device == device and slots.dtype == dtype:
+                if capacity > slots.capacity:  # grow by half at least: calls a little longer each time (a
+                    # response-length schedule) then rebuild the buffers and recapture a few times, not every call
+                    grown = max(capacity, slots.capacity + slots.capacity // 2)
+                    window = sliding_window(model.config)
+                    if window is not None:  # never past a sliding window the call itself fits in
+                        grown = max(capacity, min(grown, window))
+                    width = grown if width == capacity else width  # output columns for the whole cache (rollouts)
+                    capacity = grown
                 need, capacity = max(need, slots.rows), max(capacity, slots.capacity)
                 width, num_eos = max(width, slots.width), max(num_eos, slots.num_eos_slots)
             self.invalidate()

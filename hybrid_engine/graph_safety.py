@@ -155,6 +155,12 @@ def adapter_fingerprint(model: torch.nn.Module) -> tuple:
 # What every nn.Module keeps in its __dict__ (parameter, buffer, child and hook tables; the training flag,
 # which generation sets itself): the rest is the module's own state.
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+# Module attributes and config fields no decode step reads: gradient checkpointing acts only in training mode
+# (generation runs in eval mode), transformers' list of its input-grad hooks (the hooks themselves are left out
+# of the hook fingerprint, see _inert_for_generation), and use_cache, which the decode forward passes itself. A
+# training loop that toggles them around each rollout must not recapture every graph.
+_UNREAD_MODULE_ATTRS = frozenset({"gradient_checkpointing", "_require_grads_hooks"})
+_UNREAD_CONFIG_FIELDS = frozenset({"use_cache"})
 _SKIP = object()
 
 
@@ -186,7 +192,8 @@ def module_fingerprint(model: torch.nn.Module) -> tuple:
     for name, m in model.named_modules():
         state = m.__dict__
         forward = state.get("forward", type(m).forward)
-        attrs = tuple((k, v) for k, v in ((k, _plain(v)) for k, v in state.items() if k not in _MODULE_INTERNALS)
+        attrs = tuple((k, v) for k, v in ((k, _plain(v)) for k, v in state.items()
+                                          if k not in _MODULE_INTERNALS and k not in _UNREAD_MODULE_ATTRS)
                       if v is not _SKIP)
         out.append((name, id(m), type(m).__qualname__, id(forward), attrs))
     return tuple(out)
@@ -198,6 +205,8 @@ def config_fingerprint(config: Any) -> tuple:
     it), so a capture freezes them."""
     fields = []
     for key, value in vars(config).items() if config is not None else ():
+        if key in _UNREAD_CONFIG_FIELDS:
+            continue
         part = config_fingerprint(value) if isinstance(value, PretrainedConfig) else _plain(value)
         if part is not _SKIP:
             fields.append((key, part))

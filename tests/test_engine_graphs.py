@@ -650,6 +650,23 @@ def test_a_module_patched_swapped_or_reconfigured_after_capture_is_recaptured(ch
     assert graph.graph_stats.captures == 2
 
 
+def test_switches_a_decode_step_never_reads_do_not_recapture():
+    """A training loop that turns ``use_cache`` off (or gradient checkpointing on) for its training forward and
+    back for generation: neither changes a decode step (it passes use_cache=True itself, and checkpointing acts
+    only in training mode), so neither may drop the graphs (each toggle recaptured everything)."""
+    model = build_model("tiny-llama", seed=5)
+    graph, eager = engines(model)
+    ids, mask = prompts(2, 4)
+    first = gen(graph, ids, mask)
+    captures = graph.graph_stats.captures
+    for toggle in range(2):
+        model.config.use_cache = bool(toggle)
+        (model.gradient_checkpointing_disable if toggle else model.gradient_checkpointing_enable)()
+        assert torch.equal(gen(graph, ids, mask), first) and torch.equal(first, gen(eager, ids, mask))
+    s = graph.graph_stats
+    assert s.invalidations == 0 and s.captures == captures and s.replays > 0
+
+
 def _patch_norm_class(monkeypatch, model):
     norm = type(model.model.norm)
     plain = norm.forward

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from hybrid_engine.admission import width_bucket
+from hybrid_engine.admission import staged_width_within, width_bucket
 from hybrid_engine.config import EngineConfig
 from hybrid_engine.exclusive import exclusive_generation
 from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats, decode_grad_mode, eval_for_generation
@@ -38,7 +38,7 @@ from hybrid_engine.scheduler import Counters, RequestSpec, gather_responses, run
 from hybrid_engine.timing import PhaseTimer
 from hybrid_engine.zero import gathered_for_inference
 
-from .types import RolloutBatch, RolloutConfig, RolloutRequest, SamplingConfig
+from .types import DEFAULT_MAX_BATCH_SIZE, RolloutBatch, RolloutConfig, RolloutRequest, SamplingConfig
 
 __all__ = ["HybridEngineRollout", "UnsupportedModelError"]
 
@@ -207,7 +207,8 @@ class HybridEngineRollout:
         prompt_width = width_bucket(request.prompt_ids.shape[1])
         if cfg.cache_capacity is not None:
             capacity = cfg.cache_capacity
-            prompt_width = min(prompt_width, capacity - max_new)  # still >= the longest real prompt
+            if prompt_width > capacity - max_new:  # on a coarse grid, so that staged widths (graph keys) stay few
+                prompt_width = staged_width_within(longest, capacity - max_new)
         else:
             capacity = prompt_width + max_new
 
@@ -232,14 +233,17 @@ class HybridEngineRollout:
             for i in range(num_prompts)
             for j in range(n)
         ]
-        # Concurrency: max_batch_size, else the largest explicit bucket, else the whole request.
-        limit_slots = cfg.max_batch_size or (max(cfg.graph_batch_sizes) if cfg.graph_batch_sizes else len(requests))
+        # Concurrency: max_batch_size, else the largest explicit bucket, else DEFAULT_MAX_BATCH_SIZE.
+        limit_slots = cfg.max_batch_size or (max(cfg.graph_batch_sizes) if cfg.graph_batch_sizes
+                                             else DEFAULT_MAX_BATCH_SIZE)
         max_active = min(limit_slots, len(requests))
 
         runner = self.runner
         before = runner.stats
         with self._inference_mode():
-            state = runner.prepare(rows=max_active, capacity=capacity, width=max_new, num_eos=len(eos_ids),
+            # Output columns for the whole capacity: a call with a few more new tokens than any before it then
+            # fits the buffers (and keeps the graphs) whenever the cache does.
+            state = runner.prepare(rows=max_active, capacity=capacity, width=capacity, num_eos=len(eos_ids),
                                    graphs=cfg.use_graph_capture, prompt_width=prompt_width)
             counters = Counters(timer=PhaseTimer(runner.accelerator))
             state.set_special_ids(pad_id, eos_ids)

@@ -16,7 +16,7 @@ import torch
 from hybrid_engine.model_step import MAX_TOKEN_ID
 from hybrid_engine.sampling import validate_sampling
 
-__all__ = ["RolloutBatch", "RolloutConfig", "RolloutRequest", "SamplingConfig"]
+__all__ = ["DEFAULT_MAX_BATCH_SIZE", "RolloutBatch", "RolloutConfig", "RolloutRequest", "SamplingConfig"]
 
 
 def is_int(value: object) -> bool:
@@ -42,12 +42,18 @@ def _check_bool(owner: str, name: str, value: object) -> None:
         raise TypeError(f"{owner}: {name} must be True or False, got {type(value).__name__} ({value!r})")
 
 
+#: Concurrently decoding slots when ``RolloutConfig.max_batch_size`` is ``None`` (and no ``graph_batch_sizes``):
+#: a GRPO step's thousands of requests would otherwise each get a slot, a KV row and, every 8, a captured bucket.
+DEFAULT_MAX_BATCH_SIZE = 256
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """How the rollout engine runs (not what it samples; see :class:`SamplingConfig`).
 
     ``max_batch_size`` is the number of concurrently decoding slots (``None``: the
-    whole request). ``cache_capacity`` is the per-row KV length (``None``: the
+    largest ``graph_batch_sizes`` entry, else :data:`DEFAULT_MAX_BATCH_SIZE`; a request
+    with fewer rows uses fewer). ``cache_capacity`` is the per-row KV length (``None``: the
     longest prompt plus ``max_new_tokens``). ``graph_batch_sizes`` are the captured
     bucket sizes (``None``: 1, 2, 4, 8, then multiples of 8). ``sync_interval`` is
     the number of decode steps between two reads of the finished flags on the

@@ -330,3 +330,49 @@ def test_a_sliding_window_set_after_the_cache_exists_is_refused_as_for_a_new_rol
         finally:
             model.config.sliding_window = None
         assert_batches_identical(rollout.generate(request, sampling), expected)  # usable once it is gone
+
+
+@pytest.mark.parametrize("capacity", [None, 160], ids=["growing-cache", "cache_capacity"])
+def test_a_response_length_schedule_rebuilds_rarely_and_keeps_tokens(capacity):
+    """``max_new_tokens`` rising by a little every call (a length curriculum): before, each new record rebuilt
+    the decode buffers and dropped every graph, even with a fixed ``cache_capacity`` (the output columns were
+    exactly max_new_tokens wide). The cache now grows by half at least, and output columns span the cache."""
+    model = build_model("tiny-gpt2", seed=3)
+    cfg = dict(max_batch_size=4, pad_token_id=0, eos_token_id=10_000, cache_capacity=capacity)
+    graph = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, **cfg))
+    eager = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=False, **cfg))
+    request = left_padded_prompts([4, 6, 3], seed=10)
+    lengths = list(range(16, 64, 4))  # 12 calls, each 4 tokens longer
+    for max_new in lengths:
+        sampling = SamplingConfig(max_new_tokens=max_new, temperature=0.8, n_samples_per_prompt=2, seed=max_new)
+        assert_batches_identical(graph.generate(request, sampling), eager.generate(request, sampling))
+    stats = graph.graph_stats
+    assert stats.fallbacks == 0 and stats.replays > 0
+    assert stats.invalidations <= (0 if capacity else 4), stats  # 11 before: one per call after the first
+
+
+def test_a_fixed_cache_capacity_stages_prompts_at_few_widths():
+    """With ``cache_capacity`` the staged width is capped by what max_new_tokens leaves; it used to be exactly
+    that room, one prefill and admission graph width per max_new_tokens value."""
+    model = build_model("tiny-gpt2", seed=3)
+    rollout = HybridEngineRollout(model, config=RolloutConfig(
+        use_graph_capture=True, max_batch_size=4, pad_token_id=0, eos_token_id=10_000, cache_capacity=300))
+    request = left_padded_prompts([130, 40, 9], seed=10)  # staged at 256 where it fits, else at 192
+    widths = []
+    for max_new in (20, 50, 60, 70, 90):  # room for the prompts: 280, 250, 240, 230, 210
+        rollout.generate(request, SamplingConfig(max_new_tokens=max_new))
+        widths.append(rollout.runner._prompt_width)
+    assert widths == [256, 192, 192, 192, 192]  # was [256, 250, 240, 230, 210]
+
+
+def test_max_batch_size_none_caps_the_slots_at_the_default():
+    """``max_batch_size=None`` once gave every request a slot: a GRPO step's thousands of requests meant a KV row
+    each and a captured bucket for every 8 of them."""
+    from hybrid_engine.rollout.types import DEFAULT_MAX_BATCH_SIZE
+
+    model = build_model("tiny-gpt2", seed=3)
+    rollout = HybridEngineRollout(model, config=RolloutConfig(pad_token_id=0, eos_token_id=10_000))
+    request = left_padded_prompts([3] * 40, seed=10)
+    batch = rollout.generate(request, SamplingConfig(max_new_tokens=2, n_samples_per_prompt=8))
+    assert batch.input_ids.shape[0] == 320 > DEFAULT_MAX_BATCH_SIZE
+    assert rollout.last_stats["peak_active_batch"] == DEFAULT_MAX_BATCH_SIZE == rollout.runner.slots.rows
