@@ -6,11 +6,16 @@ fixed cost (about two and a half replayed decode steps on the CPU emulation,
 a launch-bound forward on a GPU), and the scheduler would have to hold free
 slots idle to batch rounds. So a rollout separates the two:
 
-* :func:`prefill_staged` prefills the prompts of the next requests of the
-  queue (as many requests as the stage has rows) into the
-  :class:`AdmissionStage` cache, and keeps each one's last-position logits
-  (float32) there. With shared prefill each prompt is prefilled once per
-  call, however many rounds its samples are admitted in.
+* :func:`prefill_staged` prefills the distinct prompts of the next requests
+  of the queue (as many prompts as the stage has rows, however many samples
+  each has) into the :class:`AdmissionStage` cache, and keeps each one's
+  last-position logits (float32) there. With shared prefill each prompt is
+  prefilled once per call, however many rounds its samples are admitted in.
+  The stage's prompt rows are bounded by a token budget
+  (:data:`~hybrid_engine.graph_runner.PREFILL_TOKEN_BUDGET` over the staged
+  width, as vLLM bounds a step's prefill tokens), not by the slots: a captured
+  prefill keeps its activations in the graph pool for good, and a slot-wide
+  batch of wide prompts would hold several times the slots' own K/V there.
 * :func:`admit_staged` admits a round of requests whose prompts are staged:
   their K/V are copied into their slots (shared prompts fan out by stage row),
   each one's first token is picked from its prompt's logits with the decode
@@ -27,12 +32,15 @@ would cost a whole prefill, then the decode buckets), the number of request
 rows (decode buckets: a request row costs only its sampling), the staged
 width (the call's padded prompt width, rounded up to a power of two, the same
 for every batch of a call) and the sampling mode (the knobs' values are device
-data, :class:`~hybrid_engine.sampling.SamplingKnobs`). Everything per batch
-or round is device data in the stage: the prompts (right-aligned, the columns
-before them masked out) and one ``meta`` column per request (slot, stage row
-of its prompt, request index, budget, min_tokens, seed). Prompt rows past a
-batch's prompts keep stale prompts that no request reads; request columns
-past a round's requests repeat the last request, so their writes are
+data, :class:`~hybrid_engine.sampling.SamplingKnobs`). A round may hold as
+many requests as there are slots (the stage's request columns are slot-wide);
+the prompts it reads are the stage's rows, so a round whose prompts are not
+all staged runs as parts, the next prefill batch before each. Everything per
+batch or round is device data in the stage: the prompts (right-aligned, the
+columns before them masked out) and one ``meta`` column per request (slot,
+stage row of its prompt, request index, budget, min_tokens, seed). Prompt
+rows past a batch's prompts keep stale prompts that no request reads; request
+columns past a round's requests repeat the last request, so their writes are
 identical duplicates. Masked columns add exact zeros to attention, so staging
 changes a prompt's result no more than another padding width does; eager and
 graph runs use the same staged shapes, so their tokens are identical.
@@ -91,20 +99,23 @@ class StagedRequests(NamedTuple):
 class AdmissionStage:
     """Static buffers for prefill batches and admission rounds at the largest shape a call needs.
 
-    A batch of ``p`` prompts ``w`` wide goes into the smallest prompt bucket
-    holding it, a round of ``r`` requests into the smallest request bucket (see
-    the module docstring for what is padded and how).
+    ``rows`` prompt rows ``width`` wide (ids, mask, K/V cache, logits) and
+    ``requests`` request columns of ``meta`` (default ``rows``). A batch of
+    ``p`` prompts ``w`` wide goes into the smallest prompt bucket holding it, a
+    round of ``r`` requests into the smallest request bucket (see the module
+    docstring for what is padded and how).
     """
 
     META_ROWS = 6
 
     def __init__(self, model: PreTrainedModel, rows: int, width: int, *, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, requests: int | None = None) -> None:
         self.rows = rows
         self.width = width
+        self.requests = rows if requests is None else requests
         self.ids = torch.zeros(rows, width, dtype=torch.int64, device=device)
         self.mask = torch.zeros(rows, width, dtype=torch.int64, device=device)
-        self.meta = torch.zeros(self.META_ROWS, rows, dtype=torch.int64, device=device)
+        self.meta = torch.zeros(self.META_ROWS, self.requests, dtype=torch.int64, device=device)
         # float32 holds any logits dtype exactly, and the sampler computes in float32 anyway.
         self.logits = torch.zeros(rows, logits_width(model), dtype=torch.float32, device=device)
         self.cache = StaticKVCache(model.config, rows, width, device=device, dtype=dtype)
@@ -112,9 +123,12 @@ class AdmissionStage:
         self._prompt_views: dict[tuple[int, int], StagedPrompts] = {}
         self._request_views: dict[tuple[int, int], StagedRequests] = {}
 
-    def fits(self, rows: int, width: int, device: torch.device, dtype: torch.dtype, vocab: int) -> bool:
-        return (self.rows >= rows and self.width >= width and self.ids.device == device
-                and self.cache.dtype == dtype and self.logits.shape[1] == vocab)
+    def fits(self, rows: int, width: int, device: torch.device, dtype: torch.dtype, vocab: int,
+             requests: int | None = None) -> bool:
+        """Whether ``rows`` prompt rows ``width`` wide and ``requests`` request columns (default ``rows``) fit."""
+        requests = rows if requests is None else requests
+        return (self.rows >= rows and self.width >= width and self.requests >= requests
+                and self.ids.device == device and self.cache.dtype == dtype and self.logits.shape[1] == vocab)
 
     def prompts_view(self, prompts: int, width: int) -> StagedPrompts:
         """The ``(prompts, width)`` prefill bucket's views (fixed addresses)."""

@@ -75,8 +75,8 @@ from .model_step import max_positions
 from .sampling import sampling_mode
 from .static_cache import sliding_window
 
-__all__ = ["EXACT_PROMPT_ROWS", "MAX_CAPTURE_FAILURES", "AdmissionKey", "DecodeGraphRunner", "GraphKey", "GraphStats",
-           "PrefillKey", "decode_grad_mode", "default_graph_buckets"]
+__all__ = ["EXACT_PROMPT_ROWS", "MAX_CAPTURE_FAILURES", "PREFILL_TOKEN_BUDGET", "AdmissionKey", "DecodeGraphRunner",
+           "GraphKey", "GraphStats", "PrefillKey", "decode_grad_mode", "default_graph_buckets"]
 
 #: Capture failures after which a runner stops trying graphs.
 MAX_CAPTURE_FAILURES = 3
@@ -84,6 +84,15 @@ MAX_CAPTURE_FAILURES = 3
 #: Prefill batches of up to this many prompts run at their exact count (above it, in the decode buckets):
 #: a padding row costs a whole prefill of the staged width, where a decode step's padding row costs one token.
 EXACT_PROMPT_ROWS = 8
+
+#: Prompt tokens (rows x staged width) one staged prefill batch holds at most, as vLLM's
+#: ``max_num_batched_tokens`` bounds a step's prefill: the admission stage has
+#: ``min(slots, max(EXACT_PROMPT_ROWS, PREFILL_TOKEN_BUDGET // staged width))`` prompt rows (rounded down to a
+#: prompt-row bucket). A captured prefill keeps its activations in the graph pool for good, so with one prompt row
+#: per slot the pool would grow with slots x width (3x the slots' own K/V at 256 slots of 256-token prompts on a
+#: tiny model); bounded, more prompts than fit are prefilled in more batches, each prompt still once per call.
+#: At least :data:`EXACT_PROMPT_ROWS` prompts a batch, however wide they are.
+PREFILL_TOKEN_BUDGET = 8192
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +266,16 @@ class DecodeGraphRunner:
         else the smallest decode bucket holding them."""
         return n if n <= EXACT_PROMPT_ROWS else self.bucket_for(n)
 
+    def _stage_rows(self, slots: int, width: int) -> int:
+        """The admission stage's prompt rows for ``slots`` slots at staged ``width``: as many as the slots, at most
+        :data:`PREFILL_TOKEN_BUDGET` tokens (at least :data:`EXACT_PROMPT_ROWS` rows), and a count that
+        :meth:`prompt_rows_for` keeps (rounded down to a bucket), so any batch of up to that many prompts fits."""
+        limit = min(slots, max(EXACT_PROMPT_ROWS, PREFILL_TOKEN_BUDGET // width))
+        if self.prompt_rows_for(limit) > limit:  # between two buckets: the largest bucket below it
+            sizes = self.buckets or default_graph_buckets(limit)
+            limit = max([EXACT_PROMPT_ROWS] + [b for b in sizes if b <= limit])
+        return limit
+
     # ------------------------------------------------------------- lifecycle
     def prepare(self, *, rows: int, capacity: int, width: int, num_eos: int, graphs: bool,
                 prompt_width: int | None = None) -> DecodeSlots:
@@ -265,7 +284,9 @@ class DecodeGraphRunner:
         ``graphs`` says whether the caller wants graphs; the policy may still
         refuse (warned once, recorded in ``last_refusal_reason``).
         ``prompt_width`` (the width prompts are staged at, at least the longest
-        real prompt) sets up :meth:`prefill_prompts` and :meth:`admit`.
+        real prompt) sets up :meth:`prefill_prompts` and :meth:`admit`: the
+        admission stage gets request columns for a round on every slot and
+        prompt rows within :data:`PREFILL_TOKEN_BUDGET` (:meth:`_stage_rows`).
         """
         device = model_device(self.model)
         acc = accelerator_for(device)
@@ -302,12 +323,17 @@ class DecodeGraphRunner:
         if prompt_width is not None:
             self._prompt_width = prompt_width
             stage = self.stage
-            if stage is None or not stage.fits(need, prompt_width, device, dtype, vocab[0]):
-                if stage is not None and stage.ids.device == device and stage.cache.dtype == dtype:
-                    prompt_width = max(prompt_width, stage.width)
+            # Prompt rows within the token budget at the stage's width (it only grows), request columns for a
+            # round as wide as the slots: a batch of this call's narrower prompts stays within the budget too.
+            reusable = stage is not None and stage.ids.device == device and stage.cache.dtype == dtype
+            stage_width = max(prompt_width, stage.width) if reusable else prompt_width
+            if stage is None or not stage.fits(self._stage_rows(need, stage_width), prompt_width, device, dtype,
+                                               vocab[0], requests=need):
+                requests = max(need, slots.rows)
                 self.invalidate()
                 self.stage = None
-                self.stage = AdmissionStage(model, max(need, slots.rows), prompt_width, device=device, dtype=dtype)
+                self.stage = AdmissionStage(model, self._stage_rows(requests, stage_width), stage_width,
+                                            device=device, dtype=dtype, requests=requests)
         fingerprint = graph_fingerprint(model)
         if fingerprint != self._fingerprint:
             self.invalidate()

@@ -25,12 +25,14 @@ Continuous batching admits waiting requests into the lowest free slots in
 rounds. A round costs about ``ADMISSION_COST`` decode steps, so the scheduler
 holds free slots back until idling them would cost more than another round
 (:func:`_steps_to_admission`). Rollouts prefill prompts ahead, in batches of
-the prompts of the next requests of the queue (one refill of the slots), and
-a round only loads staged prompts into slots (:mod:`hybrid_engine.admission`); both run on the
-runner, graphed like a decode step. With shared prefill each distinct prompt
-is prefilled once per call and its K/V fan out to the slots of its samples,
-whichever rounds admit them. ``engine.generate`` admits its batch once,
-eagerly, at its exact width.
+the distinct prompts of the next requests of the queue, as many as the
+admission stage has rows (bounded by a token budget, not by the slots: see
+:data:`~hybrid_engine.graph_runner.PREFILL_TOKEN_BUDGET`), and a round only
+loads staged prompts into slots (:mod:`hybrid_engine.admission`); both run on
+the runner, graphed like a decode step. With shared prefill each distinct
+prompt is prefilled once per call and its K/V fan out to the slots of its
+samples, whichever rounds admit them. ``engine.generate`` admits its batch
+once, eagerly, at its exact width.
 
 A request's first token is picked from the prefill logits by the same
 :func:`~hybrid_engine.decode_state.choose_tokens` and counters (request index,
@@ -58,7 +60,8 @@ __all__ = ["ADMISSION_COST", "Counters", "RequestSpec", "gather_responses", "run
 #: What one admission round costs, in decode steps, for the continuous-batching admission rule
 #: (:func:`_steps_to_admission`). A round of staged prompts is about a quarter of a step on CPU (the
 #: prefill, paid once per prompt whenever it runs, is not part of it); on a GPU it is one replay of ~40 small
-#: kernels beside a decode step's hundreds, so the value is not measured there but errs on the high side.
+#: kernels and two per layer (the K/V copy) beside a decode step's hundreds, so the value is not measured there
+#: but errs on the high side.
 ADMISSION_COST = 0.5
 
 
@@ -106,11 +109,24 @@ class _Staging:
         return (req.prompt_index,) if self.shared else (req.prompt_index, req.request_index)
 
     def next_batch(self, upcoming: Iterable[RequestSpec]) -> list[tuple[int, ...]]:
-        """The next prompts to prefill: those of the next requests of ``upcoming``, as many requests as the
-        stage has rows (one refill of the slots: a batch is never larger than the largest round)."""
+        """The next units to prefill: those of the next requests of ``upcoming``, up to as many distinct units
+        as the stage has rows (with ``n`` samples per prompt that covers about ``n`` times as many requests).
+
+        A batch replaces the last one, so it must not drop a unit that a request still to be admitted reads,
+        or a unit would be prefilled twice. It does not: a batch is taken only when the next request's unit is
+        not staged, requests are admitted in queue order, and a prompt's samples are consecutive in the queue.
+        So the next batch starts at the first request past the run of requests whose units this batch holds,
+        and that request's unit appears nowhere before it: each unit is prefilled once per call, whatever the
+        batch size. A round may need more units than the stage holds (more requests than rows, or samples of
+        more prompts): its requests past this batch run as another part, after the next batch (:func:`_admit`).
+        """
         batch: dict[tuple[int, ...], None] = {}
-        for req in itertools.islice(upcoming, self.rows):
-            batch.setdefault(self.unit(req))
+        for req in upcoming:
+            unit = self.unit(req)
+            if unit not in batch:
+                if len(batch) == self.rows:
+                    break
+                batch[unit] = None
         self.row_of = {unit: row for row, unit in enumerate(batch)}
         return list(batch)
 
@@ -138,8 +154,8 @@ def _admit(
     """Load ``reqs`` into ``slots`` (one admission round), prefilling what they need.
 
     ``staging``: the round reads prompts staged ahead, prefilling the next batch
-    when a request's prompt is not staged (a round straddling two batches runs
-    as two parts); ``None``: the whole batch is prefilled eagerly at its own
+    when a request's prompt is not staged (a round straddling batches runs as
+    one part per batch); ``None``: the whole batch is prefilled eagerly at its own
     width into slots 0..n-1, exactly as transformers prefills it (never graphed).
     """
     counters.admission_rounds += 1
@@ -211,18 +227,20 @@ def _steps_to_admission(room: int, waiting: int, left: dict[int, int], max_activ
     the host must look every ``cap`` steps anyway, so no plan reaches past that.
     """
     bounds = sorted(left.values())
-    now = 0
+    now, done = 0, 0  # bounds[:done] are <= now: those slots are free by then
     while True:
-        later = [b for b in bounds if b > now]
-        free = min(waiting, room + len(bounds) - len(later))
-        if free >= waiting or not later:
+        while done < len(bounds) and bounds[done] <= now:
+            done += 1
+        free = min(waiting, room + done)
+        if free >= waiting or done == len(bounds):
             return now
-        w = later[0] - now if cap is None else min(later[0] - now, cap)
+        nxt = bounds[done]  # the next slot guaranteed to free
+        w = nxt - now if cap is None else min(nxt - now, cap)
         if free and free * w >= cost * max_active:
             return now
-        if cap is not None and later[0] > cap:
+        if cap is not None and nxt > cap:
             return cap
-        now = later[0]
+        now = nxt
 
 
 def _steps_to_shrink(runner: DecodeGraphRunner, left: dict[int, int], bucket: int) -> int:
@@ -257,8 +275,8 @@ def run_schedule(
     Lengths go to ``counters.lengths``. ``staged`` prefills prompts ahead through
     :meth:`DecodeGraphRunner.prefill_prompts` and admits each round through
     :meth:`DecodeGraphRunner.admit`, staged at the call's prompt width (graph
-    replay where allowed; a round straddling two prefill batches runs as two
-    admissions); otherwise the batch is prefilled eagerly at its own width, as
+    replay where allowed; a round straddling prefill batches runs as one
+    admission per batch); otherwise the batch is prefilled eagerly at its own width, as
     transformers does.
     """
     state = runner.slots
@@ -285,7 +303,7 @@ def run_schedule(
         cap = sync_interval if _may_stop_early(state, active.values()) else None
         if room and (not active or (continuous and _steps_to_admission(room, len(queue), left, max_active,
                                                                        ADMISSION_COST, cap) == 0)):
-            slots = [free.pop(0) for _ in range(room)]
+            slots, free = free[:room], free[room:]
             reqs = [queue.popleft() for _ in range(room)]
             with counters.timer.phase("prefill"):
                 _admit(runner, slots, reqs, queue, prompt_ids, prompt_mask, sampling_key, seed, staging=staging,
@@ -329,8 +347,9 @@ def run_schedule(
         counters.harvests += 1
         done_slots = _index(done, device)
         rows = _index([active[s].request_index for s in done], device)
-        out_tokens.index_copy_(0, rows, state.out_tokens.index_select(0, done_slots)[:, :width])
-        out_logprobs.index_copy_(0, rows, state.out_logprobs.index_select(0, done_slots)[:, :width])
+        # Only the columns kept are gathered (the slots' output rows span the whole cache).
+        out_tokens.index_copy_(0, rows, state.out_tokens[:, :width].index_select(0, done_slots))
+        out_logprobs.index_copy_(0, rows, state.out_logprobs[:, :width].index_select(0, done_slots))
         for slot in done:
             counters.lengths[active[slot].request_index] = generated[slot]
             del active[slot]
@@ -342,11 +361,21 @@ def run_schedule(
 
 def gather_responses(out_tokens: torch.Tensor, lengths: dict[int, int], pad_id: int,
                      out_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(responses, logprobs, lengths)``: rows cut to the longest response, ``pad_id``/0 past each length."""
+    """``(responses, logprobs, lengths)``: rows cut to the longest response, ``pad_id``/0 past each length.
+
+    ``out_tokens``/``out_logprobs`` are :func:`run_schedule`'s result buffers, consumed here: padding is written
+    into them in place, and ``responses`` is a view of ``out_tokens`` (its callers only concatenate it after the
+    prompts), so no second ``[R, width]`` buffer is made for it. ``logprobs`` is returned to users: it is
+    ``out_logprobs`` itself where the longest response spans its width, else a contiguous copy of its first
+    columns. Besides those, one boolean ``[R, width]`` mask.
+    """
     device = out_tokens.device
     n = torch.tensor([lengths[r] for r in range(out_tokens.shape[0])], dtype=torch.int64, device=device)
     width = max(1, max(lengths.values()))
-    real = torch.arange(width, device=device)[None, :] < n[:, None]
-    responses = out_tokens[:, :width].masked_fill(~real, pad_id)
-    logprobs = None if out_logprobs is None else out_logprobs[:, :width].masked_fill(~real, 0.0)
+    padding = torch.arange(width, device=device)[None, :] >= n[:, None]
+    responses = out_tokens[:, :width].masked_fill_(padding, pad_id)
+    logprobs = None
+    if out_logprobs is not None:
+        logprobs = out_logprobs[:, :width]
+        logprobs = (logprobs if logprobs.is_contiguous() else logprobs.contiguous()).masked_fill_(padding, 0.0)
     return responses, logprobs, n

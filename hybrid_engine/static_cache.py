@@ -18,8 +18,11 @@ Invariants
   keys and values are its contiguous ``[i, 0]`` and ``[i, 1]`` views
   (``head_dim`` from the config when it names one, e.g. Qwen3; otherwise
   hidden/heads; GPT-2/OPT have no ``num_key_value_heads`` and use
-  ``num_attention_heads``). Moving, loading or emptying rows is therefore one op
-  over every layer, whatever the depth (compaction and admission rounds).
+  ``num_attention_heads``). Moving or emptying rows is therefore one op over
+  every layer, whatever the depth (compaction). Loading rows from another cache
+  (admission rounds) gathers one layer at a time instead: the gathered rows are
+  a temporary, and inside a captured admission round it stays in the graph pool
+  for good, so it is one layer's rows, not the whole depth's.
 * Per-row device state, all ``[batch_size]``-leading and updated in place:
   ``write_pos`` (int64, next buffer slot each row writes), ``valid`` (bool
   ``[B, capacity]``, which slots a query may attend), ``position`` (int64, the
@@ -469,6 +472,11 @@ class StaticKVCache(Cache):
         attends an invalid slot), so loading a short prompt costs its own length, not
         the capacity. ``checked=True``: the caller guarantees the rows are in range (no
         host read; also capture-safe then).
+
+        K/V are gathered and copied one layer at a time: the gathered rows are a temporary
+        (``len(rows)`` x ``other.capacity`` K/V), which a captured admission round keeps in its
+        graph pool for good, so it stays one layer's size whatever the depth (at the cost of two
+        ops per layer instead of two in all).
         """
         rows = self._rows(rows, "rows", checked)
         if sources is None and rows.numel() > other.batch_size:
@@ -489,7 +497,8 @@ class StaticKVCache(Cache):
 
         self.valid.index_fill_(0, rows, False)
         n = other.capacity
-        self.kv[:, :, :, :, :n].index_copy_(2, rows, pick(other.kv, 2).to(self._dtype))
+        for layer in range(self.kv.shape[0]):
+            self.kv[layer, :, :, :, :n].index_copy_(1, rows, pick(other.kv[layer], 1).to(self._dtype))
         self.valid[:, :n].index_copy_(0, rows, pick(other.valid))
         self.write_pos.index_copy_(0, rows, pick(other.write_pos))
         self.position.index_copy_(0, rows, pick(other.position))

@@ -199,7 +199,11 @@ class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_every_layer_lives_in_one_buffer_so_row_ops_cost_the_same_at_any_depth():
-    def row_ops(layers: int) -> list[str]:
+    """Moving and emptying rows is one op over every layer. Loading rows from another cache (admission) copies
+    one layer at a time, so that its gathered temporary is one layer's (see the next test): the same few ops
+    per layer."""
+
+    def row_ops(layers: int) -> tuple[list[str], list[str]]:
         cfg = build_config("tiny-llama")
         cfg.num_hidden_layers = layers
         cache = StaticKVCache(cfg, 4, 8, dtype=torch.float32)
@@ -212,9 +216,57 @@ def test_every_layer_lives_in_one_buffer_so_row_ops_cost_the_same_at_any_depth()
         src, dst = torch.tensor([0, 3]), torch.tensor([1, 2])
         with _CountOps() as count:
             cache.copy_rows(src, dst, checked=True)
-            cache.load_rows(dst, stage, sources=torch.tensor([1, 1]), checked=True)
             cache.reset_rows(src)
+        with _CountOps() as load:
+            cache.load_rows(dst, stage, sources=torch.tensor([1, 1]), checked=True)
         assert torch.equal(cache.layers[-1].values[2, :, :4], stage.layers[-1].values[1])  # fanned out, last layer
-        return count.ops
+        return count.ops, load.ops
 
-    assert row_ops(2) == row_ops(6)
+    (moves2, load2), (moves6, load6) = row_ops(2), row_ops(6)
+    assert moves2 == moves6
+    per_layer = (len(load6) - len(load2)) // 4
+    assert 0 < per_layer <= 5 and len(load6) - len(load2) == 4 * per_layer
+
+
+def _graph_workspace(run) -> int:
+    """Peak bytes of the intermediates ``run`` leaves in a graph pool when captured (the CPU emulation's count)."""
+    from hybrid_engine.accelerator import CPUAccelerator
+
+    acc = CPUAccelerator(emulate_graphs=True)
+    graph = acc.create_graph()
+    with acc.capture_to_graph(graph):
+        run()
+    acc.replay_graph(graph)
+    return graph.workspace_bytes
+
+
+@pytest.mark.parametrize("fan_out", [True, False])
+def test_load_rows_gathers_one_layer_at_a_time_so_a_captured_admission_keeps_one_layers_rows(fan_out):
+    """A captured admission round keeps load_rows' gathered K/V in its graph pool for good: with all layers at
+    once that was rows x width x every layer's K/V (64 MB at 256 slots of 256 tokens on an 8-layer tiny model,
+    ~15 GB for a 7B model); now it is one layer's, and the rows loaded are the same."""
+    cfg = build_config("tiny-llama")
+    cfg.num_hidden_layers = 8
+    rows, width = 16, 32
+    cache = StaticKVCache(cfg, rows, 48, dtype=torch.float32)
+    cache.valid.fill_(True)
+    stage = StaticKVCache(cfg, 4, width, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    stage.kv.copy_(torch.randn(stage.kv.shape, generator=gen))
+    stage.valid.copy_(torch.rand(stage.valid.shape, generator=gen) < 0.7)
+    stage.write_pos.fill_(width)
+    stage.position.copy_(stage.valid.sum(-1))
+    dst = torch.randperm(rows, generator=gen)
+    src = torch.randint(0, 4, (rows,), generator=gen) if fan_out else None
+    if not fan_out:
+        dst = dst[:4]
+    expected = cache.kv.clone()
+    picked = stage.kv if src is None else stage.kv[:, :, src]
+    expected[:, :, dst, :, :width] = picked
+    workspace = _graph_workspace(lambda: cache.load_rows(dst, stage, sources=src, checked=True))
+    assert torch.equal(cache.kv, expected)
+    loaded = len(dst) if fan_out else 0  # narrowed sources are views: nothing gathered
+    one_layer = 2 * loaded * cache.num_kv_heads * width * cache.head_dim * 4
+    assert workspace <= one_layer + 4096, (workspace, one_layer)
+    assert cache.valid[dst, :width].tolist() == (stage.valid if src is None else stage.valid[src]).tolist()
+    assert not cache.valid[dst, width:].any()
