@@ -312,7 +312,25 @@ def is_cpu_graph_capturing() -> bool:
 
 
 # ------------------------------------------------------------------- streams
-class CPUStream:
+class _HostWaits:
+    """Host waits on a CPU stream or event: nothing to wait for (CPU work has completed), but refused while a
+    graph is capturing, as CUDA refuses them."""
+
+    __slots__ = ()
+    _kind = "stream"
+
+    def synchronize(self) -> None:
+        if is_cpu_graph_capturing():
+            raise _not_permitted(f"{self._kind}.synchronize()")
+
+    def query(self) -> bool:
+        """True: all work on it has completed."""
+        if is_cpu_graph_capturing():
+            raise _not_permitted(f"{self._kind}.query()")
+        return True
+
+
+class CPUStream(_HostWaits):
     """A CPU "stream": identity only, since CPU work runs synchronously.
 
     It exists so that stream discipline (capture on a side stream, never on the
@@ -329,26 +347,17 @@ class CPUStream:
         if not isinstance(stream, CPUStream):
             raise TypeError(f"wait_stream: expected a CPUStream, got {type(stream).__name__}")
 
-    def synchronize(self) -> None:
-        if is_cpu_graph_capturing():
-            raise _not_permitted("stream.synchronize()")
-
-    def query(self) -> bool:
-        """True: all work on a CPU stream has completed."""
-        if is_cpu_graph_capturing():
-            raise _not_permitted("stream.query()")
-        return True
-
     def __repr__(self) -> str:
         return f"<CPUStream {'default' if self.is_default else hex(id(self))}>"
 
 
-class CPUEvent:
+class CPUEvent(_HostWaits):
     """A CPU "event" (``torch.cuda.Event`` without timing): recording it is legal during capture (a dependency
     inside the graph on CUDA); waiting on it from the host (``synchronize()``, ``query()``) is refused while
     capturing, as for :class:`CPUStream`. Outside capture, CPU work has always completed."""
 
     __slots__ = ("__weakref__",)
+    _kind = "event"
 
     def record(self, stream: CPUStream | None = None) -> None:
         if stream is not None and not isinstance(stream, CPUStream):
@@ -358,16 +367,6 @@ class CPUEvent:
         """Make ``stream`` (the current one by default) wait for this event (a no-op: CPU work is ordered)."""
         if stream is not None and not isinstance(stream, CPUStream):
             raise TypeError(f"wait: expected a CPUStream, got {type(stream).__name__}")
-
-    def synchronize(self) -> None:
-        if is_cpu_graph_capturing():
-            raise _not_permitted("event.synchronize()")
-
-    def query(self) -> bool:
-        """True: all work before a CPU event has completed."""
-        if is_cpu_graph_capturing():
-            raise _not_permitted("event.query()")
-        return True
 
     def __repr__(self) -> str:
         return f"<CPUEvent {hex(id(self))}>"
