@@ -169,6 +169,8 @@ class DeepSpeedEngineInterface:
             return super().__getattr__(name)  # type: ignore[misc]  # nn.Module's parameters, buffers, submodules
         except AttributeError:
             module = self.__dict__.get("_modules", {}).get("module")
-            if module is None or name.startswith("__"):
+            # The engine's own names are not forwarded: a property of the engine that failed inside (Python
+            # then falls back here) must raise its own error, not answer with the model's namesake.
+            if module is None or name.startswith("__") or any(name in vars(c) for c in type(self).__mro__):
                 raise
             return getattr(module, name)

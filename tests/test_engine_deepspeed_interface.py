@@ -116,6 +116,25 @@ def test_attributes_the_engine_lacks_are_the_models_as_on_deepspeeds_engine():
         _ = engine.no_such_thing
 
 
+def test_an_engine_property_that_fails_inside_is_not_answered_by_the_model(monkeypatch):
+    """``device`` exists on the model too: if the engine's own property fails, Python falls back to
+    ``__getattr__``, which must not forward the name and hide the failure behind the model's answer."""
+    from hybrid_engine.training import LocalTraining
+
+    engine, *_ = initialize(model=build_model("tiny-gpt2"), config={})
+
+    def broken(self):
+        raise AttributeError("the backend lost its scaler")
+
+    monkeypatch.setattr(LocalTraining, "loss_scale", property(broken))
+    with pytest.raises(AttributeError, match="HybridEngine.* has no attribute .cur_scale"):  # not the model's
+        _ = engine.cur_scale
+    monkeypatch.setattr("hybrid_engine.engine_interface.model_device", lambda m: (_ for _ in ()).throw(
+        AttributeError("no parameters")))
+    with pytest.raises(AttributeError):
+        _ = engine.device  # the model's .device would have answered "cpu"
+
+
 def test_steps_per_print_logs_deepspeeds_progress_line(caplog):
     engine, *_ = initialize(model=build_model("tiny-gpt2"), config={
         "steps_per_print": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
