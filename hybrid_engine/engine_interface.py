@@ -173,4 +173,8 @@ class DeepSpeedEngineInterface:
             # then falls back here) must raise its own error, not answer with the model's namesake.
             if module is None or name.startswith("__") or any(name in vars(c) for c in type(self).__mro__):
                 raise
+        try:
             return getattr(module, name)
+        except AttributeError:  # named as the engine's, as DeepSpeed's engine does
+            raise AttributeError(f"'{type(self).__name__}' object (nor its model, "
+                                 f"{type(module).__name__}) has no attribute '{name}'") from None
