@@ -204,12 +204,12 @@ def save(engine: CheckpointedEngine, save_dir: Any, tag: str | None, client_stat
                                         exclude_frozen_parameters=exclude_frozen_parameters)
     packed_client_state = _pack_client_state(client_state)  # before writing anything: it may not pickle
     module_state = engine.module.state_dict()
-    frozen = sorted(name for name, p in engine.module.named_parameters()
-                    if exclude_frozen_parameters and not p.requires_grad and name in module_state)
+    frozen = {name for name, p in engine.module.named_parameters()
+              if exclude_frozen_parameters and not p.requires_grad and name in module_state}
     state = {
         "format": FORMAT,
-        "module": {k: v for k, v in module_state.items() if k not in set(frozen)},
-        "frozen_excluded": frozen,  # left out by exclude_frozen_parameters: not missing when loaded
+        "module": {k: v for k, v in module_state.items() if k not in frozen},
+        "frozen_excluded": sorted(frozen),  # left out by exclude_frozen_parameters: not missing when loaded
         "optimizer": training.optimizer.state_dict() if training.optimizer is not None else None,
         "optimizer_class": type(training.optimizer).__name__ if training.optimizer is not None else None,
         "master_weights": training.masters.state_dict() if training.masters is not None else None,

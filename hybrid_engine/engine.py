@@ -407,7 +407,7 @@ def _local_training(model: nn.Module, optimizer: Any, cfg: EngineConfig,
                     lr_scheduler: Any, model_parameters: Any) -> LocalTraining:
     dtype = torch.float16 if cfg.fp16.enabled else torch.bfloat16 if cfg.bf16.enabled else None
     masters = MasterWeights(model, dtype) if dtype is not None else None
-    optimizer_arg = optimizer
+    built_from_config = optimizer is None
     if optimizer is None or not isinstance(optimizer, torch.optim.Optimizer):
         params = model_parameters if model_parameters is not None else [
             p for p in model.parameters() if p.requires_grad
@@ -429,8 +429,7 @@ def _local_training(model: nn.Module, optimizer: Any, cfg: EngineConfig,
         lr_scheduler = lr_scheduler(optimizer)
     elif lr_scheduler is None:
         lr_scheduler = build_scheduler(cfg, optimizer)  # the config's "scheduler" section, as DeepSpeed's
-    training = LocalTraining(model, optimizer, cfg, lr_scheduler, masters)
-    training.built_from_config = optimizer_arg is None
+    training = LocalTraining(model, optimizer, cfg, lr_scheduler, masters, built_from_config=built_from_config)
     if masters is not None:
         masters.cast_module()  # last: a refused setup leaves the caller's model in its own precision
     return training

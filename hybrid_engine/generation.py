@@ -396,7 +396,7 @@ class Generator:
         enabled = self.config.hybrid_engine.enable_graph_capture
         capacity = self.config.hybrid_engine.max_out_tokens
         runner = self.runner
-        slots = runner.prepare(rows=batch, capacity=capacity, width=capacity, num_eos=len(plan.eos), graphs=enabled)
+        slots = runner.prepare(rows=batch, capacity=capacity, num_eos=len(plan.eos), graphs=enabled)
         if not enabled:
             runner.note_refusal(GRAPHS_OFF, warn=False)
         pad = plan.pad if plan.pad is not None else 0

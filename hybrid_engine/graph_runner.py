@@ -277,12 +277,15 @@ class DecodeGraphRunner:
         return limit
 
     # ------------------------------------------------------------- lifecycle
-    def prepare(self, *, rows: int, capacity: int, width: int, num_eos: int, graphs: bool,
+    def prepare(self, *, rows: int, capacity: int, num_eos: int, graphs: bool,
                 prompt_width: int | None = None) -> DecodeSlots:
         """Start a call: slots for ``rows`` concurrent rows, graphs checked against what they froze.
 
-        ``graphs`` says whether the caller wants graphs; the policy may still
-        refuse (warned once, recorded in ``last_refusal_reason``).
+        The slots' output rows span the whole ``capacity``: a call with a few more
+        new tokens than any before it fits the buffers (and keeps the graphs)
+        whenever it fits the cache. ``graphs`` says whether the caller wants
+        graphs; the policy may still refuse (warned once, recorded in
+        ``last_refusal_reason``).
         ``prompt_width`` (the width prompts are staged at, at least the longest
         real prompt) sets up :meth:`prefill_prompts` and :meth:`admit`: the
         admission stage gets request columns for a round on every slot and
@@ -298,23 +301,21 @@ class DecodeGraphRunner:
         need = self.bucket_for(rows)
         slots = self.slots
         vocab = vocab_sizes(model)
-        if slots is None or not slots.fits(need, capacity, width, num_eos, device, dtype, vocab):
+        window = sliding_window(model.config)
+        if slots is None or not slots.fits(need, capacity, capacity, num_eos, device, dtype, vocab):
             if slots is not None and slots.device == device and slots.dtype == dtype:
                 if capacity > slots.capacity:  # grow by half at least: calls a little longer each time (a
                     # response-length schedule) then rebuild the buffers and recapture a few times, not every call
                     grown = max(capacity, slots.capacity + slots.capacity // 2)
-                    window = sliding_window(model.config)
-                    if window is not None:  # never past a sliding window the call itself fits in
-                        grown = max(capacity, min(grown, window))
-                    width = grown if width == capacity else width  # output columns for the whole cache (rollouts)
-                    capacity = grown
+                    # never past a sliding window the call itself fits in
+                    capacity = grown if window is None else max(capacity, min(grown, window))
                 need, capacity = max(need, slots.rows), max(capacity, slots.capacity)
-                width, num_eos = max(width, slots.width), max(num_eos, slots.num_eos_slots)
+                num_eos = max(num_eos, slots.num_eos_slots)
             self.invalidate()
             self.slots = slots = None  # free the old buffers before allocating the new ones
-            self.slots = slots = DecodeSlots(model, need, capacity, width, num_eos=num_eos, device=device,
+            self.slots = slots = DecodeSlots(model, need, capacity, capacity, num_eos=num_eos, device=device,
                                              dtype=dtype, position_limit=max_positions(model.config))
-        window = sliding_window(model.config)  # checked on allocation; the config may have changed since
+        # Checked on allocation too: the config may have changed since.
         if window is not None and window < slots.capacity:
             raise ValueError(
                 f"the model's config now uses sliding-window attention (window {window}) smaller than the decode "

@@ -195,7 +195,7 @@ class LocalTraining:
     """Stage-0 training of ``module``: optimizer, optional fp32 masters and fp16 loss scaling."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, config: EngineConfig,
-                 lr_scheduler: Any, masters: MasterWeights | None) -> None:
+                 lr_scheduler: Any, masters: MasterWeights | None, *, built_from_config: bool = False) -> None:
         self.module = module
         self.optimizer = optimizer
         self.config = config
@@ -213,7 +213,7 @@ class LocalTraining:
         self.boundary_override: bool | None = None
         self.inside_no_sync = False
         #: Whether the optimizer was built from ``config.optimizer`` (not passed in): DeepSpeed's ``optimizer_name``.
-        self.built_from_config = False
+        self.built_from_config = built_from_config
         self.scaler: PolicyGradScaler | None = None
         if config.fp16.enabled:
             # GradScaler scales, unscales and skips; the scale itself follows DeepSpeed's policy.

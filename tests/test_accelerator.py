@@ -558,7 +558,7 @@ def _decode_steps(model, calls: int = 4, steps: int = 3):
     with warnings.catch_warnings(), decode_grad_mode():
         warnings.simplefilter("ignore")
         for _ in range(calls):
-            slots = runner.prepare(rows=2, capacity=32, width=16, num_eos=1, graphs=True)
+            slots = runner.prepare(rows=2, capacity=32, num_eos=1, graphs=True)
             slots.set_special_ids(0, (2,))
             slots.knobs.set(*key)
             for _ in range(steps):
@@ -593,7 +593,7 @@ def test_a_capture_that_fails_into_the_shared_pool_does_not_doom_the_later_ones(
     with warnings.catch_warnings(), decode_grad_mode():
         warnings.simplefilter("ignore")
         for _ in range(4):
-            slots = runner.prepare(rows=4, capacity=32, width=16, num_eos=1, graphs=True)
+            slots = runner.prepare(rows=4, capacity=32, num_eos=1, graphs=True)
             slots.set_special_ids(0, (2,))
             slots.knobs.set(*key)
             for bucket in (4, 4, 2, 2, 1, 1):  # captures 4 (into its own pool), then 2 (fails), then 1

@@ -428,7 +428,7 @@ def test_failed_capture_restores_counters_at_the_runner():
 
     model = build_model("tiny-llama", seed=1)
     runner = DecodeGraphRunner(model)
-    slots = runner.prepare(rows=2, capacity=8, width=8, num_eos=1, graphs=True)
+    slots = runner.prepare(rows=2, capacity=8, num_eos=1, graphs=True)
     view = slots.cache.rows_view(0, 2)
 
     def step():

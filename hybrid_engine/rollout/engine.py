@@ -241,9 +241,7 @@ class HybridEngineRollout:
         runner = self.runner
         before = runner.stats
         with self._inference_mode():
-            # Output columns for the whole capacity: a call with a few more new tokens than any before it then
-            # fits the buffers (and keeps the graphs) whenever the cache does.
-            state = runner.prepare(rows=max_active, capacity=capacity, width=capacity, num_eos=len(eos_ids),
+            state = runner.prepare(rows=max_active, capacity=capacity, num_eos=len(eos_ids),
                                    graphs=cfg.use_graph_capture, prompt_width=prompt_width)
             counters = Counters(timer=PhaseTimer(runner.accelerator))
             state.set_special_ids(pad_id, eos_ids)
