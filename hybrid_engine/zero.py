@@ -41,7 +41,7 @@ from .config import EngineConfig
 from .ranks import rank
 
 __all__ = ["DeepSpeedTraining", "build", "deepspeed_config", "destroy_deepspeed_engine", "destroy_process_group",
-           "gathered_for_inference", "import_deepspeed", "is_zero3_partitioned"]
+           "gathered_for_inference", "import_deepspeed", "is_zero3_partitioned", "one_rank_without_launcher"]
 
 #: Key under which the engine keeps torch's RNG states inside DeepSpeed's ``client_state``.
 RNG_CLIENT_KEY = "hybrid_engine_rng"
@@ -205,6 +205,41 @@ def _without_zero3_module_hooks(module: nn.Module) -> Iterator[None]:
             table.update(added)
 
 
+#: The variables a launcher (torchrun, ``deepspeed``) sets for each rank, which DeepSpeed reads.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def one_rank_without_launcher() -> None:
+    """Let DeepSpeed set up a one-rank process group when the script runs without a launcher.
+
+    ``python train.py`` at ZeRO 1-3 would otherwise reach DeepSpeed's MPI discovery
+    (``mpi4py``) or its ``LOCAL_RANK`` assertion. As accelerate does for a single
+    process, the launcher variables DeepSpeed reads are filled in for rank 0 of 1,
+    on loopback with a free port; variables already set are kept. A partial launch
+    (``WORLD_SIZE`` above 1 with the rest missing) is refused, naming how to launch.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() == 1:
+            os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asserts it even on a group the caller made
+        return
+    missing = [name for name in LAUNCHER_VARIABLES if name not in os.environ]
+    if not missing:
+        return
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        raise ValueError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {', '.join(missing)} are not: launch the ranks with "
+            "`torchrun --nproc_per_node N train.py` or `deepspeed train.py`, or unset WORLD_SIZE to train in one "
+            "process")
+    from .launch import free_port
+
+    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port())}
+    for name in missing:
+        os.environ[name] = defaults[name]
+
+
 def deepspeed_config(config: EngineConfig) -> dict[str, Any]:
     """The dict handed to ``deepspeed.initialize``: our config without our own ``hybrid_engine`` section.
 
@@ -231,6 +266,9 @@ def build(model: nn.Module, optimizer: Any, config: EngineConfig, lr_scheduler: 
     ZeRO stage (for the ``ImportError``)."""
     deepspeed = import_deepspeed(needed_for)
     from deepspeed.accelerator import get_accelerator
+
+    if dist_init_required is not False:
+        one_rank_without_launcher()
 
     accelerator = get_accelerator()
     if config.fp16.enabled and not accelerator.is_fp16_supported():

@@ -1,0 +1,54 @@
+"""Trains at ZeRO 1-3 in one plain process (no launcher variables), beside a stage-0 reference.
+
+Run by ``test_one_process_zero.py`` under a hard timeout; prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from hybrid_engine import initialize
+from hybrid_engine.tiny_models import build_model
+
+STEPS = 3
+
+
+def train(stage: int, precision: str) -> dict:
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": stage}, "hybrid_engine": {"enable_graph_capture": True}}
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    engine, *_ = initialize(model=build_model("tiny-gpt2", seed=3), config=config)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (2, 12), generator=gen)
+    losses = []
+    for _ in range(STEPS):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    tokens = engine.generate(ids[:, :4], max_new_tokens=6, do_sample=False).tolist()
+    out = {"losses": losses, "tokens": tokens, "global_steps": int(engine.global_steps),
+           "zero_stage": int(engine.zero_optimization_stage())}
+    engine.destroy()
+    return out
+
+
+def main() -> None:
+    leaked = [name for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if name in os.environ]
+    assert not leaked, f"launcher variables set: {leaked}"
+    torch.set_num_threads(1)
+    cases = [tuple(c.split(":")) for c in sys.argv[1:]]
+    results = {f"{stage}:{precision}": train(int(stage), precision) for stage, precision in cases}
+    import torch.distributed as dist
+
+    results["world"] = dist.get_world_size() if dist.is_initialized() else None
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""ZeRO 1-3 in one process started as ``python train.py``: no torchrun, no launcher variables.
+
+DeepSpeed alone would reach MPI discovery (``mpi4py``) or assert ``LOCAL_RANK``;
+the engine sets up a one-rank group on loopback first. Each run is a subprocess
+(the group is process-wide) in a session of its own, killed whole at the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+WORKER = Path(__file__).with_name("one_process_worker.py")
+TIMEOUT_S = 300
+LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+
+
+def run_worker(*cases: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER}
+    proc = subprocess.Popen([sys.executable, str(WORKER), *cases], env={**clean, **(env or {}), "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"one-process ZeRO run did not finish in {TIMEOUT_S} s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def results(out: str) -> dict:
+    line = next(line for line in out.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_zero_1_2_3_train_in_one_process_without_a_launcher_as_stage_0_does():
+    code, out = run_worker("0:fp32", "1:fp32", "2:fp32", "3:fp32", "2:bf16")
+    assert code == 0, out[-6000:]
+    r = results(out)
+    assert r["world"] == 1
+    reference = r["0:fp32"]
+    for stage in (1, 2, 3):
+        got = r[f"{stage}:fp32"]
+        assert got["zero_stage"] == stage and got["global_steps"] == 3
+        # The same AdamW steps on the same batch as plain PyTorch at stage 0.
+        assert got["losses"] == pytest.approx(reference["losses"], abs=1e-4), stage
+        assert got["tokens"] == reference["tokens"], stage
+    bf16 = r["2:bf16"]
+    assert bf16["global_steps"] == 3 and bf16["losses"][-1] < bf16["losses"][0]
+
+
+def test_a_partial_launch_is_refused_in_one_sentence_naming_the_launcher():
+    code, out = run_worker("1:fp32", env={"WORLD_SIZE": "2"})
+    assert code != 0
+    assert "WORLD_SIZE=2 is set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not: launch the ranks with " \
+           "`torchrun" in out
+    assert "mpi4py" not in out
+
+
+def test_fp16_at_zero_trains_in_one_process_where_the_cpu_has_fp16_kernels():
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().is_fp16_supported():
+        pytest.skip("DeepSpeed's accelerator reports no fp16 here (on a CPU: no AVX-512 fp16 kernels); the refusal "
+                    "is tested in test_engine_training.py")
+    code, out = run_worker("1:fp16")
+    assert code == 0, out[-6000:]
+    got = results(out)["1:fp16"]
+    assert got["zero_stage"] == 1 and got["global_steps"] == 3 and got["losses"][-1] < got["losses"][0]
