@@ -23,8 +23,8 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hybrid_engine.accelerator import CPUAccelerator
-from hybrid_engine.model_step import decode_one_token, prefill
-from hybrid_engine.static_cache import StaticKVCache
+from hybrid_engine.decode.kv_cache import StaticKVCache
+from hybrid_engine.decode.step import decode_one_token, prefill
 
 
 def build(layers: int, hidden: int, heads: int, vocab: int) -> GPT2LMHeadModel:

@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     quiet = contextlib.nullcontext()
     if args.zero3:
-        from hybrid_engine.launch import free_port
-        from hybrid_engine.zero import import_deepspeed
+        from hybrid_engine.distributed.deepspeed_import import import_deepspeed
+        from hybrid_engine.distributed.launch import free_port
 
         import_deepspeed()  # before TRL imports it: no C++ op is built on a CPU
         if "RANK" not in os.environ:  # plain `python`: one process
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.zero3:
         import torch.distributed as dist
 
-        from hybrid_engine.zero import destroy_process_group
+        from hybrid_engine.distributed.world import destroy_process_group
 
         if dist.is_initialized():
             dist.barrier()

@@ -1,9 +1,15 @@
 """hybrid-engine: train a causal LM and generate its RL rollouts in one engine, with graph-captured decode."""
 
-from . import npu_attention  # noqa: F401  (registers attn_implementation "npu_graph" with transformers)
-from .accelerator import get_accelerator, set_accelerator
-from .engine import GraphStats, HybridEngine, initialize
-from .rollout import HybridEngineRollout, RolloutBatch, RolloutConfig, RolloutRequest, SamplingConfig
+from hybrid_engine.accelerator import get_accelerator, set_accelerator
+from hybrid_engine.decode import npu_attention  # noqa: F401  (registers attn_implementation "npu_graph" with transformers)
+from hybrid_engine.engine import GraphStats, HybridEngine, initialize
+from hybrid_engine.rollout import (
+           HybridEngineRollout,
+           RolloutBatch,
+           RolloutConfig,
+           RolloutRequest,
+           SamplingConfig,
+)
 
 __version__ = "0.1.0"
 

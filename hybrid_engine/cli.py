@@ -11,8 +11,8 @@ def _info(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
-    from . import __version__
-    from .accelerator import get_accelerator
+    from hybrid_engine import __version__
+    from hybrid_engine.accelerator import get_accelerator
 
     print(f"hybrid-engine  {__version__}")
     print(f"python         {sys.version.split()[0]}")
@@ -49,21 +49,21 @@ def _version_of(distribution: str) -> str | None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from . import demo
+    from hybrid_engine import demo
 
     return demo.run(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .benchmarks import module
+    from hybrid_engine.benchmarks import module
 
     module(args.bench_command).run(args)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import demo
-    from .benchmarks import SUBCOMMANDS, module
+    from hybrid_engine import demo
+    from hybrid_engine.benchmarks import SUBCOMMANDS, module
 
     parser = argparse.ArgumentParser(prog="hybrid-engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the exact command, for benchmark reports
-    from .benchmarks.options import UsageError
+    from hybrid_engine.benchmarks.options import UsageError
 
     try:
         return int(args.func(args) or 0)

@@ -2,12 +2,12 @@
 
 The engine holds the Hugging Face model once. Training goes to one of two
 backends, chosen from ``zero_optimization.stage``: plain PyTorch for stage 0
-in one process (:mod:`hybrid_engine.training`), DeepSpeed's engine for ZeRO 1-3
-and for stage 0 over several ranks (:mod:`hybrid_engine.zero`). With
+in one process (:mod:`hybrid_engine.training.local`), DeepSpeed's engine for ZeRO 1-3
+and for stage 0 over several ranks (:mod:`hybrid_engine.training.deepspeed`). With
 ``bf16``/``fp16`` both keep low-precision module parameters and fp32 master
 weights in the optimizer, so rollouts run at low precision too. Generation
-goes through :mod:`hybrid_engine.generation`, which decodes on the engine's
-graph runner (:mod:`hybrid_engine.graph_runner`): one captured step per batch
+goes through :mod:`hybrid_engine.generation.generate`, which decodes on the engine's
+graph runner (:mod:`hybrid_engine.graphs.runner`): one captured step per batch
 bucket and sampling mode, replayed at every position.
 
 Why the two sides can share one model safely: every optimizer update lands in
@@ -16,7 +16,7 @@ address, see them on the next replay; anything that re-allocates a parameter or
 buffer changes the weight fingerprint, and the runner drops its graphs before
 the next replay. Under ZeRO-3 graphs are refused and each generate call runs
 eagerly on parameters gathered for that call, unless generation runs on the
-gathered inference copy (:mod:`hybrid_engine.inference_copy`).
+gathered inference copy (:mod:`hybrid_engine.distributed.inference_copy`).
 
 Train/eval: ``eval()`` selects the inference path, ``train()`` the training
 forward. ``generate`` called in train mode runs that one call in eval mode (no
@@ -33,19 +33,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checkpoint
-from .config import ConfigSource, EngineConfig, load_config, world_size
-from .engine_interface import DeepSpeedEngineInterface
-from .exclusive import exclusive_generation
-from .generation import Generator
-from .graph_runner import GraphStats, decode_grad_mode, eval_for_generation
-from .inference_copy import InferenceCopy
-from .inputs import decode_model
-from .precision import MasterWeights
-from .ranks import rank
-from .training import LocalTraining, build_optimizer, build_scheduler
-from .zero import DeepSpeedTraining, gathered_for_inference
-from .zero import build as build_deepspeed_training
+from hybrid_engine.config.loading import ConfigSource, load_config
+from hybrid_engine.config.schema import EngineConfig
+from hybrid_engine.distributed.inference_copy import InferenceCopy
+from hybrid_engine.distributed.world import rank, world_size
+from hybrid_engine.distributed.zero3 import gathered_for_inference
+from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_generation, exclusive_generation
+from hybrid_engine.generation.generate import GenerateFrontEnd
+from hybrid_engine.graphs.stats import GraphStats
+from hybrid_engine.model_access import decode_model
+from hybrid_engine.training import checkpoint
+from hybrid_engine.training.deepspeed import DeepSpeedTraining
+from hybrid_engine.training.deepspeed import build as build_deepspeed_training
+from hybrid_engine.training.deepspeed_interface import DeepSpeedEngineInterface
+from hybrid_engine.training.local import LocalTraining, build_optimizer, build_scheduler
+from hybrid_engine.training.precision import MasterWeights
 
 __all__ = ["HybridEngine", "initialize"]
 
@@ -56,7 +58,7 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
     Built by :func:`initialize` or :meth:`from_deepspeed`; ``training_backend``
     owns the optimizer, the LR scheduler and the step counters. DeepSpeed's
     smaller engine queries (ranks, config flags, ``was_step_applied``, ``no_sync``...)
-    come from :class:`~hybrid_engine.engine_interface.DeepSpeedEngineInterface`.
+    come from :class:`~hybrid_engine.training.deepspeed_interface.DeepSpeedEngineInterface`.
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig, training: LocalTraining | DeepSpeedTraining):
@@ -66,7 +68,7 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         self.training_backend = training
         self._inference_copy = (InferenceCopy(decode_model(model)) if config.zero_optimization.stage == 3
                                 and config.hybrid_engine.zero3_gathered_inference_copy else None)
-        self._generator = Generator(self.inference_module, config)
+        self._front_end = GenerateFrontEnd(self.inference_module, config)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "module" and "module" in self.__dict__.get("_modules", {}):
@@ -81,7 +83,7 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         """The transformers model that generation runs on (and rollouts built on this engine).
 
         ``module`` itself, a PEFT wrapper's base model, or under ZeRO-3 with
-        ``zero3_gathered_inference_copy`` the unpartitioned copy (:mod:`hybrid_engine.inference_copy`).
+        ``zero3_gathered_inference_copy`` the unpartitioned copy (:mod:`hybrid_engine.distributed.inference_copy`).
         """
         return self._inference_copy.module if self._inference_copy is not None else decode_model(self.module)
 
@@ -253,7 +255,7 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
                                      load_lr_scheduler_states=load_lr_scheduler_states,
                                      load_module_only=load_module_only, custom_load_fn=custom_load_fn)
             if result[0] is not None:
-                self._generator.runner.invalidate()
+                self._front_end.runner.invalidate()
                 if self._inference_copy is not None:
                     self._inference_copy.refresh()
         return result
@@ -264,40 +266,40 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
 
         In train mode the call runs in eval mode (no dropout); afterwards every
         submodule has its own mode back. Concurrent calls on one model are serialised
-        (:mod:`hybrid_engine.exclusive`). See :mod:`hybrid_engine.generation` for the paths
-        and :mod:`hybrid_engine.graph_policy` for when graphs are refused.
+        (:mod:`hybrid_engine.generation.call_context`). See :mod:`hybrid_engine.generation.generate` for the paths
+        and :mod:`hybrid_engine.graphs.policy` for when graphs are refused.
         """
         with exclusive_generation(self.inference_module, "HybridEngine.generate"), eval_for_generation(self.module):
             with decode_grad_mode(), gathered_for_inference(self.inference_module):
-                return self._generator.generate(*args, **kwargs)
+                return self._front_end.generate(*args, **kwargs)
 
     def destroy(self) -> None:
         """Release the engine's decode buffers and graphs and, under ZeRO, DeepSpeed's engine state.
 
         Call it on every rank when training is over, before
-        :func:`hybrid_engine.zero.destroy_process_group` (or DeepSpeed's
+        :func:`hybrid_engine.distributed.world.destroy_process_group` (or DeepSpeed's
         ``deepspeed.comm.destroy_process_group()``). The engine cannot train or
         generate with DeepSpeed afterwards.
         """
         with exclusive_generation(self.inference_module, "HybridEngine.destroy"):  # after a running generate
-            self._generator.runner.release()
+            self._front_end.runner.release()
         if isinstance(self.training_backend, DeepSpeedTraining):
             self.training_backend.destroy()
 
     def invalidate_graphs(self) -> None:
         """Drop ``generate``'s graphs; the next call captures again. Needed only after a change the graph
-        fingerprint cannot see, such as a module-level function patched (:mod:`hybrid_engine.graph_safety`)."""
+        fingerprint cannot see, such as a module-level function patched (:mod:`hybrid_engine.graphs.fingerprint`)."""
         with exclusive_generation(self.inference_module, "HybridEngine.invalidate_graphs"):
-            self._generator.runner.invalidate()
+            self._front_end.runner.invalidate()
 
     @property
     def graph_stats(self) -> GraphStats:
         """Graph counters of ``generate`` (captures, replays, refusal reason, memory): :class:`GraphStats`."""
-        return self._generator.stats()
+        return self._front_end.stats()
 
     def graph_refusal_reason(self) -> str | None:
         """Why graphs would be refused for a ``generate`` call now, or ``None``."""
-        return self._generator.gate_reason()
+        return self._front_end.gate_reason()
 
 
 def initialize(

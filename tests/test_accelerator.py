@@ -457,7 +457,7 @@ def test_base_accelerator_has_no_streams_or_pool_accounting():
 def test_stub_npu_backend_graphs_sdpa_models_with_npu_graph(monkeypatch):
     """The runner's attention switch asks the backend's name and torch_npu's kernels, never a torch device.
     Only sdpa reaches the fused kernels that NPU capture rejects; eager attention captures as it is."""
-    from hybrid_engine.graph_policy import graph_attention, refusal_reason
+    from hybrid_engine.graphs.policy import graph_attention, refusal_reason
     from hybrid_engine.tiny_models import build_model
 
     npu = TorchBackendAccelerator("npu", make_stub_backend("NPUGraph", []))
@@ -552,7 +552,8 @@ def _emulating_cuda_module(reserved: dict | None = None, failing_captures: tuple
 def _decode_steps(model, calls: int = 4, steps: int = 3):
     import warnings
 
-    from hybrid_engine.graph_runner import DecodeGraphRunner, decode_grad_mode
+    from hybrid_engine.generation.call_context import decode_grad_mode
+    from hybrid_engine.graphs.runner import DecodeGraphRunner
 
     runner, key = DecodeGraphRunner(model), (0.0, 1.0, -1)
     with warnings.catch_warnings(), decode_grad_mode():
@@ -585,7 +586,8 @@ def test_a_capture_that_fails_into_the_shared_pool_does_not_doom_the_later_ones(
     fails ("already recording to mempool_id"): before, three such failures disabled graphs for good."""
     import warnings
 
-    from hybrid_engine.graph_runner import DecodeGraphRunner, decode_grad_mode
+    from hybrid_engine.generation.call_context import decode_grad_mode
+    from hybrid_engine.graphs.runner import DecodeGraphRunner
     from hybrid_engine.tiny_models import build_model
 
     set_accelerator(TorchBackendAccelerator("cpu", _emulating_cuda_module(failing_captures=(2,))))

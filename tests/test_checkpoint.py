@@ -15,8 +15,8 @@ import torch
 from conftest import left_padded_prompts as prompts
 
 from hybrid_engine import initialize
-from hybrid_engine.checkpoint import STATE_FILE
 from hybrid_engine.tiny_models import build_model
+from hybrid_engine.training.checkpoint import STATE_FILE
 
 HERE = Path(__file__).resolve().parent
 

@@ -105,7 +105,7 @@ def test_bench_counts_and_sampling_knobs_are_checked_up_front(capsys, argv, expe
 
 
 def test_bench_rlhf_on_zero_ranks_checks_before_starting_any_rank(capsys, monkeypatch):
-    import hybrid_engine.launch as launch
+    import hybrid_engine.distributed.launch as launch
 
     def no_ranks(*args, **kwargs):
         raise AssertionError("ranks were started before the options were checked")

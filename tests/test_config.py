@@ -1,4 +1,4 @@
-"""Behaviour of ``hybrid_engine.config``: validation, alias migration, graph gates."""
+"""Behaviour of ``hybrid_engine.config.schema``: validation, alias migration, graph gates."""
 
 from __future__ import annotations
 
@@ -12,13 +12,9 @@ import warnings
 import pytest
 
 from hybrid_engine.accelerator import CPUAccelerator
-from hybrid_engine.config import (
-    EngineConfig,
-    HybridEngineConfig,
-    graph_capture_requested,
-    load_config,
-    validate_graph_capture_support,
-)
+from hybrid_engine.config.loading import load_config
+from hybrid_engine.config.schema import EngineConfig, HybridEngineConfig
+from hybrid_engine.graphs.policy import graph_capture_requested, validate_graph_capture_support
 
 
 def _load_recording(source):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hybrid_engine.accelerator import set_accelerator
+from hybrid_engine.benchmarks.toy_grpo import group_advantages, word_token_ids
 from hybrid_engine.cli import main
-from hybrid_engine.demo import group_advantages, word_token_ids
 from hybrid_engine.tiny_models import build_tokenizer
 
 
@@ -35,7 +35,7 @@ def test_the_demo_policy_has_no_dropout_so_training_scores_what_was_sampled(arch
     forward under --model opt differed from the rollout's log-probs by 0.1-0.3."""
     import argparse
 
-    from hybrid_engine.demo import build_model_and_tokenizer
+    from hybrid_engine.benchmarks.toy_grpo import build_model_and_tokenizer
 
     model, _ = build_model_and_tokenizer(argparse.Namespace(model_path=None, model=arch, seed=0),
                                          torch.device("cpu"))

@@ -119,7 +119,7 @@ def test_attributes_the_engine_lacks_are_the_models_as_on_deepspeeds_engine():
 def test_an_engine_property_that_fails_inside_is_not_answered_by_the_model(monkeypatch):
     """``device`` exists on the model too: if the engine's own property fails, Python falls back to
     ``__getattr__``, which must not forward the name and hide the failure behind the model's answer."""
-    from hybrid_engine.training import LocalTraining
+    from hybrid_engine.training.local import LocalTraining
 
     engine, *_ = initialize(model=build_model("tiny-gpt2"), config={})
 
@@ -129,7 +129,7 @@ def test_an_engine_property_that_fails_inside_is_not_answered_by_the_model(monke
     monkeypatch.setattr(LocalTraining, "loss_scale", property(broken))
     with pytest.raises(AttributeError, match="HybridEngine.* has no attribute .cur_scale"):  # not the model's
         _ = engine.cur_scale
-    monkeypatch.setattr("hybrid_engine.engine_interface.model_device", lambda m: (_ for _ in ()).throw(
+    monkeypatch.setattr("hybrid_engine.training.deepspeed_interface.model_device", lambda m: (_ for _ in ()).throw(
         AttributeError("no parameters")))
     with pytest.raises(AttributeError):
         _ = engine.device  # the model's .device would have answered "cpu"
@@ -138,10 +138,10 @@ def test_an_engine_property_that_fails_inside_is_not_answered_by_the_model(monke
 def test_steps_per_print_logs_deepspeeds_progress_line(caplog):
     engine, *_ = initialize(model=build_model("tiny-gpt2"), config={
         "steps_per_print": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    with caplog.at_level(logging.INFO, logger="hybrid_engine.training"):
+    with caplog.at_level(logging.INFO, logger="hybrid_engine.training.local"):
         for step in range(4):
             train_step(engine, step)
-    lines = [r.getMessage() for r in caplog.records if r.name == "hybrid_engine.training"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "hybrid_engine.training.local"]
     assert lines == ["step=2, skipped=0, lr=[0.1], mom=[0]", "step=4, skipped=0, lr=[0.1], mom=[0]"]
 
 

@@ -15,13 +15,15 @@ import pytest
 import torch
 from conftest import left_padded_prompts as prompts
 
-import hybrid_engine.scheduler as scheduler
+import hybrid_engine.generation.scheduler as scheduler
 from hybrid_engine.accelerator import CPUAccelerator, get_accelerator, set_accelerator
 from hybrid_engine.accelerator.cpu_graph import is_cpu_graph_capturing
-from hybrid_engine.config import EngineConfig, load_config, validate_graph_capture_support
+from hybrid_engine.config.loading import load_config
+from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.engine import initialize
-from hybrid_engine.graph_policy import GraphRefusedWarning
-from hybrid_engine.graph_runner import MAX_CAPTURE_FAILURES, GraphStats
+from hybrid_engine.graphs.policy import GraphRefusedWarning, validate_graph_capture_support
+from hybrid_engine.graphs.runner import MAX_CAPTURE_FAILURES
+from hybrid_engine.graphs.stats import GraphStats
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 from hybrid_engine.tiny_models import build_model
 
@@ -56,7 +58,7 @@ def test_graph_tokens_equal_eager_one_capture_for_every_position(arch, batch, dt
     again = gen(graph, ids, mask)  # replays only
     assert torch.equal(first, expected) and torch.equal(again, expected)
     s = graph.graph_stats
-    assert s.captures == 1 and s.captured_positions == 1 and s.buckets == (batch,)
+    assert s.captures == 1 and s.graph_keys == 1 and s.buckets == (batch,)
     # Warmed up and captured before the first step (on free slots): every decode step replays.
     assert s.warmups == 1 and s.eager_steps == 0 and s.replays == 2 * (N - 1)
     assert s.last_refusal_reason is None and s.enabled and s.fallbacks == 0
@@ -183,7 +185,7 @@ def test_bigger_batch_grows_the_buffers_once():
     s = graph.graph_stats
     # 2 -> bucket 2; 5 -> bucket 8 (new buffers: bucket 2's graph is dropped once); then 2, 1 and 8 reuse them.
     assert s.invalidations == 1 and s.buckets == (1, 2, 8) and s.captures == 1 + 3
-    from hybrid_engine.static_cache import StaticKVCache
+    from hybrid_engine.decode.kv_cache import StaticKVCache
 
     assert s.cache_memory_bytes >= StaticKVCache(model.config, 8, 32).memory_bytes()
 
@@ -193,14 +195,14 @@ def test_stats_fields_and_to_dict():
     s = graph.graph_stats
     assert isinstance(s, GraphStats)
     d = s.to_dict()
-    for name in ("captured_positions", "replays", "captures", "fallbacks", "last_refusal_reason", "enabled",
+    for name in ("replays", "captures", "fallbacks", "last_refusal_reason", "enabled",
                  "capture_seconds", "graph_memory_bytes", "cache_memory_bytes", "graph_keys", "invalidations"):
         assert name in d
     assert s.enabled and s.captures == 0 and s.graph_memory_bytes == 0
     gen(graph, *prompts(2, 3), n=4)
     s = graph.graph_stats
     assert s.capture_seconds > 0 and s.cache_memory_bytes > 0 and s.graph_keys == 1
-    runner = graph._generator.runner
+    runner = graph._front_end.runner
     # The emulated pool's bytes are reported on CPU too. The step writes into preallocated buffers, so
     # they are workspace, which graphs sharing the pool share: a smaller bucket's graph adds nothing.
     assert s.graph_memory_bytes == runner.accelerator.graph_memory_bytes(runner._pool) > 0
@@ -224,7 +226,7 @@ def test_zero3_refused_by_validator_and_by_engine_gate():
     # The runner's policy goes through the same validator (ZeRO-3 training itself: tests/distributed).
     model = build_model("tiny-gpt2")
     graph, eager = engines(model)
-    graph._generator.config = graph._generator.runner.config = load_config(cfg)
+    graph._front_end.config = graph._front_end.runner.config = load_config(cfg)
     ids, mask = prompts(2, 3)
     with pytest.warns(GraphRefusedWarning, match="ZeRO stage 3") as rec:
         out = gen(graph, ids, mask, n=3)
@@ -267,7 +269,7 @@ def test_backend_without_graphs_runs_eager():
 
 
 def test_attention_implementation_outside_the_capturable_set_is_refused():
-    from hybrid_engine.graph_runner import DecodeGraphRunner
+    from hybrid_engine.graphs.runner import DecodeGraphRunner
 
     model = build_model("tiny-llama")
     runner = DecodeGraphRunner(model)
@@ -565,7 +567,7 @@ def test_without_the_fingerprint_check_the_emulation_refuses_the_stale_replay(mo
     """What the weight fingerprint guards against fails loudly in CPU CI: with the check disabled, replaying
     graphs whose weights were reallocated (the old memory freed) raises instead of reading stale weights,
     though every graph of the runner (decode buckets, prefill, admission) reads those weights."""
-    import hybrid_engine.graph_runner as graph_runner
+    import hybrid_engine.graphs.runner as graph_runner
     from hybrid_engine.accelerator import GraphReplayError
 
     model = build_model("tiny-llama", seed=5)
@@ -856,7 +858,7 @@ def test_release_inference_cache_frees_the_buffers_after_each_call():
         graph, eager = engines(build_model("tiny-gpt2"), release_inference_cache=True)
         ids, mask = prompts(2, 3)
         assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
-    assert graph._generator.runner.slots is None and graph.graph_stats.cache_memory_bytes == 0
+    assert graph._front_end.runner.slots is None and graph.graph_stats.cache_memory_bytes == 0
 
 
 def test_generate_under_autocast_equals_transformers_and_a_change_recaptures():

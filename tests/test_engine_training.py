@@ -190,7 +190,7 @@ def test_fp16_loss_scale_follows_deepspeeds_policy():
 
 
 def test_the_loss_scale_policy_travels_with_the_scaler_state():
-    from hybrid_engine.training import LossScalePolicy, PolicyGradScaler
+    from hybrid_engine.training.local import LossScalePolicy, PolicyGradScaler
 
     engine, *_ = initialize(model=build_model("tiny-gpt2"), config={
         "fp16": {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 3},

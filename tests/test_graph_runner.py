@@ -16,22 +16,17 @@ from hybrid_engine.accelerator import (
     TorchBackendAccelerator,
     set_accelerator,
 )
-from hybrid_engine.admission import AdmissionStage, admit_staged, prefill_staged, width_bucket
-from hybrid_engine.decode_state import DecodeSlots
+from hybrid_engine.decode.kv_cache import StaticKVCache
+from hybrid_engine.decode.sampling import counter_uniform, sample_tokens
+from hybrid_engine.decode.slots import DecodeSlots
+from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_staged, width_bucket
+from hybrid_engine.decode.step import prefill
 from hybrid_engine.engine import initialize
-from hybrid_engine.graph_policy import GraphRefusedWarning
-from hybrid_engine.graph_runner import (
-    EXACT_PROMPT_ROWS,
-    AdmissionKey,
-    DecodeGraphRunner,
-    PrefillKey,
-    default_graph_buckets,
-)
-from hybrid_engine.model_step import prefill
+from hybrid_engine.generation.scheduler import _steps_to_admission, _steps_to_shrink
+from hybrid_engine.graphs.keys import AdmissionKey, PrefillKey, default_graph_buckets
+from hybrid_engine.graphs.policy import GraphRefusedWarning
+from hybrid_engine.graphs.runner import EXACT_PROMPT_ROWS, DecodeGraphRunner
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
-from hybrid_engine.sampling import counter_uniform, sample_tokens
-from hybrid_engine.scheduler import _steps_to_admission, _steps_to_shrink
-from hybrid_engine.static_cache import StaticKVCache
 from hybrid_engine.tiny_models import build_model
 
 GREEDY = (0.0, 1.0, -1)
@@ -58,12 +53,12 @@ def test_staged_batch_and_round_match_an_exact_prefill_and_fan_out_shared_prompt
     with torch.no_grad():
         logits = prefill(model, exact.head(3).cache, ids, mask)
     staged = slots_for(model)
-    stage = AdmissionStage(model, 4, 8, device=torch.device("cpu"), dtype=torch.float32)
+    stage = PromptStage(model, 4, 8, device=torch.device("cpu"), dtype=torch.float32)
     # Requests 0..3 into slots 3, 0, 1, 2; requests 2 and 3 share prompt 2 (the fan-out).
     meta = [[3, 0, 1, 2], [0, 1, 2, 2], [10, 11, 12, 13], [5, 5, 5, 5], [0, 0, 0, 0], [7, 7, 7, 7]]
     with torch.no_grad():
         prefill_staged(model, stage.stage_prompts(ids, mask, 3, 8))
-        admit_staged(staged, stage.stage_requests(meta, 4, 8), GREEDY)
+        admission_round(staged, stage.stage_requests(meta, 4, 8), GREEDY)
     torch.testing.assert_close(stage.logits[:3], logits.float(), rtol=1e-5, atol=1e-5)
     first = logits.argmax(-1)
     assert staged.tokens.tolist() == [first[1], first[2], first[2], first[0]]  # slot s holds its request
@@ -85,24 +80,24 @@ def test_staged_batch_and_round_captured_equal_eager():
     ids, mask = prompts(2, 6, seed=5)
     meta = [[1, 0], [0, 1], [4, 5], [9, 9], [0, 0], [3, 3]]
     eager, graphed = slots_for(model), slots_for(model)
-    stage_e = AdmissionStage(model, 2, 8, device=torch.device("cpu"), dtype=torch.float32)
-    stage_g = AdmissionStage(model, 2, 8, device=torch.device("cpu"), dtype=torch.float32)
+    stage_e = PromptStage(model, 2, 8, device=torch.device("cpu"), dtype=torch.float32)
+    stage_g = PromptStage(model, 2, 8, device=torch.device("cpu"), dtype=torch.float32)
     sampled = (0.9, 0.95, 20)
     for slots in (eager, graphed):
         slots.knobs.set(*sampled)  # what run_schedule does at the start of a call
     with torch.no_grad():
         prefill_staged(model, stage_e.stage_prompts(ids, mask, 2, 8))
-        admit_staged(eager, stage_e.stage_requests(meta, 2, 8), sampled)
+        admission_round(eager, stage_e.stage_requests(meta, 2, 8), sampled)
         batch_g, round_g = stage_g.stage_prompts(ids, mask, 2, 8), stage_g.stage_requests(meta, 2, 8)
         prefill_staged(model, batch_g)  # warm-up, then reset what it wrote
-        admit_staged(graphed, round_g, sampled)
+        admission_round(graphed, round_g, sampled)
         graphed.release(torch.tensor([0, 1]))
         stage_g.logits.zero_()
         graphs = acc.create_graph(), acc.create_graph()
         with acc.capture_to_graph(graphs[0]):
             prefill_staged(model, batch_g)
         with acc.capture_to_graph(graphs[1]):
-            admit_staged(graphed, round_g, sampled)
+            admission_round(graphed, round_g, sampled)
         assert graphed.finished.all() and not stage_g.logits.any()  # capture applied nothing
         for graph in graphs:
             acc.replay_graph(graph)
@@ -244,7 +239,7 @@ def test_cpu_model_on_a_gpu_host_never_gets_gpu_graphs():
     engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
     ids, mask = prompts(2, 4)
     out = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5)
-    runner = engine._generator.runner
+    runner = engine._front_end.runner
     assert isinstance(runner.accelerator, CPUAccelerator) and runner.accelerator is not cuda
     assert engine.graph_stats.captures == 1 and log == []
     set_accelerator(CPUAccelerator())

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hybrid_engine import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
-from hybrid_engine.graph_safety import graph_fingerprint
-from hybrid_engine.inference_copy import InferenceCopy
+from hybrid_engine.distributed.inference_copy import InferenceCopy
+from hybrid_engine.graphs.fingerprint import graph_fingerprint
 from hybrid_engine.tiny_models import build_model
 
 

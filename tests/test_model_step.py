@@ -8,15 +8,15 @@ import torch.utils._python_dispatch
 from transformers import PreTrainedModel
 
 from hybrid_engine.accelerator import GraphCaptureError
-from hybrid_engine.model_step import (
+from hybrid_engine.decode.kv_cache import StaticKVCache
+from hybrid_engine.decode.model_support import check_model_supported
+from hybrid_engine.decode.step import (
     build_decode_mask,
     build_prefill_mask,
-    check_model_supported,
     decode_one_token,
     prefill,
     prompt_position_ids,
 )
-from hybrid_engine.static_cache import StaticKVCache
 from hybrid_engine.tiny_models import ARCHITECTURES, PAD_ID, build_model, build_tokenizer
 
 N_NEW = 12

@@ -37,12 +37,16 @@ import torch.nn.functional as F
 from conftest import left_padded_prompts as prompts
 
 from hybrid_engine.accelerator import CPUAccelerator, is_capturing, set_accelerator
+from hybrid_engine.decode.kv_cache import StaticKVCache
+from hybrid_engine.decode.npu_attention import (
+    NPU_GRAPH_ATTENTION,
+    npu_graph_attention_forward,
+    npu_masked_out,
+)
+from hybrid_engine.decode.step import build_decode_mask, decode_one_token, prefill
 from hybrid_engine.engine import initialize
-from hybrid_engine.graph_policy import GraphRefusedWarning
-from hybrid_engine.model_step import build_decode_mask, decode_one_token, prefill
-from hybrid_engine.npu_attention import NPU_GRAPH_ATTENTION, npu_graph_attention_forward, npu_masked_out
+from hybrid_engine.graphs.policy import GraphRefusedWarning
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
-from hybrid_engine.static_cache import StaticKVCache
 from hybrid_engine.tiny_models import build_model
 
 GQA_ARCHS = ("tiny-llama", "tiny-qwen2", "tiny-mistral")
@@ -297,7 +301,7 @@ def test_npu_capture_runs_npu_graph_never_v1_and_eager_keeps_sdpa(npu_backend, n
     expected = greedy(eager, ids, mask)
     assert launches(npu_sdpa, "v1") and not launches(npu_sdpa, "v3")  # eager NPU runs keep the model's sdpa
     npu_sdpa.calls.clear()
-    with caplog.at_level(logging.INFO, logger="hybrid_engine.graph_runner"):
+    with caplog.at_level(logging.INFO, logger="hybrid_engine.graphs.runner"):
         for _ in range(3):
             assert torch.equal(greedy(graph, ids, mask), expected)
     assert not launches(npu_sdpa, "v1", capturing=True)  # the v1 kernel never ran inside a capture
@@ -424,7 +428,8 @@ def test_failed_capture_leaves_host_counters_as_before(backend, failure, request
 @pytest.mark.stub
 def test_failed_capture_restores_counters_at_the_runner():
     """The counter a failed capture advanced (through a row view of the cache) is put back by the runner."""
-    from hybrid_engine.graph_runner import DecodeGraphRunner, GraphKey
+    from hybrid_engine.graphs.keys import GraphKey
+    from hybrid_engine.graphs.runner import DecodeGraphRunner
 
     model = build_model("tiny-llama", seed=1)
     runner = DecodeGraphRunner(model)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_engine.config import load_config
-from hybrid_engine.ranks import rank, rank_seed, shard
+from hybrid_engine.config.loading import load_config
+from hybrid_engine.distributed.ranks import rank_seed, shard
+from hybrid_engine.distributed.world import rank
+from hybrid_engine.distributed.zero3 import gathered_for_inference
+from hybrid_engine.model_access import is_zero3_partitioned
 from hybrid_engine.tiny_models import build_model
-from hybrid_engine.zero import deepspeed_config, gathered_for_inference, is_zero3_partitioned
+from hybrid_engine.training.deepspeed import deepspeed_config
 
 
 def test_shards_cover_every_item_once_with_global_offsets():

@@ -253,7 +253,7 @@ def test_inputs_on_another_device_are_refused_naming_both(device, monkeypatch):
         with pytest.raises(ValueError, match="meta tensor"):
             RolloutRequest(bad_ids)
     else:  # the model claims another device (a real second device is not available here)
-        import hybrid_engine.inputs as inputs
+        import hybrid_engine.model_access as inputs
 
         monkeypatch.setattr(inputs, "model_device", lambda m: torch.device("cuda", 0))
         bad_ids, where = ids, "cuda:0"
@@ -277,10 +277,10 @@ class Injected(RuntimeError):
 
 def arm(where, model, monkeypatch, exc):
     """Raise ``exc`` once at ``where``; return a flag list that records the firing."""
-    import hybrid_engine.admission as admission
-    import hybrid_engine.scheduler as scheduler
+    import hybrid_engine.decode.staging as admission
+    import hybrid_engine.generation.scheduler as scheduler
     from hybrid_engine.accelerator import CPUGraph, get_accelerator
-    from hybrid_engine.decode_state import DecodeSlots
+    from hybrid_engine.decode.slots import DecodeSlots
 
     class Fired(list):
         handle = None

@@ -1,4 +1,4 @@
-"""Tests for hybrid_engine.sampling: counter RNG, sampling distribution, graph capture parity."""
+"""Tests for hybrid_engine.decode.sampling: counter RNG, sampling distribution, graph capture parity."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybrid_engine.accelerator import CPUAccelerator
-from hybrid_engine.sampling import (
+from hybrid_engine.decode.sampling import (
     SamplingKnobs,
     counter_uniform,
     logprobs_of,

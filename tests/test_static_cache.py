@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.cache_utils import Cache
 
-from hybrid_engine.static_cache import StaticKVCache, cache_geometry
+from hybrid_engine.decode.kv_cache import StaticKVCache, cache_geometry
 from hybrid_engine.tiny_models import ARCHITECTURES, build_config
 
 

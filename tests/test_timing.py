@@ -10,7 +10,7 @@ import time
 import pytest
 
 from hybrid_engine.accelerator import CPUAccelerator
-from hybrid_engine.timing import PhaseTimer
+from hybrid_engine.generation.timing import PhaseTimer
 
 
 def test_host_timing_on_cpu():

@@ -14,10 +14,16 @@ from typing import Any
 
 import torch
 
-from .backends import CPUAccelerator, GraphAPI, TorchBackendAccelerator
-from .base import Accelerator
-from .cpu_graph import CPUGraph, CPUGraphPool, CPUStream, GraphCaptureError, GraphReplayError
-from .for_device import accelerator_for, is_capturing
+from hybrid_engine.accelerator.backends import CPUAccelerator, GraphAPI, TorchBackendAccelerator
+from hybrid_engine.accelerator.base import Accelerator
+from hybrid_engine.accelerator.cpu_graph import (
+    CPUGraph,
+    CPUGraphPool,
+    CPUStream,
+    GraphCaptureError,
+    GraphReplayError,
+)
+from hybrid_engine.accelerator.for_device import accelerator_for, is_capturing
 
 __all__ = [
     "Accelerator",

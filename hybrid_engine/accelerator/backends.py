@@ -32,8 +32,8 @@ from typing import Any, ContextManager
 
 import torch
 
-from .base import Accelerator
-from .cpu_graph import (
+from hybrid_engine.accelerator.base import Accelerator
+from hybrid_engine.accelerator.cpu_graph import (
     CPUEvent,
     CPUGraph,
     CPUGraphPool,

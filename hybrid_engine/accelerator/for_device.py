@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Accelerator
+from hybrid_engine.accelerator.base import Accelerator
 
 __all__ = ["accelerator_for", "is_capturing"]
 
@@ -19,7 +19,7 @@ _other: dict[str, Accelerator] = {}  # device type -> accelerator, for devices o
 
 def accelerator_for(device: torch.device | str) -> Accelerator:
     """The process accelerator when ``device`` is its device type, else one built for ``device``'s type."""
-    from . import build_accelerator, get_accelerator
+    from hybrid_engine.accelerator import build_accelerator, get_accelerator
 
     kind = torch.device(device).type
     process = get_accelerator()
@@ -33,7 +33,7 @@ def accelerator_for(device: torch.device | str) -> Accelerator:
 
 def is_capturing() -> bool:
     """True while any accelerator (the process one or one from :func:`accelerator_for`) is capturing."""
-    from . import get_accelerator
+    from hybrid_engine.accelerator import get_accelerator
 
     return get_accelerator().is_current_stream_capturing() or any(
         acc.is_current_stream_capturing() for acc in _other.values()

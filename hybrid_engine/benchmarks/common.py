@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .options import (
+from hybrid_engine.benchmarks.options import (
     DTYPES,
     UsageError,
     available_devices,
@@ -49,7 +49,7 @@ def select_device(name: str | None) -> Any:
     ``--device`` is checked first: a name the engine does not know, or an accelerator this machine does not
     have, is a :class:`~hybrid_engine.benchmarks.options.UsageError` that names what is available.
     """
-    from ..accelerator import KNOWN_BACKENDS, build_accelerator, get_accelerator, set_accelerator
+    from hybrid_engine.accelerator import KNOWN_BACKENDS, build_accelerator, get_accelerator, set_accelerator
 
     if not name:
         try:
@@ -88,7 +88,7 @@ def apply_threads(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def synchronize() -> None:
-    from ..accelerator import get_accelerator
+    from hybrid_engine.accelerator import get_accelerator
 
     get_accelerator().synchronize()
 
@@ -139,7 +139,7 @@ def build_bench_model(args: argparse.Namespace, dtype: torch.dtype, device: torc
             model = load_pretrained_model(args.model_path, dtype=dtype)
             model.eval()
         else:
-            from ..tiny_models import build_model
+            from hybrid_engine.tiny_models import build_model
 
             model = build_model(resolve_model_name(args.model), seed=seed, dtype=dtype)
         _MODEL_CACHE[key] = model
@@ -260,7 +260,7 @@ def environment(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Date, hardware, versions and the exact command, for every table and JSON file."""
     import transformers
 
-    from ..accelerator import get_accelerator
+    from hybrid_engine.accelerator import get_accelerator
 
     acc = get_accelerator()
     device_type = acc.device().type

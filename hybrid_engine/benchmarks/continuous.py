@@ -51,7 +51,7 @@ request with budget b needs b - 1 decode steps.
   time (8 prefill forwards in either mode), and a round only loads staged
   prompts into slots (about a quarter of a decode step); the scheduler still holds
   a free slot back for a step or two to batch rounds: 105 steps in 19 rounds
-  (see :func:`hybrid_engine.scheduler.run_schedule`).
+  (see :func:`hybrid_engine.generation.scheduler.run_schedule`).
 * 376 / 101 = 3.72, the issue's "about 3.7x" (3.7 to 3.9 over short-budget
   seeds); 376 / 105 = 3.58 as scheduled. Fewer requests give less (48: 3.6 to 3.9, 32: ~3.2, 16: ~1.9, since the
   last long request's 47 steps dominate), more give more (80: ~4.1, 128: ~4.5;
@@ -73,9 +73,15 @@ from typing import Any
 
 import torch
 
-from . import common as C
-from .options import UsageError, check_generation_length, model_label_and_config
-from .paths import graph_counts, make_rollout, rollout_generate, rollout_tokens, unreachable_eos
+from hybrid_engine.benchmarks import common as C
+from hybrid_engine.benchmarks.options import UsageError, check_generation_length, model_label_and_config
+from hybrid_engine.benchmarks.paths import (
+    graph_counts,
+    make_rollout,
+    rollout_generate,
+    rollout_tokens,
+    unreachable_eos,
+)
 
 DEFAULT_MODEL = "gpt2"
 PROMPT_SEEDS = (1234, 1235)

@@ -19,9 +19,9 @@ import argparse
 import gc
 from typing import Any
 
-from . import common as C
-from .options import UsageError
-from .paths import (
+from hybrid_engine.benchmarks import common as C
+from hybrid_engine.benchmarks.options import UsageError
+from hybrid_engine.benchmarks.paths import (
     engine_generate,
     graph_counts,
     make_engine,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..sampling import validate_sampling
+from hybrid_engine.decode.sampling import validate_sampling
 
 #: ``--dtype`` names.
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
@@ -54,7 +54,7 @@ def available_devices() -> list[str]:
     import importlib
     import importlib.util
 
-    from ..accelerator import KNOWN_BACKENDS
+    from hybrid_engine.accelerator import KNOWN_BACKENDS
 
     found: list[str] = []
     for name in KNOWN_BACKENDS:
@@ -123,7 +123,7 @@ def load_pretrained_model(path: str, **kwargs: Any) -> Any:
 
 def model_config(name: str, *, option: str = "--model") -> Any:
     """The config :func:`build_bench_model` would build for the model name ``name`` (no weights are built)."""
-    from ..tiny_models import build_config, model_names
+    from hybrid_engine.tiny_models import build_config, model_names
 
     key = resolve_model_name(name).strip().lower()
     if key not in model_names():
@@ -147,7 +147,7 @@ def check_generation_length(config: Any, label: str, *, prompt_tokens: int, new_
     ``prompt_option`` names the option that set ``prompt_tokens``; ``None`` means the prompts are the
     command's own (the demo's and soak's, up to ``prompt_tokens`` long), so only ``new_option`` can change.
     """
-    from ..model_step import max_positions
+    from hybrid_engine.decode.model_support import max_positions
 
     limit = max_positions(config)
     if limit is None:

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from . import common as C
-from .paths import engine_generate, make_engine
+from hybrid_engine.benchmarks import common as C
+from hybrid_engine.benchmarks.paths import engine_generate, make_engine
 
 DEFAULT_MODEL = "tiny-gpt2"
 TARGET_RATIO = 1.05

@@ -21,8 +21,15 @@ from typing import Any
 
 import torch
 
-from . import common as C
-from .paths import engine_generate, graph_counts, make_engine, make_rollout, rollout_generate, rollout_tokens
+from hybrid_engine.benchmarks import common as C
+from hybrid_engine.benchmarks.paths import (
+    engine_generate,
+    graph_counts,
+    make_engine,
+    make_rollout,
+    rollout_generate,
+    rollout_tokens,
+)
 
 DEFAULT_MODELS = "tiny-gpt2,tiny-opt,tiny-llama,tiny-qwen2,tiny-qwen3,tiny-mistral"
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .. import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig, initialize
-from .common import precision_config
+from hybrid_engine import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig, initialize
+from hybrid_engine.benchmarks.common import precision_config
 
 
 def engine_config(*, graphs: bool, max_out_tokens: int, batch_size: int, dtype: torch.dtype,

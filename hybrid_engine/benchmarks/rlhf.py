@@ -16,7 +16,7 @@ own ``capture_seconds``) and the token agreement ``N/N``.
 ``--zero-stage N`` (1-3) trains on DeepSpeed ZeRO N across ``--world-size``
 ranks (default 2; ``--zero-stage 0 --world-size N`` is DeepSpeed's plain data
 parallelism) that the bench starts on this machine over loopback, as
-torchrun would (:mod:`hybrid_engine.launch`); every rank runs the iteration on
+torchrun would (:mod:`hybrid_engine.distributed.launch`); every rank runs the iteration on
 its own prompts (``--batch-size`` per rank) and rank 0 reports, with the token
 agreement summed over all ranks. Under ZeRO-3 graphs are refused (every
 parameter is partitioned here: ``stage3_param_persistence_threshold`` 0), so the
@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-from . import common as C
-from .options import UsageError, check_common_args
-from .paths import engine_generate, graph_counts, make_engine
+from hybrid_engine.benchmarks import common as C
+from hybrid_engine.benchmarks.options import UsageError, check_common_args
+from hybrid_engine.benchmarks.paths import engine_generate, graph_counts, make_engine
 
 DEFAULT_MODEL = "tiny-gpt2"
 
@@ -77,7 +77,7 @@ def _capture_counters(engine: Any) -> tuple[int, float]:
 
 def _run_mode(args: argparse.Namespace, graphs: bool, dtype: torch.dtype, device: torch.device,
               prompts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
-    from ..accelerator import get_accelerator
+    from hybrid_engine.accelerator import get_accelerator
 
     acc = get_accelerator()
     gc.collect()
@@ -136,7 +136,7 @@ def _run_mode(args: argparse.Namespace, graphs: bool, dtype: torch.dtype, device
 
 def _launch_ranks(args: argparse.Namespace) -> dict[str, Any]:
     """Start ``--world-size`` ranks that each run this same command; they print (rank 0 reports)."""
-    from ..launch import RanksTimedOut, run_ranks
+    from hybrid_engine.distributed.launch import RanksTimedOut, run_ranks
 
     world = args.world_size or 2
     print(f"bench rlhf: ZeRO stage {args.zero_stage} (DeepSpeed) on {world} ranks (loopback) ...", flush=True)
@@ -173,7 +173,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if ranks and "RANK" not in os.environ:
         check_common_args(args)  # before any rank starts: a bad option is one error here, not one per rank
         return _launch_ranks(args)
-    from ..ranks import rank, world_size
+    from hybrid_engine.distributed.ranks import world_size
+    from hybrid_engine.distributed.world import rank
 
     reporting = rank() == 0
     acc, device, dtype, env = C.prepare(args)
@@ -272,8 +273,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if ranks:
         import torch.distributed as dist
 
-        from ..launch import exit_launched_rank
-        from ..zero import destroy_process_group
+        from hybrid_engine.distributed.launch import exit_launched_rank
+        from hybrid_engine.distributed.world import destroy_process_group
 
         dist.barrier()  # rank 0 has written its report; then every rank leaves the group
         destroy_process_group()

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from . import common as C
-from .options import UsageError
+from hybrid_engine.benchmarks import common as C
+from hybrid_engine.benchmarks.options import UsageError
 
 DEFAULT_MODEL = "tiny-gpt2"
 
@@ -69,8 +69,14 @@ def _sample(it: int, rollout: Any, engine: Any, acc: Any, started: float, last: 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from .. import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig, initialize
-    from ..demo import group_advantages, make_prompts, policy_loss, rewards_of, without_dropout
+    from hybrid_engine import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig, initialize
+    from hybrid_engine.benchmarks.toy_grpo import (
+        group_advantages,
+        make_prompts,
+        policy_loss,
+        rewards_of,
+        without_dropout,
+    )
 
     if not 0 <= args.warmup_fraction < 1:
         raise UsageError(f"--warmup-fraction must be in [0, 1), got {args.warmup_fraction}")

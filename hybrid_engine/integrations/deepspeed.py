@@ -39,7 +39,7 @@ How DeepSpeed's types map onto ours (every mapping keeps DeepSpeed's meaning):
   it does for DeepSpeed's ``model.generate`` path). The seed used is ``last_seed``.
 
 ``sync_weights(step)``: the rollout reads the training weights in place, so
-nothing is copied. It compares :func:`~hybrid_engine.graph_safety.weight_fingerprint`
+nothing is copied. It compares :func:`~hybrid_engine.graphs.fingerprint.weight_fingerprint`
 (each parameter's and buffer's address, dtype, shape, device) with the one taken
 at the previous sync or generate. Unchanged (an optimizer step updates in place):
 a no-op, and the captured graphs replay with the new values. Changed (a
@@ -74,7 +74,7 @@ except ImportError as exc:  # tested by hiding deepspeed from the import system
         "deepspeed>=0.19); install it with: pip install hybrid-engine[deepspeed]"
     ) from exc
 
-from hybrid_engine.graph_safety import weight_fingerprint
+from hybrid_engine.graphs.fingerprint import weight_fingerprint
 from hybrid_engine.rollout import (
     HybridEngineRollout,
     RolloutBatch,

@@ -13,7 +13,7 @@ and sampling mode, plus the admission rounds) and replayed at every later
 training step, and each replay sees the weights of that step. Whatever would
 make a replay disagree with an eager forward (a re-allocated weight, an added
 hook, a merged or switched LoRA adapter) changes the graph fingerprint
-(:mod:`hybrid_engine.graph_safety`) and the runner recaptures before replaying.
+(:mod:`hybrid_engine.graphs.fingerprint`) and the runner recaptures before replaying.
 
 What lives on the device: the model, and the rollout's decode slots (a KV cache
 of the padded prompt width plus ``max_completion_length`` at the largest batch
@@ -27,7 +27,7 @@ capture. By default each call gathers the parameters once (a collective: every
 process generates at the same point of a TRL step), decodes eagerly on them and
 warns once that graphs are refused. With ``zero3_gathered_inference_copy=True``
 the function keeps an unpartitioned copy of the model
-(:class:`~hybrid_engine.inference_copy.InferenceCopy`, no DeepSpeed hooks),
+(:class:`~hybrid_engine.distributed.inference_copy.InferenceCopy`, no DeepSpeed hooks),
 refreshed in place at each call by one gather, and decodes on the copy with
 graphs captured once, as above; the cost is one full copy of the weights per
 process. A PEFT model's copy carries the same adapters.
@@ -61,12 +61,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from hybrid_engine.generation import unimplemented_generation_fields
-from hybrid_engine.inference_copy import InferenceCopy
+from hybrid_engine.decode.sampling import MIN_TEMPERATURE
+from hybrid_engine.distributed.inference_copy import InferenceCopy
+from hybrid_engine.generation.generate import unimplemented_generation_fields
+from hybrid_engine.model_access import is_zero3_partitioned
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 from hybrid_engine.rollout.types import is_int
-from hybrid_engine.sampling import MIN_TEMPERATURE
-from hybrid_engine.zero import destroy_deepspeed_engine, is_zero3_partitioned
+from hybrid_engine.training.deepspeed import destroy_deepspeed_engine
 
 __all__ = ["HybridEngineRolloutFunc", "destroy_trainer_deepspeed", "make_rollout_func", "rollout_seed"]
 
@@ -421,10 +422,10 @@ class HybridEngineRolloutFunc:
 
 def destroy_trainer_deepspeed(trainer: Any) -> None:
     """Tear down the DeepSpeed engine a transformers/TRL trainer built, now (call it on every rank, after
-    training, before :func:`hybrid_engine.zero.destroy_process_group`).
+    training, before :func:`hybrid_engine.distributed.world.destroy_process_group`).
 
     Left to interpreter shutdown, a ZeRO-3 engine on gloo can abort the process after
-    its last line (see :func:`hybrid_engine.zero.destroy_deepspeed_engine`); the
+    its last line (see :func:`hybrid_engine.training.deepspeed.destroy_deepspeed_engine`); the
     trainer and accelerate hold it in several places, all dropped here first.
     """
     trainer.accelerator.free_memory()  # accelerate's references to the engine and its optimizer

@@ -2,12 +2,12 @@
 
 Modules: :mod:`.types` (validated configs, request and batch) and :mod:`.engine`
 (``HybridEngineRollout``). The decode slots, the scheduler and the graph runner
-are shared with ``engine.generate``: :mod:`hybrid_engine.decode_state`,
-:mod:`hybrid_engine.scheduler`, :mod:`hybrid_engine.graph_runner`.
+are shared with ``engine.generate``: :mod:`hybrid_engine.decode.slots`,
+:mod:`hybrid_engine.generation.scheduler`, :mod:`hybrid_engine.graphs.runner`.
 """
 
-from .engine import HybridEngineRollout, UnsupportedModelError
-from .types import RolloutBatch, RolloutConfig, RolloutRequest, SamplingConfig
+from hybrid_engine.rollout.rollout import HybridEngineRollout, UnsupportedModelError
+from hybrid_engine.rollout.types import RolloutBatch, RolloutConfig, RolloutRequest, SamplingConfig
 
 __all__ = [
     "HybridEngineRollout",

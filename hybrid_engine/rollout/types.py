@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybrid_engine.model_step import MAX_TOKEN_ID
-from hybrid_engine.sampling import validate_sampling
+from hybrid_engine.decode.sampling import validate_sampling
+from hybrid_engine.generation.token_ids import MAX_TOKEN_ID
 
 __all__ = ["DEFAULT_MAX_BATCH_SIZE", "RolloutBatch", "RolloutConfig", "RolloutRequest", "SamplingConfig"]
 
@@ -134,7 +134,7 @@ class SamplingConfig:
 
     @property
     def sampling_key(self) -> tuple[float, float, int]:
-        """The knobs as host values (a captured graph freezes only their :func:`~hybrid_engine.sampling.sampling_mode`)."""
+        """The knobs as host values (a captured graph freezes only their :func:`~hybrid_engine.decode.sampling.sampling_mode`)."""
         return (self.temperature, self.top_p, self.top_k)
 
 
@@ -150,7 +150,7 @@ class RolloutRequest:
     so the same prompt with the same id samples the same tokens in any order.
 
     A request may hold no prompts (``[0, T]``): a data-parallel rank whose shard
-    is empty (:func:`hybrid_engine.ranks.shard` with fewer prompts than ranks)
+    is empty (:func:`hybrid_engine.distributed.ranks.shard` with fewer prompts than ranks)
     still makes the call, as it must under ZeRO-3, where the call gathers the
     parameters collectively, and gets an empty batch.
     """

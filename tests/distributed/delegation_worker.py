@@ -14,9 +14,10 @@ import sys
 import torch
 
 from hybrid_engine import initialize
-from hybrid_engine.launch import exit_launched_rank
+from hybrid_engine.distributed.launch import exit_launched_rank
+from hybrid_engine.distributed.world import destroy_process_group
+from hybrid_engine.distributed.zero3 import gathered_for_inference
 from hybrid_engine.tiny_models import build_model
-from hybrid_engine.zero import destroy_process_group, gathered_for_inference
 
 
 def batch(i: int) -> torch.Tensor:

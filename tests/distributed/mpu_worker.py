@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from hybrid_engine import initialize
-from hybrid_engine.launch import exit_launched_rank
+from hybrid_engine.distributed.launch import exit_launched_rank
+from hybrid_engine.distributed.world import destroy_process_group
 from hybrid_engine.tiny_models import build_model
-from hybrid_engine.zero import destroy_process_group
 
 
 class ModelParallelUnit:

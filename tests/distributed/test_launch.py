@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_engine.launch import RanksTimedOut, exit_launched_rank, run_ranks
+from hybrid_engine.distributed.launch import RanksTimedOut, exit_launched_rank, run_ranks
 
 
 def test_hung_ranks_are_killed_at_the_timeout(tmp_path):
@@ -52,7 +52,7 @@ def test_a_launched_rank_exits_without_interpreter_teardown(tmp_path):
     """exit_launched_rank ends a rank with its output flushed and without running teardown (where gloo and
     DeepSpeed destructors can abort a finished rank); anywhere else it does nothing."""
     code = ("import atexit, sys\n"
-            "from hybrid_engine.launch import exit_launched_rank\n"
+            "from hybrid_engine.distributed.launch import exit_launched_rank\n"
             "atexit.register(lambda: print('teardown ran', flush=True))\n"
             "print('done, unflushed', end='')\n"
             "exit_launched_rank()\n"
@@ -84,7 +84,7 @@ def test_ranks_share_one_process_group_on_python_3_10_too(tmp_path):
     if not runs:
         pytest.skip("no Python 3.10 on this machine")
     python310 = runs[0]
-    launch = Path(__file__).resolve().parents[2] / "hybrid_engine" / "launch.py"
+    launch = Path(__file__).resolve().parents[2] / "hybrid_engine" / "distributed" / "launch.py"
     script = tmp_path / "check.py"
     script.write_text(
         "import importlib.util, sys\n"

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from hybrid_engine.launch import run_ranks  # noqa: E402
+from hybrid_engine.distributed.launch import run_ranks  # noqa: E402
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer on DeepSpeed ZeRO-3 (2 CPU ranks, gloo, loopback) with hybrid-engine rollouts.
 
 Each case runs ``trl_zero3_worker.py`` on 2 ranks under a hard timeout that
-kills their process group (:func:`hybrid_engine.launch.run_ranks`). At every
+kills their process group (:func:`hybrid_engine.distributed.launch.run_ranks`). At every
 training step the rollout's completions and log-probabilities must equal an
 eager rollout of the same request on the trainer's gathered parameters, and the
 weights must have moved between steps. By default graphs are refused with one
@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("deepspeed")
 pytest.importorskip("trl")
 
-from hybrid_engine.launch import run_ranks  # noqa: E402
+from hybrid_engine.distributed.launch import run_ranks  # noqa: E402
 
 WORKER = Path(__file__).with_name("trl_zero3_worker.py")
 TIMEOUT_S = 240

@@ -2,7 +2,7 @@
 ``hybrid_engine.initialize``.
 
 Each case starts ``zero_worker.py`` under torchrun with a hard timeout that
-kills the ranks' process group (:func:`hybrid_engine.launch.run_ranks`), then
+kills the ranks' process group (:func:`hybrid_engine.distributed.launch.run_ranks`), then
 asserts on what every rank saved: training matches a stage-0 reference trained
 on the whole global batch, rollouts with graphs equal eager ones before and after optimizer
 steps (ZeRO 1/2, no recapture), ZeRO-3 refuses graphs and generates from
@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from hybrid_engine.launch import run_ranks  # noqa: E402
+from hybrid_engine.distributed.launch import run_ranks  # noqa: E402
 
 WORKER = Path(__file__).with_name("zero_worker.py")
 TIMEOUT_S = 240

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from hybrid_engine.launch import run_ranks  # noqa: E402
+from hybrid_engine.distributed.launch import run_ranks  # noqa: E402
 
 
 def test_accumulation_clipping_and_scheduler_match_stage_0(tmp_path):

@@ -24,8 +24,10 @@ import torch.distributed as dist
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from hybrid_engine.launch import exit_launched_rank  # noqa: E402
-from hybrid_engine.zero import destroy_process_group, gathered_for_inference, import_deepspeed  # noqa: E402
+from hybrid_engine.distributed.deepspeed_import import import_deepspeed
+from hybrid_engine.distributed.launch import exit_launched_rank  # noqa: E402
+from hybrid_engine.distributed.world import destroy_process_group
+from hybrid_engine.distributed.zero3 import gathered_for_inference
 
 import_deepspeed()  # before TRL and accelerate import it: no C++ op is built on this CPU
 
@@ -33,9 +35,9 @@ from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hybrid_engine import HybridEngineRollout  # noqa: E402
-from hybrid_engine.graph_policy import GraphRefusedWarning  # noqa: E402
-from hybrid_engine.inputs import decode_model  # noqa: E402
+from hybrid_engine.graphs.policy import GraphRefusedWarning  # noqa: E402
 from hybrid_engine.integrations.trl import destroy_trainer_deepspeed, make_rollout_func  # noqa: E402
+from hybrid_engine.model_access import decode_model  # noqa: E402
 from hybrid_engine.tiny_models import build_model, build_tokenizer  # noqa: E402
 
 STEPS = 3

@@ -27,18 +27,16 @@ from hybrid_engine import (
     SamplingConfig,
     initialize,
 )
-from hybrid_engine.config import load_config
-from hybrid_engine.graph_policy import GraphRefusedWarning
-from hybrid_engine.inputs import decode_model
-from hybrid_engine.launch import exit_launched_rank
-from hybrid_engine.ranks import rank, shard
+from hybrid_engine.config.loading import load_config
+from hybrid_engine.distributed.deepspeed_import import import_deepspeed
+from hybrid_engine.distributed.launch import exit_launched_rank
+from hybrid_engine.distributed.ranks import shard
+from hybrid_engine.distributed.world import destroy_process_group, rank
+from hybrid_engine.distributed.zero3 import gathered_for_inference
+from hybrid_engine.graphs.policy import GraphRefusedWarning
+from hybrid_engine.model_access import decode_model
 from hybrid_engine.tiny_models import build_model
-from hybrid_engine.zero import (
-    deepspeed_config,
-    destroy_process_group,
-    gathered_for_inference,
-    import_deepspeed,
-)
+from hybrid_engine.training.deepspeed import deepspeed_config
 
 STEPS = 3
 MICRO = 2

@@ -32,7 +32,7 @@ from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutC
 
 import hybrid_engine  # noqa: E402
 from hybrid_engine import rollout as ours  # noqa: E402
-from hybrid_engine.integrations.deepspeed import (  # noqa: E402
+from hybrid_engine.integrations.deepspeed import (
     DeepSpeedRolloutEngine,
     to_deepspeed_batch,
     to_hybrid_request,

@@ -25,7 +25,7 @@ peft = pytest.importorskip("peft", reason="needs the peft extra")
 
 import hybrid_engine  # noqa: E402
 from hybrid_engine import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig  # noqa: E402
-from hybrid_engine.graph_safety import adapter_fingerprint, graph_fingerprint  # noqa: E402
+from hybrid_engine.graphs.fingerprint import adapter_fingerprint, graph_fingerprint  # noqa: E402
 from hybrid_engine.tiny_models import build_model, build_tokenizer  # noqa: E402
 
 NO_EOS = 10_000  # outside the tiny vocab: every response runs to its budget

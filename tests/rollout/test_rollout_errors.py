@@ -9,9 +9,9 @@ import torch
 from rollout_helpers import assert_batches_identical, left_padded_prompts, run
 from transformers import GPT2Config, PreTrainedModel
 
-import hybrid_engine.decode_state as decode_state
+import hybrid_engine.decode.slots as decode_state
 from hybrid_engine.accelerator import CPUAccelerator, set_accelerator
-from hybrid_engine.graph_policy import GraphRefusedWarning
+from hybrid_engine.graphs.policy import GraphRefusedWarning
 from hybrid_engine.rollout import (
     HybridEngineRollout,
     RolloutConfig,

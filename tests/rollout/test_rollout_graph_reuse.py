@@ -158,7 +158,7 @@ def test_host_reading_hook_refuses_graphs_and_device_hook_is_captured():
     does device work is captured; either way the rollout equals the eager rollout with the same hook."""
     import pytest
 
-    from hybrid_engine.graph_policy import GraphRefusedWarning
+    from hybrid_engine.graphs.policy import GraphRefusedWarning
 
     model = build_model("tiny-gpt2", seed=4)
     request = left_padded_prompts([4, 6], seed=12)

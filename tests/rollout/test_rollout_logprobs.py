@@ -6,8 +6,8 @@ import pytest
 import torch
 from rollout_helpers import ARCHS, left_padded_prompts, responses, run, shared_model
 
+from hybrid_engine.decode.sampling import logprobs_of
 from hybrid_engine.rollout import RolloutRequest, SamplingConfig
-from hybrid_engine.sampling import logprobs_of
 
 TOLERANCE = 1e-4
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 from rollout_helpers import NO_EOS, assert_batches_identical
 
-from hybrid_engine.graph_runner import EXACT_PROMPT_ROWS, PREFILL_TOKEN_BUDGET, AdmissionKey, PrefillKey
+from hybrid_engine.generation.scheduler import ADMISSION_COST, _steps_to_admission, gather_responses
+from hybrid_engine.graphs.keys import AdmissionKey, PrefillKey
+from hybrid_engine.graphs.runner import EXACT_PROMPT_ROWS, PREFILL_TOKEN_BUDGET
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
-from hybrid_engine.scheduler import ADMISSION_COST, _steps_to_admission, gather_responses
 from hybrid_engine.tiny_models import build_model
 
 

@@ -15,7 +15,7 @@ from rollout_helpers import (
     shared_model,
 )
 
-from hybrid_engine.graph_runner import default_graph_buckets
+from hybrid_engine.graphs.keys import default_graph_buckets
 from hybrid_engine.rollout import RolloutRequest, SamplingConfig
 
 CASES = [

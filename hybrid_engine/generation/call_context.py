@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["exclusive_generation"]
+__all__ = ["decode_grad_mode", "eval_for_generation", "exclusive_generation"]
 
 _locks: weakref.WeakKeyDictionary[torch.nn.Module, tuple[threading.Lock, list[int | None]]] = (
     weakref.WeakKeyDictionary()
@@ -60,3 +60,26 @@ def exclusive_generation(model: torch.nn.Module, caller: str) -> Iterator[None]:
             yield
         finally:
             owner[0] = None
+
+
+@contextlib.contextmanager
+def decode_grad_mode() -> Iterator[None]:
+    """No autograd and no inference mode, whatever the caller's: what a generation call runs under."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+@contextlib.contextmanager
+def eval_for_generation(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (no dropout) for the block; afterwards every submodule gets its own mode back
+    (a submodule the caller had put in eval inside a training model stays in eval)."""
+    modes = [(module, module.training) for module in model.modules()]
+    if not any(training for _, training in modes):
+        yield
+        return
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training

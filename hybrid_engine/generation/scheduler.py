@@ -27,15 +27,15 @@ holds free slots back until idling them would cost more than another round
 (:func:`_steps_to_admission`). Rollouts prefill prompts ahead, in batches of
 the distinct prompts of the next requests of the queue, as many as the
 admission stage has rows (bounded by a token budget, not by the slots: see
-:data:`~hybrid_engine.graph_runner.PREFILL_TOKEN_BUDGET`), and a round only
-loads staged prompts into slots (:mod:`hybrid_engine.admission`); both run on
+:data:`~hybrid_engine.graphs.runner.PREFILL_TOKEN_BUDGET`), and a round only
+loads staged prompts into slots (:mod:`hybrid_engine.decode.staging`); both run on
 the runner, graphed like a decode step. With shared prefill each distinct
 prompt is prefilled once per call and its K/V fan out to the slots of its
 samples, whichever rounds admit them. ``engine.generate`` admits its batch
 once, eagerly, at its exact width.
 
 A request's first token is picked from the prefill logits by the same
-:func:`~hybrid_engine.decode_state.choose_tokens` and counters (request index,
+:func:`~hybrid_engine.decode.slots.choose_tokens` and counters (request index,
 token 0) as the decode step, so where a request runs (slot, round, bucket)
 does not change what it samples.
 """
@@ -49,11 +49,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .admission import admit_from_logits
-from .decode_state import DecodeSlots
-from .graph_runner import DecodeGraphRunner
-from .model_step import prefill
-from .timing import PhaseTimer
+from hybrid_engine.decode.slots import DecodeSlots
+from hybrid_engine.decode.staging import start_from_logits
+from hybrid_engine.decode.step import prefill
+from hybrid_engine.generation.timing import PhaseTimer
+from hybrid_engine.graphs.runner import DecodeGraphRunner
 
 __all__ = ["ADMISSION_COST", "Counters", "RequestSpec", "gather_responses", "run_schedule"]
 
@@ -133,12 +133,12 @@ class _Staging:
 
 def _meta(slots: list[int], sources: list[int], reqs: list[RequestSpec], seed: int) -> list[list[int]]:
     """An admission round's six meta rows, one entry per request
-    (see :class:`~hybrid_engine.admission.StagedRequests`)."""
+    (see :class:`~hybrid_engine.decode.staging.StagedRequests`)."""
     return [slots, sources, [r.rng_index for r in reqs], [r.budget for r in reqs], [r.min_tokens for r in reqs],
             [seed] * len(reqs)]
 
 
-def _admit(
+def _admission_round(
     runner: DecodeGraphRunner,
     slots: list[int],
     reqs: list[RequestSpec],
@@ -170,7 +170,7 @@ def _admit(
         logits = prefill(runner.model, state.head(len(slots)).cache, prompt_ids.index_select(0, index),
                          prompt_mask.index_select(0, index), checked=True)
         meta = _meta(slots, list(range(len(reqs))), reqs, seed)
-        admit_from_logits(state, logits, torch.tensor(meta, dtype=torch.int64, device=state.device), sampling_key)
+        start_from_logits(state, logits, torch.tensor(meta, dtype=torch.int64, device=state.device), sampling_key)
         return
     start = 0
     for i in range(len(reqs) + 1):
@@ -183,7 +183,7 @@ def _admit(
                 unit = staging.unit(r)
                 counters.kv_row_copies += unit in staging.used
                 staging.used.add(unit)
-            runner.admit(meta, sampling_key)
+            runner.admission_round(meta, sampling_key)
         if i < len(reqs):
             batch = staging.next_batch(itertools.chain(reqs[i:], queue))
             index = _index([unit[0] for unit in batch], device)
@@ -274,7 +274,7 @@ def run_schedule(
 
     Lengths go to ``counters.lengths``. ``staged`` prefills prompts ahead through
     :meth:`DecodeGraphRunner.prefill_prompts` and admits each round through
-    :meth:`DecodeGraphRunner.admit`, staged at the call's prompt width (graph
+    :meth:`DecodeGraphRunner.admission_round`, staged at the call's prompt width (graph
     replay where allowed; a round straddling prefill batches runs as one
     admission per batch); otherwise the batch is prefilled eagerly at its own width, as
     transformers does.
@@ -306,7 +306,7 @@ def run_schedule(
             slots, free = free[:room], free[room:]
             reqs = [queue.popleft() for _ in range(room)]
             with counters.timer.phase("prefill"):
-                _admit(runner, slots, reqs, queue, prompt_ids, prompt_mask, sampling_key, seed, staging=staging,
+                _admission_round(runner, slots, reqs, queue, prompt_ids, prompt_mask, sampling_key, seed, staging=staging,
                        counters=counters)
             for slot, req in zip(slots, reqs):
                 active[slot] = req

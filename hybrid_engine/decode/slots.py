@@ -38,9 +38,9 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from .model_step import decode_one_token
-from .sampling import SamplingKnobs, sample_tokens
-from .static_cache import StaticKVCache
+from hybrid_engine.decode.kv_cache import StaticKVCache
+from hybrid_engine.decode.sampling import SamplingKnobs, sample_tokens
+from hybrid_engine.decode.step import decode_one_token
 
 __all__ = ["DecodeSlots", "choose_tokens", "logits_width", "vocab_sizes"]
 
@@ -220,7 +220,7 @@ class DecodeSlots:
         cache.position.copy_(torch.where(parked, cache.position.clamp(max=self._park_position), cache.position))
 
     # ------------------------------------------------------------- admission
-    def admit(
+    def start(
         self,
         slots: torch.Tensor,
         first_tokens: torch.Tensor,

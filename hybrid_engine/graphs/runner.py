@@ -1,21 +1,21 @@
 """DecodeGraphRunner: capture one decode step per (batch bucket, sampling mode), replay it at every position.
 
 Both generation paths run on this one runner: ``engine.generate``
-(:mod:`hybrid_engine.generation`) and ``HybridEngineRollout``
-(:mod:`hybrid_engine.rollout.engine`), through the slot scheduler
-(:mod:`hybrid_engine.scheduler`). The runner owns:
+(:mod:`hybrid_engine.generation.generate`) and ``HybridEngineRollout``
+(:mod:`hybrid_engine.rollout.rollout`), through the slot scheduler
+(:mod:`hybrid_engine.generation.scheduler`). The runner owns:
 
-* the buffers: one :class:`~hybrid_engine.decode_state.DecodeSlots` allocated
+* the buffers: one :class:`~hybrid_engine.decode.slots.DecodeSlots` allocated
   at the largest bucket a call needs (it only grows, as gpt-fast's caches do);
   bucket ``n`` runs on its ``[:n]`` head, at the same addresses;
 * the graphs, keyed by :class:`GraphKey` ``(bucket, sampling mode)`` for
   decode steps, :class:`PrefillKey` for prompts prefilled ahead into the
   admission stage and :class:`AdmissionKey` for admission rounds from it
-  (:mod:`hybrid_engine.admission`: continuous batching admits often, and an
+  (:mod:`hybrid_engine.decode.staging`: continuous batching admits often, and an
   eager forward costs several replayed steps), all captured into one shared
   memory pool on the accelerator's side stream;
 * the policy: :meth:`refusal` is the whole answer to "may graphs run now"
-  (:mod:`hybrid_engine.graph_policy` plus what was learnt at run time);
+  (:mod:`hybrid_engine.graphs.policy` plus what was learnt at run time);
 * one warm-up (the first run of a key is eager, on the graph stream; the next
   one captures), one capture-failure policy, one :class:`GraphStats`.
 
@@ -23,18 +23,18 @@ Graph-safety invariants kept here:
 
 * What a capture froze is checked before a call replays anything: the
   weights' addresses, the registered hooks and the attention implementation
-  (:func:`~hybrid_engine.graph_safety.graph_fingerprint`). A change drops
+  (:func:`~hybrid_engine.graphs.fingerprint.graph_fingerprint`). A change drops
   every graph, and the call recaptures.
 * Capture applies none of its work (CUDA semantics), so a capture that fails
   leaves the device state as it was, and the runner puts back the host state
   the captured Python advanced before it failed (the caches' counters,
-  :meth:`~hybrid_engine.static_cache.StaticKVCache.host_state`; the attention
+  :meth:`~hybrid_engine.decode.kv_cache.StaticKVCache.host_state`; the attention
   switch below): the step then runs eagerly from where it started, as does the
   rest of the call, and the output is the same. After
   :data:`MAX_CAPTURE_FAILURES` failures graphs are off for this runner.
 * Replay runs no Python, so the kernels a graph replays are those its capture
   ran. Where the backend needs other attention kernels to capture
-  (:func:`~hybrid_engine.graph_policy.graph_attention`: ``"npu_graph"`` on an
+  (:func:`~hybrid_engine.graphs.policy.graph_attention`: ``"npu_graph"`` on an
   Ascend NPU), the warm-up and the capture run with them, and the model's
   ``_attn_implementation`` is put back right after, so eager steps keep the
   model's choice and the fingerprint, taken outside the switch, stays stable.
@@ -53,37 +53,37 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from .accelerator import accelerator_for
-from .admission import AdmissionStage, admit_staged, prefill_staged
-from .config import EngineConfig, user_stacklevel
-from .decode_state import DecodeSlots, vocab_sizes
-from .graph_policy import GraphRefusedWarning, graph_attention, refusal_reason
-from .graph_safety import (
-    HookCaptureError,
-    attributed_hooks,
-    graph_fingerprint,
-    hook_fingerprint,
-    hook_registered,
-)
-from .inputs import model_device
-from .model_step import max_positions
-from .sampling import sampling_mode
-from .static_cache import sliding_window
+from hybrid_engine.accelerator import accelerator_for
+from hybrid_engine.config.schema import EngineConfig
+from hybrid_engine.decode.kv_cache import sliding_window
+from hybrid_engine.decode.model_support import max_positions
+from hybrid_engine.decode.sampling import sampling_mode
+from hybrid_engine.decode.slots import DecodeSlots, vocab_sizes
+from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_staged
+from hybrid_engine.graphs.fingerprint import graph_fingerprint
+from hybrid_engine.graphs.hooks import HookCaptureError, attributed_hooks, hook_fingerprint, hook_registered
+from hybrid_engine.graphs.keys import AdmissionKey, GraphKey, PrefillKey, RunKey, default_graph_buckets
+from hybrid_engine.graphs.policy import GraphRefusedWarning, graph_attention, refusal_reason
+from hybrid_engine.graphs.stats import GraphStats
+from hybrid_engine.model_access import model_device
+from hybrid_engine.user_warnings import user_stacklevel
 
-__all__ = ["EXACT_PROMPT_ROWS", "MAX_CAPTURE_FAILURES", "PREFILL_TOKEN_BUDGET", "AdmissionKey", "DecodeGraphRunner",
-           "GraphKey", "GraphStats", "PrefillKey", "decode_grad_mode", "default_graph_buckets"]
+__all__ = ["DecodeGraphRunner", "EXACT_PROMPT_ROWS", "MAX_CAPTURE_FAILURES", "PREFILL_TOKEN_BUDGET"]
+
 
 #: Capture failures after which a runner stops trying graphs.
 MAX_CAPTURE_FAILURES = 3
 
+
 #: Prefill batches of up to this many prompts run at their exact count (above it, in the decode buckets):
 #: a padding row costs a whole prefill of the staged width, where a decode step's padding row costs one token.
 EXACT_PROMPT_ROWS = 8
+
 
 #: Prompt tokens (rows x staged width) one staged prefill batch holds at most, as vLLM's
 #: ``max_num_batched_tokens`` bounds a step's prefill: the admission stage has
@@ -94,111 +94,8 @@ EXACT_PROMPT_ROWS = 8
 #: At least :data:`EXACT_PROMPT_ROWS` prompts a batch, however wide they are.
 PREFILL_TOKEN_BUDGET = 8192
 
+
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def decode_grad_mode() -> Iterator[None]:
-    """No autograd and no inference mode, whatever the caller's: what a generation call runs under."""
-    with torch.inference_mode(False), torch.no_grad():
-        yield
-
-
-@contextlib.contextmanager
-def eval_for_generation(model: torch.nn.Module) -> Iterator[None]:
-    """``model`` in eval mode (no dropout) for the block; afterwards every submodule gets its own mode back
-    (a submodule the caller had put in eval inside a training model stays in eval)."""
-    modes = [(module, module.training) for module in model.modules()]
-    if not any(training for _, training in modes):
-        yield
-        return
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
-def default_graph_buckets(max_batch_size: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, then multiples of 8, up to the first bucket that holds ``max_batch_size``.
-
-    Each list is a prefix of every longer one, so a batch maps to the same bucket
-    whatever the largest batch seen so far.
-    """
-    buckets = []
-    for b in (1, 2, 4, 8):
-        buckets.append(b)
-        if b >= max_batch_size:
-            return tuple(buckets)
-    b = 16
-    while True:
-        buckets.append(b)
-        if b >= max_batch_size:
-            return tuple(buckets)
-        b += 8
-
-
-class GraphKey(NamedTuple):
-    """Everything a captured decode step bakes in besides the buffers' shapes."""
-
-    bucket: int
-    sampling: tuple[bool, bool, bool]  # :func:`~hybrid_engine.sampling.sampling_mode`; the values are device data
-
-
-class PrefillKey(NamedTuple):
-    """A staged prefill batch: ``prompts`` prompt rows of ``width`` tokens."""
-
-    prompts: int
-    width: int
-
-
-class AdmissionKey(NamedTuple):
-    """A staged admission round: ``requests`` request rows reading prompts staged ``width`` wide."""
-
-    requests: int
-    width: int
-    sampling: tuple[bool, bool, bool]
-
-
-#: What the runner keys its graphs by: a decode step, a staged prefill batch or a staged admission round.
-RunKey = GraphKey | PrefillKey | AdmissionKey
-
-
-@dataclasses.dataclass
-class GraphStats:
-    """Counters of one runner (attribute access; ``to_dict()`` for logging).
-
-    ``captures``, ``replays``, ``warmups`` and ``eager_steps`` count decode
-    steps; ``captured_positions`` and ``graph_keys`` both count the decode
-    graphs held now (each serves every position of its bucket and sampling
-    mode). ``admission_captures``/``admission_replays`` count the graphs of
-    admission: staged prefill batches and admission rounds (first token, slot
-    setup). ``enabled`` says whether the next
-    call may replay graphs (capture asked for, nothing refuses it), as read when
-    the stats were asked for.
-    """
-
-    captured_positions: int = 0
-    replays: int = 0
-    captures: int = 0
-    fallbacks: int = 0
-    last_refusal_reason: str | None = None
-    enabled: bool = False
-    capture_seconds: float = 0.0
-    graph_memory_bytes: int = 0
-    cache_memory_bytes: int = 0
-    graph_keys: int = 0
-    invalidations: int = 0
-    eager_steps: int = 0
-    warmups: int = 0
-    buckets: tuple[int, ...] = ()
-    admission_captures: int = 0
-    admission_replays: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """The counters as a plain dict, for logging."""
-        return dataclasses.asdict(self)
 
 
 class DecodeGraphRunner:
@@ -215,7 +112,7 @@ class DecodeGraphRunner:
         self.buckets = tuple(sorted(set(buckets))) if buckets else None
         self.accelerator = accelerator_for(model_device(model))
         self.slots: DecodeSlots | None = None
-        self.stage: AdmissionStage | None = None
+        self.stage: PromptStage | None = None
         #: Whether the current call may use graphs (set by :meth:`prepare`).
         self.use_graphs = False
         self._graphs: dict[RunKey, Any] = {}
@@ -287,7 +184,7 @@ class DecodeGraphRunner:
         graphs; the policy may still refuse (warned once, recorded in
         ``last_refusal_reason``).
         ``prompt_width`` (the width prompts are staged at, at least the longest
-        real prompt) sets up :meth:`prefill_prompts` and :meth:`admit`: the
+        real prompt) sets up :meth:`prefill_prompts` and :meth:`admission_round`: the
         admission stage gets request columns for a round on every slot and
         prompt rows within :data:`PREFILL_TOKEN_BUDGET` (:meth:`_stage_rows`).
         """
@@ -333,7 +230,7 @@ class DecodeGraphRunner:
                 requests = max(need, slots.rows)
                 self.invalidate()
                 self.stage = None
-                self.stage = AdmissionStage(model, self._stage_rows(requests, stage_width), stage_width,
+                self.stage = PromptStage(model, self._stage_rows(requests, stage_width), stage_width,
                                             device=device, dtype=dtype, requests=requests)
         fingerprint = graph_fingerprint(model)
         if fingerprint != self._fingerprint:
@@ -383,7 +280,7 @@ class DecodeGraphRunner:
         """Prefill prompts ``[p, w]`` (left-padded, ``p`` <= the stage's rows) into stage rows ``0..p-1``.
 
         Staged at the call's prompt width and run like a decode step (graph
-        replay where allowed); :meth:`admit` reads them until the next batch.
+        replay where allowed); :meth:`admission_round` reads them until the next batch.
         """
         # Every batch of a call is staged at the call's prompt width, so the graphs depend on the call's
         # shape only and stay few over a long run.
@@ -393,7 +290,7 @@ class DecodeGraphRunner:
         staged = self.stage.stage_prompts(ids, mask, prompts, width)
         self._run(PrefillKey(prompts, width), lambda: prefill_staged(self.model, staged))
 
-    def admit(self, meta: list[list[int]], sampling_key: tuple[float, float, int]) -> None:
+    def admission_round(self, meta: list[list[int]], sampling_key: tuple[float, float, int]) -> None:
         """One admission round of requests whose prompts :meth:`prefill_prompts` staged.
 
         ``meta`` holds six lists, one entry per request: slot, stage row of its
@@ -403,7 +300,7 @@ class DecodeGraphRunner:
         width, requests = self._prompt_width, self.bucket_for(len(meta[0]))
         staged = self.stage.stage_requests(meta, requests, width)
         self._run(AdmissionKey(requests, width, sampling_mode(*sampling_key)),
-                  lambda: admit_staged(self.slots, staged, sampling_key))
+                  lambda: admission_round(self.slots, staged, sampling_key))
 
     def capture_buckets(self, top: int, sampling_key: tuple[float, float, int], shrink: bool) -> None:
         """Warm up and capture, up front and largest first, every decode bucket a call may visit.
@@ -572,7 +469,7 @@ class DecodeGraphRunner:
         """A snapshot of the counters (a copy: later steps do not change it)."""
         s = dataclasses.replace(self._stats)
         decode = [k for k in self._graphs if isinstance(k, GraphKey)]
-        s.captured_positions = s.graph_keys = len(decode)
+        s.graph_keys = len(decode)
         s.buckets = tuple(sorted({k.bucket for k in decode}))
         s.cache_memory_bytes = sum(b.memory_bytes() for b in (self.slots, self.stage) if b is not None)
         return s

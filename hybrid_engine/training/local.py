@@ -1,12 +1,12 @@
 """The training side of ZeRO stage 0: plain PyTorch, no DeepSpeed needed.
 
-:class:`LocalTraining` and :class:`hybrid_engine.zero.DeepSpeedTraining` are the
+:class:`LocalTraining` and :class:`hybrid_engine.training.deepspeed.DeepSpeedTraining` are the
 two backends behind ``HybridEngine.forward/backward/step``; the engine picks one
 in :func:`hybrid_engine.engine.initialize` from ``zero_optimization.stage``.
 
 Graph safety: every update is in place. The optimizer steps the parameters
 themselves (fp32) or their fp32 masters, which are then copied into the
-low-precision parameters in place (:mod:`hybrid_engine.precision`). Nothing
+low-precision parameters in place (:mod:`hybrid_engine.training.precision`). Nothing
 here re-allocates a parameter, so decode graphs captured before a step replay
 the new weights after it.
 
@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import EngineConfig
-from .inputs import model_device
-from .precision import MasterWeights
-from .ranks import rank
+from hybrid_engine.config.schema import EngineConfig
+from hybrid_engine.distributed.world import rank
+from hybrid_engine.model_access import model_device
+from hybrid_engine.training.precision import MasterWeights
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def build_scheduler(config: EngineConfig, optimizer: torch.optim.Optimizer | Non
                          f"{section!r}")
     if optimizer is None:
         raise ValueError("scheduler: there is no optimizer to schedule; set config.optimizer or pass optimizer=")
-    from .zero import import_deepspeed
+    from hybrid_engine.distributed.deepspeed_import import import_deepspeed
 
     import_deepspeed(f"the config's scheduler {section['type']!r} is one of DeepSpeed's")
     from deepspeed.runtime import lr_schedules

@@ -14,7 +14,7 @@ What this means for graphs:
   captured only after ``initialize``, read every update through the same
   addresses: no copy and no recapture per step.
 * ZeRO 3: a parameter outside a gather is a 0-element shard, and every gather
-  allocates new memory, so graphs are refused (:mod:`hybrid_engine.graph_policy`)
+  allocates new memory, so graphs are refused (:mod:`hybrid_engine.graphs.policy`)
   and generation runs eagerly inside :func:`gathered_for_inference`, with
   ZeRO-3's per-module fetch/release hooks taken off. The one collective (the
   all-gather) happens when a generate call starts, on every rank; the
@@ -22,49 +22,27 @@ What this means for graphs:
   lengths never wait for each other and cannot desynchronise.
   With ``hybrid_engine.zero3_gathered_inference_copy`` generation runs instead
   on an unpartitioned copy refreshed after each step
-  (:mod:`hybrid_engine.inference_copy`), and graphs are allowed.
+  (:mod:`hybrid_engine.distributed.inference_copy`), and graphs are allowed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from .config import EngineConfig
-from .ranks import rank
+from hybrid_engine.config.schema import EngineConfig
+from hybrid_engine.distributed.deepspeed_import import import_deepspeed
+from hybrid_engine.distributed.world import one_rank_without_launcher, rank
 
-__all__ = ["DeepSpeedTraining", "build", "deepspeed_config", "destroy_deepspeed_engine", "destroy_process_group",
-           "gathered_for_inference", "import_deepspeed", "is_zero3_partitioned", "one_rank_without_launcher"]
+__all__ = ["DeepSpeedTraining", "RNG_CLIENT_KEY", "build", "deepspeed_config", "destroy_deepspeed_engine", "rng_file"]
+
 
 #: Key under which the engine keeps torch's RNG states inside DeepSpeed's ``client_state``.
 RNG_CLIENT_KEY = "hybrid_engine_rng"
-
-
-def import_deepspeed(needed_for: str | None = None) -> Any:
-    """``deepspeed``, with its C++ ops that would be JIT-built on first use on a CPU turned off.
-
-    ``needed_for`` says what needs it, for the ``ImportError`` when it is missing.
-    """
-    try:
-        import deepspeed
-    except ImportError as exc:
-        what = needed_for or "zero_optimization.stage 1-3 trains on DeepSpeed"
-        way_out = "" if needed_for else " (or use zero_optimization.stage 0)"
-        raise ImportError(
-            f"{what}, which is not installed; install it with `pip install 'hybrid-engine[deepspeed]'`{way_out}"
-        ) from exc
-    # The shared-memory CPU collective is a C++ op built at first use; plain torch.distributed does its job.
-    compatible = getattr(getattr(deepspeed, "ops", None), "__compatible_ops__", None)
-    if isinstance(compatible, dict):
-        compatible["deepspeed_shm_comm"] = False
-    return deepspeed
 
 
 def destroy_deepspeed_engine(owner: Any, attr: str) -> None:
@@ -83,161 +61,6 @@ def destroy_deepspeed_engine(owner: Any, attr: str) -> None:
         engine.destroy()
     del engine  # no reference left here when the cycles are collected
     gc.collect()
-
-
-def destroy_process_group() -> None:
-    """Leave ``torch.distributed`` (call it on every rank, after a barrier), through DeepSpeed's own
-    ``deepspeed.comm.destroy_process_group`` once DeepSpeed has set up its communication.
-
-    DeepSpeed keeps module-level references to the groups it makes, a clone of
-    the world group above all (``deepspeed.utils.groups``). Its own teardown drops
-    them; ``torch.distributed.destroy_process_group`` does not, and a gloo group
-    kept alive that way is torn down at interpreter shutdown, possibly after the
-    peer rank has exited, where it can abort the process after its last line
-    (``terminate called without an active exception``).
-    """
-    import torch.distributed as dist
-
-    comm = sys.modules.get("deepspeed.comm.comm")
-    if comm is not None and comm.is_initialized():
-        comm.destroy_process_group()
-    elif dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def is_zero3_partitioned(module: nn.Module) -> bool:
-    """Whether ``module``'s parameters are ZeRO-3 partitioned (DeepSpeed tags each with ``ds_id``)."""
-    return any(hasattr(p, "ds_id") for p in module.parameters())
-
-
-@contextlib.contextmanager
-def gathered_for_inference(module: nn.Module) -> Iterator[None]:
-    """Run the block with ``module``'s ZeRO-3 parameters gathered whole (no-op for other modules).
-
-    Collective: every rank must enter it. Inside, the parameters are marked
-    persistent, and ZeRO-3's per-module fetch/release hooks are taken off
-    (:func:`_without_zero3_module_hooks`), so each forward is local to its rank
-    and pays nothing for parameter bookkeeping.
-    """
-    if not is_zero3_partitioned(module):
-        yield
-        return
-    deepspeed = import_deepspeed()
-    params = list(module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        persist = [p.ds_persist for p in params]
-        for p in params:
-            p.ds_persist = True
-        try:
-            with _without_zero3_module_hooks(module):
-                yield
-        finally:
-            for p, keep in zip(params, persist):
-                p.ds_persist = keep
-
-
-def _zero3_offload(module: nn.Module) -> Any | None:
-    """DeepSpeed's ZeRO-3 parameter offload object whose hooks sit on ``module``'s submodules, if any.
-
-    Found through the hooks themselves (each closes over it, under DeepSpeed's wrappers), so a bare
-    transformers model works as well as a DeepSpeed engine's.
-    """
-    seen: set[int] = set()
-
-    def search(fn: Any, depth: int = 0) -> Any | None:
-        if depth > 4 or id(fn) in seen:
-            return None
-        seen.add(id(fn))
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if all(hasattr(value, a) for a in ("forward_hooks", "backward_hooks", "fwd_pre_hook")):
-                return value
-            if callable(value):
-                found = search(value, depth + 1)
-                if found is not None:
-                    return found
-        wrapped = getattr(fn, "__wrapped__", None)
-        return search(wrapped, depth + 1) if wrapped is not None else None
-
-    for sub in module.modules():
-        for hook in (*sub._forward_pre_hooks.values(), *sub._forward_hooks.values()):
-            found = search(hook)
-            if found is not None:
-                return found
-    return None
-
-
-@contextlib.contextmanager
-def _without_zero3_module_hooks(module: nn.Module) -> Iterator[None]:
-    """ZeRO-3's fetch/release hooks off every submodule for the block, then back in their places.
-
-    With the parameters gathered and persistent they have nothing to do, yet
-    their bookkeeping runs at every module of every forward: with many small
-    modules (LoRA adapters) it cost 10-100x the decode itself. TRL takes them
-    off for generation the same way. Only the hooks of DeepSpeed's parameter
-    offload are taken (by their handles); every other hook stays, in order.
-    """
-    offload = _zero3_offload(module)
-    if offload is None:
-        yield
-        return
-    handles = [*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook]
-    ids = {h.id for h in handles if h is not None}
-    taken: list[tuple[dict, list, dict]] = []
-    for sub in module.modules():
-        for table in (sub._forward_pre_hooks, sub._forward_hooks):
-            ours = {k: h for k, h in table.items() if k in ids}
-            if ours:
-                taken.append((table, list(table), ours))
-                for k in ours:
-                    del table[k]
-    try:
-        yield
-    finally:
-        for table, order, ours in taken:
-            added = {k: h for k, h in table.items() if k not in order}  # registered inside the block
-            kept = {k: ours[k] if k in ours else table[k] for k in order if k in ours or k in table}
-            table.clear()
-            table.update(kept)
-            table.update(added)
-
-
-#: The variables a launcher (torchrun, ``deepspeed``) sets for each rank, which DeepSpeed reads.
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def one_rank_without_launcher() -> None:
-    """Let DeepSpeed set up a one-rank process group when the script runs without a launcher.
-
-    ``python train.py`` at ZeRO 1-3 would otherwise reach DeepSpeed's MPI discovery
-    (``mpi4py``) or its ``LOCAL_RANK`` assertion. As accelerate does for a single
-    process, the launcher variables DeepSpeed reads are filled in for rank 0 of 1,
-    on loopback with a free port; variables already set are kept. A partial launch
-    (``WORLD_SIZE`` above 1 with the rest missing) is refused, naming how to launch.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        if dist.get_world_size() == 1:
-            os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asserts it even on a group the caller made
-        return
-    missing = [name for name in LAUNCHER_VARIABLES if name not in os.environ]
-    if not missing:
-        return
-    if os.environ.get("WORLD_SIZE", "1") != "1":
-        raise ValueError(
-            f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {', '.join(missing)} are not: launch the ranks with "
-            "`torchrun --nproc_per_node N train.py` or `deepspeed train.py`, or unset WORLD_SIZE to train in one "
-            "process")
-    from .launch import free_port
-
-    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(free_port())}
-    for name in missing:
-        os.environ[name] = defaults[name]
 
 
 def deepspeed_config(config: EngineConfig) -> dict[str, Any]:

@@ -9,9 +9,9 @@ be captured. The graph-mode variant, ``torch_npu.npu_fusion_attention_v3``
 (torch_npu 2.6 on), keeps its work on the capturing stream; its documentation
 promises graph capture (aclgraph) for the ``"BNSD"`` layout, the one the static
 cache stores. This module registers it with transformers as ``"npu_graph"``;
-:class:`~hybrid_engine.graph_runner.DecodeGraphRunner` switches ``sdpa`` models
+:class:`~hybrid_engine.graphs.runner.DecodeGraphRunner` switches ``sdpa`` models
 to it for the steps it warms up and captures on an NPU (see
-:func:`~hybrid_engine.graph_policy.graph_attention`). ``eager`` attention is
+:func:`~hybrid_engine.graphs.policy.graph_attention`). ``eager`` attention is
 plain matmul and softmax, which captures as it is, so it is never switched.
 
 What a capture freezes here: the shapes (batch, heads, query and key lengths),
@@ -27,7 +27,7 @@ Conventions and choices:
   out*. transformers hands attention functions either a boolean mask with True
   meaning *attend* (built by :func:`npu_graph_mask`, registered for
   ``"npu_graph"``), or an additive float mask (0 = attend, very negative =
-  masked), which is what :mod:`hybrid_engine.model_step` passes in prefill and
+  masked), which is what :mod:`hybrid_engine.decode.step` passes in prefill and
   in every decode step over the static cache. A float mask is read as binary:
   any negative value masks the key (torch_npu cannot express a soft bias).
   Without a mask, ``is_causal`` (as ``sdpa`` reads it) masks keys after the

@@ -7,7 +7,7 @@ accumulation boundary. :class:`DeepSpeedEngineInterface` gives
 :class:`~hybrid_engine.engine.HybridEngine` the same answers with DeepSpeed's
 names and meanings, so a script written for DeepSpeed keeps working. Under
 ZeRO (and stage 0 across ranks) the wrapped DeepSpeed engine answers itself;
-at stage 0 in one process :class:`~hybrid_engine.training.LocalTraining` keeps
+at stage 0 in one process :class:`~hybrid_engine.training.local.LocalTraining` keeps
 the state. Attributes the engine does not have are looked up on the wrapped
 model, as DeepSpeed's engine does (``engine.gradient_checkpointing_enable()``,
 ``engine.generation_config``). Nothing here touches decode graphs.
@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
-from .config import world_size
-from .inputs import model_device
-from .ranks import rank
-from .training import LocalTraining, optimizer_momenta
+from hybrid_engine.distributed.world import rank, world_size
+from hybrid_engine.model_access import model_device
+from hybrid_engine.training.local import LocalTraining, optimizer_momenta
 
 __all__ = ["DeepSpeedEngineInterface"]
 

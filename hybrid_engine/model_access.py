@@ -1,6 +1,7 @@
-"""Checks on user inputs that both front ends (``engine.generate`` and rollouts) make before any work.
+"""What the engine reads off a model: the module that decodes, its device, ZeRO-3 partitioning, input devices.
 
-A tensor on another device than the model would otherwise fail deep inside a
+Both front ends (``engine.generate`` and rollouts) check their inputs' devices
+here before any work. A tensor on another device than the model would otherwise fail deep inside a
 forward (or, for a ``meta`` tensor, with an internal ``NotImplementedError``),
 after graphs or slots may already have been touched. Refusing it up front, with
 both devices named, keeps the engine usable and the error actionable.
@@ -10,7 +11,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_device", "decode_model", "model_device"]
+__all__ = ["ADAPTER_STATE", "check_device", "decode_model", "is_zero3_partitioned", "model_device"]
+
+
+# Host-side attributes of a PEFT tuner layer (found by duck typing: no peft import) that its forward branches on
+# or freezes into a captured graph.
+ADAPTER_STATE = ("merged_adapters", "_active_adapter", "_disable_adapters", "scaling")
 
 
 def decode_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -45,3 +51,8 @@ def check_device(what: str, tensor: torch.Tensor, model: torch.nn.Module) -> Non
         raise ValueError(
             f"{what} is on {tensor.device} but the model is on {device}; move it first, e.g. .to({str(device)!r})"
         )
+
+
+def is_zero3_partitioned(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s parameters are ZeRO-3 partitioned (DeepSpeed tags each with ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())

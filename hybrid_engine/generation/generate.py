@@ -15,8 +15,8 @@ Paths, decided once per call before any decode step:
   change nothing and are not delegated; unset sampling knobs take
   transformers' defaults (``top_k`` 50).
 * **ours** -- the whole batch is prefilled at once (never captured) and decoded
-  on the engine's :class:`~hybrid_engine.graph_runner.DecodeGraphRunner` by the
-  slot scheduler (:mod:`hybrid_engine.scheduler`), with transformers'
+  on the engine's :class:`~hybrid_engine.graphs.runner.DecodeGraphRunner` by the
+  slot scheduler (:mod:`hybrid_engine.generation.scheduler`), with transformers'
   semantics: EOS is suppressed below ``min_new_tokens`` (a device comparison in
   the step), rows that emitted EOS are padded with ``pad_token_id``, and the
   output ends once every row has finished. Steps replay the graph captured
@@ -27,7 +27,7 @@ Paths, decided once per call before any decode step:
   finish, the survivors move to the smallest bucket that holds them.
 
 Greedy decoding is argmax; sampling is
-:func:`~hybrid_engine.sampling.sample_tokens` keyed by a seed drawn from
+:func:`~hybrid_engine.decode.sampling.sample_tokens` keyed by a seed drawn from
 torch's global generator at the start of the call (``torch.manual_seed`` makes
 it reproducible), the row index and the token index, so eager and graph steps
 pick identical tokens.
@@ -44,17 +44,19 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from .config import EngineConfig
-from .graph_runner import DecodeGraphRunner, GraphStats
-from .inputs import check_device, model_device
-from .model_step import check_model_supported, max_positions, token_id, token_ids
-from .ranks import rank_seed
-from .sampling import validate_sampling
-from .scheduler import Counters, RequestSpec, gather_responses, run_schedule
-from .static_cache import sliding_window
-from .timing import PhaseTimer
+from hybrid_engine.config.schema import EngineConfig
+from hybrid_engine.decode.kv_cache import sliding_window
+from hybrid_engine.decode.model_support import check_model_supported, max_positions
+from hybrid_engine.decode.sampling import validate_sampling
+from hybrid_engine.distributed.ranks import rank_seed
+from hybrid_engine.generation.scheduler import Counters, RequestSpec, gather_responses, run_schedule
+from hybrid_engine.generation.timing import PhaseTimer
+from hybrid_engine.generation.token_ids import token_id, token_ids
+from hybrid_engine.graphs.runner import DecodeGraphRunner
+from hybrid_engine.graphs.stats import GraphStats
+from hybrid_engine.model_access import check_device, model_device
 
-__all__ = ["GRAPHS_OFF", "Generator"]
+__all__ = ["GRAPHS_OFF", "GenerateFrontEnd"]
 
 # kwargs our loop implements, with the values it supports (None: any value).
 _FAST_KWARGS: dict[str, Any] = {
@@ -159,7 +161,7 @@ def _default_max_new_tokens(config: Any, gen: Any, width: int) -> int:
     return (min(total, limit) if isinstance(limit, int) else total) - width
 
 
-class Generator:
+class GenerateFrontEnd:
     """Runs one engine's ``generate`` calls on its graph runner (see module docstring)."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig):

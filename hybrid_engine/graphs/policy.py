@@ -1,7 +1,7 @@
 """The one graph policy: may a model's decode steps be captured now, and if not, why.
 
 Both front ends (``engine.generate`` and ``HybridEngineRollout``) ask the
-:class:`~hybrid_engine.graph_runner.DecodeGraphRunner`, and the runner asks
+:class:`~hybrid_engine.graphs.runner.DecodeGraphRunner`, and the runner asks
 :func:`refusal_reason` here, so a refusal reads the same on either path:
 
 * the accelerator of the model's device cannot capture (found by probing, never
@@ -10,7 +10,7 @@ Both front ends (``engine.generate`` and ``HybridEngineRollout``) ask the
   re-gathered at new addresses; also found by probing the parameters, unless
   generation runs on the gathered inference copy), ``release_inference_cache``
   (the buffers a graph replays into are freed), ``inference_tp_size > 1`` (see
-  :func:`~hybrid_engine.config.validate_graph_capture_support`); a rollout
+  :func:`~hybrid_engine.graphs.policy.validate_graph_capture_support`); a rollout
   built on a ``HybridEngine`` honours its engine's config;
 * the attention implementation is not one whose kernels capture;
 * the rotary embedding is rescaled at run time (transformers' ``dynamic`` and
@@ -21,7 +21,7 @@ Which attention kernels a graphed step runs is policy too (:func:`graph_attentio
 on an Ascend NPU the fused attention kernels that ``sdpa`` reaches launch work
 on a secondary stream, which NPU capture rejects (error 107025), so the runner
 runs the steps it warms up and captures with ``"npu_graph"``
-(:mod:`hybrid_engine.npu_attention`) instead; where torch_npu lacks that
+(:mod:`hybrid_engine.decode.npu_attention`) instead; where torch_npu lacks that
 kernel, ``sdpa`` models are refused up front. Eager steps keep the model's own
 choice, and ``eager`` attention (matmul and softmax) captures as it is.
 
@@ -37,12 +37,12 @@ from typing import Any
 
 import torch
 
-from .config import ZERO3_REFUSAL, EngineConfig, validate_graph_capture_support
-from .npu_attention import NPU_GRAPH_ATTENTION, npu_graph_available
-from .zero import is_zero3_partitioned
+from hybrid_engine.config.loading import ConfigSource, load_config
+from hybrid_engine.config.schema import EngineConfig
+from hybrid_engine.decode.npu_attention import NPU_GRAPH_ATTENTION, npu_graph_available
+from hybrid_engine.model_access import is_zero3_partitioned
 
-__all__ = ["CAPTURABLE_ATTENTION", "NPU_SWITCHED_ATTENTION", "GraphRefusedWarning", "graph_attention",
-           "refusal_reason"]
+__all__ = ["CAPTURABLE_ATTENTION", "GraphRefusedWarning", "NPU_SWITCHED_ATTENTION", "ZERO3_REFUSAL", "graph_attention", "graph_capture_requested", "refusal_reason", "validate_graph_capture_support"]
 
 #: Attention implementations whose decode kernels capture and honour the static cache's 4D mask.
 CAPTURABLE_ATTENTION = ("eager", "sdpa", NPU_GRAPH_ATTENTION)
@@ -121,4 +121,50 @@ def graph_attention(model: torch.nn.Module, accelerator: Any) -> str | None:
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if impl in NPU_SWITCHED_ATTENTION and _backend(accelerator) == "npu" and npu_graph_available():
         return NPU_GRAPH_ATTENTION
+    return None
+
+
+#: Why graphs are refused under ZeRO-3 (from the config, or found on the parameters).
+ZERO3_REFUSAL = (
+    "ZeRO stage 3 partitions parameters and re-gathers them every step, so a captured graph "
+    "would replay stale parameter addresses; use zero_optimization.stage 0, 1 or 2 (or, under ZeRO-3, "
+    "hybrid_engine.zero3_gathered_inference_copy, which keeps a full copy of the weights for generation)."
+)
+
+
+def graph_capture_requested(config: ConfigSource) -> bool:
+    """Whether the config asks for graph-captured decode."""
+    return load_config(config).hybrid_engine.enable_graph_capture
+
+
+def validate_graph_capture_support(config: ConfigSource, accelerator: Any = None) -> str | None:
+    """``None`` when captured graphs may be used, else the reason as a sentence.
+
+    Does not look at ``enable_graph_capture`` (see ``graph_capture_requested``).
+    Never compares device names: the accelerator is asked whether it can capture.
+    """
+    cfg = load_config(config)
+    if accelerator is None:
+        from hybrid_engine.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+    can_capture = getattr(accelerator, "supports_graph_capture", None)
+    if can_capture is None:
+        can_capture = accelerator.create_graph() is not None
+    if not can_capture:
+        reason = getattr(accelerator, "graph_unavailable_reason", None)
+        detail = f" ({reason})" if reason else ""
+        return f"The accelerator cannot capture graphs{detail}, so decode must run eagerly."
+    if cfg.zero_optimization.stage == 3 and not cfg.hybrid_engine.zero3_gathered_inference_copy:
+        return ZERO3_REFUSAL
+    if cfg.hybrid_engine.release_inference_cache:
+        return (
+            "Setting hybrid_engine.release_inference_cache frees the inference buffers after each generation, "
+            "which a captured graph replays into; set it to false to use graph capture."
+        )
+    if cfg.hybrid_engine.inference_tp_size > 1:
+        return (
+            f"Tensor-parallel inference (hybrid_engine.inference_tp_size={cfg.hybrid_engine.inference_tp_size}) "
+            "is not graph-captured; set hybrid_engine.inference_tp_size to 1 to use graph capture."
+        )
     return None

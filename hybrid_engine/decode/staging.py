@@ -8,15 +8,15 @@ slots idle to batch rounds. So a rollout separates the two:
 
 * :func:`prefill_staged` prefills the distinct prompts of the next requests
   of the queue (as many prompts as the stage has rows, however many samples
-  each has) into the :class:`AdmissionStage` cache, and keeps each one's
+  each has) into the :class:`PromptStage` cache, and keeps each one's
   last-position logits (float32) there. With shared prefill each prompt is
   prefilled once per call, however many rounds its samples are admitted in.
   The stage's prompt rows are bounded by a token budget
-  (:data:`~hybrid_engine.graph_runner.PREFILL_TOKEN_BUDGET` over the staged
+  (:data:`~hybrid_engine.graphs.runner.PREFILL_TOKEN_BUDGET` over the staged
   width, as vLLM bounds a step's prefill tokens), not by the slots: a captured
   prefill keeps its activations in the graph pool for good, and a slot-wide
   batch of wide prompts would hold several times the slots' own K/V there.
-* :func:`admit_staged` admits a round of requests whose prompts are staged:
+* :func:`admission_round` admits a round of requests whose prompts are staged:
   their K/V are copied into their slots (shared prompts fan out by stage row),
   each one's first token is picked from its prompt's logits with the decode
   step's sampler (token 0 of its counters), and the slots are set up. That is
@@ -24,15 +24,15 @@ slots idle to batch rounds. So a rollout separates the two:
   rarely wait.
 
 The runner warms up, captures and replays both per key
-(:class:`~hybrid_engine.graph_runner.PrefillKey`,
-:class:`~hybrid_engine.graph_runner.AdmissionKey`). What a capture freezes:
+(:class:`~hybrid_engine.graphs.keys.PrefillKey`,
+:class:`~hybrid_engine.graphs.keys.AdmissionKey`). What a capture freezes:
 the number of prompt rows (exact up to
-:data:`~hybrid_engine.graph_runner.EXACT_PROMPT_ROWS`, since a padding row
+:data:`~hybrid_engine.graphs.runner.EXACT_PROMPT_ROWS`, since a padding row
 would cost a whole prefill, then the decode buckets), the number of request
 rows (decode buckets: a request row costs only its sampling), the staged
 width (the call's padded prompt width, rounded up to a power of two, the same
 for every batch of a call) and the sampling mode (the knobs' values are device
-data, :class:`~hybrid_engine.sampling.SamplingKnobs`). A round may hold as
+data, :class:`~hybrid_engine.decode.sampling.SamplingKnobs`). A round may hold as
 many requests as there are slots (the stage's request columns are slot-wide);
 the prompts it reads are the stage's rows, so a round whose prompts are not
 all staged runs as parts, the next prefill batch before each. Everything per
@@ -56,11 +56,11 @@ from typing import NamedTuple
 import torch
 from transformers import PreTrainedModel
 
-from .decode_state import DecodeSlots, choose_tokens, logits_width
-from .model_step import prefill
-from .static_cache import StaticKVCache
+from hybrid_engine.decode.kv_cache import StaticKVCache
+from hybrid_engine.decode.slots import DecodeSlots, choose_tokens, logits_width
+from hybrid_engine.decode.step import prefill
 
-__all__ = ["AdmissionStage", "StagedPrompts", "StagedRequests", "admit_from_logits", "admit_staged", "prefill_staged",
+__all__ = ["PromptStage", "StagedPrompts", "StagedRequests", "start_from_logits", "admission_round", "prefill_staged",
            "staged_width_within", "width_bucket"]
 
 
@@ -80,7 +80,7 @@ def staged_width_within(longest: int, room: int) -> int:
 
 
 class StagedPrompts(NamedTuple):
-    """A prefill batch's device inputs and outputs, views of an :class:`AdmissionStage` at fixed addresses."""
+    """A prefill batch's device inputs and outputs, views of an :class:`PromptStage` at fixed addresses."""
 
     ids: torch.Tensor  # [P, W] prompts, right-aligned
     mask: torch.Tensor  # [P, W]
@@ -89,14 +89,14 @@ class StagedPrompts(NamedTuple):
 
 
 class StagedRequests(NamedTuple):
-    """An admission round's device inputs, views of an :class:`AdmissionStage` at fixed addresses."""
+    """An admission round's device inputs, views of an :class:`PromptStage` at fixed addresses."""
 
     cache: StaticKVCache  # every stage row, W slots: the staged prompts the requests read
     logits: torch.Tensor  # [rows, V] float32
     meta: torch.Tensor  # [6, R]: slot, stage row of the prompt, request index, budget, min_tokens, seed
 
 
-class AdmissionStage:
+class PromptStage:
     """Static buffers for prefill batches and admission rounds at the largest shape a call needs.
 
     ``rows`` prompt rows ``width`` wide (ids, mask, K/V cache, logits) and
@@ -174,7 +174,7 @@ def prefill_staged(model: PreTrainedModel, staged: StagedPrompts) -> None:
     staged.logits.copy_(prefill(model, staged.cache, staged.ids, staged.mask, checked=True))
 
 
-def admit_staged(slots: DecodeSlots, staged: StagedRequests, sampling_key: tuple[float, float, int]) -> None:
+def admission_round(slots: DecodeSlots, staged: StagedRequests, sampling_key: tuple[float, float, int]) -> None:
     """One admission round of staged prompts, entirely in device tensors (captured for rollouts).
 
     Load each request's prompt K/V from its stage row into its slot (shared
@@ -182,10 +182,10 @@ def admit_staged(slots: DecodeSlots, staged: StagedRequests, sampling_key: tuple
     decode step's sampler, and admit it.
     """
     slots.cache.load_rows(staged.meta[0], staged.cache, sources=staged.meta[1], checked=True)
-    admit_from_logits(slots, staged.logits, staged.meta, sampling_key)
+    start_from_logits(slots, staged.logits, staged.meta, sampling_key)
 
 
-def admit_from_logits(slots: DecodeSlots, logits: torch.Tensor, meta: torch.Tensor,
+def start_from_logits(slots: DecodeSlots, logits: torch.Tensor, meta: torch.Tensor,
                       sampling_key: tuple[float, float, int]) -> None:
     """Admit the requests of ``meta`` (``[6, R]``, see :class:`StagedRequests`), whose prompts are already in
     their slots: each one's first token is picked from its source row of the prefill ``logits`` with the
@@ -195,5 +195,5 @@ def admit_from_logits(slots: DecodeSlots, logits: torch.Tensor, meta: torch.Tens
         logits.index_select(0, source), sampling_key, eos_mask=slots.eos_mask, suppress_eos=min_tokens > 0,
         seed=seed, request_index=request_index, token_index=0, knobs=slots.knobs,
     )
-    slots.admit(slot, tokens, logprobs, seed=seed, request_index=request_index, budget=budget,
+    slots.start(slot, tokens, logprobs, seed=seed, request_index=request_index, budget=budget,
                 min_tokens=min_tokens)

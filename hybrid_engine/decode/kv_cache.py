@@ -44,7 +44,7 @@ Invariants
   every forward) never syncs, and eager steps run what captured ones do; a
   host ``int`` otherwise. With per-row lengths
   there is no single "sequence length": callers must pass an explicit 4D mask
-  and position ids (see :mod:`hybrid_engine.model_step`).
+  and position ids (see :mod:`hybrid_engine.decode.step`).
 * Host-side state (Python values a captured step would advance) is kept to
   one counter, ``num_updates``, shared by a cache and all its row views, and
   :meth:`host_state`/:meth:`restore_host_state` save and restore it. A capture
@@ -68,7 +68,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .accelerator import is_capturing
+from hybrid_engine.accelerator import is_capturing
 
 __all__ = ["StaticKVCache", "cache_geometry", "sliding_window"]
 
@@ -226,10 +226,10 @@ class StaticKVCache(Cache):
         #: Read write positions on the host to bounds-check each write (outside capture only).
         #: Owners that validate lengths up front (the engines) turn it off: it costs a sync per step.
         self.bounds_checks = True
-        #: Set around a model forward by :mod:`hybrid_engine.model_step`: sequence-length queries get a device
+        #: Set around a model forward by :mod:`hybrid_engine.decode.step`: sequence-length queries get a device
         #: tensor, as while capturing, so an eager step reads nothing on the host either.
         self.answer_on_device = False
-        #: Host flag set by :func:`~hybrid_engine.model_step.prefill` while every row's ``write_pos`` is 0:
+        #: Host flag set by :func:`~hybrid_engine.decode.step.prefill` while every row's ``write_pos`` is 0:
         #: ``update`` then copies into the first ``q_len`` slots, a plain copy instead of a scatter.
         self.writes_at_start = False
         self._host = host if host is not None else _HostCounters()
@@ -318,7 +318,7 @@ class StaticKVCache(Cache):
 
     def get_seq_length(self, layer_idx: int | None = 0) -> Any:
         """``max(write_pos)``: a 0-dim device tensor inside a model step (:attr:`answer_on_device`, set by
-        :mod:`hybrid_engine.model_step`) and while capturing; a host int otherwise."""
+        :mod:`hybrid_engine.decode.step`) and while capturing; a host int otherwise."""
         longest = self.write_pos.max()
         if self.answer_on_device or is_capturing():
             return longest

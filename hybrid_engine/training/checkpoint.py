@@ -43,8 +43,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .inputs import model_device
-from .training import LocalTraining
+from hybrid_engine.model_access import model_device
+from hybrid_engine.training.local import LocalTraining
 
 
 class CheckpointedEngine(Protocol):

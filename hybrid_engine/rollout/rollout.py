@@ -1,18 +1,18 @@
 """``HybridEngineRollout``: RL rollouts from the engine's model, on the shared decode graph runner.
 
-The rollout owns one :class:`~hybrid_engine.graph_runner.DecodeGraphRunner`
+The rollout owns one :class:`~hybrid_engine.graphs.runner.DecodeGraphRunner`
 and keeps it (slots, cache and captured graphs) across ``generate`` calls, so a
 decode step is captured once per (batch bucket, sampling mode) and replayed
 for every later step of every later call, also after optimizer steps (in-place
 updates are read through the same addresses). Scheduling (continuous or static
-batching, shared prefill, compaction) is :mod:`hybrid_engine.scheduler`.
+batching, shared prefill, compaction) is :mod:`hybrid_engine.generation.scheduler`.
 
 Every refusal is raised before any work: invalid inputs (in the value types),
 missing pad/EOS ids, a cache capacity below prompt + ``max_new_tokens``,
 prompts beyond the model's position limit, attention implementations that
 cannot take the static cache's 4D mask (``flash_attention_2``), and models
 whose forward does not accept an external cache. Where graphs are unsafe (see
-:mod:`hybrid_engine.graph_policy`; a rollout built on a ``HybridEngine``
+:mod:`hybrid_engine.graphs.policy`; a rollout built on a ``HybridEngine``
 honours its engine's config gates) or a capture fails, one warning is given and
 decoding runs eagerly with the same tokens.
 """
@@ -27,18 +27,25 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from hybrid_engine.admission import staged_width_within, width_bucket
-from hybrid_engine.config import EngineConfig
-from hybrid_engine.exclusive import exclusive_generation
-from hybrid_engine.graph_runner import DecodeGraphRunner, GraphStats, decode_grad_mode, eval_for_generation
-from hybrid_engine.inputs import check_device, decode_model
-from hybrid_engine.model_step import MAX_TOKEN_ID, check_model_supported, max_positions, token_ids
-from hybrid_engine.ranks import rank_seed
-from hybrid_engine.scheduler import Counters, RequestSpec, gather_responses, run_schedule
-from hybrid_engine.timing import PhaseTimer
-from hybrid_engine.zero import gathered_for_inference
-
-from .types import DEFAULT_MAX_BATCH_SIZE, RolloutBatch, RolloutConfig, RolloutRequest, SamplingConfig
+from hybrid_engine.config.schema import EngineConfig
+from hybrid_engine.decode.model_support import check_model_supported, max_positions
+from hybrid_engine.decode.staging import staged_width_within, width_bucket
+from hybrid_engine.distributed.ranks import rank_seed
+from hybrid_engine.distributed.zero3 import gathered_for_inference
+from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_generation, exclusive_generation
+from hybrid_engine.generation.scheduler import Counters, RequestSpec, gather_responses, run_schedule
+from hybrid_engine.generation.timing import PhaseTimer
+from hybrid_engine.generation.token_ids import MAX_TOKEN_ID, token_ids
+from hybrid_engine.graphs.runner import DecodeGraphRunner
+from hybrid_engine.graphs.stats import GraphStats
+from hybrid_engine.model_access import check_device, decode_model
+from hybrid_engine.rollout.types import (
+    DEFAULT_MAX_BATCH_SIZE,
+    RolloutBatch,
+    RolloutConfig,
+    RolloutRequest,
+    SamplingConfig,
+)
 
 __all__ = ["HybridEngineRollout", "UnsupportedModelError"]
 
@@ -130,7 +137,7 @@ class HybridEngineRollout:
 
     def invalidate_graphs(self) -> None:
         """Drop every graph (the buffers stay); the next call captures again. Needed only after a change the
-        graph fingerprint cannot see, such as a module-level function patched (:mod:`hybrid_engine.graph_safety`)."""
+        graph fingerprint cannot see, such as a module-level function patched (:mod:`hybrid_engine.graphs.fingerprint`)."""
         with exclusive_generation(self.model, "HybridEngineRollout.invalidate_graphs"):
             self.runner.invalidate()
 
@@ -152,9 +159,9 @@ class HybridEngineRollout:
         """Sample ``n_samples_per_prompt`` responses per prompt of ``request``; see :class:`RolloutBatch`.
 
         Concurrent calls on one model (this rollout, other rollouts or the engine built on it) are
-        serialised: each returns exactly what it would alone (:mod:`hybrid_engine.exclusive`).
+        serialised: each returns exactly what it would alone (:mod:`hybrid_engine.generation.call_context`).
         In a data-parallel run each rank samples with its own seed derived from ``sampling.seed``
-        (:func:`hybrid_engine.ranks.rank_seed`). On a ZeRO-3 model the call gathers the parameters
+        (:func:`hybrid_engine.distributed.ranks.rank_seed`). On a ZeRO-3 model the call gathers the parameters
         once (collective: every rank must call) and decodes eagerly on them.
         """
         with exclusive_generation(self.model, "HybridEngineRollout.generate"), gathered_for_inference(self.model):
@@ -203,7 +210,7 @@ class HybridEngineRollout:
         if isinstance(vocab, int) and int(request.prompt_ids.max()) >= vocab:
             raise ValueError(f"generate: prompt_ids hold ids >= the model's vocab_size {vocab}")
         # Prompts are staged for prefill at their padded width, rounded up to a power of two (see
-        # hybrid_engine.admission): the cache holds that plus the responses, within a configured capacity.
+        # hybrid_engine.decode.staging): the cache holds that plus the responses, within a configured capacity.
         prompt_width = width_bucket(request.prompt_ids.shape[1])
         if cfg.cache_capacity is not None:
             capacity = cfg.cache_capacity

@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .graph_safety import ADAPTER_STATE
-from .zero import gathered_for_inference
+from hybrid_engine.distributed.zero3 import gathered_for_inference
+from hybrid_engine.model_access import ADAPTER_STATE
 
 __all__ = ["InferenceCopy"]
 

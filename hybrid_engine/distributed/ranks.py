@@ -3,7 +3,7 @@
 Under ``torchrun`` or the ``deepspeed`` launcher every rank holds its own
 engine, its own decode graphs and its own shard of the prompts. Sampling draws
 from counters keyed by ``(seed, request, token index)``
-(:mod:`hybrid_engine.sampling`), so two ranks that sampled with the same seed
+(:mod:`hybrid_engine.decode.sampling`), so two ranks that sampled with the same seed
 and the same request indices would draw the same noise. :func:`rank_seed`
 derives each rank's seed from the caller's, so a run is reproducible for a
 fixed world size and no two ranks share randomness. Nothing here communicates.
@@ -11,31 +11,21 @@ fixed world size and no two ranks share randomness. Nothing here communicates.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import TypeVar
 
-from .config import world_size
+from hybrid_engine.distributed.world import rank, world_size
 
-__all__ = ["rank", "rank_seed", "shard", "world_size"]
+__all__ = ["rank_seed", "shard"]
+
 
 T = TypeVar("T")
 
+
 _MASK64 = (1 << 64) - 1
+
+
 _RANK_STRIDE = 0x9E3779B97F4A7C15  # odd: distinct ranks map to distinct seeds
-
-
-def rank() -> int:
-    """This process's data-parallel rank: torch.distributed's when initialised, else the launcher's ``RANK``."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    raw = os.environ.get("RANK", "0")
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"the RANK environment variable must be an integer, got {raw!r}") from None
 
 
 def rank_seed(seed: int, rank_id: int | None = None, world: int | None = None) -> int:

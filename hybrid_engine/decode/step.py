@@ -24,33 +24,16 @@ subset of cache rows. Works with transformers 4.57 (``past_key_values=``,
 from __future__ import annotations
 
 import inspect
-import numbers
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from .accelerator import is_capturing
-from .npu_attention import NPU_GRAPH_ATTENTION
-from .static_cache import StaticKVCache
+from hybrid_engine.accelerator import is_capturing
+from hybrid_engine.decode.kv_cache import StaticKVCache
 
-__all__ = [
-    "MAX_TOKEN_ID",
-    "SUPPORTED_MODEL_TYPES",
-    "build_decode_mask",
-    "build_prefill_mask",
-    "check_model_supported",
-    "decode_one_token",
-    "max_positions",
-    "prefill",
-    "prompt_position_ids",
-    "token_id",
-    "token_ids",
-]
+__all__ = ["build_decode_mask", "build_prefill_mask", "decode_one_token", "prefill", "prompt_position_ids"]
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral")
-#: Attention implementations that honour an explicit 4D additive float mask ("npu_graph": see npu_attention).
-SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", NPU_GRAPH_ATTENTION)
 
 _SIGNATURES: dict[type, tuple[str, bool, bool]] = {}
 
@@ -70,12 +53,6 @@ def _forward_signature(model: torch.nn.Module) -> tuple[str, bool, bool]:
         sig = (cache_kw, "cache_position" in params, "logits_to_keep" in params)
         _SIGNATURES[cls] = sig
     return sig
-
-
-def _attn_implementation(model: torch.nn.Module) -> str | None:
-    config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
-    return impl if isinstance(impl, str) or impl is None else str(impl)
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -108,45 +85,6 @@ def build_prefill_mask(attention_mask: torch.Tensor, kv_len: int, dtype: torch.d
     zero = torch.zeros((), dtype=dtype, device=device)
     neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
     return torch.where(allowed, zero, neg)[:, None, :, :]
-
-
-#: Token ids are int64 on the device: a larger one could not be written into a token tensor.
-MAX_TOKEN_ID = 2**63 - 1
-
-
-def token_id(value: Any, name: str) -> int:
-    """One token id, checked: an integer (not a bool) that fits in int64, else a ``TypeError``/``ValueError``
-    naming the setting."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point:
-        value = value.item()
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{name} must hold integer token ids, got {type(value).__name__} ({value!r})")
-    if not -MAX_TOKEN_ID - 1 <= value <= MAX_TOKEN_ID:
-        raise ValueError(f"{name}: token id {value} does not fit in int64; pass an id of the model's vocabulary")
-    return int(value)
-
-
-def token_ids(value: Any, name: str = "eos_token_id") -> tuple[int, ...]:
-    """A token-id setting (``None``, an int, a list/tuple or a tensor, as in generation configs) as a tuple of
-    checked ids (:func:`token_id`); ``None`` entries are skipped."""
-    if value is None:
-        return ()
-    if isinstance(value, torch.Tensor):
-        if value.dtype.is_floating_point or value.dtype.is_complex:
-            raise TypeError(f"{name} must hold integer token ids, got a {value.dtype} tensor")
-        value = value.flatten().tolist()
-    if isinstance(value, (list, tuple)):
-        return tuple(token_id(v, name) for v in value if v is not None)
-    return (token_id(value, name),)
-
-
-def max_positions(config: Any) -> int | None:
-    """The model's position limit (``max_position_embeddings``/``n_positions``/``n_ctx``), or ``None``."""
-    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def prompt_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -297,51 +235,3 @@ def decode_one_token(model: PreTrainedModel, cache: StaticKVCache, tokens: torch
     write_pos.add_(1)
     cache.position.add_(1)
     return logits
-
-
-def check_model_supported(model: torch.nn.Module) -> None:
-    """Raise ``TypeError``/``ValueError`` with a clear message unless ``model`` can run on a StaticKVCache.
-
-    Requirements: a decoder-only HF model whose forward takes an external ``Cache``
-    (``cache=``/``past_key_values=``) and an attention implementation that honours
-    a 4D additive float mask (``eager``, ``sdpa`` or ``npu_graph``; not ``flash_attention_*``,
-    ``flex_attention`` or paged variants). Architectures outside
-    ``SUPPORTED_MODEL_TYPES`` are probed with a one-token forward.
-    """
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"check_model_supported: expected a transformers PreTrainedModel, got {type(model).__name__}")
-    config = model.config
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{type(model).__name__}: encoder-decoder models are not supported (decoder-only LMs only)")
-    impl = _attn_implementation(model)
-    if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
-        raise ValueError(
-            f"{type(model).__name__}: attn_implementation={impl!r} cannot take the explicit 4D additive attention "
-            f"mask the static cache needs (per-row lengths); load the model with attn_implementation in "
-            f"{SUPPORTED_ATTN_IMPLEMENTATIONS}"
-        )
-    _forward_signature(model)  # TypeError when the forward takes no cache
-    try:
-        StaticKVCache(config, 1, 2, device=next(model.parameters()).device, dtype=_model_dtype(model))
-    except ValueError as exc:
-        raise ValueError(f"{type(model).__name__}: {exc}") from exc
-    model_type = getattr(config, "model_type", None)
-    if model_type in SUPPORTED_MODEL_TYPES:
-        return
-    device = next(model.parameters()).device
-    probe = StaticKVCache(config, 1, 2, device=device, dtype=_model_dtype(model))
-    ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
-    try:
-        prefill(model, probe, ids, torch.ones_like(ids))
-        decode_one_token(model, probe, ids[:, 0])
-    except Exception as exc:
-        raise TypeError(
-            f"{type(model).__name__} (model_type={model_type!r}) rejected past_key_values=StaticKVCache: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    expected = 2 * len(probe.layers)
-    if probe.num_updates != expected:
-        raise TypeError(
-            f"{type(model).__name__} (model_type={model_type!r}) did not write its keys/values through the "
-            f"external cache ({probe.num_updates} of {expected} layer updates); it cannot use StaticKVCache"
-        )

@@ -11,14 +11,10 @@ mistake surfaces as one ``ValueError`` naming the dotted field and the fix.
 
 from __future__ import annotations
 
-import base64
 import difflib
-import json
-import os
-import sys
 import warnings
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any
 
 from pydantic import (
     BaseModel,
@@ -27,68 +23,39 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-__all__ = [
-    "BF16Config",
-    "ConfigSource",
-    "EngineConfig",
-    "FP16Config",
-    "HybridEngineConfig",
-    "OptimizerConfig",
-    "ZeroConfig",
-    "graph_capture_requested",
-    "load_config",
-    "validate_graph_capture_support",
-    "world_size",
-]
+from hybrid_engine.distributed.world import world_size
+from hybrid_engine.user_warnings import user_stacklevel
 
-
-#: Why graphs are refused under ZeRO-3 (from the config, or found on the parameters).
-ZERO3_REFUSAL = (
-    "ZeRO stage 3 partitions parameters and re-gathers them every step, so a captured graph "
-    "would replay stale parameter addresses; use zero_optimization.stage 0, 1 or 2 (or, under ZeRO-3, "
-    "hybrid_engine.zero3_gathered_inference_copy, which keeps a full copy of the weights for generation)."
-)
-
-
-def world_size() -> int:
-    """The data-parallel world size: torch.distributed's when initialised, else the launcher's ``WORLD_SIZE``.
-
-    Batch sizes are derived and checked as DeepSpeed does, against this; a config
-    loaded in a ``torchrun``/``deepspeed`` rank is checked before any work.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    raw = os.environ.get("WORLD_SIZE", "1")
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"the WORLD_SIZE environment variable must be an integer, got {raw!r}") from None
-    if value < 1:
-        raise ValueError(f"the WORLD_SIZE environment variable must be >= 1, got {value}")
-    return value
+__all__ = ["BF16Config", "EngineConfig", "FP16Config", "HybridEngineConfig", "OptimizerConfig", "ZeroConfig"]
 
 
 _DEPRECATED_ALIAS = "enable_cuda_graph"
+
+
 _ALIAS_TARGET = "enable_graph_capture"
+
+
 #: DeepSpeed's legacy name of the ``bf16`` section (``BFLOAT16_OLD`` in deepspeed/runtime/precision_config.py).
 _BF16_LEGACY = "bfloat16"
 
+
 _OPTIMIZER_TYPES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+
+
 #: DeepSpeed's other optimizer names (``deepspeed.runtime.config.DEEPSPEED_OPTIMIZERS`` and its 1-bit ones).
 _DEEPSPEED_OPTIMIZERS = ("adagrad", "lamb", "lion", "muadam", "muadamw", "musgd", "muon", "onebitadam",
                          "zerooneadam", "onebitlamb")
 
+
 # Sections that change training which DeepSpeed 0.19 has removed (its config refuses them): refused at stage 0,
 # where nothing would apply them; at stages 1-3 DeepSpeed's own config check answers.
 _REMOVED_FROM_DEEPSPEED = ("amp", "sparse_attention", "progressive_layer_drop")
+
 
 # Real DeepSpeed top-level keys we do not use: passed through untouched, never
 # reported as misspellings of our own keys.
@@ -147,6 +114,8 @@ def _suggest(key: str, valid: list[str]) -> str | None:
 #: read ``"auto"`` there as "the default".
 _AUTO_CHECKED_FIELDS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                         "gradient_clipping", "steps_per_print")
+
+
 _AUTO_CHECKED_SECTIONS = ("fp16", "bf16", _BF16_LEGACY, "optimizer", "scheduler", "hybrid_engine")
 
 
@@ -173,21 +142,6 @@ def _refuse_auto(data: Mapping[str, Any]) -> None:
             "hybrid-engine does not resolve \"auto\" (Hugging Face's Trainer fills it in from its own arguments "
             "only when it builds the DeepSpeed config itself); set each to the value to use"
         )
-
-
-def user_stacklevel() -> int:
-    """``warnings.warn``'s stacklevel, for its caller, of the first frame outside hybrid_engine and pydantic.
-
-    A warning raised while a config is validated then points at the user's line, not at pydantic's, whichever
-    entry point (``initialize``, ``load_config``, a model constructor) led there.
-    """
-    frame = sys._getframe(1)  # the caller, which warns: stacklevel 1
-    level = 1
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("hybrid_engine",
-                                                                                          "pydantic"):
-        frame = frame.f_back
-        level += 1
-    return level
 
 
 class ZeroConfig(BaseModel):
@@ -221,6 +175,8 @@ class ZeroConfig(BaseModel):
 #: refuse any other) beyond those we read, with DeepSpeed's defaults. They configure DeepSpeed's optimizers, so
 #: only take effect at ZeRO stages 1-3; stage 0 (plain PyTorch) refuses a value other than the default.
 _FP16_DEEPSPEED_KEYS = {"auto_cast": False, "fp16_master_weights_and_grads": False}
+
+
 _BF16_DEEPSPEED_KEYS = {"immediate_grad_update": False, "bf16_master_weights_and_grads": False,
                         "bf16_optimizer_states": False}
 
@@ -259,7 +215,7 @@ class FP16Config(BaseModel):
     enabled: StrictBool = False
     loss_scale: StrictFloat = Field(default=0.0, ge=0)
     initial_scale_power: StrictInt = Field(default=16, ge=0)
-    # The dynamic scale's policy, with DeepSpeed's defaults (hybrid_engine.training.LossScalePolicy).
+    # The dynamic scale's policy, with DeepSpeed's defaults (hybrid_engine.training.local.LossScalePolicy).
     loss_scale_window: StrictInt = Field(default=1000, gt=0)
     hysteresis: StrictInt = Field(default=2, ge=1)
     consecutive_hysteresis: StrictBool = False
@@ -515,168 +471,3 @@ class EngineConfig(BaseModel):
     def to_dict(self) -> dict[str, Any]:
         """A JSON-compatible dict of the config (unset optional fields omitted)."""
         return self.model_dump(mode="json", exclude_none=True)
-
-
-ConfigSource = Union[EngineConfig, Mapping[str, Any], str, "os.PathLike[str]"]
-
-
-def _format_validation_error(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        path = ".".join(str(part) for part in err["loc"])
-        msg = err["msg"]
-        if err["type"] == "value_error":
-            # Our own messages already name the dotted path and the fix.
-            lines.append(msg.removeprefix("Value error, "))
-            continue
-        text = f"{path}: {msg}" if path else msg
-        if err["type"] != "missing":
-            text += f" (got {err['input']!r})"
-        lines.append(text)
-    return "; ".join(lines)
-
-
-class _Pairs(list):
-    """One JSON object's ``(key, value)`` pairs in file order, so that a duplicated key survives parsing."""
-
-
-def _from_pairs(value: Any, path: str, duplicates: list[str]) -> Any:
-    """``value`` with its ``_Pairs`` turned into dicts; each duplicated key's dotted path added to ``duplicates``."""
-    if isinstance(value, _Pairs):
-        out: dict[str, Any] = {}
-        for key, item in value:
-            where = f"{path}.{key}" if path else key
-            if key in out and where not in duplicates:
-                duplicates.append(where)
-            out[key] = _from_pairs(item, where, duplicates)
-        return out
-    if isinstance(value, list):
-        return [_from_pairs(item, f"{path}[{i}]", duplicates) for i, item in enumerate(value)]
-    return value
-
-
-def _parse_pairs(text: str, what: str) -> Any:
-    """``text`` parsed keeping every object's pairs: JSON, else hjson (comments, unquoted keys, trailing
-    commas) when the ``hjson`` package is installed, as DeepSpeed reads its configs."""
-    try:
-        return json.loads(text, object_pairs_hook=_Pairs)
-    except json.JSONDecodeError as exc:
-        try:
-            import hjson
-        except ImportError:
-            raise ValueError(f"{what} is not valid JSON: {exc}. DeepSpeed also reads hjson (comments, unquoted "
-                             "keys); install the hjson package to load it here too") from exc
-        try:
-            return hjson.loads(text, object_pairs_hook=_Pairs)
-        except hjson.HjsonDecodeError as hexc:
-            raise ValueError(f"{what} is neither valid JSON ({exc}) nor valid hjson ({hexc})") from hexc
-
-
-def _object_from(text: str, what: str) -> dict[str, Any]:
-    duplicates: list[str] = []
-    data = _from_pairs(_parse_pairs(text, what), "", duplicates)
-    if duplicates:
-        raise ValueError(
-            f"Duplicate keys in DeepSpeed config {what}: {', '.join(duplicates)} (JSON would keep only "
-            "the last of each, and DeepSpeed refuses them); give each key once"
-        )
-    if not isinstance(data, dict):
-        kind = type(data).__name__
-        raise ValueError(f"config {what} must hold a JSON object, not {kind}")  # noqa: TRY004
-    return data
-
-
-def _decode_base64_config(source: str) -> str | None:
-    """The text of a base64-encoded config (DeepSpeed accepts one in place of a path), or ``None``."""
-    try:
-        return base64.urlsafe_b64decode(source.encode("ascii")).decode("utf-8")
-    except (ValueError, UnicodeError):  # binascii.Error is a ValueError
-        return None
-
-
-def _read_json(source: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
-    """The config object of a JSON/hjson file, or of a base64-encoded config string (as DeepSpeed reads both),
-    and where it came from, for error messages."""
-    if not os.path.exists(source):
-        text = _decode_base64_config(source) if isinstance(source, str) else None
-        if text is not None and text.lstrip().startswith("{"):
-            return _object_from(text, "(base64-encoded string)"), " (base64-encoded)"
-        raise FileNotFoundError(f"config file not found: {os.fspath(source)} (nor is it a base64-encoded config)")
-    if os.path.isdir(source):
-        raise ValueError(f"config path {os.fspath(source)} is a directory; pass the path of the JSON config file "
-                         "inside it")
-    try:
-        with open(source, encoding="utf-8") as fh:
-            text = fh.read()
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"config file {os.fspath(source)} is not valid JSON: {exc}") from exc
-    return _object_from(text, f"file {os.fspath(source)}"), f" in {os.fspath(source)}"
-
-
-def load_config(source: ConfigSource, world_size: int | None = None) -> EngineConfig:
-    """Validate ``source`` (dict, JSON file path or ``EngineConfig``) into an ``EngineConfig``.
-
-    As with DeepSpeed, a file may be hjson (with the ``hjson`` package installed) and a
-    string that is not a path may be a base64-encoded config.
-
-    Batch sizes and ``inference_tp_size`` are checked against ``world_size``
-    (default: :func:`world_size`, the launched data-parallel ranks).
-
-    An ``EngineConfig`` is re-validated from its dump, so a config mutated after
-    loading is checked again; the result is a new object. Every validation
-    problem is a ``ValueError`` naming the dotted field.
-    """
-    where = ""
-    if isinstance(source, EngineConfig):
-        data: Any = source.model_dump()
-    elif isinstance(source, Mapping):
-        data = dict(source)
-    elif isinstance(source, (str, os.PathLike)):
-        data, where = _read_json(source)
-    else:
-        raise TypeError(
-            f"load_config: argument 'source' must be a dict, a path to a JSON file or an "
-            f"EngineConfig, not {type(source).__name__}"
-        )
-    try:
-        return EngineConfig.model_validate(data, context={"world_size": world_size})
-    except ValidationError as exc:
-        raise ValueError(f"invalid engine config{where}: {_format_validation_error(exc)}") from exc
-
-
-def graph_capture_requested(config: ConfigSource) -> bool:
-    """Whether the config asks for graph-captured decode."""
-    return load_config(config).hybrid_engine.enable_graph_capture
-
-
-def validate_graph_capture_support(config: ConfigSource, accelerator: Any = None) -> str | None:
-    """``None`` when captured graphs may be used, else the reason as a sentence.
-
-    Does not look at ``enable_graph_capture`` (see ``graph_capture_requested``).
-    Never compares device names: the accelerator is asked whether it can capture.
-    """
-    cfg = load_config(config)
-    if accelerator is None:
-        from hybrid_engine.accelerator import get_accelerator
-
-        accelerator = get_accelerator()
-    can_capture = getattr(accelerator, "supports_graph_capture", None)
-    if can_capture is None:
-        can_capture = accelerator.create_graph() is not None
-    if not can_capture:
-        reason = getattr(accelerator, "graph_unavailable_reason", None)
-        detail = f" ({reason})" if reason else ""
-        return f"The accelerator cannot capture graphs{detail}, so decode must run eagerly."
-    if cfg.zero_optimization.stage == 3 and not cfg.hybrid_engine.zero3_gathered_inference_copy:
-        return ZERO3_REFUSAL
-    if cfg.hybrid_engine.release_inference_cache:
-        return (
-            "Setting hybrid_engine.release_inference_cache frees the inference buffers after each generation, "
-            "which a captured graph replays into; set it to false to use graph capture."
-        )
-    if cfg.hybrid_engine.inference_tp_size > 1:
-        return (
-            f"Tensor-parallel inference (hybrid_engine.inference_tp_size={cfg.hybrid_engine.inference_tp_size}) "
-            "is not graph-captured; set hybrid_engine.inference_tp_size to 1 to use graph capture."
-        )
-    return None

@@ -1,0 +1,90 @@
+"""Which models can decode on the engine's cache: the architectures known to, and a probe for the rest.
+
+A model qualifies when its forward takes an external ``Cache``, writes every
+layer's K/V through it, and its attention honours an explicit 4D additive mask.
+Refusals are ``TypeError``/``ValueError`` naming the model and the fix, raised
+before any work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from hybrid_engine.decode.kv_cache import StaticKVCache
+from hybrid_engine.decode.npu_attention import NPU_GRAPH_ATTENTION
+from hybrid_engine.decode.step import _forward_signature, _model_dtype, decode_one_token, prefill
+
+__all__ = ["SUPPORTED_ATTN_IMPLEMENTATIONS", "SUPPORTED_MODEL_TYPES", "check_model_supported", "max_positions"]
+
+
+SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral")
+
+
+#: Attention implementations that honour an explicit 4D additive float mask ("npu_graph": see npu_attention).
+SUPPORTED_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", NPU_GRAPH_ATTENTION)
+
+
+def _attn_implementation(model: torch.nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    return impl if isinstance(impl, str) or impl is None else str(impl)
+
+
+def max_positions(config: Any) -> int | None:
+    """The model's position limit (``max_position_embeddings``/``n_positions``/``n_ctx``), or ``None``."""
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_model_supported(model: torch.nn.Module) -> None:
+    """Raise ``TypeError``/``ValueError`` with a clear message unless ``model`` can run on a StaticKVCache.
+
+    Requirements: a decoder-only HF model whose forward takes an external ``Cache``
+    (``cache=``/``past_key_values=``) and an attention implementation that honours
+    a 4D additive float mask (``eager``, ``sdpa`` or ``npu_graph``; not ``flash_attention_*``,
+    ``flex_attention`` or paged variants). Architectures outside
+    ``SUPPORTED_MODEL_TYPES`` are probed with a one-token forward.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"check_model_supported: expected a transformers PreTrainedModel, got {type(model).__name__}")
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__}: encoder-decoder models are not supported (decoder-only LMs only)")
+    impl = _attn_implementation(model)
+    if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f"{type(model).__name__}: attn_implementation={impl!r} cannot take the explicit 4D additive attention "
+            f"mask the static cache needs (per-row lengths); load the model with attn_implementation in "
+            f"{SUPPORTED_ATTN_IMPLEMENTATIONS}"
+        )
+    _forward_signature(model)  # TypeError when the forward takes no cache
+    try:
+        StaticKVCache(config, 1, 2, device=next(model.parameters()).device, dtype=_model_dtype(model))
+    except ValueError as exc:
+        raise ValueError(f"{type(model).__name__}: {exc}") from exc
+    model_type = getattr(config, "model_type", None)
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return
+    device = next(model.parameters()).device
+    probe = StaticKVCache(config, 1, 2, device=device, dtype=_model_dtype(model))
+    ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    try:
+        prefill(model, probe, ids, torch.ones_like(ids))
+        decode_one_token(model, probe, ids[:, 0])
+    except Exception as exc:
+        raise TypeError(
+            f"{type(model).__name__} (model_type={model_type!r}) rejected past_key_values=StaticKVCache: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    expected = 2 * len(probe.layers)
+    if probe.num_updates != expected:
+        raise TypeError(
+            f"{type(model).__name__} (model_type={model_type!r}) did not write its keys/values through the "
+            f"external cache ({probe.num_updates} of {expected} layer updates); it cannot use StaticKVCache"
+        )

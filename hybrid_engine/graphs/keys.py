@@ -1,0 +1,57 @@
+"""What a captured graph is keyed by, and the batch-bucket ladder.
+
+A key holds every host value a capture freezes besides the buffers' shapes:
+the bucket (rows), the staged width, and the sampling mode (which filters run;
+the knobs' values are device data). Keys stay few: one per bucket and mode.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["AdmissionKey", "GraphKey", "PrefillKey", "RunKey", "default_graph_buckets"]
+
+
+def default_graph_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then multiples of 8, up to the first bucket that holds ``max_batch_size``.
+
+    Each list is a prefix of every longer one, so a batch maps to the same bucket
+    whatever the largest batch seen so far.
+    """
+    buckets = []
+    for b in (1, 2, 4, 8):
+        buckets.append(b)
+        if b >= max_batch_size:
+            return tuple(buckets)
+    b = 16
+    while True:
+        buckets.append(b)
+        if b >= max_batch_size:
+            return tuple(buckets)
+        b += 8
+
+
+class GraphKey(NamedTuple):
+    """Everything a captured decode step bakes in besides the buffers' shapes."""
+
+    bucket: int
+    sampling: tuple[bool, bool, bool]  # :func:`~hybrid_engine.decode.sampling.sampling_mode`; the values are device data
+
+
+class PrefillKey(NamedTuple):
+    """A staged prefill batch: ``prompts`` prompt rows of ``width`` tokens."""
+
+    prompts: int
+    width: int
+
+
+class AdmissionKey(NamedTuple):
+    """A staged admission round: ``requests`` request rows reading prompts staged ``width`` wide."""
+
+    requests: int
+    width: int
+    sampling: tuple[bool, bool, bool]
+
+
+#: What the runner keys its graphs by: a decode step, a staged prefill batch or a staged admission round.
+RunKey = GraphKey | PrefillKey | AdmissionKey
