@@ -46,7 +46,7 @@ from hybrid_engine.training import checkpoint
 from hybrid_engine.training.deepspeed import DeepSpeedTraining
 from hybrid_engine.training.deepspeed import build as build_deepspeed_training
 from hybrid_engine.training.deepspeed_interface import DeepSpeedEngineInterface
-from hybrid_engine.training.local import LocalTraining, build_optimizer, build_scheduler
+from hybrid_engine.training.local import LocalTraining, build_optimizer, build_scheduler, check_lr_kwargs
 from hybrid_engine.training.precision import MasterWeights
 
 __all__ = ["HybridEngine", "initialize"]
@@ -191,6 +191,8 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         DeepSpeed, ``lr_kwargs`` are passed to the LR scheduler's ``step``."""
         if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
             raise TypeError(f"engine.step: lr_kwargs must be a dict or None, got {type(lr_kwargs).__name__}")
+        if self.training_backend.is_gradient_accumulation_boundary():  # before anything steps
+            check_lr_kwargs(self.lr_scheduler, lr_kwargs)
         steps = self.training_backend.global_steps
         self.training_backend.step(lr_kwargs=lr_kwargs)
         if self._inference_copy is not None and self.training_backend.global_steps != steps:

@@ -200,6 +200,13 @@ class HybridEngineRollout:
                 f"model's position limit {limit}, so the training forward over prompt + response could not run; "
                 "lower max_new_tokens or truncate the prompts"
             )
+        if limit is not None and cfg.cache_capacity is not None and cfg.cache_capacity > limit:
+            # Prompts are staged within the capacity, so `limit` slots always hold prompt + response.
+            raise ValueError(
+                f"generate: RolloutConfig.cache_capacity={cfg.cache_capacity} is more than the model's position "
+                f"limit {limit}: every slot's KV row is allocated at that length, and no row can use more than "
+                f"{limit} positions; use cache_capacity={limit} or less, or None to size the cache per call"
+            )
         needed = longest + max_new
         if cfg.cache_capacity is not None and cfg.cache_capacity < needed:
             raise ValueError(
