@@ -39,11 +39,13 @@ from hybrid_engine.accelerator.cpu_graph import (
     CPUGraphPool,
     CPUStream,
     capture_cpu_graph,
+    check_empty_cache,
     cpu_stream,
     current_cpu_stream,
     default_cpu_stream,
     is_cpu_graph_capturing,
     refuse_while_capturing,
+    synchronize_device,
 )
 
 logger = logging.getLogger(__name__)
@@ -351,8 +353,8 @@ class CPUAccelerator(Accelerator):
         self.graph_unavailable_reason = None if emulate_graphs else "CPU graph emulation is disabled"
 
     def synchronize(self) -> None:
-        """Nothing to wait for on CPU; while capturing, refused as a device synchronisation is."""
-        current_cpu_stream().synchronize()
+        """Nothing to wait for on CPU; refused during any thread's capture, as a device synchronisation is."""
+        synchronize_device()
 
     # streams -------------------------------------------------------------
     def Stream(self) -> CPUStream:  # noqa: N802
@@ -385,11 +387,9 @@ class CPUAccelerator(Accelerator):
         super().manual_seed(seed)
 
     def empty_cache(self) -> None:
-        refuse_while_capturing(
-            "accelerator.empty_cache()",
-            "CUDA's caching allocator asserts no capture is underway when it releases its cached blocks; empty the "
-            "cache before or after capture",
-        )
+        """Refused during any capture, and while a failed capture's pool still records, where CUDA's allocator
+        asserts or frees nothing."""
+        check_empty_cache()
         super().empty_cache()
 
     # graph hooks ---------------------------------------------------------
