@@ -658,9 +658,10 @@ def chain(x, n):
 
 
 def test_pool_with_nothing_captured_reports_zero(acc):
-    pool = CPUGraphPool()
-    assert not pool.recording
+    pool = acc.graph_pool_handle()
+    assert isinstance(pool, CPUGraphPool) and not pool.recording
     assert acc.graph_memory_bytes(pool) == 0
+    assert CPUAccelerator(emulate_graphs=False).graph_pool_handle() is None
     with pytest.raises(RuntimeError, match="without a preceding successful capture"):
         acc.graph_pool(acc.create_graph())  # as CUDA's pool(): a handle is what a caller must hold
     assert acc.graph_memory_bytes(None) is None
@@ -827,6 +828,22 @@ def test_after_a_failed_capture_without_a_handle_its_pool_cannot_be_named():
     assert len(recording_pools()) == 1
 
 
+def test_the_accelerator_ends_and_releases_a_failed_captures_pool_ten_times_in_a_row(acc):
+    from hybrid_engine.accelerator.cpu_graph import recording_pools
+
+    x = torch.ones(1000)
+    shared = acc.graph_pool_handle()
+    for k in range(10):
+        pool = shared if k % 2 else None  # a shared handle, and the one capture_to_graph takes itself
+        with pytest.raises(GraphCaptureError):
+            capture(acc, lambda: refused_read(x), pool=pool)
+        assert recording_pools() == [] and acc.graph_memory_bytes(shared) == 0
+        acc.empty_cache()
+    g, out = capture(acc, lambda: x * 3, pool=acc.graph_pool_handle())
+    acc.replay_graph(g)
+    assert out.tolist() == [3.0] * 1000
+
+
 def test_a_pool_whose_graphs_are_all_gone_is_freed(acc):
     x = torch.ones(4)
     pool = CPUGraphPool()
@@ -934,3 +951,33 @@ def test_the_default_stream_may_not_wait_on_a_capturing_stream(acc):
     assert not g.is_captured
 
 
+def test_graph_streams_are_per_thread(acc):
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(acc.graph_stream()))
+    t.start()
+    t.join()
+    assert seen[0] is not acc.graph_stream() and acc.graph_stream() is acc.graph_stream()
+
+
+def test_synchronize_and_empty_cache_wait_for_a_capture_under_the_capture_lock(acc):
+    """What the accelerator's own captures hold: another thread's device-wide call waits, instead of running
+    during the capture (which the emulation refuses, as above)."""
+    order, inside, release = [], threading.Event(), threading.Event()
+
+    def captures():
+        g = acc.create_graph()
+        with torch.no_grad(), acc.capture_to_graph(g):
+            torch.ones(2) * 2
+            inside.set()
+            release.wait(0.3)  # the other thread's calls are made meanwhile, and must wait
+            order.append("capture ends")
+        order.append("captured" if g.is_captured else "failed")
+
+    t = threading.Thread(target=captures)
+    t.start()
+    assert inside.wait(10)
+    acc.synchronize()
+    order.append("synchronized")
+    acc.empty_cache()
+    t.join(10)
+    assert order == ["capture ends", "captured", "synchronized"]
