@@ -488,7 +488,7 @@ class GenerateFrontEnd:
         slots.set_special_ids(pad, tuple(plan.eos))
         requests = [RequestSpec(request_index=b, prompt_index=b, budget=plan.new_tokens, rng_index=b,
                                 min_tokens=plan.min_new_tokens) for b in range(batch)]
-        counters = Counters(timer=PhaseTimer(runner.accelerator))
+        counters = Counters(timer=PhaseTimer(runner.accelerator, slots.device))
         out_tokens, _ = run_schedule(
             runner, requests, ids, plan.attention_mask, plan.sampling, seed,
             width=plan.new_tokens, max_active=batch, continuous=False, shared_prefill=False, staged=False,

@@ -257,7 +257,7 @@ class HybridEngineRollout:
         with self._inference_mode():
             state = runner.prepare(rows=max_active, capacity=capacity, num_eos=len(eos_ids),
                                    graphs=cfg.use_graph_capture, prompt_width=prompt_width)
-            counters = Counters(timer=PhaseTimer(runner.accelerator))
+            counters = Counters(timer=PhaseTimer(runner.accelerator, state.device))
             state.set_special_ids(pad_id, eos_ids)
             prompt_ids = request.prompt_ids.to(state.device)
             prompt_mask = request.prompt_attention_mask.to(state.device)
@@ -269,7 +269,8 @@ class HybridEngineRollout:
             )
             responses, logprobs, lengths = gather_responses(out_tokens, counters.lengths, pad_id, out_logprobs)
             batch = self._assemble(prompt_ids, prompt_mask, responses, logprobs, lengths, n)
-        runner.accelerator.synchronize()
+        with runner.accelerator.on_device(state.device):  # the model's device, not the current one
+            runner.accelerator.synchronize()
         total_s = time.perf_counter() - t_start
         graph = runner.stats
         self.total_graph_captures += graph.captures - before.captures
