@@ -208,8 +208,9 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         Saved: the model, the optimizer, the fp32 master weights (bf16/fp16), the fp16
         loss scaler, the LR scheduler, the step counters, torch's RNG state (CPU and
         the accelerator's, which seeds sampled ``generate`` calls and dropout) and
-        ``client_state``. ``tag`` defaults to ``global_step<N>``; ``save_latest``
-        records it in ``save_dir/latest`` for :meth:`load_checkpoint`. ``exclude_frozen_parameters``
+        ``client_state``. ``tag`` defaults to ``global_step<N>`` (a plain directory name: no path, not blank,
+        not ``latest``); ``save_latest`` records it in ``save_dir/latest`` for :meth:`load_checkpoint`, atomically
+        and only once the checkpoint and its sha256 manifest are complete. ``exclude_frozen_parameters``
         leaves parameters with ``requires_grad=False`` out (a LoRA run's base weights), as DeepSpeed does;
         loading such a checkpoint keeps the model's own values of them. Under ZeRO 1-3
         this is DeepSpeed's ``save_checkpoint`` (every rank must call it).
@@ -239,21 +240,28 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False,
-                        custom_load_fn: Callable[..., Any] | None = None) -> tuple[str | None, dict[str, Any] | None]:
+                        load_module_only: bool = False, custom_load_fn: Callable[..., Any] | None = None,
+                        trust_client_state: bool = False) -> tuple[str | None, dict[str, Any] | None]:
         """Restore what :meth:`save_checkpoint` saved; returns ``(load_path, client_state)``.
 
         ``custom_load_fn(src=state_dict, dst=module)``, as in DeepSpeed, loads the module state in place of
         ``load_state_dict``. ``tag`` defaults to the one in ``load_dir/latest``. When there is no such
-        checkpoint it warns and returns ``(None, None)``, as DeepSpeed does. The
-        engine's graphs are dropped and recaptured by the next ``generate``
+        file, or no directory for an explicit ``tag``, it warns and returns ``(None, None)``, as DeepSpeed
+        does; a ``latest`` that is unreadable, empty or names no checkpoint is a ``ValueError`` naming it
+        and the checkpoints present. Every file is verified against the checkpoint's sha256 manifest before
+        anything is loaded (a mismatch is a ``ValueError`` naming the file, and nothing changes).
+        ``trust_client_state=True`` lets a stage-0 ``client_state`` holding values beyond plain data (dicts,
+        lists, numbers, strings, tensors) be unpickled in full, which can run code: pass it only for
+        checkpoints you trust. At ZeRO 1-3 DeepSpeed unpickles its own files in full whatever it says.
+        The engine's graphs are dropped and recaptured by the next ``generate``
         (loading may re-allocate; rollouts compare weight addresses before replaying).
         """
         with exclusive_generation(self.inference_module, "HybridEngine.load_checkpoint"):
             result = checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
                                      load_optimizer_states=load_optimizer_states,
                                      load_lr_scheduler_states=load_lr_scheduler_states,
-                                     load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+                                     load_module_only=load_module_only, custom_load_fn=custom_load_fn,
+                                     trust_client_state=trust_client_state)
             if result[0] is not None:
                 self._front_end.runner.invalidate()
                 if self._inference_copy is not None:
