@@ -21,6 +21,12 @@ gathered inference copy (:mod:`hybrid_engine.distributed.inference_copy`).
 Train/eval: ``eval()`` selects the inference path, ``train()`` the training
 forward. ``generate`` called in train mode runs that one call in eval mode (no
 dropout) under ``torch.no_grad`` and gives every submodule its own mode back.
+
+Threads: generation and the training calls (``engine(...)``, ``backward``,
+``step``, ``train``/``eval``) on one model run one at a time; a call from
+another thread waits for the running one (:mod:`hybrid_engine.generation.call_context`),
+so no training forward runs in the eval mode a generate set and no generation
+sees a half-applied optimizer step.
 """
 
 from __future__ import annotations
@@ -172,8 +178,16 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         return self.training_backend.is_gradient_accumulation_boundary()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The training forward of ``module`` (through DeepSpeed's engine under ZeRO)."""
-        return self.training_backend.forward(*args, **kwargs)
+        """The training forward of ``module`` (through DeepSpeed's engine under ZeRO). Waits for a generation
+        running in another thread on this model (:mod:`hybrid_engine.generation.call_context`)."""
+        with exclusive_generation(self.inference_module, "HybridEngine.forward"):
+            return self.training_backend.forward(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> HybridEngine:
+        """Train mode (``eval()``: eval mode) for the model, as ``nn.Module.train``; waits for a generation running
+        in another thread, which has the model in eval mode until it returns."""
+        with exclusive_generation(self.inference_module, "HybridEngine.train" if mode else "HybridEngine.eval"):
+            return super().train(mode)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss / gradient_accumulation_steps`` (loss-scaled under fp16), as DeepSpeed's
@@ -184,17 +198,20 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         for name, value in (("retain_graph", retain_graph), ("scale_wrt_gas", scale_wrt_gas)):
             if not isinstance(value, bool):
                 raise TypeError(f"engine.backward: {name} must be True or False, got {value!r}")
-        return self.training_backend.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        with exclusive_generation(self.inference_module, "HybridEngine.backward"):
+            return self.training_backend.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Count a micro-step; at an accumulation boundary clip, step the optimizer and zero grads. As in
         DeepSpeed, ``lr_kwargs`` are passed to the LR scheduler's ``step``."""
         if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
             raise TypeError(f"engine.step: lr_kwargs must be a dict or None, got {type(lr_kwargs).__name__}")
-        steps = self.training_backend.global_steps
-        self.training_backend.step(lr_kwargs=lr_kwargs)
-        if self._inference_copy is not None and self.training_backend.global_steps != steps:
-            self._inference_copy.refresh()  # in place: graphs on the copy replay the new weights
+        # Held for the whole update: no generation in another thread sees half-updated weights.
+        with exclusive_generation(self.inference_module, "HybridEngine.step"):
+            steps = self.training_backend.global_steps
+            self.training_backend.step(lr_kwargs=lr_kwargs)
+            if self._inference_copy is not None and self.training_backend.global_steps != steps:
+                self._inference_copy.refresh()  # in place: graphs on the copy replay the new weights
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         self.training_backend.zero_grad(set_to_none=set_to_none)
