@@ -43,8 +43,8 @@ from typing import Any, BinaryIO
 import torch
 
 __all__ = ["INCOMPLETE_FILE", "LATEST_FILE", "MANIFEST_FILE", "begin_save", "check_tag", "checkpoint_tags",
-           "digests", "finish_save", "read_latest", "rng_problem", "tag_files", "verify", "write_atomically",
-           "write_latest"]
+           "describe_tags", "digests", "finish_save", "read_latest", "refusal", "rng_problem", "tag_files", "verify",
+           "warn_unverified", "write_atomically", "write_latest"]
 
 LATEST_FILE = "latest"
 MANIFEST_FILE = "hybrid_engine_manifest.json"
@@ -257,7 +257,7 @@ def read_latest(root: Path) -> str | None:
         raise refuse("holds binary data, not a tag") from None
     tag = text.strip()
     if not tag:
-        raise refuse("is empty (a save was interrupted while writing it)")
+        raise refuse("is empty")
     problem = _tag_problem(tag)
     if problem is not None:
         raise refuse(f"holds {tag[:80]!r}, which is no tag: {problem}")
@@ -274,15 +274,14 @@ def _read_manifest(directory: Path) -> dict[str, dict[str, Any]] | None:
             raise ValueError(f"is {size} bytes long")
         data = json.loads(path.read_bytes())
     except (ValueError, OSError) as exc:  # json's errors are ValueErrors, UnicodeDecodeError too
-        raise ValueError(f"load_checkpoint: {path} is not a readable manifest ({type(exc).__name__}: {exc}); the "
-                         "checkpoint cannot be verified, so it is not loaded") from None
+        raise ValueError(f"{path} is not a readable manifest ({type(exc).__name__}: {exc}), so the checkpoint "
+                         "cannot be verified") from None
     files = data.get("files") if isinstance(data, dict) else None
     ok = (isinstance(files, dict) and data.get("algorithm") == "sha256"
           and all(isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("sha256"), str)
                   and isinstance(v.get("size"), int) for k, v in files.items()))
     if not ok:
-        raise ValueError(f"load_checkpoint: {path} is not a manifest of sha256 digests; the checkpoint cannot be "
-                         "verified, so it is not loaded")
+        raise ValueError(f"{path} is not a manifest of sha256 digests, so the checkpoint cannot be verified")
     return files
 
 
@@ -303,7 +302,7 @@ def verify(directory: Path, share: tuple[int, int] = (0, 1)) -> tuple[bool, list
     try:
         files = _read_manifest(directory)
     except ValueError as exc:
-        return True, [str(exc).removeprefix("load_checkpoint: ")]
+        return True, [str(exc)]
     if files is None:
         return False, []
     manifest = directory / MANIFEST_FILE
