@@ -214,6 +214,29 @@ def test_adam_means_decoupled_weight_decay_unless_adam_w_mode_is_false_as_in_dee
     assert type(opt) is torch.optim.Adam
 
 
+def test_a_torch_scheduler_in_the_config_needs_no_deepspeed_and_deepspeeds_are_named_when_it_is_missing(monkeypatch):
+    """A torch.optim.lr_scheduler type was refused with "install deepspeed" where DeepSpeed was not installed
+    (the transformers-4.57 CI pass); only DeepSpeed's own schedule types need it."""
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` raises ImportError, as uninstalled
+    _, opt, _, step_lr = initialize(model=build_model("tiny-gpt2"), config={
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "scheduler": {"type": "StepLR", "params": {"step_size": 1, "gamma": 0.5}}})
+    assert isinstance(step_lr, torch.optim.lr_scheduler.StepLR)
+    with pytest.raises(ImportError, match="scheduler 'WarmupLR' is one of DeepSpeed's, which is not installed"):
+        initialize(model=build_model("tiny-gpt2"), config={"optimizer": {"type": "SGD"},
+                                                            "scheduler": {"type": "WarmupLR"}})
+    with pytest.raises(ValueError, match="'WarmupLRR' is neither a DeepSpeed LR schedule .*WarmupLR.* nor a torch"):
+        initialize(model=build_model("tiny-gpt2"), config={"optimizer": {"type": "SGD"},
+                                                            "scheduler": {"type": "WarmupLRR"}})
+
+
+def test_the_deepspeed_schedule_names_we_know_are_deepspeeds():
+    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    from hybrid_engine.training.local import DEEPSPEED_LR_SCHEDULES
+
+    assert set(DEEPSPEED_LR_SCHEDULES) == set(lr_schedules.VALID_LR_SCHEDULES)
+
+
 def test_the_config_scheduler_section_is_built_with_deepspeeds_schedule_at_stage_0():
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.lr_schedules import WarmupLR

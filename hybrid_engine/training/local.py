@@ -170,6 +170,11 @@ class PolicyGradScaler(torch.amp.GradScaler):
             self.policy.scale = float(self.get_scale())
 
 
+#: DeepSpeed's own LR schedules (``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES``); any other type is
+#: looked up in ``torch.optim.lr_scheduler``, as DeepSpeed does, without importing DeepSpeed.
+DEEPSPEED_LR_SCHEDULES = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
 def build_scheduler(config: EngineConfig, optimizer: torch.optim.Optimizer | None) -> Any | None:
     """The LR scheduler of the config's ``scheduler`` section, built as ``deepspeed.initialize`` builds it at
     stages 1-3: with DeepSpeed's own classes (``deepspeed.runtime.lr_schedules``: WarmupLR, WarmupDecayLR,
@@ -183,21 +188,21 @@ def build_scheduler(config: EngineConfig, optimizer: torch.optim.Optimizer | Non
                          f"{section!r}")
     if optimizer is None:
         raise ValueError("scheduler: there is no optimizer to schedule; set config.optimizer or pass optimizer=")
-    from hybrid_engine.distributed.deepspeed_import import import_deepspeed
-
-    import_deepspeed(f"the config's scheduler {section['type']!r} is one of DeepSpeed's")
-    from deepspeed.runtime import lr_schedules
-
     name = section["type"]
-    if name in getattr(lr_schedules, "VALID_LR_SCHEDULES", ()) and hasattr(lr_schedules, name):
+    torch_cls = getattr(torch.optim.lr_scheduler, name, None)
+    if name in DEEPSPEED_LR_SCHEDULES:
+        from hybrid_engine.distributed.deepspeed_import import import_deepspeed
+
+        import_deepspeed(f"the config's scheduler {name!r} is one of DeepSpeed's")
+        from deepspeed.runtime import lr_schedules
+
         cls = getattr(lr_schedules, name)
-    elif isinstance(getattr(torch.optim.lr_scheduler, name, None), type) and \
-            issubclass(getattr(torch.optim.lr_scheduler, name), torch.optim.lr_scheduler.LRScheduler):
-        cls = getattr(torch.optim.lr_scheduler, name)  # DeepSpeed's fallback for a type it has no class of
+    elif isinstance(torch_cls, type) and issubclass(torch_cls, torch.optim.lr_scheduler.LRScheduler):
+        cls = torch_cls  # DeepSpeed's fallback for a type it has no class of; needs no DeepSpeed
     else:
-        valid = ", ".join(getattr(lr_schedules, "VALID_LR_SCHEDULES", ()))
-        raise ValueError(f"scheduler.type {name!r} is neither a DeepSpeed LR schedule ({valid}) nor a "
-                         "torch.optim.lr_scheduler class; use one of those, or pass lr_scheduler= to initialize()")
+        raise ValueError(f"scheduler.type {name!r} is neither a DeepSpeed LR schedule "
+                         f"({', '.join(DEEPSPEED_LR_SCHEDULES)}) nor a torch.optim.lr_scheduler class; use one of "
+                         "those, or pass lr_scheduler= to initialize()")
     params = dict(section.get("params") or {})
     _rehearse_schedule(cls, name, params, optimizer)  # first: a refused schedule leaves the optimizer's lr alone
     try:
