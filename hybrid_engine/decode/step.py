@@ -221,7 +221,10 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
     span = cache.span_tokens()
     cache.fresh, cache.kv_len = False, span
     mask4d = build_decode_mask(write_pos, span, _model_dtype(model))
-    logits = _forward(model, cache, tokens[:, None], mask4d, cache.position[:, None], write_pos[:1])
+    try:
+        logits = _forward(model, cache, tokens[:, None], mask4d, cache.position[:, None], write_pos[:1])
+    finally:  # the indices are this forward's temporaries: nothing outlives a captured step but its outputs
+        cache.write_slots = cache.read_slots = None
     step = 1 if live is None else live.to(torch.int64)
     write_pos.add_(step)
     cache.position.add_(step)

@@ -133,6 +133,14 @@ class PagePlan:
         self._pending = [e for e in self._pending if e[0] != slot]
         self.ledger.release(self.slot_pages.pop(slot))
 
+    def held_pages(self, tokens: dict[int, int]) -> int:
+        """Distinct pages the page-rounded tokens held need: ``tokens[slot]`` per slot (shared prompt pages
+        count once), and every staged prompt's. What the ledger holds beyond it was assigned ahead."""
+        pages = {p for held, _ in self.unit_pages.values() for p in held}
+        for slot, n in tokens.items():
+            pages.update(self.slot_pages[slot][: pages_for(n, self.page_size)])
+        return len(pages)
+
     def close(self) -> None:
         """Release everything this call still holds (its end, or an error part-way)."""
         for slot in list(self.slot_pages):

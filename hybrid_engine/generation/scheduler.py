@@ -99,6 +99,7 @@ class Counters:
     rows_moved: int = 0
     preemptions: int = 0
     kv_pages_peak: int = 0
+    kv_pages_held_peak: int = 0  # the page-rounded tokens held when the pool was at its peak
     page_table_writes: int = 0  # host-to-device copies of new block table entries
     bucket_steps: dict[int, int] = field(default_factory=dict)
     span_steps: dict[int, int] = field(default_factory=dict)
@@ -405,14 +406,18 @@ def run_schedule(
         shrink = (_may_stop_early(state, requests) or len({r.budget for r in requests}) > 1
                   or len(requests) > max_active)
         if any(r.budget > 1 for r in requests):  # some row decodes at all
-            runner.capture_buckets(runner.bucket_for(min(max_active, len(requests))),
-                                   runner.span_for(max(r.prompt_len for r in requests) + 1), sampling_key, shrink)
+            spans = runner.spans_between(min(r.prompt_len for r in requests) + 1,
+                                         max(r.prompt_len + r.budget for r in requests) - 1)
+            runner.capture_buckets(runner.bucket_for(min(max_active, len(requests))), spans, sampling_key, shrink)
+        if staged and len(requests) > 1:  # rounds of every size this call may admit (single rounds need no graph)
+            runner.capture_rounds(runner.bucket_for(min(max_active, len(requests))), sampling_key)
+            state.release(torch.arange(state.rows, device=device))
         starved = False
         blocked = False  # a round found no pages for its next request: admit again once pages are freed
         while queue or active:
             room = min(len(queue), max_active - len(active), len(free))
             cap = sync_interval if _may_stop_early(state, active.values()) else None
-            if room and not starved and not blocked and (not active or (continuous and _steps_to_admission(
+            if room and not starved and not (blocked and active) and (not active or (continuous and _steps_to_admission(
                     room, len(queue), left, max_active, ADMISSION_COST, cap) == 0)):
                 slots, free = free[:room], free[room:]
                 reqs = [queue.popleft() for _ in range(room)]
@@ -475,6 +480,9 @@ def run_schedule(
             done = [slot for slot in active if finished_flags[slot]]
             for slot in active:
                 left[slot] = active[slot].budget - generated[slot]
+            if plan.ledger.in_use == plan.ledger.peak:  # at the peak: how much of it the tokens held need
+                held = {s: r.prompt_len + generated[s] - 1 for s, r in active.items()}
+                counters.kv_pages_held_peak = max(counters.kv_pages_held_peak, plan.held_pages(held))
             if done:
                 _harvest(state, plan, done, active, left, order, out_tokens, out_logprobs, width, counters,
                          generated)
@@ -492,7 +500,9 @@ def run_schedule(
                                              req.prompt_len, req.min_tokens, resume_from=generated[victim]))
                 free = sorted(free + [victim])
                 counters.preemptions += 1
-                starved = blocked = False
+                # No admission (the preempted request first) until a row finishes: resuming it at once would
+                # take back the pages the others need, and preempt again.
+                starved, blocked = False, True
     finally:
         counters.kv_pages_peak = plan.ledger.peak
         plan.close()

@@ -61,7 +61,7 @@ from transformers import PreTrainedModel
 from hybrid_engine.accelerator import accelerator_for
 from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.decode.kv_cache import layer_specs, sliding_window
-from hybrid_engine.decode.kv_pool import KVBudget, KVPool, LayerSpec, PageLedger, pages_for, pool_pages
+from hybrid_engine.decode.kv_pool import DEFAULT_PAGE_SIZE, KVBudget, KVPool, LayerSpec, PageLedger, pages_for, pool_pages
 from hybrid_engine.decode.sampling import sampling_mode
 from hybrid_engine.decode.slots import DecodeSlots, vocab_sizes
 from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_staged
@@ -178,12 +178,13 @@ class DecodeGraphRunner:
         return limit
 
     # ------------------------------------------------------------- lifecycle
-    def prepare(self, *, rows: int, capacity: int, num_eos: int, graphs: bool, budget: KVBudget,
+    def prepare(self, *, rows: int, capacity: int, num_eos: int, graphs: bool, budget: KVBudget | None = None,
                 prompt_width: int | None = None) -> DecodeSlots:
         """Start a call: a page pool, slots for ``rows`` concurrent rows, graphs checked against what they froze.
 
         The pool holds what ``budget`` says (:func:`~hybrid_engine.decode.kv_pool.pool_pages`;
-        the null page comes on top). Unconfigured, it only grows, by half at
+        the null page comes on top; ``None``: unconfigured, pages of
+        :data:`~hybrid_engine.decode.kv_pool.DEFAULT_PAGE_SIZE`). Unconfigured, it only grows, by half at
         least, so calls a little larger each time rebuild it (and recapture)
         rarely; a configured budget makes it exactly that size. The
         slots' rows reach ``capacity`` tokens, and their output rows span it too:
@@ -202,6 +203,8 @@ class DecodeGraphRunner:
             self.accelerator = acc
         model = self.model
         dtype = next(model.parameters()).dtype
+        if budget is None:
+            budget = KVBudget(DEFAULT_PAGE_SIZE, None, None, "kv_cache", 1, 1)
         need = self.bucket_for(rows)
         slots = self.slots
         vocab = vocab_sizes(model)
@@ -350,33 +353,72 @@ class DecodeGraphRunner:
         self._run(AdmissionKey(requests, sampling_mode(*sampling_key)),
                   lambda: admission_round(self.slots, staged, sampling_key))
 
-    def capture_buckets(self, top: int, span: int, sampling_key: tuple[float, float, int], shrink: bool) -> None:
-        """Warm up and capture, up front and largest first, every decode bucket a call may visit at ``span``.
+    def spans_between(self, shortest: int, longest: int) -> list[int]:
+        """The span buckets rows of ``shortest`` to ``longest`` tokens read."""
+        spans, span = [], self.span_for(shortest)
+        while True:
+            spans.append(span)
+            if span >= self.span_for(longest):
+                return spans
+            span = self.span_for(span * self.kv_pool.page_size + 1)
+
+    def capture_buckets(self, top: int, spans: list[int], sampling_key: tuple[float, float, int],
+                        shrink: bool) -> None:
+        """Warm up and capture, up front and largest first, every decode graph a call may replay.
 
         That is bucket ``top``, and every smaller one when rows may finish at
-        different times (``shrink``) and the call compacts into them. Capturing
-        them now, on slots that are all free (a warm-up step touches no
-        request: free rows write the null page), rather than when a run first
-        reaches them, keeps captures and graph memory flat over a long run, as
-        vLLM and SGLang capture at start-up. Longer spans are captured when a
-        run first reaches them.
+        different times (``shrink``) and the call compacts into them, each at
+        every span in ``spans`` (the pages its rows reach, from the shortest
+        prompt to the longest prompt and budget). Capturing them now, on slots
+        that are all free (a warm-up step touches no request: free rows write
+        the null page), rather than when a run first reaches them, keeps every
+        step of the call a replay and captures flat over a long run, as vLLM
+        and SGLang capture at start-up; largest first, so the smaller graphs
+        reuse the pool's blocks.
         """
         if not self.use_graphs:
             return
         sizes = self.buckets or default_graph_buckets(top)
         for bucket in sorted((b for b in sizes if b == top or (shrink and b < top)), reverse=True):
-            key = GraphKey(bucket, span, sampling_mode(*sampling_key))
+            for span in sorted(spans, reverse=True):
+                key = GraphKey(bucket, span, sampling_mode(*sampling_key))
+                if key in self._graphs or self._call_eager:
+                    continue
+                view = self.slots.head(bucket)
+
+                def step(view: DecodeSlots = view, span: int = span) -> None:
+                    view.cache.span_pages = span
+                    view.step(self.model, sampling_key)
+
+                if key not in self._warm and not self._warm_up(key, step):
+                    return
+                self._capture(key, step)
+
+    def capture_rounds(self, top: int, sampling_key: tuple[float, float, int]) -> None:
+        """Warm up and capture, up front, the admission round of every request bucket up to ``top``.
+
+        How many requests a round admits depends on when rows finish, hence on
+        the tokens; its graph does not, so capturing every size now keeps
+        captures flat over a long run whatever the tokens. The warm-ups run on
+        the stage's stale rows into free slots (a round of budget-0 requests:
+        finished at once, on the null page); the caller frees every slot after.
+        """
+        if not self.use_graphs or self.stage is None:
+            return
+        sizes = self.buckets or default_graph_buckets(top)
+        for requests in sorted((b for b in sizes if b <= top), reverse=True):
+            key = AdmissionKey(requests, sampling_mode(*sampling_key))
             if key in self._graphs or self._call_eager:
                 continue
-            view = self.slots.head(bucket)
+            staged = self.stage.requests_view(requests)
+            staged.meta.zero_()
 
-            def step(view: DecodeSlots = view) -> None:
-                view.cache.span_pages = span
-                view.step(self.model, sampling_key)
+            def run(staged=staged) -> None:
+                admission_round(self.slots, staged, sampling_key)
 
-            if key not in self._warm and not self._warm_up(key, step):
+            if key not in self._warm and not self._warm_up(key, run):
                 return
-            self._capture(key, step)
+            self._capture(key, run)
 
     def _warm_up(self, key: RunKey, run: Callable[[], None]) -> bool:
         """The one warm-up: a real run on the graph stream, so lazy kernels and workspaces exist before capture.

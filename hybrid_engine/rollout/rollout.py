@@ -281,7 +281,7 @@ class HybridEngineRollout:
         empty = torch.zeros(0, dtype=torch.int64, device=ids.device)
         self.last_stats = {"num_sequences": 0, "tokens_generated": 0, "decode_steps": 0, "prefill_forwards": 0,
                            "graph_replays": 0, "graph_captures": 0, "admission_graph_replays": 0,
-                           "admission_graph_captures": 0, "fallbacks": 0, "host_syncs": 0, "kv_pages_peak": 0,
+                           "admission_graph_captures": 0, "fallbacks": 0, "host_syncs": 0, "kv_pages_peak": 0, "kv_pages_held_peak": 0,
                            "kv_bytes_peak": 0, "preemptions": 0, "span_buckets": (),
                            "total_ms": (time.perf_counter() - t_start) * 1e3,
                            "use_graph_capture": self.runner.use_graphs}
@@ -331,6 +331,7 @@ class HybridEngineRollout:
             "kv_page_size": after.kv_page_size,
             "kv_pages_total": after.kv_pages_total,
             "kv_pages_peak": c.kv_pages_peak,
+            "kv_pages_held_peak": c.kv_pages_held_peak,
             "kv_bytes_peak": after.kv_bytes_peak,
             "preemptions": c.preemptions,
             "span_buckets": tuple(sorted(c.span_steps)),
