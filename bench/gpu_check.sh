@@ -7,6 +7,10 @@
 #   2. info         versions, GPU, graph API
 #   3. parity       graph vs eager tokens identical, engine path and rollout path, greedy and sampled,
 #                   tiny gpt2/opt/llama/qwen2 + the gpt2 (124M) shape, fp16      -> exits 1 on a mismatch
+#   3b. capture_faults  bench/capture_faults.py: failed captures (a host-reading hook, model code that syncs,
+#                   ten failures in a row) leave the allocator out of capture mode (no pool left recording,
+#                   empty_cache frees, the pools hold 0 bytes) and graphs capture again; two models in two
+#                   threads capturing at every call get exact tokens                -> exits 1 otherwise
 #   4. decode       `bench decode` for the gpt2 shape, fp16, batch 1,4,8,16,32, 256-token prompt,
 #                   128 new tokens; engine path and rollout path
 #   5. continuous   `bench continuous`, gpt2 shape, fp16: batch-1 graph reuse, the mixed-length workload,
@@ -32,6 +36,9 @@
 #                                   for the GPU image's Python ($GPU_PYTHON_VERSION, default 3.12) into
 #                                   bench/wheels/, which is git-ignored: carry it along (the device tool:
 #                                   carry=["bench/wheels"]); a fresh work tree has to fetch again
+# The real run and the dry run refuse at once, with one line and exit 3, while bench/wheels/ (or
+# $GPU_CHECK_WHEELS) holds no pydantic wheel: run the dry run here first, and a device run never spends
+# its start-up on that failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -53,7 +60,11 @@ if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
 elif [ "$MODE" = mini ] || [ "$MODE" = fetch ] && [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"
 else PY=python3; fi
 TARGET="${HYBRID_ENGINE_TARGET:-/tmp/hybrid-engine-site}"
-WHEELS="$REPO/bench/wheels"
+WHEELS="${GPU_CHECK_WHEELS:-$REPO/bench/wheels}"
+if { [ "$MODE" = gpu ] || [ "$MODE" = dry ]; } && ! ls "$WHEELS"/pydantic-*.whl >/dev/null 2>&1; then
+  echo "gpu_check: $WHEELS holds no pydantic wheel: run bench/gpu_check.sh --fetch-wheels here first, then carry=[\"bench/wheels\"] to the device" >&2
+  exit 3
+fi
 if [ "$MODE" = fetch ]; then
   "$PY" -m pip download -q --disable-pip-version-check --only-binary=:all: \
     --python-version "${GPU_PYTHON_VERSION:-3.12}" --platform manylinux2014_x86_64 -d "$WHEELS" pydantic || exit 1
@@ -77,6 +88,7 @@ if [ "$MODE" = mini ]; then
   DECODE_B="--model tiny-opt --batch-sizes 1,2 --prompt-len 16 --new-tokens 8 --repeats 1"
   CONT_ARGS="--model tiny-gpt2 --prompt-len 8 --new-tokens 8 --measured 2 --mixed-requests 6 --mixed-max-batch 2 --mixed-max-new 8 --mixed-prompt-len 8 --mixed-repeats 1 --longtail-requests 64 --longtail-prompt-len 8 --longtail-repeats 1"
   RLHF_ARGS="--model tiny-opt --batch-size 2 --prompt-len 16 --new-tokens 8 --warmup 1 --iterations 1"
+  FAULT_ARGS="--rounds 2"
 else
   DEVICE=cuda
   DTYPE=fp16
@@ -86,6 +98,7 @@ else
   DECODE_B="--model opt-1.3b --batch-sizes 1,8,32 --prompt-len 256 --new-tokens 128 --repeats 1"
   CONT_ARGS="--model gpt2 --prompt-len 32 --new-tokens 32 --warmup 2 --measured 5 --mixed-requests 64 --mixed-max-batch 16 --mixed-max-new 128 --mixed-prompt-len 64 --longtail-requests 64 --longtail-slots 8 --longtail-long 48 --longtail-short 3,6 --longtail-repeats 3 --longtail-model same"
   RLHF_ARGS="--model opt-1.3b --batch-size 8 --prompt-len 256 --new-tokens 128 --warmup 1 --iterations 4"
+  FAULT_ARGS="--rounds 6"
 fi
 COMMON="--device $DEVICE --dtype $DTYPE"
 
@@ -184,6 +197,7 @@ plot() { [ $PLOT_OK -eq 1 ] && echo "--plot $WORK/$1.png"; }
 if [ "$MODE" != dry ] && command -v nvidia-smi >/dev/null; then nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1; fi
 step info 60 "${HE[@]}" info
 step parity 90 "${HE[@]}" bench parity $COMMON $PARITY_ARGS --json "$WORK/parity.json"
+step capture_faults 60 "$PY" -m bench.capture_faults --device $DEVICE --dtype $DTYPE $FAULT_ARGS --json "$WORK/capture_faults.json"
 step decode_gpt2 100 "${HE[@]}" bench decode $COMMON $DECODE_A --json "$WORK/decode_gpt2.json" $(plot decode_gpt2)
 step continuous 75 "${HE[@]}" bench continuous $COMMON $CONT_ARGS --json "$WORK/continuous.json" $(plot continuous)
 step rlhf_opt13b 90 "${HE[@]}" bench rlhf $COMMON $RLHF_ARGS --json "$WORK/rlhf_opt13b.json" $(plot rlhf_opt13b)
@@ -219,6 +233,13 @@ if (d := load("continuous")) is not None:
               f"tokens identical {lt['agreement']['identical']}/{lt['agreement']['total']}")
     else:
         print("long tail: not run")
+if (d := load("capture_faults")) is not None:
+    fc, tt = d["failed_capture"], d["two_threads"]
+    steps = "; ".join(f"{s['failure']} x{s['runs']}: stuck pools {s['stuck_pools']}, empty_cache frees "
+                      f"{s['empty_cache_frees']}, pool bytes {s['pool_bytes_after']}" for s in fc["steps"])
+    print(f"capture faults: failed captures ok={fc['ok']} ({steps}; graphs after: {fc['graphs_after']}); "
+          f"two threads ok={tt['ok']} (x {tt['x']['captures']} captures exact={tt['x']['exact']}, "
+          f"y {tt['y']['captures']} captures exact={tt['y']['exact']}, errors {tt['errors']})")
 for name in ("decode_gpt2", "decode_opt13b"):
     if (d := load(name)) is not None:
         speedups = ", ".join(f"{r['path']} b{r['batch']} {r['speedup']:.2f}x" for r in d["rows"])

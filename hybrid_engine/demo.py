@@ -84,6 +84,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         UsageError,
         check_finite_nonnegative,
         check_generation_length,
+        check_rows,
+        check_seed,
         model_label_and_config,
     )
 
@@ -94,6 +96,9 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise UsageError(f"{option} must be >= 1, got {value}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}; leave it out for the default")
+    check_seed(args.seed)
+    check_rows(args.batch_size, "--batch-size", args.samples)  # the rollout's rows and the training batch
+    check_rows(args.check_prompts, "--check-prompts")
     check_finite_nonnegative("--lr", args.lr)
     check_output_path("--json", args.json)
     label, config = model_label_and_config(args.model_path, f"tiny-{args.model}")

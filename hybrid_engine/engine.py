@@ -21,6 +21,12 @@ gathered inference copy (:mod:`hybrid_engine.distributed.inference_copy`).
 Train/eval: ``eval()`` selects the inference path, ``train()`` the training
 forward. ``generate`` called in train mode runs that one call in eval mode (no
 dropout) under ``torch.no_grad`` and gives every submodule its own mode back.
+
+Threads: generation and the training calls (``engine(...)``, ``backward``,
+``step``, ``train``/``eval``) on one model run one at a time; a call from
+another thread waits for the running one (:mod:`hybrid_engine.generation.call_context`),
+so no training forward runs in the eval mode a generate set and no generation
+sees a half-applied optimizer step.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from hybrid_engine.training import checkpoint
 from hybrid_engine.training.deepspeed import DeepSpeedTraining
 from hybrid_engine.training.deepspeed import build as build_deepspeed_training
 from hybrid_engine.training.deepspeed_interface import DeepSpeedEngineInterface
-from hybrid_engine.training.local import LocalTraining, build_optimizer, build_scheduler
+from hybrid_engine.training.local import LocalTraining, build_optimizer, build_scheduler, check_lr_kwargs
 from hybrid_engine.training.precision import MasterWeights
 
 __all__ = ["HybridEngine", "initialize"]
@@ -172,8 +178,16 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         return self.training_backend.is_gradient_accumulation_boundary()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The training forward of ``module`` (through DeepSpeed's engine under ZeRO)."""
-        return self.training_backend.forward(*args, **kwargs)
+        """The training forward of ``module`` (through DeepSpeed's engine under ZeRO). Waits for a generation
+        running in another thread on this model (:mod:`hybrid_engine.generation.call_context`)."""
+        with exclusive_generation(self.inference_module, "HybridEngine.forward"):
+            return self.training_backend.forward(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> HybridEngine:
+        """Train mode (``eval()``: eval mode) for the model, as ``nn.Module.train``; waits for a generation running
+        in another thread, which has the model in eval mode until it returns."""
+        with exclusive_generation(self.inference_module, "HybridEngine.train" if mode else "HybridEngine.eval"):
+            return super().train(mode)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss / gradient_accumulation_steps`` (loss-scaled under fp16), as DeepSpeed's
@@ -184,17 +198,22 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         for name, value in (("retain_graph", retain_graph), ("scale_wrt_gas", scale_wrt_gas)):
             if not isinstance(value, bool):
                 raise TypeError(f"engine.backward: {name} must be True or False, got {value!r}")
-        return self.training_backend.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        with exclusive_generation(self.inference_module, "HybridEngine.backward"):
+            return self.training_backend.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Count a micro-step; at an accumulation boundary clip, step the optimizer and zero grads. As in
         DeepSpeed, ``lr_kwargs`` are passed to the LR scheduler's ``step``."""
         if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
             raise TypeError(f"engine.step: lr_kwargs must be a dict or None, got {type(lr_kwargs).__name__}")
-        steps = self.training_backend.global_steps
-        self.training_backend.step(lr_kwargs=lr_kwargs)
-        if self._inference_copy is not None and self.training_backend.global_steps != steps:
-            self._inference_copy.refresh()  # in place: graphs on the copy replay the new weights
+        # Held for the whole update: no generation in another thread sees half-updated weights.
+        with exclusive_generation(self.inference_module, "HybridEngine.step"):
+            if self.training_backend.is_gradient_accumulation_boundary():  # before anything steps
+                check_lr_kwargs(self.lr_scheduler, lr_kwargs)
+            steps = self.training_backend.global_steps
+            self.training_backend.step(lr_kwargs=lr_kwargs)
+            if self._inference_copy is not None and self.training_backend.global_steps != steps:
+                self._inference_copy.refresh()  # in place: graphs on the copy replay the new weights
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         self.training_backend.zero_grad(set_to_none=set_to_none)
@@ -208,8 +227,9 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         Saved: the model, the optimizer, the fp32 master weights (bf16/fp16), the fp16
         loss scaler, the LR scheduler, the step counters, torch's RNG state (CPU and
         the accelerator's, which seeds sampled ``generate`` calls and dropout) and
-        ``client_state``. ``tag`` defaults to ``global_step<N>``; ``save_latest``
-        records it in ``save_dir/latest`` for :meth:`load_checkpoint`. ``exclude_frozen_parameters``
+        ``client_state``. ``tag`` defaults to ``global_step<N>`` (a plain directory name: no path, not blank,
+        not ``latest``); ``save_latest`` records it in ``save_dir/latest`` for :meth:`load_checkpoint`, atomically
+        and only once the checkpoint and its sha256 manifest are complete. ``exclude_frozen_parameters``
         leaves parameters with ``requires_grad=False`` out (a LoRA run's base weights), as DeepSpeed does;
         loading such a checkpoint keeps the model's own values of them. Under ZeRO 1-3
         this is DeepSpeed's ``save_checkpoint`` (every rank must call it).
@@ -239,21 +259,28 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False,
-                        custom_load_fn: Callable[..., Any] | None = None) -> tuple[str | None, dict[str, Any] | None]:
+                        load_module_only: bool = False, custom_load_fn: Callable[..., Any] | None = None,
+                        trust_client_state: bool = False) -> tuple[str | None, dict[str, Any] | None]:
         """Restore what :meth:`save_checkpoint` saved; returns ``(load_path, client_state)``.
 
         ``custom_load_fn(src=state_dict, dst=module)``, as in DeepSpeed, loads the module state in place of
         ``load_state_dict``. ``tag`` defaults to the one in ``load_dir/latest``. When there is no such
-        checkpoint it warns and returns ``(None, None)``, as DeepSpeed does. The
-        engine's graphs are dropped and recaptured by the next ``generate``
+        file, or no directory for an explicit ``tag``, it warns and returns ``(None, None)``, as DeepSpeed
+        does; a ``latest`` that is unreadable, empty or names no checkpoint is a ``ValueError`` naming it
+        and the checkpoints present. Every file is verified against the checkpoint's sha256 manifest before
+        anything is loaded (a mismatch is a ``ValueError`` naming the file, and nothing changes).
+        ``trust_client_state=True`` lets a stage-0 ``client_state`` holding values beyond plain data (dicts,
+        lists, numbers, strings, tensors) be unpickled in full, which can run code: pass it only for
+        checkpoints you trust. At ZeRO 1-3 DeepSpeed unpickles its own files in full whatever it says.
+        The engine's graphs are dropped and recaptured by the next ``generate``
         (loading may re-allocate; rollouts compare weight addresses before replaying).
         """
         with exclusive_generation(self.inference_module, "HybridEngine.load_checkpoint"):
             result = checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
                                      load_optimizer_states=load_optimizer_states,
                                      load_lr_scheduler_states=load_lr_scheduler_states,
-                                     load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+                                     load_module_only=load_module_only, custom_load_fn=custom_load_fn,
+                                     trust_client_state=trust_client_state)
             if result[0] is not None:
                 self._front_end.runner.invalidate()
                 if self._inference_copy is not None:

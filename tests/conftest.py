@@ -3,16 +3,32 @@
 Tiny models gain nothing from intra-op threads, and on a shared 2-core box thread
 oversubscription makes them 10-50x slower. Tests that need another accelerator set
 it themselves; the fixture restores detection afterwards.
+
+A graph pool left recording by a failed capture is what poisons CUDA's allocator
+for the rest of a process; the emulation keeps it recording too. After each test
+the fixture ends and releases any such pool, so one test cannot break the next,
+and fails the test unless it is marked ``leaves_pool_recording`` (tests of the
+emulation's raw capture, which leave one on purpose).
 """
 
 import pytest
 import torch
 
-from hybrid_engine.accelerator import CPUAccelerator, set_accelerator
+from hybrid_engine.accelerator import CPUAccelerator, cpu_graph, set_accelerator
+
+
+def release_recording_pools() -> int:
+    """End and release every pool a failed capture left recording; how many there were."""
+    stuck = cpu_graph.recording_pools()
+    for pool in stuck:
+        cpu_graph.end_allocating_to_pool(pool)
+        while pool._failed:
+            cpu_graph.release_graph_pool(pool)
+    return len(stuck)
 
 
 @pytest.fixture(autouse=True)
-def cpu_graphs():
+def cpu_graphs(request):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     acc = CPUAccelerator(emulate_graphs=True)
@@ -20,6 +36,10 @@ def cpu_graphs():
     yield acc
     set_accelerator(None)
     torch.set_num_threads(threads)
+    stuck = release_recording_pools()
+    if stuck and request.node.get_closest_marker("leaves_pool_recording") is None:
+        pytest.fail(f"{stuck} graph pool(s) left recording by a failed capture: on CUDA the allocator would "
+                    "believe a capture is under way for the rest of the process")
 
 
 def left_padded_prompts(batch: int, width: int, seed: int = 0, vocab: int = 384) -> tuple[torch.Tensor, torch.Tensor]:

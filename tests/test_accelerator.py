@@ -442,7 +442,7 @@ def test_cpu_accelerator_interface():
     with acc.stream(acc.Stream()):
         pass
     assert acc.supports_graph_capture
-    assert acc.graph_pool(acc.create_graph()) is not None
+    assert acc.graph_pool_handle() is not None
 
 
 def test_base_accelerator_has_no_streams_or_pool_accounting():
@@ -516,18 +516,16 @@ def test_a_failed_capture_raises_the_bodys_error_not_the_failed_end(api, monkeyp
 def _emulating_cuda_module(reserved: dict | None = None, failing_captures: tuple[int, ...] = ()):
     """A stub ``torch.cuda`` whose ``graph`` records with the CPU emulation and, like CUDA, fails to end a
     capture its body broke; ``reserved["bytes"]``, when given, is what ``memory_reserved`` reports, and each
-    capture reserves 4096 more for its pool. Like CUDA's allocator, a pool whose capture failed stays
-    "recording" and refuses any later capture into it; the captures numbered in ``failing_captures``
-    (from 1) fail at their end, as one running out of memory would."""
+    capture reserves 4096 more for its pool. Like CUDA's allocator, the emulation keeps a pool whose capture
+    failed "recording" and refuses any later capture into it; the captures numbered in ``failing_captures``
+    (from 1) fail at their end, as one running out of memory would. Returns the module and its allocator
+    bindings (``_cpu_endAllocateToPool``, ``_cpu_releasePool``: what ``torch._C`` offers for CUDA)."""
     from hybrid_engine.accelerator import cpu_graph as emu
 
-    recording: set[int] = set()
     count = [0]
 
     @contextlib.contextmanager
     def graph(g, pool=None, stream=None):
-        if pool is not None and id(pool) in recording:
-            raise RuntimeError("stub: beginAllocateToPool: already recording to mempool_id")
         count[0] += 1
         with emu.cpu_stream(stream):
             try:
@@ -536,17 +534,24 @@ def _emulating_cuda_module(reserved: dict | None = None, failing_captures: tuple
                     if count[0] in failing_captures:
                         raise RuntimeError("stub: CUDA out of memory while capturing")
             except BaseException:
-                if pool is not None:
-                    recording.add(id(pool))  # the allocator never ends allocating to it
                 raise RuntimeError(f"stub: CUDA {INVALIDATED}") from None
         if reserved is not None:
             reserved["bytes"] += 4096
 
-    return types.SimpleNamespace(
+    module = types.SimpleNamespace(
         CUDAGraph=emu.CPUGraph, graph=graph, Stream=emu.CPUStream, stream=emu.cpu_stream,
         current_stream=emu.current_cpu_stream, default_stream=emu.default_cpu_stream,
         is_current_stream_capturing=emu.is_cpu_graph_capturing, is_available=lambda: True,
+        graph_pool_handle=emu.CPUGraphPool,
         memory_reserved=(lambda: reserved["bytes"]) if reserved is not None else None)
+    bindings = types.SimpleNamespace(_cpu_endAllocateToPool=lambda device, pool: emu.end_allocating_to_pool(pool),
+                                     _cpu_releasePool=lambda device, pool: emu.release_graph_pool(pool))
+    return module, bindings
+
+
+def _emulating_cuda(reserved: dict | None = None, failing_captures: tuple[int, ...] = ()) -> TorchBackendAccelerator:
+    module, bindings = _emulating_cuda_module(reserved, failing_captures)
+    return TorchBackendAccelerator("cpu", module, bindings=bindings)
 
 
 def _decode_steps(model, calls: int = 4, steps: int = 3):
@@ -572,7 +577,7 @@ def test_an_uncapturable_hook_is_refused_by_name_when_ending_the_capture_fails_t
     """The runner still names the hook's module, and counts no generic capture failure."""
     from hybrid_engine.tiny_models import build_model
 
-    set_accelerator(TorchBackendAccelerator("cpu", _emulating_cuda_module()))
+    set_accelerator(_emulating_cuda())
     model = build_model("tiny-gpt2")
     model.transformer.h[0].register_forward_hook(lambda mod, args, out: print(float(out[0].abs().max())))
     stats = _decode_steps(model)
@@ -590,7 +595,7 @@ def test_a_capture_that_fails_into_the_shared_pool_does_not_doom_the_later_ones(
     from hybrid_engine.graphs.runner import DecodeGraphRunner
     from hybrid_engine.tiny_models import build_model
 
-    set_accelerator(TorchBackendAccelerator("cpu", _emulating_cuda_module(failing_captures=(2,))))
+    set_accelerator(_emulating_cuda(failing_captures=(2,)))
     runner, key = DecodeGraphRunner(build_model("tiny-gpt2")), (0.0, 1.0, -1)
     with warnings.catch_warnings(), decode_grad_mode():
         warnings.simplefilter("ignore")
@@ -628,7 +633,7 @@ def test_graph_memory_is_what_the_allocator_reserves_for_the_pool_where_the_back
     from hybrid_engine.tiny_models import build_model
 
     reserved = {"bytes": 10_000}
-    acc = TorchBackendAccelerator("cpu", _emulating_cuda_module(reserved))
+    acc = _emulating_cuda(reserved)
     set_accelerator(acc)
     assert acc.graph_memory_bytes(None) is None and acc.memory_reserved() == 10_000
     stats = _decode_steps(build_model("tiny-gpt2"))
@@ -670,3 +675,210 @@ def test_on_device_makes_the_models_device_current_and_streams_are_per_device():
     assert acc.current_device_index() == 0 and acc.graph_stream() is on_0 and on_0.device_index == 0
     with acc.on_device(torch.device("cuda")):  # no index: the current device
         assert acc.current_device_index() == 0
+
+
+# ------------------------------------------------------------------ a failed CUDA capture and the allocator
+class FakeCudaAllocator:
+    """CUDA's caching allocator as far as graph pools go (c10/cuda/CUDACachingAllocator.cpp): the captures under
+    way (``captures_underway``) and a use count per private pool, with the checks and asserts it makes."""
+
+    def __init__(self, log: list):
+        self.underway: list = []
+        self.use: dict = {}
+        self.log = log
+
+    def begin(self, pool):  # beginAllocateToPool: create_or_incref_pool, then the already-recording check
+        if pool in self.use and self.use[pool] <= 0:
+            raise RuntimeError("stub: INTERNAL ASSERT FAILED: it->second->use_count > 0")
+        self.use[pool] = self.use.get(pool, 0) + 1
+        if pool in self.underway:
+            raise RuntimeError("stub: beginAllocateToPool: already recording to mempool_id")
+        self.underway.append(pool)
+
+    def end(self, device, pool):  # torch._C._cuda_endAllocateToPool
+        if pool not in self.underway:
+            raise RuntimeError("stub: endAllocatePool: not currently recording to mempool_id")
+        self.underway.remove(pool)
+
+    def release(self, device, pool):  # torch._C._cuda_releasePool
+        self.use[pool] -= 1
+        if self.use[pool] < 0:
+            raise RuntimeError("stub: INTERNAL ASSERT FAILED: uc >= 0")
+
+    def empty_cache(self):
+        self.log.append(("empty_cache",))
+        if self.underway:
+            raise RuntimeError("stub: INTERNAL ASSERT FAILED: captures_underway.empty()")
+
+
+def make_stub_cuda(version: str, log: list):
+    """A stub ``torch.cuda`` whose ``CUDAGraph`` manages its pool as CUDAGraph.cpp does: ``"2.11"`` throws from
+    ``capture_end`` before ending allocation when cudaStreamEndCapture fails and releases only an ended capture's
+    pool; ``"fixed"`` (pytorch#180395) ends allocation in ``capture_end`` whatever happened and releases a begun
+    capture's pool in ``reset()``. ``host_read()`` is a host synchronisation: refused while capturing, and it
+    breaks the capture. ``graph`` is ``torch.cuda.graph``: a synchronize and an empty_cache before every capture."""
+    alloc = FakeCudaAllocator(log)
+    module = make_stub_backend("CUDAGraph", log)
+    state = module.stub_state
+    handles = iter(range(1, 1000))
+
+    class FakeCUDAGraph:
+        def __init__(self):
+            self.pool_id, self.ended, self.begun, self.routing, self.broken = None, False, False, False, False
+            self.fail_instantiate = state.get("fail_instantiate", False)
+
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            if state["current"] is module.default_stream():
+                raise RuntimeError(f"stub: CUDA {NON_DEFAULT}")
+            log.append(("begin", pool, capture_error_mode, state["current"].name))
+            self.pool_id = pool if pool is not None else ("internal", id(self))
+            alloc.begin(self.pool_id)
+            self.begun = self.routing = True
+            state["capturing"], state["graph"] = True, self
+
+        def capture_end(self):
+            state["capturing"], state["graph"] = False, None
+            log.append(("end",))
+            if version == "fixed":
+                alloc.end(0, self.pool_id)
+                self.routing = False
+            if self.broken:
+                raise RuntimeError(f"stub: CUDA {INVALIDATED}")  # cudaStreamEndCapture failed
+            if version != "fixed":
+                alloc.end(0, self.pool_id)
+            self.ended = True  # capture_ended_
+            if self.fail_instantiate:
+                raise RuntimeError("stub: cudaGraphInstantiate failed")
+
+        def reset(self):
+            if version == "fixed":
+                if self.begun:
+                    if self.routing:
+                        alloc.end(0, self.pool_id)
+                    alloc.release(0, self.pool_id)
+            elif self.ended:
+                alloc.release(0, self.pool_id)
+            self.begun = self.ended = self.routing = False
+
+        def pool(self):
+            if not self.ended:
+                raise RuntimeError("stub: Called CUDAGraph::pool() without a preceding successful capture.")
+            return self.pool_id
+
+        def replay(self):
+            log.append(("replay",))
+
+    @contextlib.contextmanager
+    def cuda_graph(g, pool=None, stream=None, capture_error_mode="global"):  # torch.cuda.graph
+        module.synchronize()
+        alloc.empty_cache()
+        with module.stream(stream):
+            g.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+            try:
+                yield
+            finally:
+                g.capture_end()
+
+    def host_read():
+        log.append(("host_read",))
+        if state["capturing"]:
+            state["graph"].broken = True
+            raise RuntimeError("stub: CUDA operation not permitted when stream is capturing")
+
+    module.CUDAGraph, module.graph, module.host_read = FakeCUDAGraph, cuda_graph, host_read
+    module.graph_pool_handle = lambda: (0, next(handles))
+    module.empty_cache = alloc.empty_cache
+    bindings = types.SimpleNamespace(_cuda_endAllocateToPool=alloc.end, _cuda_releasePool=alloc.release)
+    return module, bindings, alloc
+
+
+@pytest.mark.stub
+@pytest.mark.parametrize("version", ["2.11", "fixed"])
+@pytest.mark.parametrize("failure", ["invalidated", "instantiate", "body only"])
+def test_stub_a_failed_cuda_capture_ends_and_releases_its_pool_exactly_once(version, failure):
+    """Before, a failed capture left the allocator recording (empty_cache asserted at the next torch.cuda.graph,
+    record_stream frees were never reclaimed) and its pool's use count leaked. A release too many would free
+    blocks the live graphs of a shared pool use."""
+    log: list = []
+    module, bindings, alloc = make_stub_cuda(version, log)
+    acc = TorchBackendAccelerator("cuda", module, bindings=bindings)
+    shared = acc.graph_pool_handle()
+    live = acc.create_graph()
+    with acc.capture_to_graph(live, pool=shared):
+        pass
+    assert alloc.use == {shared: 1} and alloc.underway == []
+    for pool in (shared, None):  # into the pool a live graph holds, and into a handle of the call's own
+        bad = acc.create_graph()
+        bad.fail_instantiate = failure == "instantiate"
+        raised = {"invalidated": INVALIDATED, "instantiate": "Instantiate failed", "body only": "not permitted"}
+        with pytest.raises(RuntimeError, match=raised[failure]):  # the body's error where it raised one
+            with acc.capture_to_graph(bad, pool=pool):
+                if failure == "invalidated":
+                    with contextlib.suppress(RuntimeError):
+                        module.host_read()  # a hook that catches the refusal: the capture stays broken
+                elif failure == "body only":
+                    module.host_read()
+        assert alloc.underway == [], "the allocator is left recording"
+        acc.empty_cache()
+    assert alloc.use[shared] == 1  # the live graph's reference, no more and no less
+    assert [n for p, n in alloc.use.items() if p != shared] == [0]  # the call's own handle: released
+    live.reset()
+    assert alloc.use[shared] == 0
+    assert ("sync",) not in log  # no synchronize per capture (torch.cuda.graph's __enter__ has one) ...
+    assert log.count(("empty_cache",)) == 2  # ... nor an empty_cache: these two are the test's own
+    begins = [e for e in log if e[0] == "begin"]
+    assert [e[1] for e in begins] == [shared, shared, begins[2][1]] and begins[2][1] not in (None, shared)
+    assert {e[2] for e in begins} == {"thread_local"} and {e[3] for e in begins} == {acc.graph_stream().name}
+
+
+@pytest.mark.stub
+def test_stub_without_the_allocator_bindings_a_failed_capture_is_left_as_torch_leaves_it():
+    """A torch that offers neither binding: nothing is called that is not there (the runner still starts a fresh
+    pool after the failure)."""
+    log: list = []
+    module, _, alloc = make_stub_cuda("2.11", log)
+    acc = TorchBackendAccelerator("cuda", module, bindings=types.SimpleNamespace())
+    with pytest.raises(RuntimeError, match="not permitted"), acc.capture_to_graph(acc.create_graph()):
+        module.host_read()
+    assert len(alloc.underway) == 1
+
+
+@pytest.mark.stub
+def test_stub_synchronize_empty_cache_and_seeding_wait_for_another_threads_capture():
+    """CUDA capture belongs to the stream, and a device-wide synchronize waits on the capturing stream (an
+    empty_cache asserts no capture is under way, in any thread): they wait for the capture lock."""
+    import threading
+
+    log: list = []
+    module, bindings, _ = make_stub_cuda("2.11", log)
+    module.manual_seed_all = lambda seed: log.append(("seed",))
+    acc = TorchBackendAccelerator("cuda", module, bindings=bindings)
+    inside = threading.Event()
+
+    def capture():
+        with acc.capture_to_graph(acc.create_graph()):
+            inside.set()
+            threading.Event().wait(0.3)  # the main thread's calls are made meanwhile
+            log.append("capture body done")
+
+    t = threading.Thread(target=capture)
+    t.start()
+    assert inside.wait(10)
+    acc.synchronize()
+    acc.empty_cache()
+    acc.manual_seed(1)
+    t.join(10)
+    done = log.index("capture body done")
+    assert done < log.index(("sync",)) and done < log.index(("empty_cache",)) and done < log.index(("seed",))
+
+
+@pytest.mark.stub
+def test_stub_each_thread_warms_up_and_captures_on_its_own_graph_stream():
+    import threading
+
+    acc = TorchBackendAccelerator("cuda", make_stub_backend("CUDAGraph", []))
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(acc.graph_stream()))
+    t.start()
+    t.join()
+    assert seen[0] is not acc.graph_stream() and acc.graph_stream() is acc.graph_stream()

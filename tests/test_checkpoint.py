@@ -17,6 +17,7 @@ from conftest import left_padded_prompts as prompts
 from hybrid_engine import initialize
 from hybrid_engine.tiny_models import build_model
 from hybrid_engine.training.checkpoint import STATE_FILE
+from hybrid_engine.training.checkpoint_files import MANIFEST_FILE
 
 HERE = Path(__file__).resolve().parent
 
@@ -171,8 +172,36 @@ class RunInfo:  # a client_state value that torch.load(weights_only=True) refuse
     seen: set
 
 
-def test_client_state_of_any_picklable_values_round_trips_as_with_deepspeed(tmp_path, monkeypatch):
-    model, engine = engine_with_state()
+def recorded_torch_loads(monkeypatch):
+    """Every torch.load call's weights_only, from now on."""
+    calls = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(k.get("weights_only")) or real_load(*a, **k))
+    return calls
+
+
+def test_plain_client_state_loads_with_the_safe_unpickler_only(tmp_path, monkeypatch):
+    _, engine = engine_with_state()
+    train_once(engine, prompts(2, 5)[0])
+    client = {"epoch": 3, "best": 1.25, "name": "run", "seen": [1, 2, (3, "x")], "ids": torch.arange(4),
+              "nested": {"ok": True, "none": None}}
+    assert engine.save_checkpoint(tmp_path, tag="plain", client_state=client) is True
+    engine.save_checkpoint(tmp_path, tag="none")
+    fresh = engine_with_state()[1]
+    calls = recorded_torch_loads(monkeypatch)
+    path, loaded = fresh.load_checkpoint(tmp_path, tag="plain")
+    assert path == str(tmp_path / "plain") and sorted(loaded) == sorted(client)
+    assert torch.equal(loaded.pop("ids"), client["ids"])
+    assert loaded == {k: v for k, v in client.items() if k != "ids"}
+    # Saved with plain or no client_state: never unpickled in full, even with the opt-in.
+    assert fresh.load_checkpoint(tmp_path, tag="plain", trust_client_state=True)[1]["epoch"] == 3
+    assert fresh.load_checkpoint(tmp_path, tag="none", trust_client_state=True) == (str(tmp_path / "none"), {})
+    assert calls and all(c is True for c in calls), calls
+
+
+def test_client_state_beyond_plain_data_needs_trust_client_state_at_load(tmp_path, monkeypatch):
+    """Before, it was unpickled in full whenever present (a tampered one ran code on load)."""
+    _, engine = engine_with_state()
     train_once(engine, prompts(2, 5)[0])
     client = {"epoch": 3, "best_loss": np.float64(1.25), "np_rng": np.random.get_state(),
               "info": RunInfo("run", {1, 2}), "ids": torch.arange(4)}
@@ -180,18 +209,22 @@ def test_client_state_of_any_picklable_values_round_trips_as_with_deepspeed(tmp_
     # The engine's own state still loads with the safe unpickler; client_state is a pickle of its own inside.
     assert torch.load(tmp_path / "np" / STATE_FILE, weights_only=True)["global_steps"] == 1
     fresh = engine_with_state()[1]
-    path, loaded = fresh.load_checkpoint(tmp_path)
-    assert path == str(tmp_path / "np") and sorted(loaded) == sorted(client)
+    for _ in range(2):
+        train_once(fresh, prompts(2, 5)[0])
+    before = snapshot(fresh)
+    calls = recorded_torch_loads(monkeypatch)
+    with pytest.raises(ValueError, match=r"beyond plain data.*numpy.*can run code.*trust_client_state=True"):
+        fresh.load_checkpoint(tmp_path)
+    assert calls and False not in calls  # nothing was unpickled in full
+    assert_unchanged(fresh, before)
+    path, loaded = fresh.load_checkpoint(tmp_path, trust_client_state=True)
+    assert False in calls
+    assert path == str(tmp_path / "np") and sorted(loaded) == sorted(client) and fresh.global_steps == 1
     assert loaded["best_loss"] == 1.25 and isinstance(loaded["best_loss"], np.float64)
     assert loaded["np_rng"][0] == client["np_rng"][0] and np.array_equal(loaded["np_rng"][1], client["np_rng"][1])
     assert loaded["info"] == client["info"] and torch.equal(loaded["ids"], client["ids"])
-    # Without a client_state nothing is read with the full unpickler.
-    engine.save_checkpoint(tmp_path, tag="plain")
-    calls = []
-    real_load = torch.load
-    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(k.get("weights_only")) or real_load(*a, **k))
-    assert fresh.load_checkpoint(tmp_path, tag="plain") == (str(tmp_path / "plain"), {})
-    assert calls == [True]
+    with pytest.raises(TypeError, match="trust_client_state"):
+        fresh.load_checkpoint(tmp_path, trust_client_state="yes")
     monkeypatch.undo()
     # A client_state that cannot be pickled fails at save time, and writes nothing.
     with pytest.raises(TypeError, match="client_state cannot be pickled"):
@@ -293,6 +326,7 @@ def test_format_2_checkpoints_still_load(tmp_path):
     state = torch.load(file, weights_only=True)
     state.pop("optimizer_class", None)
     torch.save({**state, "format": 2, "client_state": {"epoch": 7}}, file)
+    (file.parent / MANIFEST_FILE).unlink()  # written since format 4
     train_once(engine, prompts(2, 5)[0])
     assert engine.load_checkpoint(tmp_path) == (str(tmp_path / "global_step1"), {"epoch": 7})
     assert engine.global_steps == 1

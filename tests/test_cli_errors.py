@@ -249,3 +249,44 @@ def test_python_dash_m_prints_one_line_and_exits_2():
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith(f"error: --device {device} is not available")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([*DEMO, "--seed", "1180591620717411303424"], "--seed must be an integer in [0, 4294967295]"),
+    ([*DEMO, "--seed", "-1"], "--seed must be an integer in [0, 4294967295] (2**32 - 1), got -1"),
+    (["bench", "decode", "--seed", str(2**70)], f"--seed must be an integer in [0, 4294967295] (2**32 - 1), got {2**70}"),
+    (["bench", "soak", "--seed", str(2**32)], "--seed must be an integer"),
+    ([*DEMO, "--samples", "100000000"], "--batch-size 1 x --samples 100000000 is 100000000 sequences per call"),
+    (["demo", "--batch-size", "100000"], "--batch-size 100000 x --samples 4 is 400000 sequences per call, more than "
+                                         "the 4096"),
+    ([*DEMO, "--check-prompts", "100000"], "--check-prompts 100000 is more than 4096"),
+    (["bench", "soak", "--batch-size", "2048", "--samples", "4"], "--batch-size 2048 x --samples 4 is 8192"),
+    (["bench", "soak", "--samples", "100000000"], "--batch-size 8 x --samples 100000000"),
+    (["bench", "rlhf", "--batch-size", "100000"], "--batch-size 100000 is more than 4096, the most sequences one call"),
+    (["bench", "rlhf", "--zero-stage", "1", "--batch-size", "100000"], "--batch-size 100000 is more than 4096"),
+    (["bench", "parity", "--batch-size", "100000"], "--batch-size 100000 is more than 4096"),
+    (["bench", "overhead", "--batch-size", "100000"], "--batch-size 100000 is more than 4096"),
+    (["bench", "continuous", "--batch-size", "100000"], "--batch-size 100000 is more than 4096"),
+    (["bench", "continuous", "--mixed-requests", "100000"], "--mixed-requests 100000 is more than 4096"),
+    (["bench", "continuous", "--longtail-slots", "100000"], "--longtail-slots 100000 is more than 4096"),
+    (["bench", "decode", "--batch-sizes", "1,100000"], "--batch-sizes 1,100000 holds a batch size above 4096"),
+], ids=["demo-seed-2**70", "demo-seed-negative", "decode-seed", "soak-seed", "demo-samples", "demo-batch",
+        "demo-check-prompts", "soak-rows", "soak-samples", "rlhf-batch", "rlhf-ranks-batch", "parity-batch",
+        "overhead-batch", "continuous-batch", "continuous-mixed-requests", "continuous-longtail-slots",
+        "decode-batch-sizes"])
+def test_seeds_and_sizes_past_their_bounds_are_one_error_line(capsys, monkeypatch, argv, expected):
+    """--seed 2**70 was an overflow traceback from torch.manual_seed, --samples 100000000 a traceback from the
+    rollout, --batch-size 100000 an allocator error or a minute's run: each is now checked before any work."""
+    import hybrid_engine.distributed.launch as launch
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: pytest.fail("ranks started before the check"))
+    _usage_error(capsys, argv, expected)
+
+
+def test_seeds_and_sizes_at_their_bounds_pass_the_checks():
+    from hybrid_engine import demo
+    from hybrid_engine.cli import build_parser
+
+    args = build_parser().parse_args([*DEMO, "--seed", str(2**32 - 1), "--batch-size", "1024", "--samples", "4"])
+    demo.check_arguments(args)  # raises UsageError otherwise; nothing is built here

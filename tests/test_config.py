@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import pathlib
 import re
 import sys
@@ -686,3 +687,156 @@ def test_batch_sizes_are_checked_against_the_launched_world_size(monkeypatch):
 def test_zero_stage_beyond_three_names_the_stages():
     with pytest.raises(ValueError, match=r"zero_optimization.stage must be 0, 1, 2 or 3 \(got 4\)"):
         load_config({"zero_optimization": {"stage": 4}})
+
+
+# ------------------------------------------------- what a config path may be
+
+
+@pytest.fixture
+def hang_guard():
+    """Fail, instead of hanging the suite, if a read blocks (a FIFO opened for reading waits for a writer)."""
+    import signal
+
+    def timed_out(signum, frame):
+        raise TimeoutError("load_config blocked")
+
+    previous = signal.signal(signal.SIGALRM, timed_out)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_fifo_as_the_config_path_is_refused_without_blocking(tmp_path, hang_guard):
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    fifo = tmp_path / "ds_config.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=rf"config path {re.escape(str(fifo))} is a FIFO \(named pipe\)"):
+        load_config(fifo)
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom", "/dev/null"])
+def test_devices_as_the_config_path_are_refused_by_name(device, hang_guard):
+    """/dev/zero and /dev/urandom ran to MemoryError; /dev/null loaded as the default config."""
+    if not os.path.exists(device):
+        pytest.skip(f"no {device} here")
+    with pytest.raises(ValueError, match=rf"config path {device} is a character device"):
+        load_config(device)
+
+
+@pytest.mark.parametrize("text", ["", "  \n\t\n"])
+def test_an_empty_config_file_is_an_error_not_the_default_config(tmp_path, text):
+    path = tmp_path / "empty.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"config file {re.escape(str(path))} is empty.*not the default config"):
+        load_config(path)
+    path.write_text("{}")  # the defaults, asked for
+    assert load_config(path) == load_config({})
+
+
+def test_a_config_file_past_the_size_cap_is_refused_before_it_is_parsed(tmp_path):
+    from hybrid_engine.config.loading import MAX_CONFIG_BYTES
+
+    path = tmp_path / "huge.json"
+    path.write_text('{"my_note": "' + "x" * (MAX_CONFIG_BYTES - 16) + '"}')
+    assert load_config(path).to_dict()["my_note"].startswith("x")  # within the cap: read
+    path.write_text('{"my_note": "' + "x" * MAX_CONFIG_BYTES + '"}')
+    with pytest.raises(ValueError, match=r"huge\.json is larger than 4 MiB"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("depth", [40, 500, 100_000])
+def test_a_deeply_nested_config_is_refused_cleanly(tmp_path, depth):
+    """100,000 levels were a RecursionError in the JSON parser; 500 one in validation."""
+    path = tmp_path / "deep.json"
+    path.write_text('{"scheduler": {"params": ' + '{"a": ' * depth + "1" + "}" * depth + "}}")
+    with pytest.raises(ValueError, match=r"deep\.json nests objects or lists (more than 32|deeper than can be parsed)"):
+        load_config(path)
+    nested: dict = {}
+    inner = nested
+    for _ in range(depth):
+        inner["a"] = {}
+        inner = inner["a"]
+    with pytest.raises(ValueError, match="the config nests objects or lists more than 32 deep"):
+        load_config({"scheduler": nested})
+
+
+def test_nesting_within_the_limit_loads(tmp_path):
+    path = tmp_path / "nested.json"
+    path.write_text('{"my_note": ' + "[" * 31 + "]" * 31 + "}")  # 32 levels: the object and 31 lists
+    note = load_config(path).to_dict()["my_note"]
+    for _ in range(30):
+        (note,) = note
+    assert note == []
+
+
+# ------------------------------------------- absurd and non-finite values
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"fp16": {"loss_scale": INF}}, r"fp16\.loss_scale must be between 2\*\*-24 and 2\*\*32 \(0 means dynamic\), got inf"),
+    ({"fp16": {"loss_scale": 1e-45}}, r"fp16\.loss_scale must be between .* got 1e-45"),
+    ({"fp16": {"min_loss_scale": INF}}, r"fp16\.min_loss_scale must be between 2\*\*-24 and 2\*\*32, got inf"),
+    ({"fp16": {"min_loss_scale": 1e-45}}, r"fp16\.min_loss_scale must be between"),
+    ({"fp16": {"initial_scale_power": 10000}}, r"fp16\.initial_scale_power must be at most 32, got 10000"),
+    ({"fp16": {"initial_scale_power": 200}}, r"fp16\.initial_scale_power must be at most 32, got 200"),
+    ({"fp16": {"initial_scale_power": 4, "min_loss_scale": 32}}, r"fp16\.min_loss_scale \(32\) is above the dynamic "
+                                                                r"scale's start, 2\*\*fp16\.initial_scale_power = 16"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": INF}}}, r"optimizer\.params\.lr=inf: every number in "
+                                                              r"optimizer\.params must be finite"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": NAN}}}, r"optimizer\.params\.lr=nan"),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 1e308}}}, r"optimizer\.params\.lr must be between 0 and 10, "
+                                                              r"got 1e\+308"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": -1e-3}}}, r"optimizer\.params\.lr must be between 0 and 10"),
+    ({"optimizer": {"type": "AdamW", "params": {"weight_decay": INF}}}, r"optimizer\.params\.weight_decay=inf"),
+    ({"optimizer": {"type": "AdamW", "params": {"weight_decay": -0.1}}}, r"optimizer\.params\.weight_decay must be "
+                                                                         r"a number >= 0"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 10}}}, r"lr \(0\.1\) \* weight_decay "
+                                                                                  r"\(10\) = 1 is >= 1"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, INF]}}}, r"optimizer\.params\.betas\[1\]=inf"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.0]}}}, r"optimizer\.params\.betas\[1\] must be a "
+                                                                        r"number in \[0, 1\)"),
+    ({"optimizer": {"type": "AdamW", "params": {"eps": -1e-8}}}, r"optimizer\.params\.eps must be a number >= 0"),
+    ({"optimizer": {"type": "Lion", "params": {"lr": INF}}}, r"optimizer\.params\.lr=inf"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": NAN}}}, r"scheduler\.params\.warmup_max_lr=nan"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e308}}}, r"scheduler\.params\.warmup_max_lr "
+                                                                              r"must be between 0 and 10"),
+    ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": INF}}},
+     r"scheduler\.params\.cycle_max_lr=inf"),
+    ({"scheduler": {"type": "StepLR", "params": {"step_size": 0}}}, r"scheduler\.params\.step_size must be an int "
+                                                                    r">= 1 for StepLR, got 0"),
+    ({"scheduler": {"type": "CosineAnnealingLR", "params": {"T_max": 0}}}, r"scheduler\.params\.T_max must be an int "
+                                                                           r">= 1 for CosineAnnealingLR"),
+    ({"scheduler": {"type": "LRScheduler"}}, r"scheduler\.type 'LRScheduler' is torch's abstract base class"),
+    ({"scheduler": {"type": "_LRScheduler", "params": {}}}, r"scheduler\.type '_LRScheduler' is torch's abstract"),
+    ({"gradient_clipping": INF}, r"gradient_clipping: Input should be a finite number"),
+    ({"gradient_clipping": NAN}, r"gradient_clipping: Input should be a finite number"),
+    ({"hybrid_engine": {"max_out_tokens": 10**30}}, r"hybrid_engine\.max_out_tokens must be at most 16777216"),
+])
+@pytest.mark.parametrize("stage", [0, 2])
+def test_non_finite_and_absurd_values_are_refused_by_name_at_every_stage(config, match, stage):
+    """Each was accepted without a word: NaN weights (lr inf or 1e308, weight_decay inf, warmup_max_lr NaN),
+    every step skipped (loss_scale inf or 1e-45, min_loss_scale inf), or an error at the first step. At ZeRO 1-3
+    DeepSpeed builds and steps the optimizer and scheduler, so the config is all there is to check."""
+    with pytest.raises(ValueError, match=match):
+        load_config({**config, "zero_optimization": {"stage": stage}})
+
+
+@pytest.mark.parametrize("config", [
+    {"fp16": {"enabled": True, "loss_scale": 2.0**32}},
+    {"fp16": {"enabled": True, "loss_scale": 2.0**-24}},
+    {"fp16": {"enabled": True, "initial_scale_power": 32, "min_loss_scale": 2.0**32}},
+    {"fp16": {"enabled": True, "initial_scale_power": 0}},
+    {"optimizer": {"type": "SGD", "params": {"lr": 10, "weight_decay": 0.099}}},
+    {"optimizer": {"type": "AdamW", "params": {"lr": 0, "betas": [0, 0.999], "eps": 0, "weight_decay": 0.1}}},
+    {"scheduler": {"type": "StepLR", "params": {"step_size": 1}}},
+    {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 10, "warmup_num_steps": 1}}},
+    {"gradient_clipping": 0.0},
+    {"hybrid_engine": {"max_out_tokens": 2**24}},
+])
+def test_values_at_the_bounds_are_accepted(config):
+    load_config(config)

@@ -658,9 +658,12 @@ def chain(x, n):
 
 
 def test_pool_with_nothing_captured_reports_zero(acc):
-    pool = acc.graph_pool(acc.create_graph())
-    assert isinstance(pool, CPUGraphPool)
+    pool = acc.graph_pool_handle()
+    assert isinstance(pool, CPUGraphPool) and not pool.recording
     assert acc.graph_memory_bytes(pool) == 0
+    assert CPUAccelerator(emulate_graphs=False).graph_pool_handle() is None
+    with pytest.raises(RuntimeError, match="without a preceding successful capture"):
+        acc.graph_pool(acc.create_graph())  # as CUDA's pool(): a handle is what a caller must hold
     assert acc.graph_memory_bytes(None) is None
     with pytest.raises(TypeError, match="CPUGraphPool"):
         acc.graph_memory_bytes(acc.create_graph())
@@ -744,3 +747,237 @@ def test_backends_that_cannot_tell_report_none():
 
     mps = TorchBackendAccelerator("mps", types.SimpleNamespace(is_available=lambda: False))
     assert mps.graph_memory_bytes(object()) is None
+
+
+# ------------------------------------------------- failed captures and the allocator
+def raw_capture(fn, pool=None, stream=None):
+    """``fn`` captured with the emulation's own capture (no accelerator: nothing cleans up after a failure)."""
+    from hybrid_engine.accelerator.cpu_graph import CPUGraph, capture_cpu_graph, cpu_stream
+
+    g = CPUGraph()
+    with cpu_stream(stream or CPUStream()), torch.no_grad(), capture_cpu_graph(g, pool=pool):
+        fn()
+    return g
+
+
+def refused_read(x):
+    (x * 2).sum().item()  # 4000 + 4 bytes allocated, then a host read: refused
+
+
+def caught_refusal(x):
+    try:
+        (x * 2).sum().item()
+    except GraphCaptureError:
+        pass  # the capture stays invalidated
+
+
+def body_error(x):
+    (x * 2).sum()
+    raise ValueError("the body's own error")
+
+
+@pytest.mark.leaves_pool_recording
+@pytest.mark.parametrize("fail", [refused_read, caught_refusal, body_error])
+def test_a_failed_capture_leaves_its_pool_recording_until_it_is_ended_and_released(acc, fail):
+    """CUDA's capture_end throws before it ends allocating to the pool when cudaStreamEndCapture fails, and only
+    an ended capture releases its pool: the allocator then believes a capture is under way for good. (A body that
+    raised without breaking the capture ends cleanly on CUDA; the emulation is stricter and keeps it recording.)"""
+    from hybrid_engine.accelerator.cpu_graph import (
+        end_allocating_to_pool,
+        recording_pools,
+        release_graph_pool,
+    )
+
+    x = torch.ones(1000)
+    pool = CPUGraphPool()  # a handle, as torch.cuda.graph_pool_handle()
+    with pytest.raises((GraphCaptureError, ValueError)):
+        raw_capture(lambda: fail(x), pool=pool)
+    assert pool.recording and recording_pools() == [pool]
+    assert acc.graph_memory_bytes(pool) == 4000 + 4  # what the capture allocated stays counted
+    with pytest.raises(GraphCaptureError, match="still recording"):
+        acc.empty_cache()
+    with pytest.raises(GraphCaptureError, match="already recording to this pool"):
+        raw_capture(lambda: x + 1, pool=pool)
+    with pytest.raises(RuntimeError, match="still recording"):
+        release_graph_pool(pool)  # end first, as CUDA's allocator wants
+    end_allocating_to_pool(pool)
+    assert not pool.recording and recording_pools() == []
+    acc.empty_cache()  # the allocator is out of capture mode
+    assert acc.graph_memory_bytes(pool) > 0  # the failed capture still holds its pool's memory ...
+    release_graph_pool(pool)
+    assert acc.graph_memory_bytes(pool) == 0  # ... until it is released
+    with pytest.raises(RuntimeError, match="not currently recording"):
+        end_allocating_to_pool(pool)
+    with pytest.raises(RuntimeError, match="no failed capture holds this pool"):
+        release_graph_pool(pool)  # a release too many (on CUDA it frees blocks live graphs use)
+    with pytest.raises(GraphCaptureError, match="pool was freed"):
+        raw_capture(lambda: x + 1, pool=pool)  # its use count fell to zero: take a new handle
+
+
+@pytest.mark.leaves_pool_recording
+def test_after_a_failed_capture_without_a_handle_its_pool_cannot_be_named():
+    """The graph's pool() raises after a failed capture, as CUDA's does: a capture into pool=None that fails poisons
+    the allocator for good. Capturing into a handle is what makes the cleanup possible."""
+    from hybrid_engine.accelerator.cpu_graph import CPUGraph, capture_cpu_graph, cpu_stream, recording_pools
+
+    g = CPUGraph()
+    with pytest.raises(GraphCaptureError), cpu_stream(CPUStream()), capture_cpu_graph(g):
+        torch.ones(4).sum().item()
+    with pytest.raises(RuntimeError, match="without a preceding successful capture"):
+        g.pool()
+    assert len(recording_pools()) == 1
+
+
+def test_the_accelerator_ends_and_releases_a_failed_captures_pool_ten_times_in_a_row(acc):
+    from hybrid_engine.accelerator.cpu_graph import recording_pools
+
+    x = torch.ones(1000)
+    shared = acc.graph_pool_handle()
+    for k in range(10):
+        pool = shared if k % 2 else None  # a shared handle, and the one capture_to_graph takes itself
+        with pytest.raises(GraphCaptureError):
+            capture(acc, lambda: refused_read(x), pool=pool)
+        assert recording_pools() == [] and acc.graph_memory_bytes(shared) == 0
+        acc.empty_cache()
+    g, out = capture(acc, lambda: x * 3, pool=acc.graph_pool_handle())
+    acc.replay_graph(g)
+    assert out.tolist() == [3.0] * 1000
+
+
+def test_a_pool_whose_graphs_are_all_gone_is_freed(acc):
+    x = torch.ones(4)
+    pool = CPUGraphPool()
+    g1, _ = capture(acc, lambda: x + 1, pool=pool)
+    g2, _ = capture(acc, lambda: x + 2, pool=pool)
+    g1.reset()
+    capture(acc, lambda: x + 3, pool=pool)  # g2 still holds it
+    g2.reset()
+    del g2
+    import gc
+
+    gc.collect()  # the third graph, never kept, is gone too
+    assert pool.freed
+    with pytest.raises(GraphCaptureError, match="pool was freed"):
+        capture(acc, lambda: x + 4, pool=pool)
+
+
+# -------------------------------------------- capture belongs to a stream and a thread
+def hold_a_capture(stream, inside, release, result, pool=None):
+    """In a thread named "capturer": capture on ``stream`` until ``release`` is set; the outcome in ``result``."""
+    from hybrid_engine.accelerator.cpu_graph import CPUGraph, capture_cpu_graph, cpu_stream
+
+    def run():
+        x = torch.ones(3)
+        try:
+            with cpu_stream(stream), torch.no_grad(), capture_cpu_graph(CPUGraph(), pool=pool):
+                x * 2
+                inside.set()
+                release.wait(10)
+            result.append("captured")
+        except GraphCaptureError as exc:
+            result.append(str(exc))
+
+    t = threading.Thread(target=run, name="capturer")
+    t.start()
+    assert inside.wait(10)
+    return t
+
+
+@pytest.mark.leaves_pool_recording  # the broken capture is the emulation's own, with no one to clean up
+@pytest.mark.parametrize("touch,what", [
+    (lambda s, acc: acc.stream(s).__enter__(), "making the stream current"),
+    (lambda s, acc: s.wait_stream(acc.default_stream()), "wait_stream"),
+    (lambda s, acc: acc.Stream().wait_stream(s), "wait_stream"),
+    (lambda s, acc: s.synchronize(), r"stream.synchronize\(\)"),
+    (lambda s, acc: s.query(), r"stream.query\(\)"),
+    (lambda s, acc: acc.Event().record(s), r"event.record\(stream\)"),
+    (lambda s, acc: acc.Event().wait(s), r"event.wait\(stream\)"),
+    (lambda s, acc: acc.synchronize(), r"accelerator.synchronize\(\) while thread 'capturer' is capturing"),
+    (lambda s, acc: acc.empty_cache(), r"accelerator.empty_cache\(\) while thread 'capturer' is capturing"),
+], ids=["make-current", "wait-on-it", "others-wait-on-it", "stream-sync", "stream-query", "event-record",
+        "event-wait", "device-sync", "empty-cache"])
+def test_touching_a_stream_another_thread_captures_on_is_refused_and_breaks_that_capture(acc, touch, what):
+    """Today's sharing pattern (every runner warms up and captures on the one graph stream of the process-wide
+    accelerator): on CUDA the second thread's warm-up is recorded into the first's graph and never runs, or its
+    wait_stream breaks the capture. A device-wide wait (synchronize, empty_cache) includes the capturing stream."""
+    s = acc.Stream()
+    inside, release, result = threading.Event(), threading.Event(), []
+    t = hold_a_capture(s, inside, release, result)
+    try:
+        with pytest.raises(GraphCaptureError, match=what):
+            touch(s, acc)
+    finally:
+        release.set()
+        t.join(10)
+    assert len(result) == 1 and "invalidated" in result[0] and "capturer" in result[0], result
+    assert acc.current_stream() is acc.default_stream()
+
+
+def test_one_capture_at_a_time_per_process_and_never_on_a_stream_another_thread_has_current(acc):
+    """PyTorch's rule for CUDA graphs; another thread's capture on its own stream is refused too."""
+    inside, release, result = threading.Event(), threading.Event(), []
+    t = hold_a_capture(acc.Stream(), inside, release, result)
+    try:
+        with pytest.raises(GraphCaptureError, match="one capture at a time per process"):
+            raw_capture(lambda: torch.ones(2) + 1)
+    finally:
+        release.set()
+        t.join(10)
+    assert result == ["captured"]  # refusing the second capture did not break the first
+    shared, entered, leave = acc.Stream(), threading.Event(), threading.Event()
+
+    def keep_current():
+        with acc.stream(shared):
+            entered.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=keep_current, name="holder")
+    t.start()
+    assert entered.wait(10)
+    try:
+        with pytest.raises(GraphCaptureError, match="current stream of thread"):
+            raw_capture(lambda: torch.ones(2) + 1, stream=shared)
+    finally:
+        leave.set()
+        t.join(10)
+    raw_capture(lambda: torch.ones(2) + 1, stream=shared)  # alone on it: fine
+
+
+def test_the_default_stream_may_not_wait_on_a_capturing_stream(acc):
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="default stream waiting on a capturing stream"):
+        with acc.capture_to_graph(g):
+            acc.default_stream().wait_stream(acc.current_stream())
+    assert not g.is_captured
+
+
+def test_graph_streams_are_per_thread(acc):
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(acc.graph_stream()))
+    t.start()
+    t.join()
+    assert seen[0] is not acc.graph_stream() and acc.graph_stream() is acc.graph_stream()
+
+
+def test_synchronize_and_empty_cache_wait_for_a_capture_under_the_capture_lock(acc):
+    """What the accelerator's own captures hold: another thread's device-wide call waits, instead of running
+    during the capture (which the emulation refuses, as above)."""
+    order, inside, release = [], threading.Event(), threading.Event()
+
+    def captures():
+        g = acc.create_graph()
+        with torch.no_grad(), acc.capture_to_graph(g):
+            torch.ones(2) * 2
+            inside.set()
+            release.wait(0.3)  # the other thread's calls are made meanwhile, and must wait
+            order.append("capture ends")
+        order.append("captured" if g.is_captured else "failed")
+
+    t = threading.Thread(target=captures)
+    t.start()
+    assert inside.wait(10)
+    acc.synchronize()
+    order.append("synchronized")
+    acc.empty_cache()
+    t.join(10)
+    assert order == ["capture ends", "captured", "synchronized"]

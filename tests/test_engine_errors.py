@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from hybrid_engine.engine import initialize
 from hybrid_engine.tiny_models import build_model
@@ -46,6 +47,22 @@ CASES = [
     ({"eos_token_id": [2, "abc"]}, TypeError, "eos_token_id must hold integer token ids, got str"),
     ({"eos_token_id": 2.7}, TypeError, "eos_token_id must hold integer token ids, got float"),
     ({"pad_token_id": 2**70}, ValueError, "pad_token_id: token id .* does not fit in int64"),
+    # Counts transformers divides by or allocates with, checked before a call is delegated to it (num_beams=0
+    # was a ZeroDivisionError inside transformers, -1 a negative dimension, 10**9 an allocator error, and
+    # num_return_sequences=0 silently one sequence per prompt).
+    ({"num_beams": 0}, ValueError, r"num_beams must be >= 1, got 0"),
+    ({"num_beams": -1}, ValueError, r"num_beams must be >= 1, got -1"),
+    ({"num_beams": True}, TypeError, r"num_beams must be an int >= 1, got True"),
+    ({"num_beams": 2.5}, TypeError, r"num_beams must be an int, got float"),
+    ({"num_return_sequences": 0}, ValueError, r"num_return_sequences must be >= 1, got 0"),
+    ({"num_beams": 2, "num_return_sequences": -1}, ValueError, r"num_return_sequences must be >= 1"),
+    ({"num_beams": 2, "num_beam_groups": 0}, ValueError, r"num_beam_groups must be >= 1, got 0"),
+    ({"num_beams": 2, "num_beam_groups": 3}, ValueError, r"num_beam_groups \(3\) must not exceed num_beams \(2\)"),
+    ({"generation_config": GenerationConfig(num_beams=0, max_new_tokens=3)}, ValueError, r"num_beams must be >= 1"),
+    ({"num_beams": 10**9}, ValueError, r"num_beams 1000000000 .* more than 2147483648 tokens in one call"),
+    ({"num_return_sequences": 10**9, "do_sample": True}, ValueError, r"num_return_sequences 1000000000 .* tokens"),
+    ({"num_beams": 2, "max_new_tokens": 10**12}, ValueError, r"needs 1000000000003 positions, more than the model's 512"),
+    ({"num_beams": 2, "min_new_tokens": -1}, ValueError, r"min_new_tokens must be >= 0, got -1"),
 ]
 
 
@@ -189,3 +206,34 @@ def test_engine_module_cannot_be_replaced():
     assert engine.module is old
     ids = torch.randint(4, 384, (2, 5), generator=torch.Generator().manual_seed(1))
     assert torch.equal(engine.generate(input_ids=ids, max_new_tokens=4), old.generate(input_ids=ids, max_new_tokens=4))
+
+
+def test_max_out_tokens_past_the_position_limit_is_refused_before_the_cache_is_allocated():
+    """max_out_tokens is every decode cache row's length, allocated at the first generate: 10**7 was a 10 GB
+    allocation for a 4-token call, never checked against the model's 512 positions (10**30 an OverflowError)."""
+    model = build_model("tiny-gpt2", seed=1)
+    with pytest.raises(ValueError, match=r"hybrid_engine.max_out_tokens must be at most 16777216"):
+        initialize(model=model, config={"hybrid_engine": {"max_out_tokens": 10**30}})
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"max_out_tokens": 10**7}})
+    ids = torch.randint(4, 384, (2, 4))
+    with pytest.raises(ValueError, match=r"max_out_tokens=10000000 is more than the model's position limit 512.*"
+                                         r"at most 512"):
+        engine.generate(ids, max_new_tokens=4)
+    assert engine._front_end.runner.slots is None  # refused before anything was allocated
+    for cap in (512, 513):  # the limit itself, and one past it
+        engine, *_ = initialize(model=model, config={"hybrid_engine": {"max_out_tokens": cap}})
+        if cap > 512:
+            with pytest.raises(ValueError, match="at most 512"):
+                engine.generate(ids, max_new_tokens=4)
+        else:
+            assert engine.generate(ids, max_new_tokens=4).shape == (2, 8)
+
+
+def test_the_default_max_out_tokens_stays_accepted_for_a_model_with_fewer_positions():
+    model = build_model("tiny-gpt2", seed=1, n_positions=64)
+    engine, *_ = initialize(model=model, config={})  # max_out_tokens 512 (DeepSpeed's default), 64 positions
+    ids = torch.randint(4, 384, (2, 4))
+    assert engine.generate(ids, max_new_tokens=4).shape == (2, 8)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"max_out_tokens": 513}})
+    with pytest.raises(ValueError, match=r"max_out_tokens=513 is more than the model's position limit 64.*at most 512"):
+        engine.generate(ids, max_new_tokens=4)

@@ -3,6 +3,7 @@
 import copy
 import json
 import sys
+import warnings
 
 import pytest
 import torch
@@ -511,3 +512,137 @@ def test_sections_deepspeed_removed_are_refused_at_stage_0_instead_of_ignored(se
         initialize(model=build_model("tiny-gpt2"), config=section)
     if key != "sparse_attention":  # switched off: nothing is lost
         initialize(model=build_model("tiny-gpt2"), config={key: {"enabled": False}})
+
+
+# ------------------------------------------------ steps that would write non-finite weights
+
+
+def _trained(precision, bad_step):
+    """An engine after three steps on batches 0, 1, 2, the second of them with lr 1e308 when ``bad_step``."""
+    model = build_model("tiny-gpt2", seed=3)
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **({precision: {"enabled": True}} if precision
+                                                                         else {})}
+    engine, opt, *_ = initialize(model=model, config=config)
+    engine.eval()  # no dropout: both runs draw the same numbers whatever their step count
+    caught = []
+    for step in range(3):
+        if step == 1 and not bad_step:
+            continue
+        opt.param_groups[0]["lr"] = 1e308 if step == 1 else 1e-3  # as a schedule or a user could set it
+        engine.backward(engine(**batch(step)).loss)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            engine.step()
+        caught += [w for w in seen if issubclass(w.category, RuntimeWarning)]
+        if step == 1:
+            assert not engine.training_backend.step_applied
+    return engine, opt, caught
+
+
+@pytest.mark.parametrize("precision", [None, "bf16", "fp16"])
+def test_a_step_that_would_write_non_finite_weights_is_undone_and_counted(precision):
+    """The gradients were finite; lr 1e308 made the update infinite, and every weight was NaN after the step.
+    Now the step is undone (weights and optimizer state) and counted, as a step with non-finite gradients is,
+    so the run continues exactly as if it had not been taken."""
+    engine, opt, caught = _trained(precision, bad_step=True)
+    reference, ref_opt, none = _trained(precision, bad_step=False)
+    assert engine.skipped_steps == 1 and engine.training_backend.non_finite_updates == 1 and not none
+    assert engine.global_steps == 3 and reference.global_steps == 2
+    assert len(caught) == 1 and "would have written non-finite weights" in str(caught[0].message)
+    assert "1e+308" in str(caught[0].message)
+    for a, b in zip(engine.module.parameters(), reference.module.parameters()):
+        assert torch.equal(a, b)
+    stepped = [p for g in opt.param_groups for p in g["params"]]
+    ref_stepped = [p for g in ref_opt.param_groups for p in g["params"]]
+    for p, q in zip(stepped, ref_stepped):  # fp32 masters under bf16/fp16, and their Adam moments and counts
+        assert torch.equal(p, q)
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, ref_opt.state[q][key]), key
+    assert engine.cur_scale == reference.cur_scale
+
+
+def test_an_fp32_step_with_non_finite_gradients_is_skipped_too():
+    """In fp32 nothing checked the gradients, so a NaN loss wrote NaN into every weight."""
+    model = build_model("tiny-gpt2")
+    engine, *_ = initialize(model=model, config={"optimizer": {"type": "SGD", "params": {"lr": 0.01}}})
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.backward(engine(**batch()).loss * float("nan"))
+    with pytest.warns(RuntimeWarning, match="non-finite weights"):
+        engine.step()
+    assert engine.skipped_steps == 1 and engine.global_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())  # the gradients are spent, as on any skipped step
+    engine.backward(engine(**batch(1)).loss)
+    engine.step()
+    assert engine.skipped_steps == 1 and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_weight_that_was_not_finite_before_the_step_does_not_make_every_step_skipped():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 1)
+            self.unused = torch.nn.Parameter(torch.tensor([float("nan"), 1.0]))
+
+        def forward(self, x):
+            return self.linear(x).sum()
+
+    model = Model()
+    engine, *_ = initialize(model=model, config={"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    before = model.linear.weight.detach().clone()
+    engine.backward(engine(torch.ones(2, 3)))
+    engine.step()
+    assert engine.skipped_steps == 0 and not torch.equal(model.linear.weight, before)
+
+
+# ------------------------------------------------------------------ LR schedules
+
+
+def test_reduce_lr_on_plateau_steps_on_the_metric_given_and_without_one_nothing_steps():
+    """It was a TypeError (missing 'metrics') from the scheduler after the optimizer had stepped."""
+    model = build_model("tiny-gpt2")
+    engine, opt, _, scheduler = initialize(model=model, config={
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "scheduler": {"type": "ReduceLROnPlateau", "params": {"factor": 0.5, "patience": 0}}})
+    assert isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.backward(engine(**batch()).loss)
+    for lr_kwargs in (None, {"last_batch_iteration": 1}):
+        with pytest.raises(ValueError, match=r"ReduceLROnPlateau, which steps on a metric; pass it as "
+                                             r"engine.step\(lr_kwargs=\{'metrics': value\}\)"):
+            engine.step(lr_kwargs=lr_kwargs)
+    assert engine.global_steps == 0 and engine.training_backend.micro_steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is not None for p in model.parameters())  # the gradients wait for the step
+    engine.step(lr_kwargs={"metrics": 1.0})
+    assert engine.global_steps == 1 and opt.param_groups[0]["lr"] == 0.1
+    engine.backward(engine(**batch(1)).loss)
+    engine.step(lr_kwargs={"metrics": 2.0})  # no better: with patience 0 the rate halves
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    # Inside an accumulation window nothing steps, so no metric is needed there.
+    engine, *_ = initialize(model=build_model("tiny-gpt2"), config={
+        "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o))
+    engine.backward(engine(**batch()).loss)
+    engine.step()
+    with pytest.raises(ValueError, match="ReduceLROnPlateau"):
+        engine.step()
+
+
+@pytest.mark.parametrize("scheduler,match", [
+    ({"type": "StepLR", "params": {"step_size": 0}}, r"scheduler\.params\.step_size must be an int >= 1"),
+    ({"type": "LRScheduler"}, r"scheduler\.type 'LRScheduler' is torch's abstract base class"),
+    ({"type": "ExponentialLR", "params": {"gamma": 1e10}}, r"scheduler 'ExponentialLR' .* sets the learning rate to "
+                                                           r"1000000000\.0 at step 1; a learning rate must be a "
+                                                           r"finite number in \[0, 10\]"),
+    ({"type": "ExponentialLR", "params": {"gamma": -1.0}}, r"sets the learning rate to -0\.1 at step 1"),
+    ({"type": "StepLR", "params": {"step_size": 1, "last_epoch": 3}}, r"scheduler\.params are not valid for StepLR"),
+])
+def test_a_schedule_that_fails_or_leaves_the_sane_range_is_refused_at_initialize(scheduler, match):
+    """StepLR with step_size 0 was a ZeroDivisionError and LRScheduler a NotImplementedError, both at the first
+    step; a schedule is now stepped on a stand-in optimizer first, and the caller's optimizer is left alone."""
+    model = build_model("tiny-gpt2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=match):
+        initialize(model=model, optimizer=opt, config={"scheduler": scheduler})
+    assert opt.param_groups[0]["lr"] == 0.1 and "initial_lr" not in opt.param_groups[0]

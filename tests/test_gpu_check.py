@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh"
-STEPS = ("info", "parity", "decode_gpt2", "continuous", "rlhf_opt13b", "decode_opt13b")
+STEPS = ("info", "parity", "capture_faults", "decode_gpt2", "continuous", "rlhf_opt13b", "decode_opt13b")
 
 
 def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -23,8 +23,16 @@ def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> 
                           env={**os.environ, "PYTHON": sys.executable, **(env or {})})
 
 
+def _fetched_wheels(tmp_path: Path) -> dict[str, str]:
+    """What --fetch-wheels leaves behind, as far as the script checks (a pydantic wheel), without a download."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "pydantic-2.9.2-py3-none-any.whl").write_bytes(b"")
+    return {"GPU_CHECK_WHEELS": str(wheels)}
+
+
 def test_dry_run_prints_every_step_for_cuda_in_fp16_and_runs_nothing(tmp_path):
-    proc = _run("--dry-run", env={"OUT": str(tmp_path / "out")})
+    proc = _run("--dry-run", env={"OUT": str(tmp_path / "out"), **_fetched_wheels(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     for name in STEPS:
@@ -32,7 +40,21 @@ def test_dry_run_prints_every_step_for_cuda_in_fp16_and_runs_nothing(tmp_path):
         if name != "info":
             assert "--device cuda --dtype fp16" in line, line
     assert "--longtail-requests 64" in proc.stdout and "--longtail-model same" in proc.stdout
+    faults = next(x for x in lines if x.startswith("step capture_faults "))
+    assert "-m bench.capture_faults" in faults and "--json" in faults
     assert not (tmp_path / "out").exists()
+
+
+def test_without_fetched_wheels_the_real_and_dry_runs_refuse_at_once_in_one_line(tmp_path):
+    """Before, a device run found the missing wheels only at its install step, after its start-up."""
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    for mode in ("--dry-run", None):
+        out = tmp_path / f"out{mode}"
+        proc = _run(*([mode] if mode else []), env={"OUT": str(out), "GPU_CHECK_WHEELS": str(empty)}, timeout=20)
+        assert proc.returncode == 3 and proc.stdout == "", (mode, proc.stdout, proc.stderr)
+        assert proc.stderr.count("\n") == 1 and "--fetch-wheels" in proc.stderr and str(empty) in proc.stderr
+        assert not out.exists()  # nothing ran
 
 
 def test_an_unknown_argument_is_refused_with_the_usage():
@@ -51,6 +73,7 @@ def test_cpu_rehearsal_runs_every_step_and_writes_the_headlines(tmp_path):
     headlines = (work / "headlines.txt").read_text()
     assert "parity: ok=True" in headlines and "long tail (tiny-gpt2, 64 requests, 8 slots)" in headlines
     assert "prefill forwards 8 / 8, admission rounds" in headlines  # prefilled ahead, 8 prompts at a time
+    assert "capture faults: failed captures ok=True" in headlines and "two threads ok=True" in headlines
     continuous = json.loads((out / "continuous.json").read_text())
     assert continuous["long_tail"]["step_ratio"] > 3  # the workload's shape, not a timing
     assert (out / "gpu_check_results.tgz").stat().st_size > 0

@@ -2,6 +2,7 @@
 wrong device are refused clearly."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -174,24 +175,36 @@ def test_engine_and_rollout_on_one_model_are_serialised_too():
     assert model.training  # train mode restored once both are done
 
 
-def test_two_models_in_two_threads_capture_while_the_other_decodes():
-    """Capture is per thread (CUDA's thread_local capture mode, which every backend path requests): model Y
-    prefills, reads flags on the host and captures in one thread while model X is stopped in the middle of
-    its capture in another, and neither breaks the other."""
+def test_a_second_model_warms_up_and_captures_only_after_the_first_models_capture_ends():
+    """One capture at a time per process: CUDA capture belongs to the stream, and another thread's work or
+    waits on a capturing stream are recorded into its graph or break it. Model Y, started while model X is
+    stopped in the middle of its capture in another thread, runs no warm-up or capture (work on a graph
+    stream) until X's capture ends; then both finish with graphs and exact tokens. Before, Y warmed up and
+    captured on the very stream X was capturing on."""
+    from hybrid_engine.accelerator import get_accelerator
     from hybrid_engine.accelerator.cpu_graph import is_cpu_graph_capturing
 
+    acc = get_accelerator()
     x_model, y_model = build_model("tiny-llama", seed=4), build_model("tiny-gpt2", seed=5)
     x_req, y_req = RolloutRequest(*prompts(3, 5, seed=1)), RolloutRequest(*prompts(2, 6, seed=2))
     want = {"x": rollout_for(x_model, graphs=False).generate(x_req, SAMPLED),
             "y": rollout_for(y_model, graphs=False).generate(y_req, SAMPLED)}
-    x_capturing, y_done = threading.Event(), threading.Event()
+    x_capturing, y_started = threading.Event(), threading.Event()
+    y_during_x_capture = []  # the stream of every forward Y runs while X is held inside its capture
 
     def hold_x_capture(module, args, output):
         if is_cpu_graph_capturing() and not x_capturing.is_set():
             x_capturing.set()
-            assert y_done.wait(timeout=20), "model Y did not finish while X was capturing"
+            y_started.wait(timeout=10)
+            time.sleep(0.5)  # Y gets this long to run inside X's capture, if it is let in
+            x_capturing.clear()
 
-    handle = x_model.lm_head.register_forward_hook(hold_x_capture)
+    def watch_y(module, args, output):
+        if x_capturing.is_set():
+            y_during_x_capture.append(acc.current_stream())
+
+    handles = [x_model.lm_head.register_forward_hook(hold_x_capture),
+               y_model.lm_head.register_forward_hook(watch_y)]
     rollouts = {"x": rollout_for(x_model), "y": rollout_for(y_model)}
     got, errors = {}, []
 
@@ -199,12 +212,10 @@ def test_two_models_in_two_threads_capture_while_the_other_decodes():
         try:
             if after is not None:
                 assert after.wait(timeout=20)
+                y_started.set()
             got[name] = rollouts[name].generate(request, SAMPLED)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
-        finally:
-            if name == "y":
-                y_done.set()
 
     threads = [threading.Thread(target=call, args=("x", x_req)),
                threading.Thread(target=call, args=("y", y_req, x_capturing))]
@@ -212,8 +223,10 @@ def test_two_models_in_two_threads_capture_while_the_other_decodes():
         t.start()
     for t in threads:
         t.join(timeout=60)
-    handle.remove()
-    assert not errors and x_capturing.is_set()
+    for h in handles:
+        h.remove()
+    assert not errors and y_started.is_set()
+    assert all(s is acc.default_stream() for s in y_during_x_capture), y_during_x_capture  # eager work only
     for name in ("x", "y"):
         stats = rollouts[name].graph_stats
         assert stats.captures > 0 and stats.fallbacks == 0, (name, stats)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from hybrid_engine.accelerator.backends import CPUAccelerator, GraphAPI, TorchBackendAccelerator
-from hybrid_engine.accelerator.base import Accelerator
+from hybrid_engine.accelerator.base import Accelerator, graph_capture_lock
 from hybrid_engine.accelerator.cpu_graph import (
     CPUGraph,
     CPUGraphPool,
@@ -38,6 +38,7 @@ __all__ = [
     "accelerator_for",
     "build_accelerator",
     "get_accelerator",
+    "graph_capture_lock",
     "is_capturing",
     "set_accelerator",
 ]

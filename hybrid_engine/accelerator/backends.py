@@ -12,10 +12,20 @@ Captures use ``capture_error_mode="thread_local"`` where the API takes it
 
 Capture always happens on a non-default stream, because CUDA refuses to
 capture on the default one: ``capture_to_graph(stream=None)`` resolves to the
-accelerator's own ``graph_stream()`` on every path. The native ``graph``
-context gets that stream explicitly; for ``torch.accelerator.Graph``, whose
-``capture_begin`` captures on the *current* stream, the accelerator makes it
-current first.
+accelerator's ``graph_stream()`` (this thread's) on every path, and the
+accelerator makes the stream current before ``capture_begin``, which captures
+on the current stream. Native graph classes are driven with
+``capture_begin(pool, capture_error_mode=...)`` and ``capture_end()`` directly,
+not through ``torch.cuda.graph``'s context, whose ``__enter__`` synchronizes the
+device and empties the allocator's cache at every capture (dropping the cached
+blocks training needs again, once per bucket that ``capture_buckets`` captures).
+
+A failed capture is cleaned up by :meth:`TorchBackendAccelerator._release_failed_capture`
+with the private allocator bindings the installed torch offers
+(``torch._C._cuda_endAllocateToPool`` or, before torch 2.8,
+``_cuda_endAllocateCurrentStreamToPool``, and ``_cuda_releasePool``); the
+order covers torch versions whose ``capture_end`` leaves the pool recording and
+those whose ``reset()`` releases a failed capture's pool itself.
 """
 
 from __future__ import annotations
@@ -32,18 +42,22 @@ from typing import Any, ContextManager
 
 import torch
 
-from hybrid_engine.accelerator.base import Accelerator
+from hybrid_engine.accelerator.base import Accelerator, graph_capture_lock
 from hybrid_engine.accelerator.cpu_graph import (
     CPUEvent,
     CPUGraph,
     CPUGraphPool,
     CPUStream,
     capture_cpu_graph,
+    check_empty_cache,
     cpu_stream,
     current_cpu_stream,
     default_cpu_stream,
+    end_allocating_to_pool,
     is_cpu_graph_capturing,
     refuse_while_capturing,
+    release_graph_pool,
+    synchronize_device,
 )
 
 logger = logging.getLogger(__name__)
@@ -177,11 +191,27 @@ def _probe_module_graph(module: Any, module_label: str) -> GraphAPI | None:
     else:
         return None
 
-    mode = {"capture_error_mode": CAPTURE_ERROR_MODE} if _takes(graph_ctx, "capture_error_mode") else {}
+    begin = getattr(graph_cls, "capture_begin", None)
+    direct = callable(begin) and callable(getattr(graph_cls, "capture_end", None))
+    mode_of = begin if direct else graph_ctx
+    mode = {"capture_error_mode": CAPTURE_ERROR_MODE} if _takes(mode_of, "capture_error_mode") else {}
 
     @contextlib.contextmanager
     def capture(graph: Any, pool: Any, stream: Any) -> Iterator[None]:
         with _flag_capturing():
+            if direct and stream is not None:
+                # ``stream`` is current (the accelerator made it so): capture_begin captures on it. No device
+                # synchronize and no empty_cache per capture, which torch.cuda.graph's __enter__ would add.
+                graph.capture_begin(**({"pool": pool} if pool is not None else {}), **mode)
+                try:
+                    yield
+                except BaseException:
+                    _end_failed_capture(graph.capture_end)
+                    raise
+                graph.capture_end()
+                return
+            # No streams to make current (the context's own side stream then applies), or a class without
+            # capture_begin/capture_end: the backend's capture context.
             ctx = graph_ctx(graph, pool=pool, stream=stream, **mode)
             ctx.__enter__()
             try:
@@ -205,12 +235,16 @@ def _probe_module_graph(module: Any, module_label: str) -> GraphAPI | None:
 class TorchBackendAccelerator(Accelerator):
     """An accelerator backed by a torch device module (``torch.cuda``, ``torch.npu``, ...).
 
-    ``module`` is injectable so stub modules can stand in for hardware in tests.
+    ``module`` is injectable so stub modules can stand in for hardware in tests,
+    and so is ``bindings``, where the private allocator functions that clean up
+    a failed capture are looked up (``_<name>_endAllocateToPool``,
+    ``_<name>_releasePool``; default ``torch._C``).
     """
 
-    def __init__(self, name: str, module: Any, module_label: str | None = None):
+    def __init__(self, name: str, module: Any, module_label: str | None = None, bindings: Any = None):
         self._name = name
         self._module = module
+        self._bindings = torch._C if bindings is None else bindings
         label = module_label or f"torch.{name}"
         api = _probe_accelerator_graph(name, lambda: self._call("synchronize")) or _probe_module_graph(module, label)
         self._graph_api = api
@@ -231,7 +265,8 @@ class TorchBackendAccelerator(Accelerator):
         return bool(self._call("is_available", default=False))
 
     def synchronize(self) -> None:
-        self._call("synchronize")
+        with graph_capture_lock():  # never during another thread's capture: it would wait on the capturing stream
+            self._call("synchronize")
 
     def current_device_index(self) -> int | None:
         index = self._call("current_device")
@@ -274,11 +309,13 @@ class TorchBackendAccelerator(Accelerator):
             self._module.set_stream(prev)
 
     def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-        self._call("manual_seed_all", seed)
+        with graph_capture_lock():  # CUDA's generator refuses a seed while a capture is under way
+            torch.manual_seed(seed)
+            self._call("manual_seed_all", seed)
 
     def empty_cache(self) -> None:
-        self._call("empty_cache")
+        with graph_capture_lock():  # CUDA's allocator asserts no capture is under way, in any thread
+            self._call("empty_cache")
 
     def memory_allocated(self) -> int:
         return int(self._call("memory_allocated", default=0) or 0)
@@ -300,9 +337,63 @@ class TorchBackendAccelerator(Accelerator):
     def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> Iterator[None]:
         if self._graph_api is None:
             raise RuntimeError(f"{self._name}: graph capture unavailable ({self.graph_unavailable_reason})")
-        s = self.graph_stream() if stream is None else stream
-        with self._ordered_on(s), self._graph_api.capture(graph, pool, s):
-            yield
+        with graph_capture_lock():
+            s = self.graph_stream() if stream is None else stream
+            if pool is None:  # a handle this call holds: graph.pool() raises after a failed capture
+                pool = self.graph_pool_handle()
+            device = self.current_device_index()
+            try:
+                with self._ordered_on(s), self._graph_api.capture(graph, pool, s):
+                    yield
+            except BaseException:
+                self._release_failed_capture(graph, pool, device)
+                raise
+
+    def graph_pool_handle(self) -> Any | None:
+        handle = getattr(self._module, "graph_pool_handle", None)  # torch.cuda.graph_pool_handle
+        return handle() if callable(handle) else None
+
+    def _allocator_binding(self, *names: str) -> Callable[..., Any] | None:
+        for name in names:
+            fn = getattr(self._bindings, f"_{self._name}_{name}", None)
+            if callable(fn):
+                return fn
+        return None
+
+    def _release_failed_capture(self, graph: Any, pool: Any, device: int | None) -> bool:
+        """Leave the allocator as before a capture that failed; ``False`` where this torch offers no way.
+
+        CUDA's ``capture_end`` ends allocating to the pool only after ``cudaStreamEndCapture`` succeeded, and only
+        an ended capture releases its pool (torch before pytorch#180395): a failed one leaves the allocator
+        "recording" for the rest of the process. Later versions end it in ``capture_end`` and release it in
+        ``reset()``. So: ``reset()`` first (it releases whatever the graph holds, on every version), then end the
+        allocation; if that succeeds, the capture never got to end it, nothing released its pool either, and it
+        is released here, exactly once. Errors are logged, never raised: the capture's own error propagates.
+        """
+        end = self._allocator_binding("endAllocateToPool", "endAllocateCurrentStreamToPool")
+        release = self._allocator_binding("releasePool")
+        if pool is None or end is None or release is None:
+            logger.debug("No allocator cleanup for a failed %s capture (pool %r, bindings %s)", self._name, pool,
+                         "found" if end and release else "missing")
+            return False
+        index = 0 if device is None else device
+        try:
+            reset = getattr(graph, "reset", None)
+            if callable(reset):
+                reset()
+        except Exception:  # a graph left in an odd state by the failure: the allocator is what matters here
+            logger.debug("reset() of a failed %s capture raised", self._name, exc_info=True)
+        try:
+            end(index, pool)
+        except Exception:  # "not currently recording": the capture (or reset) ended it
+            return True
+        try:
+            release(index, pool)
+        except Exception:
+            logger.warning("Releasing the pool of a failed %s graph capture failed; its memory stays reserved",
+                           self._name, exc_info=True)
+            return False
+        return True
 
     def replay_graph(self, graph: Any) -> None:
         if self._graph_api is None:
@@ -351,8 +442,10 @@ class CPUAccelerator(Accelerator):
         self.graph_unavailable_reason = None if emulate_graphs else "CPU graph emulation is disabled"
 
     def synchronize(self) -> None:
-        """Nothing to wait for on CPU; while capturing, refused as a device synchronisation is."""
-        current_cpu_stream().synchronize()
+        """Nothing to wait for on CPU; waits for another thread's capture, and is refused inside one's own (or
+        during a capture that bypassed the lock), as a device synchronisation is."""
+        with graph_capture_lock():
+            synchronize_device()
 
     # streams -------------------------------------------------------------
     def Stream(self) -> CPUStream:  # noqa: N802
@@ -378,19 +471,19 @@ class CPUAccelerator(Accelerator):
 
     # refused while capturing, as CUDA refuses them -----------------------
     def manual_seed(self, seed: int) -> None:
-        refuse_while_capturing(
-            "seeding (accelerator.manual_seed)",
-            "CUDA's generator asserts it is not capturing when seeded; seed before capture",
-        )
-        super().manual_seed(seed)
+        with graph_capture_lock():
+            refuse_while_capturing(
+                "seeding (accelerator.manual_seed)",
+                "CUDA's generator asserts it is not capturing when seeded; seed before capture",
+            )
+            super().manual_seed(seed)
 
     def empty_cache(self) -> None:
-        refuse_while_capturing(
-            "accelerator.empty_cache()",
-            "CUDA's caching allocator asserts no capture is underway when it releases its cached blocks; empty the "
-            "cache before or after capture",
-        )
-        super().empty_cache()
+        """Refused inside a capture, during another thread's capture that bypassed the lock, and while a failed
+        capture's pool still records, where CUDA's allocator asserts or frees nothing."""
+        with graph_capture_lock():
+            check_empty_cache()
+            super().empty_cache()
 
     # graph hooks ---------------------------------------------------------
     def create_graph(self) -> CPUGraph | None:
@@ -405,14 +498,30 @@ class CPUAccelerator(Accelerator):
         s = self.graph_stream() if stream is None else stream
         if not isinstance(s, CPUStream):
             raise TypeError(f"capture_to_graph: expected a CPUStream, got {type(s).__name__}")
-        with self._ordered_on(s), capture_cpu_graph(graph, pool=pool):
-            yield
+        if pool is not None and not isinstance(pool, CPUGraphPool):
+            raise TypeError(f"capture_to_graph: pool must be a CPUGraphPool from graph_pool() or "
+                            f"graph_pool_handle(), got {type(pool).__name__}")
+        pool = CPUGraphPool() if pool is None else pool  # a handle this call holds, to release on failure
+        with graph_capture_lock():
+            try:
+                with self._ordered_on(s), capture_cpu_graph(graph, pool=pool):
+                    yield
+            except BaseException:
+                # As the CUDA path: a failed capture's pool is ended and released, so nothing stays recording.
+                if pool.recording and not pool._capturing:
+                    end_allocating_to_pool(pool)
+                if pool._failed:
+                    release_graph_pool(pool)
+                raise
 
     def replay_graph(self, graph: Any) -> None:
         graph.replay()
 
     def graph_pool(self, graph: Any) -> CPUGraphPool | None:
         return graph.pool() if isinstance(graph, CPUGraph) else None
+
+    def graph_pool_handle(self) -> CPUGraphPool | None:
+        return CPUGraphPool() if self._emulate else None
 
     def graph_memory_bytes(self, pool: Any) -> int | None:
         if pool is None:

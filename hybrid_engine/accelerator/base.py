@@ -8,19 +8,51 @@ never hand out a graph whose replay silently does nothing, because the caller
 would then re-read stale static outputs as if they were fresh.
 
 Streams follow DeepSpeed's accelerator interface. CUDA refuses to capture on
-the default stream, so every accelerator owns one side stream
-(``graph_stream()``): ``capture_to_graph(stream=None)`` captures on it and
-``on_graph_stream()`` runs the eager warm-up on it, with the cross-stream waits
-that keep it ordered against the caller's stream.
+the default stream, so every accelerator hands out side streams
+(``graph_stream()``, one per thread and device): ``capture_to_graph(stream=None)``
+captures on it and ``on_graph_stream()`` runs the eager warm-up on it, with the
+cross-stream waits that keep it ordered against the caller's stream.
+
+One capture at a time per process (PyTorch's rule for CUDA graphs). Capture
+belongs to a stream, not a thread: work another thread issues on a capturing
+stream is recorded into that graph, and a wait across it breaks the capture.
+So captures run under one process-wide lock, :func:`graph_capture_lock` (a
+re-entrant lock: ``capture_to_graph`` takes it, and the decode runner holds it
+around each warm-up and capture), and the device-wide calls that CUDA refuses
+or that would wait on a capturing stream (``synchronize``, ``empty_cache``,
+``manual_seed``) wait for it instead of running during another thread's
+capture. Each thread also warms up and captures on a stream of its own, so no
+two threads share a capture stream.
+
+A capture that fails must leave the allocator as it found it: CUDA's
+``capture_end`` throws before it ends allocating to the graph's pool when
+``cudaStreamEndCapture`` fails, and the allocator then believes a capture is
+under way for the rest of the process. ``capture_to_graph`` therefore always
+captures into a known pool (``graph_pool_handle()`` when the caller passes
+none), and ends and releases it when the capture fails, with what the backend
+offers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any, ContextManager
 
 import torch
+
+__all__ = ["Accelerator", "graph_capture_lock"]
+
+# Re-entrant: the thread that holds it for a capture may synchronize (which the emulation then refuses, as CUDA
+# does) without deadlocking, and the runner's hold around a warm-up and capture nests capture_to_graph's own.
+_CAPTURE_LOCK = threading.RLock()
+
+
+def graph_capture_lock() -> ContextManager[Any]:
+    """The process-wide lock that warm-ups and captures hold, and device-wide waits take: one capture at a time
+    per process, and no ``synchronize``/``empty_cache`` from another thread while one runs."""
+    return _CAPTURE_LOCK
 
 
 class Accelerator:
@@ -64,12 +96,14 @@ class Accelerator:
         return contextlib.nullcontext(s)
 
     def graph_stream(self) -> Any:
-        """The side stream this accelerator owns for warm-up and capture on the current device (created on
-        first use; one per device, since a stream belongs to the device it was made on).
+        """A side stream this accelerator owns for warm-up and capture: one per thread and device (created on
+        first use), since a stream belongs to the device it was made on, and a capturing stream to the thread
+        capturing on it.
 
         ``None`` on backends without streams.
         """
-        streams = self.__dict__.setdefault("_owned_graph_streams", {})
+        local = self.__dict__.setdefault("_owned_graph_streams", threading.local())
+        streams = local.__dict__.setdefault("by_device", {})
         key = self.current_device_index()
         s = streams.get(key)
         if s is None:
@@ -85,9 +119,10 @@ class Accelerator:
         warm-ups, captures and replays must all be on the device of the tensors they touch."""
         return contextlib.nullcontext()
 
-    def on_graph_stream(self) -> ContextManager[Any]:
-        """Run the block on ``graph_stream()``, ordered after and before the caller's stream."""
-        return self._ordered_on(self.graph_stream())
+    def on_graph_stream(self, stream: Any = None) -> ContextManager[Any]:
+        """Run the block on ``stream`` (``None``: ``graph_stream()``), ordered after and before the caller's
+        stream."""
+        return self._ordered_on(self.graph_stream() if stream is None else stream)
 
     @contextlib.contextmanager
     def _ordered_on(self, s: Any) -> Iterator[Any]:
@@ -111,7 +146,8 @@ class Accelerator:
         return None
 
     def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
+        with _CAPTURE_LOCK:  # CUDA's generator refuses a seed while a capture is under way
+            torch.manual_seed(seed)
 
     def empty_cache(self) -> None:
         return None
@@ -138,9 +174,11 @@ class Accelerator:
     def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> Iterator[None]:
         """Record the work issued inside the ``with`` block into ``graph``.
 
-        ``pool`` is a handle from ``graph_pool`` to share memory with earlier
-        graphs. ``stream=None`` captures on ``graph_stream()``; passing the
-        default stream fails, as CUDA refuses capture there.
+        ``pool`` is a handle from ``graph_pool_handle`` or ``graph_pool`` to share
+        memory with earlier graphs. ``stream=None`` captures on ``graph_stream()``;
+        passing the default stream fails, as CUDA refuses capture there. Holds
+        :func:`graph_capture_lock` for the capture. When the capture fails, its
+        pool is ended and released before the error propagates.
         """
         raise RuntimeError(f"{self.device_name()}: graph capture is not supported ({self.graph_unavailable_reason})")
         yield  # pragma: no cover
@@ -149,7 +187,14 @@ class Accelerator:
         raise RuntimeError(f"{self.device_name()}: graph replay is not supported")
 
     def graph_pool(self, graph: Any) -> Any | None:
-        """A handle that lets a later capture share ``graph``'s memory pool."""
+        """A handle that lets a later capture share ``graph``'s memory pool (``graph`` must have been captured:
+        CUDA's ``pool()`` raises after a failed capture)."""
+        return None
+
+    def graph_pool_handle(self) -> Any | None:
+        """A fresh memory-pool handle to capture into (``torch.cuda.graph_pool_handle()``), or ``None`` where the
+        backend has none. Capturing into a handle the caller holds is what lets a failed capture's pool be
+        ended and released."""
         return None
 
     def graph_memory_bytes(self, pool: Any) -> int | None:

@@ -106,12 +106,28 @@ below models one CUDA-graph rule:
   graph are filled with garbage at every replay: on a device that block holds
   whatever the last replay or another graph left there.
 * Capture is per thread, as CUDA's ``thread_local`` capture mode, which every
-  backend path requests: another thread's work neither breaks a capture nor is
-  recorded into it. Not modelled: capture runs ops for real, so another thread
-  sees capture-time writes to pre-existing tensors until capture end, and the
-  restore at capture end undoes that thread's own writes to those storages
-  (and its draws from the default generator); another thread that seeds the
-  default generator fails the capture.
+  backend path requests: another thread's work on other streams neither breaks
+  a capture nor is recorded into it. Not modelled: capture runs ops for real, so
+  another thread sees capture-time writes to pre-existing tensors until capture
+  end, and the restore at capture end undoes that thread's own writes to those
+  storages (and its draws from the default generator); another thread that
+  seeds the default generator fails the capture.
+* Capture belongs to the stream, not the thread (CUDA records whatever is
+  issued on a capturing stream, from any thread), and PyTorch's rule is one
+  capture at a time per process. So a capture ties its :class:`CPUStream` to
+  the thread that began it, and the emulation refuses, as CUDA would break or
+  corrupt the capture: beginning a capture on a stream that is capturing, or
+  that another thread has current (its work would be recorded); another thread
+  making the capturing stream current (its work would be recorded, and never
+  run) or calling ``wait_stream``, ``synchronize()`` or ``query()`` on it, or
+  recording or waiting on an event there (cudaErrorStreamCaptureIsolation);
+  the default stream waiting on a capturing stream; and a device-wide
+  ``synchronize()`` or ``empty_cache()`` from any thread while any capture is
+  under way. A refusal from another thread also invalidates the capture it
+  touched, which then fails at its end. The accelerators take
+  :func:`~hybrid_engine.accelerator.base.graph_capture_lock` around capture
+  (the runner around warm-up and capture too) and make device-wide calls wait
+  for it, so only code that bypasses the lock meets these refusals.
 * Not modelled either: host reads through a storage (``t.untyped_storage()``
   and its ``cpu()``, ``tolist()``), which never reach the dispatcher or a
   torch-function mode.
@@ -127,7 +143,24 @@ below models one CUDA-graph rule:
   :class:`CPUGraphPool`. A pool owns the static outputs of its graphs plus one
   workspace for intermediates, sized to the largest peak of any one graph
   (graphs in a pool replay one at a time, so they share it, as on CUDA). All
-  accounting happens at capture time; replay pays nothing for it.
+  accounting happens at capture time; replay pays nothing for it. A graph's
+  ``pool()`` raises until it has been captured (CUDA: "without a preceding
+  successful capture"): take a handle first (:class:`CPUGraphPool`, the
+  accelerator's ``graph_pool_handle()``) to learn a failed capture's pool.
+* A capture that fails (refused, invalidated, or its body raised) leaves its
+  pool *recording*, as CUDA's ``capture_end`` throws before it ends allocating
+  to the pool when ``cudaStreamEndCapture`` fails, and only a capture that
+  ended releases its pool: CUDA's caching allocator then believes a capture is
+  under way for the rest of the process. (A body that raised without breaking
+  the capture ends it cleanly on CUDA; the emulation is stricter.) While any pool records,
+  ``empty_cache()`` raises, a capture into that pool is refused ("already
+  recording"), and the failed capture's bytes stay counted in the pool, until
+  :func:`end_allocating_to_pool` and :func:`release_graph_pool` (CUDA's
+  ``_cuda_endAllocateToPool`` and ``_cuda_releasePool``) undo it; the
+  accelerators' ``capture_to_graph`` does both when a capture fails. A pool
+  whose every graph is gone (reset or collected) after it was used is freed:
+  capturing into it again is refused, as CUDA's allocator asserts on a pool
+  whose use count fell to zero; take a new handle.
 * Sharing a pool is safe on CUDA only when graphs replay in capture order: a
   graph captured later may have been given blocks an earlier graph used for
   intermediates, so replaying the earlier graph overwrites the later graph's
@@ -312,6 +345,99 @@ def is_cpu_graph_capturing() -> bool:
 
 
 # ------------------------------------------------------------------- streams
+# Captures under way in any thread, by capture stream: capture belongs to the stream (CUDA records what any thread
+# issues on it), so the other threads' stream calls are checked against this.
+_captures_lock = threading.RLock()
+_captures: dict[CPUStream, _Recorder] = {}
+
+
+def _capture_on(stream: Any) -> _Recorder | None:
+    """The capture under way on ``stream`` (any thread's), or None."""
+    return _captures.get(stream) if isinstance(stream, CPUStream) else None
+
+
+def _foreign(rec: _Recorder | None) -> bool:
+    return rec is not None and rec.thread is not threading.current_thread()
+
+
+def _invalidate(rec: _Recorder, err: GraphCaptureError) -> None:
+    with _captures_lock:
+        if rec.invalidated is None:
+            rec.invalidated = err
+
+
+def _cross_thread_refusal(what: str, rec: _Recorder) -> GraphCaptureError:
+    """The error for ``what`` touching the stream thread ``rec.thread`` captures on; it invalidates that capture
+    (CUDA: the other thread's work is recorded into it or breaks it) and this thread's own, if any."""
+    err = _refused(
+        f"{what} touches {rec.stream!r}, which thread {rec.thread.name!r} is capturing on. CUDA capture belongs to "
+        "the stream, not the thread: work another thread issues there is recorded into that graph and never runs, "
+        "and a wait or synchronisation across it breaks the capture (cudaErrorStreamCaptureIsolation). PyTorch "
+        "allows one capture at a time per process: give each thread (or runner) its own graph stream, and hold "
+        "graph_capture_lock() around warm-up and capture."
+    )
+    _invalidate(rec, err)
+    return err
+
+
+def _check_stream(stream: Any, what: str) -> None:
+    rec = _capture_on(stream)
+    if _foreign(rec):
+        raise _cross_thread_refusal(what, rec)
+
+
+def _other_threads_captures() -> list[_Recorder]:
+    me = threading.current_thread()
+    with _captures_lock:
+        return [rec for rec in _captures.values() if rec.thread is not me]
+
+
+def _refuse_during_other_captures(what: str, why: str) -> None:
+    """Raise if another thread is capturing (and invalidate its captures): for device-wide calls."""
+    others = _other_threads_captures()
+    if others:
+        names = ", ".join(sorted({repr(rec.thread.name) for rec in others}))
+        err = _refused(
+            f"{what} while thread {names} is capturing a graph: {why}. PyTorch allows one capture at a time per "
+            "process; the accelerator's synchronize() and empty_cache() wait for graph_capture_lock(), which "
+            "warm-ups and captures hold."
+        )
+        for rec in others:
+            _invalidate(rec, err)
+        raise err
+
+
+def synchronize_device() -> None:
+    """A device-wide synchronisation (CUDA's ``cudaDeviceSynchronize``): nothing to wait for on the CPU, but
+    refused while any thread is capturing: in the capturing thread as a host synchronisation, from another
+    thread because it would wait on the capturing stream."""
+    if is_cpu_graph_capturing():
+        raise _not_permitted("accelerator.synchronize()")
+    _refuse_during_other_captures("accelerator.synchronize()", "a device-wide wait includes the capturing stream")
+
+
+def check_empty_cache() -> None:
+    """Raise where CUDA's ``empty_cache()`` asserts or frees nothing: during any capture, or while a pool of a
+    failed capture is still recording."""
+    refuse_while_capturing(
+        "accelerator.empty_cache()",
+        "CUDA's caching allocator asserts no capture is underway when it releases its cached blocks; empty the "
+        "cache before or after capture",
+    )
+    _refuse_during_other_captures("accelerator.empty_cache()", "CUDA's caching allocator asserts no capture is "
+                                  "underway (in any thread) when it releases its cached blocks")
+    stuck = recording_pools()
+    if stuck:
+        raise GraphCaptureError(
+            f"accelerator.empty_cache(): {len(stuck)} graph pool(s) are still recording: a capture into them failed "
+            "and the pool was never ended and released, so CUDA's caching allocator believes a capture is under way "
+            "for the rest of the process (empty_cache asserts or frees nothing, record_stream frees and the "
+            "free-and-retry on out-of-memory are skipped, the pool's memory leaks). Capture through the accelerator's "
+            "capture_to_graph with a pool handle, which ends and releases a failed capture's pool, or call "
+            "end_allocating_to_pool(pool) and release_graph_pool(pool)."
+        )
+
+
 class _HostWaits:
     """Host waits on a CPU stream or event: nothing to wait for (CPU work has completed), but refused while a
     graph is capturing, as CUDA refuses them."""
@@ -319,14 +445,17 @@ class _HostWaits:
     __slots__ = ()
     _kind = "stream"
 
-    def synchronize(self) -> None:
+    def _check_wait(self, what: str) -> None:
         if is_cpu_graph_capturing():
-            raise _not_permitted(f"{self._kind}.synchronize()")
+            raise _not_permitted(f"{self._kind}.{what}()")
+        _check_stream(self, f"{self._kind}.{what}()")
+
+    def synchronize(self) -> None:
+        self._check_wait("synchronize")
 
     def query(self) -> bool:
         """True: all work on it has completed."""
-        if is_cpu_graph_capturing():
-            raise _not_permitted(f"{self._kind}.query()")
+        self._check_wait("query")
         return True
 
 
@@ -334,18 +463,28 @@ class CPUStream(_HostWaits):
     """A CPU "stream": identity only, since CPU work runs synchronously.
 
     It exists so that stream discipline (capture on a side stream, never on the
-    default one) is exercised in CPU CI as it is on CUDA.
+    default one; a capturing stream belongs to the thread capturing on it) is
+    exercised in CPU CI as it is on CUDA.
     """
 
-    __slots__ = ("is_default", "__weakref__")
+    __slots__ = ("_current_in", "is_default", "__weakref__")
 
     def __init__(self, *, _default: bool = False) -> None:
         self.is_default = _default
+        self._current_in: dict[threading.Thread, int] = {}  # threads that have it current (non-default only)
 
     def wait_stream(self, stream: CPUStream) -> None:
         """Order this stream after ``stream`` (a no-op: CPU work is already ordered)."""
         if not isinstance(stream, CPUStream):
             raise TypeError(f"wait_stream: expected a CPUStream, got {type(stream).__name__}")
+        _check_stream(self, "wait_stream")
+        _check_stream(stream, "wait_stream")
+        rec = _capture_on(stream)
+        if self.is_default and rec is not None:
+            raise _refused(
+                "the default stream waiting on a capturing stream (default.wait_stream(capturing)) is not permitted: "
+                "on CUDA it joins the default stream to the capture, which CUDA refuses; wait after capture ends"
+            )
 
     def __repr__(self) -> str:
         return f"<CPUStream {'default' if self.is_default else hex(id(self))}>"
@@ -362,11 +501,13 @@ class CPUEvent(_HostWaits):
     def record(self, stream: CPUStream | None = None) -> None:
         if stream is not None and not isinstance(stream, CPUStream):
             raise TypeError(f"record: expected a CPUStream, got {type(stream).__name__}")
+        _check_stream(stream, "event.record(stream)")
 
     def wait(self, stream: CPUStream | None = None) -> None:
         """Make ``stream`` (the current one by default) wait for this event (a no-op: CPU work is ordered)."""
         if stream is not None and not isinstance(stream, CPUStream):
             raise TypeError(f"wait: expected a CPUStream, got {type(stream).__name__}")
+        _check_stream(stream, "event.wait(stream)")
 
     def __repr__(self) -> str:
         return f"<CPUEvent {hex(id(self))}>"
@@ -386,26 +527,51 @@ def current_cpu_stream() -> CPUStream:
 
 @contextlib.contextmanager
 def cpu_stream(stream: CPUStream | None) -> Iterator[CPUStream | None]:
-    """Make ``stream`` current for the block (``None``: leave the current stream)."""
+    """Make ``stream`` current for the block (``None``: leave the current stream).
+
+    Refused when another thread is capturing on ``stream``: what this thread
+    issued there would be recorded into that thread's graph."""
     if stream is None:
         yield None
         return
     if not isinstance(stream, CPUStream):
         raise TypeError(f"expected a CPUStream, got {type(stream).__name__}")
+    me = threading.current_thread()
+    tracked = not stream.is_default
+    with _captures_lock:
+        rec = _captures.get(stream)
+        if tracked and not _foreign(rec):
+            stream._current_in[me] = stream._current_in.get(me, 0) + 1
+    if _foreign(rec):
+        raise _cross_thread_refusal("making the stream current (work issued on it)", rec)
     prev = current_cpu_stream()
     _state.stream = stream
     try:
         yield stream
     finally:
         _state.stream = prev
+        if tracked:
+            with _captures_lock:
+                left = stream._current_in[me] - 1
+                if left:
+                    stream._current_in[me] = left
+                else:
+                    del stream._current_in[me]
 
 
 # --------------------------------------------------------------------- pools
+# Pools the "allocator" is still recording to (strong references: on CUDA the allocator keeps the entry whether or
+# not anything else holds the pool).
+_allocating_pools: set[CPUGraphPool] = set()
+
+
 class CPUGraphPool:
     """An emulated graph memory pool, shared by every graph captured into it.
 
     Bytes are accounted at capture time: the static outputs of each graph, plus
-    one workspace sized to the largest intermediate peak among its graphs.
+    one workspace sized to the largest intermediate peak among its graphs, plus
+    what each failed capture into it allocated until that capture is released.
+    A fresh ``CPUGraphPool()`` is a handle, as ``torch.cuda.graph_pool_handle()``.
     """
 
     def __init__(self) -> None:
@@ -413,6 +579,10 @@ class CPUGraphPool:
         self._usage: weakref.WeakKeyDictionary[CPUGraph, tuple[int, int]] = weakref.WeakKeyDictionary()
         self._captures = 0  # graphs finalized into this pool so far: each one's capture order
         self._with_outputs: weakref.WeakSet[CPUGraph] = weakref.WeakSet()  # its graphs that have static outputs
+        self._allocating = False  # the "allocator" records into it (a capture is under way, or one failed)
+        self._capturing = False  # a capture into it is under way
+        self._failed: list[int] = []  # per failed capture not yet released (its reference), the bytes it allocated
+        self._begun = False  # a capture into it has begun: once nothing holds it any more, it is freed
 
     @property
     def num_graphs(self) -> int:
@@ -426,12 +596,26 @@ class CPUGraphPool:
     def workspace_bytes(self) -> int:
         return max((w for _, w in self._usage.values()), default=0)
 
+    @property
+    def recording(self) -> bool:
+        """Whether the allocator still records into this pool: a capture is under way, or one failed and the
+        pool was never ended (:func:`end_allocating_to_pool`)."""
+        return self._allocating
+
+    @property
+    def freed(self) -> bool:
+        """Used once, and nothing holds it any more (no graph, no failed capture, no recording): CUDA's allocator
+        has released it, and a capture into it would trip its use-count assert."""
+        return self._begun and not self._allocating and not self._failed and not self._usage
+
     def memory_bytes(self) -> int:
-        """Bytes this pool holds: static outputs of all its graphs plus the shared workspace."""
-        return self.static_bytes + self.workspace_bytes
+        """Bytes this pool holds: static outputs of all its graphs, the shared workspace, and what failed captures
+        into it allocated, until they are released."""
+        return self.static_bytes + self.workspace_bytes + sum(self._failed)
 
     def __repr__(self) -> str:
-        return f"<CPUGraphPool graphs={self.num_graphs} bytes={self.memory_bytes()}>"
+        state = " recording" if self._allocating else ""
+        return f"<CPUGraphPool graphs={self.num_graphs} bytes={self.memory_bytes()}{state}>"
 
     def _clobber_after(self, order: int) -> None:
         """A replay of the graph captured ``order``-th: garble the static outputs of the graphs captured after it
@@ -439,6 +623,76 @@ class CPUGraphPool:
         for graph in list(self._with_outputs):
             if graph._order > order:
                 _poison(graph._own_outputs())
+
+    def _begin(self) -> None:
+        """A capture begins allocating into this pool (CUDA's ``beginAllocateToPool``)."""
+        if self._allocating:
+            raise GraphCaptureError(
+                "beginAllocateToPool: already recording to this pool: "
+                + ("another capture into it is under way" if self._capturing else
+                   "a capture into it failed and the pool was never ended and released (CUDA's allocator refuses "
+                   "every later capture into it); call end_allocating_to_pool(pool) and release_graph_pool(pool), "
+                   "or capture through the accelerator, which does")
+            )
+        if self.freed:
+            raise GraphCaptureError(
+                "this graph pool was freed: every graph captured into it is gone (reset or collected), so CUDA's "
+                "allocator has dropped it, and capturing into it again trips its use-count assert; take a new handle "
+                "(the accelerator's graph_pool_handle())"
+            )
+        self._allocating = self._capturing = self._begun = True
+        with _captures_lock:
+            _allocating_pools.add(self)
+
+    def _end(self, failed_bytes: int | None) -> None:
+        """The capture into this pool ended: allocation ends with it, or, when it failed (``failed_bytes``: what it
+        allocated), stays on and keeps a reference, as CUDA's ``capture_end`` throws before ending it."""
+        self._capturing = False
+        if failed_bytes is None:
+            self._allocating = False
+            with _captures_lock:
+                _allocating_pools.discard(self)
+        else:
+            self._failed.append(failed_bytes)
+
+
+def recording_pools() -> list[CPUGraphPool]:
+    """Pools left recording by a failed capture (no capture into them under way): while there are any, CUDA's
+    allocator believes a capture is under way."""
+    with _captures_lock:
+        return [p for p in _allocating_pools if not p._capturing]
+
+
+def end_allocating_to_pool(pool: CPUGraphPool) -> None:
+    """Stop recording into ``pool`` after a failed capture (CUDA: ``torch._C._cuda_endAllocateToPool``).
+
+    Raises ``RuntimeError`` when nothing records into it (its capture ended, or was never begun), as CUDA's
+    allocator does ("not currently recording to mempool_id"), and while a capture into it is under way."""
+    if not isinstance(pool, CPUGraphPool):
+        raise TypeError(f"end_allocating_to_pool: expected a CPUGraphPool, got {type(pool).__name__}")
+    if pool._capturing:
+        raise RuntimeError("end_allocating_to_pool: a capture into this pool is under way; end the capture")
+    if not pool._allocating:
+        raise RuntimeError("end_allocating_to_pool: not currently recording to this pool")
+    pool._allocating = False
+    with _captures_lock:
+        _allocating_pools.discard(pool)
+
+
+def release_graph_pool(pool: CPUGraphPool) -> None:
+    """Drop the reference a failed capture holds on ``pool`` and the bytes it allocated (CUDA:
+    ``torch._C._cuda_releasePool``), after :func:`end_allocating_to_pool`.
+
+    A graph that was captured holds its own reference, released when it is reset or collected: releasing a pool
+    no failed capture holds raises ``RuntimeError`` (on CUDA a release too many frees blocks live graphs use)."""
+    if not isinstance(pool, CPUGraphPool):
+        raise TypeError(f"release_graph_pool: expected a CPUGraphPool, got {type(pool).__name__}")
+    if pool._allocating:
+        raise RuntimeError("release_graph_pool: the pool is still recording; call end_allocating_to_pool first")
+    if not pool._failed:
+        raise RuntimeError("release_graph_pool: no failed capture holds this pool (a captured graph releases its "
+                           "own reference when it is reset or collected)")
+    pool._failed.pop()
 
 
 def _garbage(dtype: torch.dtype) -> Any:
@@ -571,8 +825,10 @@ class _Recorder(TorchDispatchMode):
         self.snapshots: dict[int, tuple[torch.Tensor, torch.UntypedStorage, int]] = {}
         self.steps: list[_Step] = []
         self.scalar_setitem = 0  # > 0 while ``tensor[idx] = <python or numpy scalar>`` runs
-        self.invalidated: GraphCaptureError | None = None  # the first refusal
+        self.invalidated: GraphCaptureError | None = None  # the first refusal (this thread's, or another's)
         self.inference = False  # an op ran under torch.inference_mode
+        self.thread = threading.current_thread()  # the thread that owns the capture
+        self.stream: CPUStream = current_cpu_stream()  # the stream captured on
 
     # -- argument templates -------------------------------------------------
     def _leaf(self, value: Any) -> tuple[bool, Any]:
@@ -816,7 +1072,13 @@ class CPUGraph:
         return len(self._steps or ())
 
     def pool(self) -> CPUGraphPool:
-        """The pool this graph allocates from; pass it as ``pool=`` to share it with later captures."""
+        """The pool this graph allocates from; pass it as ``pool=`` to share it with later captures.
+
+        Raises until the graph has been captured, as CUDA's ``pool()`` does ("without a preceding successful
+        capture"): a failed capture's pool is known only to a caller that passed a handle."""
+        if self._steps is None:
+            raise RuntimeError("CPUGraph.pool() called without a preceding successful capture; pass a pool handle "
+                               "(CPUGraphPool(), the accelerator's graph_pool_handle()) to capture into instead")
         return self._pool
 
     def reset(self) -> None:
@@ -996,7 +1258,9 @@ _PY_STORAGE_REFS = _python_storage_refs()
 # Per guarded storage, the references all live graphs hold: several graphs read the same weights, and each
 # one's references must not count as "held outside" for the others.
 _graph_refs: dict[int, int] = {}
-_graph_refs_lock = threading.Lock()
+# Re-entrant: a graph collected while a capture end holds it (a GC pass inside _storage_guards) runs
+# _forget_guards in the same thread.
+_graph_refs_lock = threading.RLock()
 
 
 def _storage_guards(readers: list[tuple[torch.Tensor, str]]) -> list[_StorageGuard]:
@@ -1081,41 +1345,68 @@ def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iter
     """Record the work issued inside the block into ``graph`` (CUDA capture semantics).
 
     The current stream must not be the default stream (CUDA refuses to capture
-    there); ``pool`` shares a :class:`CPUGraphPool` with earlier graphs.
+    there), nor one that is capturing or that another thread has current; it
+    belongs to this thread until the capture ends. ``pool`` shares a
+    :class:`CPUGraphPool` with earlier graphs (``None``: the graph's own). A
+    capture that fails leaves its pool recording (see the module docstring).
     """
     if is_cpu_graph_capturing():
         raise _refused("nested graph capture is not permitted")
     if graph.is_captured:
         raise RuntimeError("this graph was already captured; call reset() or create a new graph")
     if pool is not None and not isinstance(pool, CPUGraphPool):
-        raise TypeError(f"pool must be a CPUGraphPool from graph_pool(), got {type(pool).__name__}")
-    if current_cpu_stream() is _DEFAULT_STREAM:
+        raise TypeError(f"pool must be a CPUGraphPool from graph_pool() or graph_pool_handle(), got "
+                        f"{type(pool).__name__}")
+    stream = current_cpu_stream()
+    if stream is _DEFAULT_STREAM:
         raise GraphCaptureError(
             "graphs must be captured on a non-default stream (CUDA refuses capture on the default "
             "stream); capture_to_graph(stream=None) captures on the accelerator's graph_stream()"
         )
+    pool = pool if pool is not None else graph._pool
     rec = _Recorder()
+    me = threading.current_thread()
+    with _captures_lock:
+        if _captures:
+            busy = next(iter(_captures.values()))
+            raise GraphCaptureError(
+                f"thread {busy.thread.name!r} is capturing on {busy.stream!r}: one capture at a time per process "
+                "(PyTorch's rule for CUDA graphs; the caching allocator and capture isolation assume it). Hold "
+                "graph_capture_lock() around warm-up and capture, as the accelerators and the decode runner do."
+            )
+        others = [t.name for t in stream._current_in if t is not me]
+        if others:
+            raise GraphCaptureError(
+                f"{stream!r} is the current stream of thread(s) {others} too: on CUDA their work on it would be "
+                "recorded into this graph and never run. Give each thread (or runner) its own graph stream."
+            )
+        pool._begin()
+        _captures[stream] = rec
     guard = _HostSyncGuard(rec)
     rng = torch.default_generator.get_state()
     seed = torch.default_generator.initial_seed()
     _state.recorder = rec
     _state.guard = guard
-    ok = False
+    ok = finalized = False
+    failed = None
     try:
-        with _fast_paths_as_without_emulation(), guard, rec:
-            yield
-        ok = True
-    finally:
-        _state.recorder = None
-        _state.guard = None
-        # Before the restore below puts the old seed back: CUDA refuses to seed while capturing.
-        reseeded = torch.default_generator.initial_seed() != seed
-        torch.default_generator.set_state(rng)  # a capture draws nothing: CUDA keeps the eager offset
-        failed = _restore(rec.snapshots.values())
-        rec.snapshots.clear()
-        if not ok:
-            rec.externals.clear()
-    try:  # the body completed
+        try:
+            with _fast_paths_as_without_emulation(), guard, rec:
+                yield
+            ok = True
+        finally:
+            _state.recorder = None
+            _state.guard = None
+            with _captures_lock:
+                del _captures[stream]
+            # Before the restore below puts the old seed back: CUDA refuses to seed while capturing.
+            reseeded = torch.default_generator.initial_seed() != seed
+            torch.default_generator.set_state(rng)  # a capture draws nothing: CUDA keeps the eager offset
+            failed = _restore(rec.snapshots.values())
+            rec.snapshots.clear()
+            if not ok:
+                rec.externals.clear()
+        # the body completed
         if failed is not None:
             raise GraphCaptureError(f"CPU graph emulation: restoring what the capture wrote failed: {failed}") from failed
         if rec.invalidated is not None:
@@ -1130,9 +1421,17 @@ def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iter
                 "generator while a capture is running. Seed before capture; the graph draws fresh numbers from the "
                 "default generator at every replay."
             )
-        graph._finalize(rec, pool if pool is not None else graph.pool())
+        graph._finalize(rec, pool)
+        finalized = True
     finally:
         rec.externals.clear()
+        if finalized:
+            pool._end(None)
+        else:  # its pool keeps recording, holding what the capture allocated
+            _, nbytes = _own_storages_of(rec.slot_tensors, rec.own_storages)
+            rec.slot_tensors.clear()
+            rec.slot_of.clear()
+            pool._end(sum(nbytes.values()))
 
 
 def _restore(snapshots: Iterable[tuple[torch.Tensor, torch.UntypedStorage, int]]) -> Exception | None:

@@ -170,6 +170,41 @@ def check_generation_length(config: Any, label: str, *, prompt_tokens: int, new_
                      f"use {new_option} {room} or less")
 
 
+#: ``--seed`` values taken: seeds derived from it (``seed * 1000 + iteration``, ``seed + k``) must stay within
+#: torch's and the sampler's 64-bit seeds (2**70 was an overflow traceback from torch.manual_seed).
+MAX_SEED = 2**32 - 1
+
+
+#: The most sequences one call of a command decodes or trains on at once (``--batch-size``, each
+#: ``--batch-sizes`` entry, ``--batch-size`` x ``--samples``, the slot and request counts): every row gets a KV
+#: cache row and logits, allocated up front, so a mistyped size (100000) was an allocator error or a long run.
+MAX_ROWS = 4096
+
+
+def check_seed(value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_SEED:
+        raise UsageError(f"--seed must be an integer in [0, {MAX_SEED}] (2**32 - 1), got {value}")
+
+
+def check_rows(value: int | None, option: str, samples: int | None = None) -> None:
+    """``value`` rows (times ``samples`` per row, from ``--samples``) must be at most :data:`MAX_ROWS`."""
+    if value is None or value < 1:
+        return  # refused as a count elsewhere
+    rows = value * (samples if samples and samples > 0 else 1)
+    if rows <= MAX_ROWS:
+        return
+    if samples and samples > 1:
+        raise UsageError(f"{option} {value} x --samples {samples} is {rows} sequences per call, more than the "
+                         f"{MAX_ROWS} this command decodes and trains on at once (each gets a KV cache row and "
+                         f"logits up front); lower {option} or --samples so that their product is at most {MAX_ROWS}")
+    raise UsageError(f"{option} {value} is more than {MAX_ROWS}, the most sequences one call of this command takes "
+                     f"(each gets a KV cache or output row up front); use {option} {MAX_ROWS} or less")
+
+
+#: Options (``args`` attributes) that count sequences in one call, checked with :func:`check_rows`.
+_ROWS = ("mixed_max_batch", "mixed_requests", "longtail_slots", "longtail_requests")
+
+
 #: Count options (``args`` attributes) that must be at least 1 wherever a bench has them.
 _COUNTS = ("batch_size", "repeats", "iterations", "samples", "checkpoints")
 # Options that must be a finite number >= 0: --lr (demo, bench rlhf, bench soak), --max-rss-growth-mb (soak).
@@ -209,6 +244,17 @@ def check_common_args(args: argparse.Namespace) -> None:
         value = getattr(args, dest, None)
         if value is not None and value < 1:
             raise UsageError(f"--{dest.replace('_', '-')} must be >= 1, got {value}")
+    check_seed(getattr(args, "seed", None))
+    check_rows(getattr(args, "batch_size", None), "--batch-size", getattr(args, "samples", None))
+    if getattr(args, "samples", None) is not None and getattr(args, "batch_size", None) is None:
+        check_rows(args.samples, "--samples")
+    sizes = getattr(args, "batch_sizes", None) or ()
+    if any(size > MAX_ROWS for size in sizes):
+        raise UsageError(f"--batch-sizes {','.join(map(str, sizes))} holds a batch size above {MAX_ROWS}, the most "
+                         f"sequences one call of this command takes (each gets a KV cache row up front); give sizes "
+                         f"of {MAX_ROWS} or less")
+    for dest in _ROWS:
+        check_rows(getattr(args, dest, None), f"--{dest.replace('_', '-')}")
     if getattr(args, "top_p", None) is not None:  # bench parity's sampled check
         if not args.temperature > 0:  # NaN and negatives too
             raise UsageError(f"--temperature must be > 0, got {args.temperature}: it sets the sampled check (the "

@@ -12,6 +12,8 @@ mistake surfaces as one ``ValueError`` naming the dotted field and the fix.
 from __future__ import annotations
 
 import difflib
+import math
+import numbers
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -32,7 +34,27 @@ from hybrid_engine.decode.kv_pool import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from hybrid_engine.distributed.world import world_size
 from hybrid_engine.user_warnings import user_stacklevel
 
-__all__ = ["BF16Config", "EngineConfig", "FP16Config", "HybridEngineConfig", "OptimizerConfig", "ZeroConfig"]
+__all__ = ["BF16Config", "EngineConfig", "FP16Config", "HybridEngineConfig", "MAX_CACHE_TOKENS", "MAX_LR",
+           "OptimizerConfig", "ZeroConfig"]
+
+
+#: The most tokens a decode cache row may be configured to hold (``hybrid_engine.max_out_tokens``,
+#: ``RolloutConfig.cache_capacity``): 2**24, 16M, above any model's positions today. Where they are used, both are
+#: checked against the model's own position limit as well, before anything is allocated.
+MAX_CACHE_TOKENS = 2**24
+
+
+#: The largest learning rate a config may give (``optimizer.params.lr`` and a scheduler's ``*_lr`` params):
+#: an Adam-family step moves every weight by about ``lr``, and typical values are 1e-6 to 1e-2, so a larger one
+#: is a typo (``1e308`` made every weight NaN), refused before any step.
+MAX_LR = 10.0
+
+
+#: fp16 loss scales (``loss_scale``, ``min_loss_scale``, ``2**initial_scale_power``) are within
+#: ``[2**MIN_LOSS_SCALE_POWER, 2**MAX_LOSS_SCALE_POWER]``: fp16 holds magnitudes 2**-24 to 65504 (about 2**16),
+#: a scale above 2**32 overflows nearly every gradient (every step skipped, and a static scale never comes down)
+#: and one below 2**-24 flushes them to zero (its inverse overflows fp32 for 1e-45).
+MIN_LOSS_SCALE_POWER, MAX_LOSS_SCALE_POWER = -24, 32
 
 
 _DEPRECATED_ALIAS = "enable_cuda_graph"
@@ -227,6 +249,39 @@ class FP16Config(BaseModel):
     def _known_keys(cls, data: Any) -> Any:
         return _refuse_unknown("fp16", data, list(cls.model_fields), _FP16_DEEPSPEED_KEYS)
 
+    @field_validator("loss_scale", "min_loss_scale")
+    @classmethod
+    def _scale_in_fp16_range(cls, value: float, info: ValidationInfo) -> float:
+        low, high = 2.0**MIN_LOSS_SCALE_POWER, 2.0**MAX_LOSS_SCALE_POWER
+        dynamic = " (0 means dynamic)" if info.field_name == "loss_scale" else ""
+        if not (value == 0 and info.field_name == "loss_scale") and not low <= value <= high:  # NaN fails too
+            raise ValueError(
+                f"fp16.{info.field_name} must be between 2**{MIN_LOSS_SCALE_POWER} and 2**{MAX_LOSS_SCALE_POWER}"
+                f"{dynamic}, got {value!r}: fp16 holds magnitudes 2**-24 to 65504, so a larger scale overflows "
+                "every gradient and a smaller one flushes them to zero, and either way every step is skipped; "
+                "DeepSpeed's defaults are loss_scale 0 (dynamic, from 2**16) and min_loss_scale 1")
+        return value
+
+    @field_validator("initial_scale_power")
+    @classmethod
+    def _power_in_fp16_range(cls, value: int) -> int:
+        if value > MAX_LOSS_SCALE_POWER:
+            raise ValueError(
+                f"fp16.initial_scale_power must be at most {MAX_LOSS_SCALE_POWER}, got {value}: the dynamic loss "
+                f"scale starts at 2**initial_scale_power, fp16 holds magnitudes up to 65504 (about 2**16), and each "
+                "power too many costs skipped steps while the scale comes down (past 2**127 it is no fp32 number "
+                "at all); DeepSpeed's default is 16")
+        return value
+
+    @model_validator(mode="after")
+    def _min_scale_below_the_start(self) -> FP16Config:
+        if self.loss_scale == 0 and self.min_loss_scale > 2.0**self.initial_scale_power:
+            raise ValueError(
+                f"fp16.min_loss_scale ({self.min_loss_scale:g}) is above the dynamic scale's start, "
+                f"2**fp16.initial_scale_power = {2.0**self.initial_scale_power:g}: the first overflow would raise "
+                "the scale instead of lowering it; lower min_loss_scale or raise initial_scale_power")
+        return self
+
 
 class BF16Config(BaseModel):
     """``bf16`` (or DeepSpeed's legacy name ``bfloat16``): bfloat16 mixed precision. ``check_grad_overflow``
@@ -250,6 +305,101 @@ class BF16Config(BaseModel):
             raise ValueError("bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads: true (as in "
                              "DeepSpeed, optimizer states are kept in bf16 only with bf16 master weights)")
         return self
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _non_finite_paths(value: Any, path: str) -> list[str]:
+    """The dotted paths under ``value`` that hold NaN or an infinity."""
+    if _is_number(value):
+        return [] if math.isfinite(value) else [f"{path}={value!r}"]
+    if isinstance(value, Mapping):
+        return [p for key, item in value.items() for p in _non_finite_paths(item, f"{path}.{key}")]
+    if isinstance(value, (list, tuple)):
+        return [p for i, item in enumerate(value) for p in _non_finite_paths(item, f"{path}[{i}]")]
+    return []
+
+
+def _refuse_non_finite(value: Any, path: str) -> None:
+    bad = _non_finite_paths(value, path)
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: every number in {path} must be finite (NaN or an infinity there "
+                         "makes every weight NaN, or skips every step); give a finite value")
+
+
+def _check_lr(value: Any, path: str) -> None:
+    if not _is_number(value):
+        raise ValueError(f"{path} must be a number, got {value!r}")  # noqa: TRY004 - pydantic wants ValueError
+    if not 0 <= value <= MAX_LR:
+        raise ValueError(f"{path} must be between 0 and {MAX_LR:g}, got {value!r}: an Adam-family step moves each "
+                         "weight by about lr (typical values are 1e-6 to 1e-2), so a larger one makes the weights "
+                         "diverge or NaN; give the learning rate you mean")
+
+
+#: Decoupled weight decay multiplies each weight by ``1 - lr * weight_decay`` every step (AdamW, and SGD's L2
+#: term alike): at ``lr * weight_decay >= 1`` every weight is zeroed or flips sign at each step.
+_DECAYING_TYPES = ("AdamW", "Adam", "SGD")
+
+
+def _check_optimizer_params(kind: str, params: Mapping[str, Any]) -> None:
+    """Finite numbers everywhere; ``lr`` within ``[0, MAX_LR]``; ``weight_decay``, ``eps`` >= 0 and ``betas`` in
+    ``[0, 1)``; decay that would zero the weights refused: each would make every weight NaN (or zero) silently."""
+    _refuse_non_finite(params, "optimizer.params")
+    if "lr" in params:
+        _check_lr(params["lr"], "optimizer.params.lr")
+    for key in ("weight_decay", "eps", "momentum"):
+        value = params.get(key)
+        if value is not None and (not _is_number(value) or value < 0):
+            raise ValueError(f"optimizer.params.{key} must be a number >= 0, got {value!r}")
+    betas = params.get("betas")
+    if isinstance(betas, (list, tuple)):
+        for i, beta in enumerate(betas):
+            if not _is_number(beta) or not 0 <= beta < 1:
+                raise ValueError(f"optimizer.params.betas[{i}] must be a number in [0, 1), got {beta!r}: the "
+                                 "moments are running averages with that decay")
+    decay, lr = params.get("weight_decay"), params.get("lr", 1e-3)  # 1e-3: torch's and this engine's SGD default
+    if kind in _DECAYING_TYPES and _is_number(decay) and _is_number(lr) and lr * decay >= 1:
+        raise ValueError(f"optimizer.params: lr ({lr:g}) * weight_decay ({decay:g}) = {lr * decay:g} is >= 1, so "
+                         "each step would multiply every weight by 1 - lr * weight_decay <= 0 (zeroing or "
+                         "flipping it); typical weight_decay values are 0 to 0.1")
+
+
+#: torch.optim.lr_scheduler's base classes: no schedule of their own (``get_lr`` raises NotImplementedError).
+_ABSTRACT_SCHEDULERS = ("LRScheduler", "_LRScheduler")
+
+
+#: torch schedules' int params that divide the step count (0 is a ZeroDivisionError at the first step).
+_SCHEDULE_PERIODS = {"StepLR": ("step_size",), "CosineAnnealingLR": ("T_max",), "CosineAnnealingWarmRestarts": ("T_0",),
+                     "CyclicLR": ("step_size_up",)}
+
+
+def _check_scheduler(section: Any) -> None:
+    """The ``scheduler`` section's values, checked at every stage (at ZeRO 1-3 DeepSpeed builds and steps it,
+    and would not say a word): finite numbers, learning rates within ``[0, MAX_LR]``, no abstract base class,
+    no zero period. Stage 0 also steps a stand-in copy of the schedule once it is built
+    (:func:`hybrid_engine.training.local.build_scheduler`)."""
+    if not isinstance(section, Mapping):
+        return  # the builder says what shape it must have
+    kind, params = section.get("type"), section.get("params")
+    if isinstance(kind, str) and kind.strip() in _ABSTRACT_SCHEDULERS:
+        raise ValueError(f"scheduler.type {kind!r} is torch's abstract base class of LR schedules (it has no "
+                         "schedule: its first step raises NotImplementedError); name a schedule such as WarmupLR, "
+                         "WarmupDecayLR, StepLR or CosineAnnealingLR")
+    _refuse_non_finite(params, "scheduler.params")
+    if not isinstance(params, Mapping):
+        return
+    for key, value in params.items():
+        if isinstance(key, str) and (key == "lr" or key.endswith("_lr") or key == "eta_min"):
+            for i, item in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+                if item is not None:
+                    _check_lr(item, f"scheduler.params.{key}" + (f"[{i}]" if isinstance(value, (list, tuple)) else ""))
+    for key in _SCHEDULE_PERIODS.get(kind, ()) if isinstance(kind, str) else ():
+        value = params.get(key)
+        if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"scheduler.params.{key} must be an int >= 1 for {kind}, got {value!r}: the schedule "
+                             f"divides the step count by it (0 is a ZeroDivisionError at the first step)")
 
 
 class OptimizerConfig(BaseModel):
@@ -276,6 +426,11 @@ class OptimizerConfig(BaseModel):
             return value.strip()
         raise ValueError(f"optimizer.type {value!r} is not supported; valid types are {valid} (any stage) and "
                          f"{', '.join(_DEEPSPEED_OPTIMIZERS)} (built by DeepSpeed, ZeRO stages 1-3)")
+
+    @model_validator(mode="after")
+    def _sane_params(self) -> OptimizerConfig:
+        _check_optimizer_params(self.type, self.params)
+        return self
 
 
 class HybridEngineConfig(BaseModel):
@@ -336,6 +491,16 @@ class HybridEngineConfig(BaseModel):
             raise ValueError("hybrid_engine: set kv_cache_tokens or kv_cache_bytes, not both (they size the same pool)")
         return data
 
+    @field_validator("max_out_tokens")
+    @classmethod
+    def _sane_cache_length(cls, value: int) -> int:
+        if value > MAX_CACHE_TOKENS:
+            raise ValueError(
+                f"hybrid_engine.max_out_tokens must be at most {MAX_CACHE_TOKENS} (2**24), got {value}: it is the "
+                "length of every decode cache row, allocated at the first generate; set it to the longest prompt "
+                "plus new tokens you generate, within the model's position limit")
+        return value
+
     @model_validator(mode="after")
     def _enabled_gates_graph_capture(self) -> HybridEngineConfig:
         if "enabled" not in self.model_fields_set:
@@ -376,7 +541,7 @@ class EngineConfig(BaseModel):
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     optimizer: OptimizerConfig | None = None
-    gradient_clipping: StrictFloat = Field(default=1.0, ge=0)  # DeepSpeed's default (0 turns clipping off)
+    gradient_clipping: StrictFloat = Field(default=1.0, ge=0, allow_inf_nan=False)  # DeepSpeed's default (0: off)
     steps_per_print: StrictInt | None = Field(default=None, gt=0)  # DeepSpeed's default: no progress lines
     hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig)
 
@@ -408,6 +573,7 @@ class EngineConfig(BaseModel):
     def _check_consistency(self, info: ValidationInfo) -> EngineConfig:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one of them")
+        _check_scheduler((self.model_extra or {}).get("scheduler"))
         if self.zero_optimization.stage == 0:
             extra = self.model_extra or {}
             autocast = extra.get("torch_autocast")

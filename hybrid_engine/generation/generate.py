@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from hybrid_engine.config.schema import EngineConfig
+from hybrid_engine.config.schema import EngineConfig, HybridEngineConfig
 from hybrid_engine.decode.kv_cache import sliding_window
 from hybrid_engine.decode.kv_pool import KVBudget
 from hybrid_engine.decode.model_support import check_model_supported, max_positions
@@ -133,7 +133,35 @@ def _count(name: str, value: Any) -> int:
     raise TypeError(f"generate(): {name} must be an int, got {type(value).__name__}")
 
 
+#: ``hybrid_engine.max_out_tokens``'s default, which any model may keep (even one with fewer positions).
+_DEFAULT_MAX_OUT_TOKENS = HybridEngineConfig.model_fields["max_out_tokens"].default
+
+
+def check_cache_length(max_out_tokens: int, limit: int | None) -> None:
+    """Refuse a ``hybrid_engine.max_out_tokens`` beyond the model's position limit ``limit`` (the default is always
+    accepted), before the decode cache is allocated at that length: no row ever uses more positions than that."""
+    allowed = None if limit is None else max(limit, _DEFAULT_MAX_OUT_TOKENS)
+    if allowed is not None and max_out_tokens > allowed:
+        default = f" (the default, {_DEFAULT_MAX_OUT_TOKENS}, is accepted for any model)" if allowed > limit else ""
+        raise ValueError(
+            f"hybrid_engine.max_out_tokens={max_out_tokens} is more than the model's position limit {limit}: the "
+            f"decode cache is allocated at max_out_tokens per row at the first generate, and no row can use more "
+            f"than {limit} positions; set max_out_tokens to the longest prompt plus new tokens you generate, at "
+            f"most {allowed}{default}"
+        )
+
+
 GRAPHS_OFF = "hybrid_engine.enable_graph_capture is off (or hybrid_engine.enabled is false), so decode runs eagerly."
+
+
+#: generate()'s counts of sequences, each an int >= 1 (what each counts, for the error).
+_SEARCH_COUNTS = {"num_beams": "the beams kept per prompt", "num_return_sequences": "the sequences returned per prompt",
+                  "num_beam_groups": "the groups the beams are split into"}
+
+
+#: The most tokens one call's rows may hold (2**31: a 16 GiB int64 tensor), a guard against a mistyped
+#: num_beams or num_return_sequences exhausting memory before a single step runs (as rollouts guard theirs).
+MAX_BATCH_ELEMENTS = 2**31
 
 
 #: Host syncs to notice finished rows while some row can still stop on EOS (as rollouts default to).
@@ -243,6 +271,59 @@ class GenerateFrontEnd:
                                  "the mask returned with the input ids by the tokenizer")
         return input_ids, mask
 
+    def _check_search_counts(self, input_ids: torch.Tensor, mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+        """The counts transformers divides by or allocates with, checked on every path (a delegated call too)
+        before any work: ``num_beams=0`` was a ZeroDivisionError inside transformers, ``num_beams=10**9`` an
+        allocator error, ``num_return_sequences=0`` silently one sequence per prompt."""
+        gen = kwargs.get("generation_config")
+        gen = gen if isinstance(gen, GenerationConfig) else self.model.generation_config
+        counts = {}
+        for name in _SEARCH_COUNTS:
+            value = kwargs.get(name)
+            value = getattr(gen, name, None) if value is None else value
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                raise TypeError(f"generate(): {name} must be an int >= 1, got {value!r}")
+            counts[name] = _count(name, value)
+            if counts[name] < 1:
+                raise ValueError(f"generate(): {name} must be >= 1, got {counts[name]} (1 is transformers' default: "
+                                 f"{_SEARCH_COUNTS[name]})")
+        beams = counts.get("num_beams", 1)
+        if counts.get("num_beam_groups", 1) > beams:
+            raise ValueError(f"generate(): num_beam_groups ({counts['num_beam_groups']}) must not exceed num_beams "
+                             f"({beams}): each group holds at least one beam")
+        min_new = kwargs.get("min_new_tokens")
+        if min_new is not None and _count("min_new_tokens", min_new) < 0:
+            raise ValueError(f"generate(): min_new_tokens must be >= 0, got {min_new}")
+        batch, width = input_ids.shape
+        max_new = kwargs.get("max_new_tokens")  # transformers' precedence, as _lengths resolves it
+        if max_new is None:
+            if gen.max_new_tokens is not None:
+                max_new = gen.max_new_tokens
+            elif kwargs.get("max_length") is not None:
+                max_new = kwargs["max_length"] - width
+            else:
+                max_new = _default_max_new_tokens(self.model.config, gen, width)
+        max_new = _count("max_new_tokens", max_new)
+        if max_new <= 0:
+            return  # refused with the fast path's message, or transformers'
+        limit = max_positions(self.model.config)
+        longest = width if mask is None else int(mask.to(torch.int64).sum(-1).max())
+        if limit is not None and longest + max_new - 1 > limit:
+            raise ValueError(
+                f"generate(): the longest prompt ({longest} tokens) + max_new_tokens {max_new} needs "
+                f"{longest + max_new - 1} positions, more than the model's {limit}; shorten the prompt or "
+                "lower max_new_tokens"
+            )
+        rows = batch * max(beams, counts.get("num_return_sequences", 1))
+        if rows * (width + max_new) > MAX_BATCH_ELEMENTS:
+            raise ValueError(
+                f"generate(): {batch} prompts x num_beams {beams} x num_return_sequences "
+                f"{counts.get('num_return_sequences', 1)} = {rows} rows of {width} prompt + {max_new} new tokens "
+                f"would be more than {MAX_BATCH_ELEMENTS} tokens in one call; lower num_beams or "
+                "num_return_sequences, or split the batch")
+
     def _lengths(self, input_ids: torch.Tensor, mask: torch.Tensor | None, kwargs: dict[str, Any]) -> tuple[int, int]:
         gen = self.model.generation_config
         width = input_ids.shape[1]
@@ -282,6 +363,7 @@ class GenerateFrontEnd:
                 )
         total = width + max_new
         cap = self.config.hybrid_engine.max_out_tokens
+        check_cache_length(cap, limit)
         if total > cap:
             raise ValueError(
                 f"generate(): prompt length {width} + max_new_tokens {max_new} = {total} exceeds "
@@ -376,6 +458,7 @@ class GenerateFrontEnd:
             return self.model.generate(*args, **kwargs)
         input_ids, mask = self._validate(args, kwargs)
         effective = mask if mask is not None else self._inferred_mask(input_ids, kwargs)
+        self._check_search_counts(input_ids, effective, kwargs)
         reason = self._unsupported(kwargs, effective)
         if reason is not None:  # transformers checks the lengths of what it runs; the static cache is not used
             self.runner.note_refusal(reason, warn=self.config.hybrid_engine.enable_graph_capture)
@@ -410,7 +493,7 @@ class GenerateFrontEnd:
         slots.set_special_ids(pad, tuple(plan.eos))
         requests = [RequestSpec(request_index=b, prompt_index=b, budget=plan.new_tokens, rng_index=b,
                                 prompt_len=lengths[b], min_tokens=plan.min_new_tokens) for b in range(batch)]
-        counters = Counters(timer=PhaseTimer(runner.accelerator))
+        counters = Counters(timer=PhaseTimer(runner.accelerator, slots.device))
         out_tokens, _ = run_schedule(
             runner, requests, ids, plan.attention_mask, plan.sampling, seed,
             width=plan.new_tokens, max_active=batch, continuous=False, shared_prefill=False, staged=False,

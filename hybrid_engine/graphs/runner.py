@@ -25,6 +25,18 @@ Graph-safety invariants kept here:
   weights' addresses, the registered hooks and the attention implementation
   (:func:`~hybrid_engine.graphs.fingerprint.graph_fingerprint`). A change drops
   every graph, and the call recaptures.
+* One capture at a time per process, on a stream of the runner's own: each
+  warm-up and capture holds :func:`~hybrid_engine.accelerator.base.graph_capture_lock`
+  (CUDA capture belongs to a stream, not a thread, so another thread's work on
+  a shared stream would be recorded into the graph, or break it), and runs on
+  the runner's graph stream for the model's device.
+* Captures go into a pool handle the runner holds
+  (:meth:`~hybrid_engine.accelerator.base.Accelerator.graph_pool_handle`): a
+  capture that fails has its pool ended and released by the accelerator (on
+  CUDA a failed capture otherwise leaves the caching allocator "recording" for
+  the rest of the process), and the next capture starts a fresh handle. A
+  refusal known in advance (a hook set that any runner of the same model
+  could not capture) keeps the step off the capture altogether.
 * Capture applies none of its work (CUDA semantics), so a capture that fails
   leaves the device state as it was, and the runner puts back the host state
   the captured Python advanced before it failed (the caches' counters,
@@ -52,6 +64,7 @@ import dataclasses
 import logging
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,9 +72,18 @@ import torch
 from transformers import PreTrainedModel
 
 from hybrid_engine.accelerator import accelerator_for
+from hybrid_engine.accelerator.base import graph_capture_lock
 from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.decode.kv_cache import layer_specs, sliding_window
-from hybrid_engine.decode.kv_pool import DEFAULT_PAGE_SIZE, KVBudget, KVPool, LayerSpec, PageLedger, pages_for, pool_pages
+from hybrid_engine.decode.kv_pool import (
+    DEFAULT_PAGE_SIZE,
+    KVBudget,
+    KVPool,
+    LayerSpec,
+    PageLedger,
+    pages_for,
+    pool_pages,
+)
 from hybrid_engine.decode.sampling import sampling_mode
 from hybrid_engine.decode.slots import DecodeSlots, vocab_sizes
 from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_staged
@@ -132,6 +154,7 @@ class DecodeGraphRunner:
         self._call_eager = False
         self._warned: set[str] = set()
         self._stats = GraphStats()
+        self._graph_streams: dict[tuple[Any, torch.device], Any] = {}  # (accelerator, device) -> its stream
         #: Attention implementation the graphed steps of this call run with (``None``: the model's own).
         self._graph_attn: str | None = None
         self._switch_logged = False
@@ -426,11 +449,13 @@ class DecodeGraphRunner:
         ``False`` when the attention graphed steps switch to (:func:`graph_attention`) failed here, its
         first run: graphs are then off for this runner and nothing of the run is left to undo, so the
         caller runs the step eagerly with the model's own attention. Any other error is the step's own.
+        Holds the capture lock: another thread's capture must not see this work on the device meanwhile.
         """
         acc, device = self.accelerator, self.slots.device
         saved = self._host_state()
         try:
-            with acc.on_device(device), acc.on_graph_stream(), self._graph_attention(), _uncached_autocast(device):
+            with graph_capture_lock(), acc.on_device(device), acc.on_graph_stream(self._graph_stream()), \
+                    self._graph_attention(), _uncached_autocast(device):
                 run()
         except Exception as exc:
             if self._graph_attn is None:
@@ -445,6 +470,15 @@ class DecodeGraphRunner:
         self._warm.add(key)
         self._stats.warmups += isinstance(key, GraphKey)
         return True
+
+    def _graph_stream(self) -> Any:
+        """This runner's stream for warm-ups and captures on the model's device (made there, on first use)."""
+        acc, device = self.accelerator, self.slots.device
+        stream = self._graph_streams.get((acc, device))
+        if stream is None:
+            with acc.on_device(device):
+                stream = self._graph_streams[(acc, device)] = acc.Stream()
+        return stream
 
     def _run(self, key: RunKey, run: Callable[[], None]) -> None:
         """``run()`` for ``key``: its graph replayed, or its warm-up or capture, or eagerly."""
@@ -470,29 +504,38 @@ class DecodeGraphRunner:
 
     def _capture(self, key: RunKey, run: Callable[[], None]) -> Any | None:
         """Capture ``run`` for ``key`` (its work is not applied: the caller replays); ``None`` if it failed."""
-        with self.accelerator.on_device(self.slots.device):
+        with graph_capture_lock(), self.accelerator.on_device(self.slots.device):
             return self._capture_on_device(key, run)
 
     def _capture_on_device(self, key: RunKey, run: Callable[[], None]) -> Any | None:
         acc = self.accelerator
+        known = _refused_hook_set(self.model)
+        if known is not None:  # another runner of this model could not capture this hook set: don't try again
+            self._bad_hooks = known
+            self._capture_failed(known[2])
+            return None
         t0 = time.perf_counter()
         # Where the backend cannot size a pool, the memory it reserves while capturing: the pool keeps its
         # segments, while the capture's allocations are all freed again by its end.
         mem0 = acc.memory_reserved()
         graph = acc.create_graph()
+        if self._pool is None:  # a handle held here: after a failed capture, graph.pool() cannot name the pool
+            self._pool = acc.graph_pool_handle()
         saved = self._host_state()
         try:
             try:
                 with self._graph_attention(), _uncached_autocast(self.slots.device), attributed_hooks(self.model), \
-                        acc.capture_to_graph(graph, pool=self._pool):
+                        acc.capture_to_graph(graph, pool=self._pool, stream=self._graph_stream()):
                     run()
             except BaseException:
                 self._restore_host_state(saved)  # the eager fallback starts where the step started
+                self._pool = None  # a fresh handle next time, also after an interrupt (see _capture_failed)
                 raise
         except HookCaptureError as exc:
             reason = (f"Graphs refused: {exc}. Decoding runs eagerly while this hook is registered; keep the "
                       "hook's work on the device (no .item(), .tolist() or printing of values) to use graphs.")
             self._bad_hooks = (hook_fingerprint(self.model), exc.handle_id, reason)
+            _REFUSED_HOOK_SETS[self.model] = self._bad_hooks
             logger.debug("Capture of %s refused a hook", key, exc_info=True)
             self._capture_failed(reason)
             return None
@@ -509,7 +552,7 @@ class DecodeGraphRunner:
             self._capture_failed(reason)
             return None
         self._graphs[key] = graph
-        if self._pool is None:
+        if self._pool is None:  # a backend without pool handles: the first graph's pool, shared from now on
             self._pool = acc.graph_pool(graph)
         s = self._stats
         if isinstance(key, GraphKey):
@@ -549,8 +592,9 @@ class DecodeGraphRunner:
             cache.restore_host_state(state)
 
     def _capture_failed(self, reason: str) -> None:
-        # CUDA's allocator keeps "recording" into the pool of a capture that could not end, and refuses any
-        # later capture into it: the next capture starts a pool of its own (the graphs captured keep theirs).
+        # The accelerator ended and released the failed capture's reference on the pool. The next capture takes
+        # a fresh handle all the same: where no graph holds the old pool its use count fell to zero, and CUDA's
+        # allocator asserts on a capture into it (the graphs captured keep theirs).
         self._pool = None
         self._stats.fallbacks += 1
         self._call_eager = True
@@ -583,6 +627,21 @@ class DecodeGraphRunner:
         """Record a call's page peak (the stats report the last call's) and its preemptions (cumulative)."""
         self._stats.kv_pages_peak = peak
         self._stats.preemptions += preemptions
+
+
+#: Per model, the hook set a capture refused (hook fingerprint, handle id of the hook, reason), shared by every
+#: runner of that model (an engine's and a rollout's): a refusal known in advance never goes through a capture
+#: again, each of which on CUDA invalidates a stream capture.
+_REFUSED_HOOK_SETS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, int | None, str]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _refused_hook_set(model: torch.nn.Module) -> tuple[tuple, int | None, str] | None:
+    """The refused hook set of ``model`` while it is still what is registered, else ``None``."""
+    known = _REFUSED_HOOK_SETS.get(model)
+    if known is not None and known[0] == hook_fingerprint(model) and hook_registered(model, known[1]):
+        return known
+    return None
 
 
 @contextlib.contextmanager

@@ -201,6 +201,13 @@ class HybridEngineRollout:
                 f"model's position limit {limit}, so the training forward over prompt + response could not run; "
                 "lower max_new_tokens or truncate the prompts"
             )
+        if limit is not None and cfg.cache_capacity is not None and cfg.cache_capacity > limit:
+            # Prompts are staged within the capacity, so `limit` slots always hold prompt + response.
+            raise ValueError(
+                f"generate: RolloutConfig.cache_capacity={cfg.cache_capacity} is more than the model's position "
+                f"limit {limit}: every slot's KV row is allocated at that length, and no row can use more than "
+                f"{limit} positions; use cache_capacity={limit} or less, or None to size the cache per call"
+            )
         needed = longest + max_new
         if cfg.cache_capacity is not None and cfg.cache_capacity < needed:
             raise ValueError(
@@ -253,7 +260,7 @@ class HybridEngineRollout:
                               longest, max_new)
             state = runner.prepare(rows=max_active, capacity=capacity, num_eos=len(eos_ids),
                                    graphs=cfg.use_graph_capture, budget=budget, prompt_width=prompt_width)
-            counters = Counters(timer=PhaseTimer(runner.accelerator))
+            counters = Counters(timer=PhaseTimer(runner.accelerator, state.device))
             state.set_special_ids(pad_id, eos_ids)
             prompt_ids = request.prompt_ids.to(state.device)
             prompt_mask = request.prompt_attention_mask.to(state.device)
@@ -265,7 +272,8 @@ class HybridEngineRollout:
             )
             responses, logprobs, lengths = gather_responses(out_tokens, counters.lengths, pad_id, out_logprobs)
             batch = self._assemble(prompt_ids, prompt_mask, responses, logprobs, lengths, n)
-        runner.accelerator.synchronize()
+        with runner.accelerator.on_device(state.device):  # the model's device, not the current one
+            runner.accelerator.synchronize()
         total_s = time.perf_counter() - t_start
         runner.note_call_pages(counters.kv_pages_peak, counters.preemptions)
         graph = runner.stats

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybrid_engine.config.schema import MAX_CACHE_TOKENS
 from hybrid_engine.decode.kv_pool import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from hybrid_engine.decode.sampling import validate_sampling
 from hybrid_engine.generation.token_ids import MAX_TOKEN_ID
 
-__all__ = ["DEFAULT_MAX_BATCH_SIZE", "RolloutBatch", "RolloutConfig", "RolloutRequest", "SamplingConfig"]
+__all__ = ["DEFAULT_MAX_BATCH_SIZE", "MAX_CACHE_TOKENS", "MAX_SLOTS", "RolloutBatch", "RolloutConfig", "RolloutRequest",
+           "SamplingConfig"]
 
 
 def is_int(value: object) -> bool:
@@ -26,7 +28,7 @@ def is_int(value: object) -> bool:
 
 
 def _check_int(owner: str, name: str, value: object, *, minimum: int, maximum: int | None = None,
-               allow_none: bool = False) -> None:
+               allow_none: bool = False, hint: str = "") -> None:
     if value is None and allow_none:
         return
     if not is_int(value):
@@ -35,7 +37,7 @@ def _check_int(owner: str, name: str, value: object, *, minimum: int, maximum: i
     if value < minimum:  # type: ignore[operator]
         raise ValueError(f"{owner}: {name} must be >= {minimum}, got {value!r}")
     if maximum is not None and value > maximum:  # type: ignore[operator]
-        raise ValueError(f"{owner}: {name} must be <= {maximum}, got {value!r}")
+        raise ValueError(f"{owner}: {name} must be <= {maximum}, got {value!r}{hint}")
 
 
 def _check_bool(owner: str, name: str, value: object) -> None:
@@ -46,6 +48,12 @@ def _check_bool(owner: str, name: str, value: object) -> None:
 #: Concurrently decoding slots when ``RolloutConfig.max_batch_size`` is ``None`` (and no ``graph_batch_sizes``):
 #: a GRPO step's thousands of requests would otherwise each get a slot, a KV row and, every 8, a captured bucket.
 DEFAULT_MAX_BATCH_SIZE = 256
+
+
+#: The most concurrently decoding slots (``max_batch_size``) and the largest graph bucket (``graph_batch_sizes``)
+#: a ``RolloutConfig`` takes: the decode buffers hold a KV row of ``cache_capacity`` tokens for every slot of the
+#: largest bucket a call uses, allocated up front, so a mistyped size would be an allocator error.
+MAX_SLOTS = 2**16
 
 
 @dataclass(frozen=True)
@@ -87,8 +95,14 @@ class RolloutConfig:
         owner = "RolloutConfig"
         for name in ("use_graph_capture", "continuous_batching", "use_shared_prefill", "enable_profiling"):
             _check_bool(owner, name, getattr(self, name))
-        _check_int(owner, "max_batch_size", self.max_batch_size, minimum=1, allow_none=True)
-        _check_int(owner, "cache_capacity", self.cache_capacity, minimum=2, allow_none=True)
+        slots_hint = (f" (2**16): every slot of the largest bucket a call uses gets a KV row of cache_capacity "
+                      f"tokens, allocated up front; use at most {MAX_SLOTS}, or None for the default")
+        _check_int(owner, "max_batch_size", self.max_batch_size, minimum=1, maximum=MAX_SLOTS, allow_none=True,
+                   hint=slots_hint)
+        # Also checked against the model's position limit where it is used (HybridEngineRollout.generate).
+        _check_int(owner, "cache_capacity", self.cache_capacity, minimum=2, maximum=MAX_CACHE_TOKENS, allow_none=True,
+                   hint=" (2**24): it is the KV length of every slot, allocated up front; use the longest prompt plus "
+                        "max_new_tokens, within the model's position limit, or None to size it per call")
         _check_int(owner, "pad_token_id", self.pad_token_id, minimum=0, maximum=MAX_TOKEN_ID, allow_none=True)
         _check_int(owner, "sync_interval", self.sync_interval, minimum=1)
         _check_int(owner, "kv_page_size", self.kv_page_size, minimum=1, maximum=MAX_PAGE_SIZE)
@@ -110,7 +124,7 @@ class RolloutConfig:
             if not isinstance(sizes, (list, tuple)) or not sizes:
                 raise TypeError(f"{owner}: graph_batch_sizes must be a non-empty list of ints or None, got {sizes!r}")
             for s in sizes:
-                _check_int(owner, "graph_batch_sizes", s, minimum=1)
+                _check_int(owner, "graph_batch_sizes", s, minimum=1, maximum=MAX_SLOTS, hint=slots_hint)
             object.__setattr__(self, "graph_batch_sizes", tuple(sorted({int(s) for s in sizes})))
             if self.max_batch_size is not None and max(sizes) < self.max_batch_size:
                 raise ValueError(

@@ -23,12 +23,24 @@ What this means for graphs:
   With ``hybrid_engine.zero3_gathered_inference_copy`` generation runs instead
   on an unpartitioned copy refreshed after each step
   (:mod:`hybrid_engine.distributed.inference_copy`), and graphs are allowed.
+
+Checkpoints are DeepSpeed's files plus ours (each rank's RNG states), under the
+same rules as at stage 0 (:mod:`hybrid_engine.training.checkpoint_files`): the
+tag directory is marked incomplete, written, given a manifest of every file's
+sha256, and only then named in ``latest`` (which we write, atomically; DeepSpeed's
+own is not). A load verifies every file, and this rank's RNG file, before
+DeepSpeed reads one, so a corrupt file refuses the load on every rank alike
+instead of failing after weights and counters were loaded. The ranks split the
+hashing and agree on the verdict (one all-gather), so no rank goes on into
+DeepSpeed's collective load while another refuses. DeepSpeed unpickles its own
+files in full (``weights_only=False``).
 """
 
 from __future__ import annotations
 
 import gc
-import os
+import io
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +49,18 @@ from torch import nn
 from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.distributed.deepspeed_import import import_deepspeed
 from hybrid_engine.distributed.world import one_rank_without_launcher, rank
+from hybrid_engine.training.checkpoint_files import (
+    begin_save,
+    digests,
+    finish_save,
+    refusal,
+    rng_problem,
+    tag_files,
+    verify,
+    warn_unverified,
+    write_atomically,
+    write_latest,
+)
 
 __all__ = ["DeepSpeedTraining", "RNG_CLIENT_KEY", "build", "deepspeed_config", "destroy_deepspeed_engine", "rng_file"]
 
@@ -170,30 +194,90 @@ class DeepSpeedTraining:
         if self._ds_engine is not None:
             destroy_deepspeed_engine(self, "_ds_engine")
 
-    def save_checkpoint(self, save_dir: Any, tag: str, client_state: dict[str, Any],
+    def save_checkpoint(self, save_dir: Path, tag: str, client_state: dict[str, Any],
                         save_latest: bool, rng: dict[str, Any], exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's ``save_checkpoint``, plus this rank's RNG states in ``<tag>/`` :func:`rng_file`: at ZeRO
-        1/2 DeepSpeed writes ``client_state`` from rank 0 only, so every rank would load rank 0's streams."""
+        """DeepSpeed's ``save_checkpoint``, plus this rank's RNG states in ``<tag>/`` :func:`rng_file` (at ZeRO
+        1/2 DeepSpeed writes ``client_state`` from rank 0 only, so every rank would load rank 0's streams), then
+        the manifest and ``latest`` (see the module docstring). Every rank must call it."""
+        root, directory = Path(save_dir), Path(save_dir) / tag
+        if rank() == 0:
+            begin_save(root, directory)
+        _barrier()
         state = {**client_state, RNG_CLIENT_KEY: rng}
-        ok = bool(self.ds_engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest,
+        ok = bool(self.ds_engine.save_checkpoint(str(root), tag=tag, client_state=state, save_latest=False,
                                                  exclude_frozen_parameters=exclude_frozen_parameters))
-        directory = os.path.join(save_dir, tag)
-        os.makedirs(directory, exist_ok=True)
-        torch.save(rng, os.path.join(directory, rng_file()))
+        buffer = io.BytesIO()
+        torch.save(rng, buffer)
+        write_atomically(directory / rng_file(), lambda f: f.write(buffer.getvalue()))
+        _barrier()  # every rank's files are written
+        names = _every_rank(tag_files(directory) if rank() == 0 else None)[0]  # rank 0's listing, for all
+        index, count = _share()
+        files: dict[str, Any] = {}
+        for part in _every_rank(digests(directory, names[index::count])):
+            files.update(part)
+        if rank() == 0:
+            finish_save(directory, files)
+            if save_latest:
+                write_latest(root, tag)
+        _barrier()
         return ok
 
-    def load_checkpoint(self, load_dir: Any, tag: str | None, **options: Any
+    def load_checkpoint(self, load_dir: Path, tag: str, **options: Any
                         ) -> tuple[str | None, dict[str, Any] | None, dict[str, Any] | None]:
-        """DeepSpeed's ``load_checkpoint``; returns ``(path, client_state, this rank's rng states or None)``."""
-        path, client_state = self.ds_engine.load_checkpoint(load_dir, tag=tag, **options)
+        """DeepSpeed's ``load_checkpoint`` of ``load_dir/tag``, after every rank verified its share of the files
+        and its own RNG file and all agreed; returns ``(path, client_state, this rank's rng states or None)``."""
+        directory = Path(load_dir) / tag
+        has_manifest, problems = verify(directory, _share())
+        own = directory / rng_file()
+        rng = None
+        if own.is_file():
+            try:
+                rng = torch.load(own, map_location="cpu", weights_only=True)
+                problem = rng_problem(rng)
+            except Exception as exc:  # noqa: BLE001 - torch's unpickling errors vary
+                problem = f"cannot be read ({type(exc).__name__})"
+            if problem is not None:
+                problems.append(f"{own} {problem}")
+        problems = [p for found in _every_rank(problems) for p in found]
+        if problems:
+            raise refusal(directory, problems)
+        if not has_manifest and rank() == 0:
+            warn_unverified(directory)
+        path, client_state = self.ds_engine.load_checkpoint(str(load_dir), tag=tag, **options)
         if client_state is None:
             return path, None, None
         client_state = dict(client_state)
-        rng = client_state.pop(RNG_CLIENT_KEY, None)  # rank 0's at ZeRO 1/2: the fallback for older checkpoints
-        own = os.path.join(os.path.dirname(os.fspath(path)), rng_file())
-        if os.path.isfile(own):
-            rng = torch.load(own, map_location="cpu", weights_only=True)
+        fallback = client_state.pop(RNG_CLIENT_KEY, None)  # rank 0's at ZeRO 1/2: for older checkpoints
+        if rng is None and rng_problem(fallback) is None:
+            rng = fallback
         return path, client_state, rng
+
+
+def _share() -> tuple[int, int]:
+    """This rank's share of a checkpoint's files to hash: ``(rank, world size)``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _every_rank(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order (one all-gather; just ``[value]`` in one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def rng_file() -> str:

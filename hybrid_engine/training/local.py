@@ -19,12 +19,24 @@ default). The config's ``scheduler`` section is built with DeepSpeed's own LR
 schedule classes (:func:`build_scheduler`), and optimizer type ``Adam`` means
 AdamW's decoupled weight decay unless ``adam_w_mode`` is false, both as
 ``deepspeed.initialize`` does.
+
+A step never writes non-finite weights: the optimizer steps, then the weights
+it wrote (the fp32 masters under bf16/fp16) are checked, and a step that made
+any of them NaN or infinite is undone (weights and optimizer state restored
+from a snapshot taken just before) and counted in ``skipped_steps``, as a step
+with non-finite gradients is. The gradients alone cannot tell: a finite
+gradient times an absurd learning rate, weight decay or epsilon is not. The
+snapshot costs one copy of the stepped parameters and their optimizer state
+(kept between steps); ``bf16.check_grad_overflow: false`` turns this check
+off together with the gradient check.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,11 +47,12 @@ from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.distributed.world import rank
 from hybrid_engine.model_access import model_device
 from hybrid_engine.training.precision import MasterWeights
+from hybrid_engine.user_warnings import user_stacklevel
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LOCAL_OPTIMIZERS", "LocalTraining", "LossScalePolicy", "PolicyGradScaler", "build_optimizer",
-           "build_scheduler", "optimizer_momenta"]
+__all__ = ["LOCAL_OPTIMIZERS", "LocalTraining", "LossScalePolicy", "PolicyGradScaler", "UpdateGuard",
+           "build_optimizer", "build_scheduler", "check_lr_kwargs", "optimizer_momenta"]
 
 
 #: The optimizer types stage 0 builds itself (with torch's optimizers); ZeRO 1-3 hand any type to DeepSpeed.
@@ -185,10 +198,133 @@ def build_scheduler(config: EngineConfig, optimizer: torch.optim.Optimizer | Non
         valid = ", ".join(getattr(lr_schedules, "VALID_LR_SCHEDULES", ()))
         raise ValueError(f"scheduler.type {name!r} is neither a DeepSpeed LR schedule ({valid}) nor a "
                          "torch.optim.lr_scheduler class; use one of those, or pass lr_scheduler= to initialize()")
+    params = dict(section.get("params") or {})
+    _rehearse_schedule(cls, name, params, optimizer)  # first: a refused schedule leaves the optimizer's lr alone
     try:
-        return cls(optimizer, **dict(section.get("params") or {}))
-    except TypeError as exc:
+        return cls(optimizer, **params)
+    except (TypeError, ValueError, KeyError) as exc:
         raise ValueError(f"scheduler.params are not valid for {name}: {exc}") from exc
+
+
+#: Scheduler steps rehearsed on a stand-in optimizer before training (:func:`_rehearse_schedule`).
+REHEARSED_STEPS = 4
+
+
+def _rehearse_schedule(cls: type, name: str, params: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    """Step a copy of the schedule over a stand-in optimizer with ``optimizer``'s hyperparameters, a few times:
+    a schedule that raises (``StepLR`` with ``step_size`` 0: ZeroDivisionError) or gives a learning rate that is
+    not a finite number in ``[0, MAX_LR]`` is refused now, naming the section, instead of at a later step after
+    the optimizer has stepped (or silently, with NaN weights)."""
+    from hybrid_engine.config.schema import MAX_LR
+
+    dummy = torch.nn.Parameter(torch.zeros(1))
+    stand_in = torch.optim.SGD([dummy], lr=0.0)
+    stand_in.defaults = dict(optimizer.defaults)  # schedules that cycle momentum look for betas there
+    stand_in.param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [dummy]}
+                             for group in optimizer.param_groups]
+    plateau = issubclass(cls, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": nothing trains here
+        try:
+            schedule = cls(stand_in, **params)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"scheduler.params are not valid for {name}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - any failure of the user's schedule is reported as theirs
+            raise ValueError(f"scheduler {name!r} with params {params!r} cannot be built ({type(exc).__name__}: "
+                             f"{exc}); fix scheduler.params") from exc
+        lrs = [[group["lr"] for group in stand_in.param_groups]]
+        try:
+            for _ in range(REHEARSED_STEPS):
+                schedule.step(0.0) if plateau else schedule.step()
+                lrs.append([group["lr"] for group in stand_in.param_groups])
+        except Exception as exc:  # noqa: BLE001 - as above
+            raise ValueError(f"scheduler {name!r} with params {params!r} fails at its first steps "
+                             f"({type(exc).__name__}: {exc}); fix scheduler.params") from exc
+    for step, values in enumerate(lrs):
+        for lr in values:
+            if not isinstance(lr, (int, float)) or not (math.isfinite(lr) and 0 <= lr <= MAX_LR):
+                raise ValueError(f"scheduler {name!r} with params {params!r} sets the learning rate to {lr!r} at step "
+                                 f"{step}; a learning rate must be a finite number in [0, {MAX_LR:g}]: fix "
+                                 "scheduler.params")
+
+
+def check_lr_kwargs(scheduler: Any, lr_kwargs: dict[str, Any] | None) -> None:
+    """``ReduceLROnPlateau`` steps on a metric: refuse ``engine.step()`` without ``lr_kwargs={"metrics": value}``
+    before anything steps (it was a TypeError from the scheduler after the optimizer had stepped)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and "metrics" not in (lr_kwargs or {}):
+        raise ValueError(
+            "engine.step(): the LR scheduler is ReduceLROnPlateau, which steps on a metric; pass it as "
+            "engine.step(lr_kwargs={'metrics': value}) (the validation loss, say) at each optimizer step")
+
+
+class UpdateGuard:
+    """A snapshot of what an optimizer step writes: the stepped parameters and their optimizer state.
+
+    :meth:`save` copies them into buffers kept between steps (allocated at the first step, and again only when
+    a shape changes); :meth:`finite_or_restore` checks the stepped parameters after the step and, when any is
+    not finite, copies the snapshot back, so the step leaves no trace. One host sync per step.
+    """
+
+    def __init__(self) -> None:
+        self._params: list[torch.Tensor] = []
+        self._param_copies: dict[int, torch.Tensor] = {}
+        self._state: dict[int, dict[str, Any] | None] = {}
+
+    @staticmethod
+    def _copy_into(buffers: dict[Any, torch.Tensor], key: Any, value: torch.Tensor) -> torch.Tensor:
+        buf = buffers.get(key)
+        if buf is None or buf.shape != value.shape or buf.dtype != value.dtype or buf.device != value.device:
+            buf = buffers[key] = torch.empty_like(value, memory_format=torch.preserve_format)
+        buf.copy_(value)
+        return buf
+
+    @torch.no_grad()
+    def save(self, optimizer: torch.optim.Optimizer) -> None:
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        live = {id(p) for p in self._params}
+        for key in [k for k in self._param_copies if k not in live]:  # parameters no longer stepped
+            del self._param_copies[key]
+            self._state.pop(key, None)
+        for p in self._params:
+            self._copy_into(self._param_copies, id(p), p.detach())
+            state = optimizer.state.get(p)
+            if not state:
+                self._state[id(p)] = None
+                continue
+            old = self._state.get(id(p)) or {}
+            saved: dict[str, Any] = {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    buffers = {key: old[key]} if isinstance(old.get(key), torch.Tensor) else {}
+                    saved[key] = self._copy_into(buffers, key, value.detach())
+                else:
+                    saved[key] = value
+            self._state[id(p)] = saved
+
+    @torch.no_grad()
+    def finite_or_restore(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the step kept every finite stepped parameter finite; if not, put them and their state back
+        first. A weight that was not finite before the step does not count: the step did not write it so."""
+        if not self._params:
+            return True
+        broke = [(torch.isfinite(self._param_copies[id(p)]) & ~torch.isfinite(p)).any() for p in self._params]
+        if not bool(torch.stack(broke).any()):
+            return True
+        for p in self._params:
+            p.copy_(self._param_copies[id(p)])
+            saved = self._state.get(id(p))
+            if saved is None:
+                optimizer.state.pop(p, None)  # the step created it
+                continue
+            state = optimizer.state[p]
+            for key in [k for k in state if k not in saved]:
+                del state[key]
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and isinstance(state.get(key), torch.Tensor):
+                    state[key].copy_(value)
+                else:
+                    state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        return False
 
 
 class LocalTraining:
@@ -214,6 +350,11 @@ class LocalTraining:
         self.inside_no_sync = False
         #: Whether the optimizer was built from ``config.optimizer`` (not passed in): DeepSpeed's ``optimizer_name``.
         self.built_from_config = built_from_config
+        #: Optimizer steps undone because they wrote non-finite weights (also counted in ``skipped_steps``).
+        self.non_finite_updates = 0
+        # bf16 with check_grad_overflow off checks nothing, as DeepSpeed's bf16 optimizer then does not.
+        self._guard = None if masters is not None and config.bf16.enabled and not config.bf16.check_grad_overflow \
+            else UpdateGuard()
         self.scaler: PolicyGradScaler | None = None
         if config.fp16.enabled:
             # GradScaler scales, unscales and skips; the scale itself follows DeepSpeed's policy.
@@ -270,12 +411,18 @@ class LocalTraining:
         stepped = True
         if self.scaler is not None:
             stepped = self._grads_finite()  # unscaled above; GradScaler skips exactly these steps
+            if stepped:
+                self._save_for_undo()
             self.scaler.step(optimizer)
+            # The scale answers gradient overflow only: an update undone below is no reason to lower it.
             self.scaler.update(new_scale=self.scaler.policy.update(overflow=not stepped))
         elif self.masters is not None and self.config.bf16.check_grad_overflow and not self._grads_finite():
             stepped = False  # as DeepSpeed's bf16 check_grad_overflow: skip, so no NaN reaches the weights
         else:
+            self._save_for_undo()
             optimizer.step()
+        if stepped and not self._update_finite():
+            stepped = False
         self.skipped_steps += not stepped
         self.step_applied = stepped
         if self.masters is not None and stepped:
@@ -301,6 +448,24 @@ class LocalTraining:
         if every and self.global_steps % every == 0 and rank() == 0:
             logger.info("step=%d, skipped=%d, lr=%s, mom=%s", self.global_steps, self.skipped_steps,
                         [group["lr"] for group in self.optimizer.param_groups], optimizer_momenta(self.optimizer))
+
+    def _save_for_undo(self) -> None:
+        if self._guard is not None:
+            self._guard.save(self.optimizer)
+
+    def _update_finite(self) -> bool:
+        """Whether the step just taken wrote finite weights; if not, it is undone (weights and optimizer state)
+        and a warning names the optimizer's hyperparameters, the usual cause when the gradients were finite."""
+        if self._guard is None or self._guard.finite_or_restore(self.optimizer):
+            return True
+        self.non_finite_updates += 1
+        hyper = [{k: v for k, v in group.items() if k in ("lr", "weight_decay", "eps", "momentum", "betas")}
+                 for group in self.optimizer.param_groups]
+        warnings.warn(
+            f"engine.step(): the optimizer step would have written non-finite weights (NaN or inf); it was undone "
+            f"and skipped (engine.skipped_steps counts it). Check the learning rate and the optimizer's settings, "
+            f"{hyper}, and the gradients", RuntimeWarning, stacklevel=user_stacklevel())
+        return False
 
     def _grads_finite(self) -> bool:
         """Whether every gradient the optimizer steps is finite (one host read, at boundaries only)."""

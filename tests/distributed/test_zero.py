@@ -71,6 +71,9 @@ def test_zero_1_2_train_on_deepspeed_and_replay_graphs_across_steps(tmp_path, st
             assert torch.equal(d["reference_greedy"], d["after_greedy_eager"])
         assert d["checkpoint_restored"] and d["checkpoint_steps"] == STEPS + 1
         assert d["checkpoint_rng_is_this_ranks"]
+        # Only rank 1 hashed the damaged file; both refused it by name, before DeepSpeed loaded anything.
+        assert f"{d['damaged_file']} does not match its sha256 digest" in d["damaged_refused"]
+        assert d["damaged_unchanged"]
         assert "holds a stage-0 (plain PyTorch) checkpoint" in d["stage0_checkpoint_refused"]
         if stage == 2 and precision == "fp32":
             assert re.search(r"cannot read .*ckpt/t at ZeRO stage 3 \(it holds: mp_rank_00_model_states\.pt.*"
@@ -105,6 +108,7 @@ def test_stage_0_on_two_ranks_trains_data_parallel_on_deepspeed(tmp_path):
         assert d["after_refusal"] is None and not d["before_warnings"]
         # Checkpoints are DeepSpeed's (rank-aware): weights, steps and each rank's RNG stream come back.
         assert d["checkpoint_restored"] and d["checkpoint_steps"] == STEPS + 1 and d["checkpoint_rng_is_this_ranks"]
+        assert d["damaged_file"] in d["damaged_refused"] and d["damaged_unchanged"]
         assert "holds a stage-0 (plain PyTorch) checkpoint" in d["stage0_checkpoint_refused"]
         assert d["saved_16bit"] is True
         assert d["wrapped_stage"] == 0 and d["wrapped_captures"] > 0 and d["wrapped_matches_deepspeed"]

@@ -12,6 +12,8 @@ rollouts with graphs and eagerly, and saves what the test asserts to
 from __future__ import annotations
 
 import copy
+import json
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -218,6 +220,26 @@ def main() -> None:
         # Its own stream back (DeepSpeed keeps client_state from rank 0 only at ZeRO 1/2).
         result["checkpoint_rng_is_this_ranks"] = torch.equal(torch.rand(4), next_draws)
         result["checkpoint_restored"] = all(torch.equal(a, b) for a, b in zip(full_params(engine), saved))
+        # A damaged file that only rank 1 hashes (the ranks split the reading): every rank refuses, naming it,
+        # before DeepSpeed's collective load (a rank going on alone would hang), and nothing changes.
+        from hybrid_engine.training.checkpoint_files import MANIFEST_FILE
+
+        damaged = out_dir / "damaged"
+        names = sorted(json.loads((ckpt / "t" / MANIFEST_FILE).read_text())["files"])
+        if rank() == 0:
+            shutil.copytree(ckpt, damaged)
+            data = bytearray((damaged / "t" / names[1]).read_bytes())
+            data[len(data) // 2] ^= 0x01
+            (damaged / "t" / names[1]).write_bytes(bytes(data))
+        dist.barrier()
+        steps_before = engine.global_steps
+        try:
+            engine.load_checkpoint(damaged, tag="t")
+            result["damaged_refused"] = None
+        except ValueError as exc:
+            result["damaged_refused"] = str(exc)
+        result["damaged_file"] = names[1]
+        result["damaged_unchanged"] = engine.global_steps == steps_before
         # DeepSpeed's own save_16bit_model, through the engine: the weights alone, written by rank 0.
         result["saved_16bit"] = engine.save_16bit_model(out_dir / "weights16")
         # A stage-0 checkpoint is refused by name (DeepSpeed would fail on an assert), the same on every rank.

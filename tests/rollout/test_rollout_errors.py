@@ -155,6 +155,37 @@ def test_cache_capacity_and_position_limit(model):
     _check_still_works(ok)
 
 
+@pytest.mark.parametrize("config,text", [
+    (dict(cache_capacity=10**12), r"cache_capacity must be <= 16777216, got 1000000000000 \(2\*\*24\)"),
+    (dict(graph_batch_sizes=(10**9,)), r"graph_batch_sizes must be <= 65536, got 1000000000 \(2\*\*16\)"),
+    (dict(graph_batch_sizes=(1, 2, 65537)), r"graph_batch_sizes must be <= 65536"),
+    (dict(max_batch_size=10**9), r"max_batch_size must be <= 65536"),
+])
+def test_capacities_past_sane_bounds_are_refused_on_construction(config, text):
+    """Each was an allocator RuntimeError at the first generate (2 PB of KV cache for cache_capacity=10**12, a
+    10**9-row bucket for graph_batch_sizes=(10**9,))."""
+    with pytest.raises(ValueError, match=text):
+        RolloutConfig(**config)
+    RolloutConfig(cache_capacity=2**24, graph_batch_sizes=(1, 2**16), max_batch_size=2**16)  # the bounds themselves
+
+
+def test_a_cache_capacity_past_the_models_position_limit_is_refused_before_anything_is_allocated(model):
+    limit = model.config.n_positions
+    big = HybridEngineRollout(model, config=RolloutConfig(cache_capacity=limit + 1, pad_token_id=0, eos_token_id=2))
+    with pytest.raises(ValueError, match=rf"cache_capacity={limit + 1} is more than the model's position limit "
+                                         rf"{limit}.*cache_capacity={limit} or less"):
+        big.generate(_good_request(), SAMPLING)
+    assert big.runner.slots is None  # nothing was allocated
+    at_limit = HybridEngineRollout(model, config=RolloutConfig(cache_capacity=limit, pad_token_id=0, eos_token_id=2))
+    baseline = _check_still_works(at_limit)
+    assert at_limit.last_stats["cache_capacity"] == limit
+    # A prompt padded past the limit still fits a cache of `limit` slots: prompts are staged within it.
+    wide = RolloutRequest(torch.cat([torch.zeros(2, limit, dtype=torch.int64), _good_request().prompt_ids], 1),
+                          torch.cat([torch.zeros(2, limit, dtype=torch.int64), _good_request().prompt_attention_mask], 1))
+    batch = at_limit.generate(wide, SAMPLING)
+    assert torch.equal(batch.responses, baseline.responses) and at_limit.last_stats["cache_capacity"] == limit
+
+
 def test_missing_pad_and_eos_is_an_error_before_work():
     model = build_model("tiny-opt", seed=0, pad_token_id=None, eos_token_id=None, bos_token_id=None)
     model.generation_config.pad_token_id = None

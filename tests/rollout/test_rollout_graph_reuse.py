@@ -401,7 +401,7 @@ def test_a_long_varied_run_reaches_a_plateau_of_captures_and_every_graph_held_is
             max_new_tokens=int(torch.randint(4, 40, (1,), generator=gen)), temperature=0.0 if i % 2 else 0.9,
             n_samples_per_prompt=1 + i % 3, seed=i)))
     epochs = []
-    for epoch in range(4):
+    for _ in range(4):
         for i, (lengths, sampling) in enumerate(shapes):
             batch = rollout.generate(left_padded_prompts(lengths, seed=i), sampling)
             s = rollout.graph_stats
