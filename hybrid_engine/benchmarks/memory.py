@@ -49,6 +49,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip transformers' continuous batching (generate_batch) baseline")
 
 
+def _positions(args: argparse.Namespace, positions: int) -> dict[str, int]:
+    """A config-built model's position limit raised to ``positions`` (a capacity past it is refused)."""
+    if getattr(args, "model_path", None):
+        return {}
+    from hybrid_engine.benchmarks.options import resolve_model_name
+    from hybrid_engine.tiny_models import build_config
+
+    config = build_config(resolve_model_name(args.model))
+    name = "n_positions" if hasattr(config, "n_positions") else "max_position_embeddings"
+    return {name: max(positions, getattr(config, name))}
+
+
 def _check(args: argparse.Namespace) -> None:
     for name in ("prompts", "samples", "prompt_len", "long", "short", "slots", "page_size", "repeats"):
         if getattr(args, name) < 1:
@@ -158,7 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     _check(args)
     acc, device, dtype, env = C.prepare(args)
-    model = C.build_bench_model(args, dtype, device, seed=args.seed)
+    model = C.build_bench_model(args, dtype, device, seed=args.seed, **_positions(args, max(args.capacities)))
     specs = layer_specs(model.config)
     per_token = sum(s.heads * (s.key_dim + s.value_dim) for s in specs) * dtype.itemsize
     request = _workload(args, int(model.config.vocab_size), device)

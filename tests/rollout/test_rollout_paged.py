@@ -84,8 +84,9 @@ def test_a_partly_filled_prompt_page_is_copied_for_all_but_the_last_sample():
     assert_same_samples(batch, unshared)
 
 
-def test_step_cost_follows_the_tokens_not_the_capacity(model):
+def test_step_cost_follows_the_tokens_not_the_capacity():
     """At cache_capacity 2048 the rows (prompts of up to 7 and 24 new tokens) read 2 pages a step, as at 64."""
+    model = build_model("tiny-llama", seed=6, max_position_embeddings=2048)
     request = left_padded_prompts([7, 4, 6], seed=2)
     sampling = SamplingConfig(max_new_tokens=24, temperature=0.0)
     small, s_small = run(model, request, sampling, graphs=True, cache_capacity=64)
