@@ -1,7 +1,7 @@
 """Replay vs eager for one decode step under the CPU graph emulation.
 
 Measures, side by side in one process, the time of a GPT-2-shaped decode step
-(``model_step.decode_one_token`` against a ``StaticKVCache``) run eagerly and
+(``model_step.decode_one_token`` against a ``PagedKVCache``) run eagerly and
 replayed from a captured CPU graph, interleaving the two so machine noise hits
 both alike. Prints a table and the ratio eager / replay (>= 1 means replay is at
 least as fast), and checks that both give the same logits.
@@ -23,7 +23,7 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hybrid_engine.accelerator import CPUAccelerator
-from hybrid_engine.decode.kv_cache import StaticKVCache
+from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.step import decode_one_token, prefill
 
 
@@ -38,8 +38,8 @@ def measure(model, batch: int, prompt: int, capacity: int, iters: int, acc: CPUA
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt))
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        eager_cache = StaticKVCache(model.config, batch, capacity)
-        graph_cache = StaticKVCache(model.config, batch, capacity)
+        eager_cache = PagedKVCache(model.config, batch, capacity)
+        graph_cache = PagedKVCache(model.config, batch, capacity)
         prefill(model, eager_cache, ids, mask)
         prefill(model, graph_cache, ids, mask)
         tokens = torch.randint(3, model.config.vocab_size, (batch,))

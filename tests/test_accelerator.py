@@ -568,7 +568,7 @@ def _decode_steps(model, calls: int = 4, steps: int = 3):
             slots.set_special_ids(0, (2,))
             slots.knobs.set(*key)
             for _ in range(steps):
-                runner.step(2, key)
+                runner.step(2, 1, key)
     return runner.stats
 
 
@@ -604,7 +604,7 @@ def test_a_capture_that_fails_into_the_shared_pool_does_not_doom_the_later_ones(
             slots.set_special_ids(0, (2,))
             slots.knobs.set(*key)
             for bucket in (4, 4, 2, 2, 1, 1):  # captures 4 (into its own pool), then 2 (fails), then 1
-                runner.step(bucket, key)
+                runner.step(bucket, 1, key)
     stats = runner.stats
     assert stats.buckets == (1, 2, 4) and stats.fallbacks == 1 and stats.replays > 0
     assert "disabled" not in (stats.last_refusal_reason or "")

@@ -126,7 +126,9 @@ def test_width_and_length_changes_reuse_the_captured_graph():
         ids, mask = prompts(3, width, seed=width + n)
         assert torch.equal(gen(graph, ids, mask, n=n), gen(eager, ids, mask, n=n))
     s = graph.graph_stats
-    assert s.captures == 1 and s.invalidations == 0 and s.buckets == (4,)
+    # One capture per span the rows reach (pages of 16: up to 7 + 20 tokens is 2 pages), never another.
+    assert s.captures == s.graph_keys == 2 and s.invalidations == 0 and s.buckets == (4,)
+    assert s.span_buckets == (1, 2)
 
 
 def test_sampling_modes_are_separate_keys_each_captured_once():
@@ -173,7 +175,7 @@ def test_finished_rows_move_to_the_smallest_bucket():
     assert torch.equal(gen(eager, ids, mask, n=16, pinned=False, **kw), ref)
     s = graph.graph_stats
     assert calls and all(7 in src for src, _ in calls) and all(max(dst) < 4 for _, dst in calls)
-    assert min(s.buckets) < 8 and s.captures == len(s.buckets)
+    assert min(s.buckets) < 8 and s.captures == s.graph_keys
 
 
 def test_bigger_batch_grows_the_buffers_once():
@@ -185,9 +187,10 @@ def test_bigger_batch_grows_the_buffers_once():
     s = graph.graph_stats
     # 2 -> bucket 2; 5 -> bucket 8 (new buffers: bucket 2's graph is dropped once); then 2, 1 and 8 reuse them.
     assert s.invalidations == 1 and s.buckets == (1, 2, 8) and s.captures == 1 + 3
-    from hybrid_engine.decode.kv_cache import StaticKVCache
+    from hybrid_engine.decode.kv_cache import PagedKVCache
 
-    assert s.cache_memory_bytes >= StaticKVCache(model.config, 8, 32).memory_bytes()
+    # The pool holds what the contiguous rows of 8 x 32 tokens took (in whole pages), plus the null page.
+    assert s.cache_memory_bytes >= PagedKVCache(model.config, 8, 32).memory_bytes()
 
 
 def test_stats_fields_and_to_dict():

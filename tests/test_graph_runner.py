@@ -16,12 +16,14 @@ from hybrid_engine.accelerator import (
     TorchBackendAccelerator,
     set_accelerator,
 )
-from hybrid_engine.decode.kv_cache import StaticKVCache
+from hybrid_engine.decode.kv_cache import layer_specs
+from hybrid_engine.decode.kv_pool import KVPool, PageLedger
 from hybrid_engine.decode.sampling import counter_uniform, sample_tokens
 from hybrid_engine.decode.slots import DecodeSlots
 from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_staged, width_bucket
 from hybrid_engine.decode.step import prefill
 from hybrid_engine.engine import initialize
+from hybrid_engine.generation.pages import PagePlan
 from hybrid_engine.generation.scheduler import _steps_to_admission, _steps_to_shrink
 from hybrid_engine.graphs.keys import AdmissionKey, PrefillKey, default_graph_buckets
 from hybrid_engine.graphs.policy import GraphRefusedWarning
@@ -32,11 +34,34 @@ from hybrid_engine.tiny_models import build_model
 GREEDY = (0.0, 1.0, -1)
 
 
-def slots_for(model, rows=4, capacity=32, width=8):
-    slots = DecodeSlots(model, rows, capacity, width, num_eos=1, position_limit=None, device=torch.device("cpu"),
-                        dtype=torch.float32)
+def pool_for(model, pages=32, page_size=4):
+    return KVPool(layer_specs(model.config), pages, page_size, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def slots_for(model, pool, rows=4, capacity=32, width=8):
+    slots = DecodeSlots(model, rows, capacity, width, num_eos=1, pool=pool)
     slots.set_special_ids(0, (2,))
     return slots
+
+
+def rows_kv(cache, row: int, length: int, layer: int = 0) -> torch.Tensor:
+    """Row ``row``'s first ``length`` keys of ``layer``, in logical order, read through its block table."""
+    slots = cache.pool.page_slots(cache.block_table[row]).flatten()[:length]
+    return cache.pool.keys[layer][slots]
+
+
+def stage_round(model, slots, stage, plan, ids, mask, requests):
+    """Stage prompts ``0..p-1`` with pages from ``plan`` and admit ``requests`` ``(slot, prompt, rng)``: each
+    prompt's last sample takes its partly filled page, the others copy it."""
+    lengths = mask.sum(-1).tolist()
+    tables = [plan.stage((p,), n) for p, n in enumerate(lengths)]
+    pending = [sum(1 for _, p, _ in requests if p == q) for q in range(len(lengths))]
+    meta = []
+    for slot, prompt, rng in requests:
+        pages = plan.admit(slot, (prompt,), last=pending[prompt] == 1)
+        pending[prompt] -= 1
+        meta.append([slot, prompt, rng, 5, 0, 7, lengths[prompt], pages.src, pages.dst] + pages.table)
+    return stage.stage_prompts(ids, mask, tables, ids.shape[0], 8), meta
 
 
 # ------------------------------------------------------------------ admission
@@ -46,49 +71,59 @@ def test_width_buckets_are_powers_of_two():
 
 
 @pytest.mark.parametrize("arch", ["tiny-gpt2", "tiny-llama"])
-def test_staged_batch_and_round_match_an_exact_prefill_and_fan_out_shared_prompts(arch):
+def test_staged_batch_and_round_match_an_exact_prefill_and_share_prompt_pages(arch):
     model = build_model(arch, seed=2).eval()
-    ids, mask = prompts(3, 5, seed=4)  # left-padded, 5 wide: staged right-aligned at width 8
-    exact = slots_for(model)
+    ids, mask = prompts(3, 5, seed=4)  # left-padded: 5, 4 and 3 real tokens, staged right-aligned at width 8
+    exact = slots_for(model, pool_for(model))
+    exact.cache.block_table[:3] = torch.arange(1, 25).view(3, 8)
     with torch.no_grad():
         logits = prefill(model, exact.head(3).cache, ids, mask)
-    staged = slots_for(model)
-    stage = PromptStage(model, 4, 8, device=torch.device("cpu"), dtype=torch.float32)
-    # Requests 0..3 into slots 3, 0, 1, 2; requests 2 and 3 share prompt 2 (the fan-out).
-    meta = [[3, 0, 1, 2], [0, 1, 2, 2], [10, 11, 12, 13], [5, 5, 5, 5], [0, 0, 0, 0], [7, 7, 7, 7]]
+    pool = pool_for(model)
+    staged = slots_for(model, pool)
+    stage = PromptStage(model, 4, 8, pool=pool, requests=4, max_pages=staged.cache.max_pages)
+    plan = PagePlan(PageLedger(pool.num_pages), 4, staged.cache.max_pages)
+    # Requests into slots 3, 0, 1, 2; requests 2 and 3 are two samples of prompt 2 (4 real tokens: one full
+    # page, shared, and nothing partial) and prompt 0 (5 tokens: one full page and one token on a second).
+    batch, meta = stage_round(model, staged, stage, plan, ids, mask, [(3, 1, 10), (0, 0, 11), (1, 0, 12),
+                                                                       (2, 2, 13)])
     with torch.no_grad():
-        prefill_staged(model, stage.stage_prompts(ids, mask, 3, 8))
-        admission_round(staged, stage.stage_requests(meta, 4, 8), GREEDY)
+        prefill_staged(model, batch)
+        admission_round(staged, stage.stage_requests(meta, 4), GREEDY)
     torch.testing.assert_close(stage.logits[:3], logits.float(), rtol=1e-5, atol=1e-5)
     first = logits.argmax(-1)
-    assert staged.tokens.tolist() == [first[1], first[2], first[2], first[0]]  # slot s holds its request
+    assert staged.tokens.tolist() == [first[0], first[0], first[2], first[1]]  # slot s holds its request
     assert staged.request_index.tolist() == [11, 12, 13, 10] and staged.seed.tolist() == [7] * 4
     assert not staged.finished.any() and staged.token_index.tolist() == [1] * 4
-    # The prompt's K/V land in the slot, at the staged width (3 columns of left padding more).
-    for slot, prompt in ((3, 0), (0, 1), (1, 2), (2, 2)):
-        real = mask[prompt].bool()
-        got = staged.cache.layers[0].keys[slot, :, 8 - 5:8][:, real]
-        want = exact.cache.layers[0].keys[prompt, :, :5][:, real]
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert staged.cache.valid[slot, :8].tolist() == [False] * 3 + mask[prompt].bool().tolist()
-        assert int(staged.cache.write_pos[slot]) == 8 and int(staged.cache.position[slot]) == int(mask[prompt].sum())
+    lengths = mask.sum(-1).tolist()
+    for slot, prompt in ((3, 1), (0, 0), (1, 0), (2, 2)):
+        torch.testing.assert_close(rows_kv(staged.cache, slot, lengths[prompt]),
+                                   rows_kv(exact.cache, prompt, lengths[prompt]), rtol=1e-5, atol=1e-5)
+        assert int(staged.cache.write_pos[slot]) == int(staged.cache.position[slot]) == lengths[prompt]
+    table = staged.cache.block_table.tolist()
+    assert table[0][0] == table[1][0] == plan.unit_pages[(0,)][0][0]  # prompt 0's full page, held once
+    assert table[0][1] != table[1][1] == plan.unit_pages[(0,)][0][1]  # its partial page: copied, then taken
+    assert table[2][1] == 0  # prompt 2 fills its page: the first response token starts the next one (grow)
+    assert plan.ledger.refs(table[0][0]) == 3  # the stage and both samples
 
 
 def test_staged_batch_and_round_captured_equal_eager():
     model = build_model("tiny-qwen2", seed=3).eval()
     acc = CPUAccelerator()
     ids, mask = prompts(2, 6, seed=5)
-    meta = [[1, 0], [0, 1], [4, 5], [9, 9], [0, 0], [3, 3]]
-    eager, graphed = slots_for(model), slots_for(model)
-    stage_e = PromptStage(model, 2, 8, device=torch.device("cpu"), dtype=torch.float32)
-    stage_g = PromptStage(model, 2, 8, device=torch.device("cpu"), dtype=torch.float32)
     sampled = (0.9, 0.95, 20)
-    for slots in (eager, graphed):
+    runs = []
+    for _ in range(2):
+        pool = pool_for(model)
+        slots = slots_for(model, pool)
+        stage = PromptStage(model, 2, 8, pool=pool, requests=2, max_pages=slots.cache.max_pages)
+        plan = PagePlan(PageLedger(pool.num_pages), 4, slots.cache.max_pages)
+        batch, meta = stage_round(model, slots, stage, plan, ids, mask, [(1, 0, 4), (0, 1, 5)])
         slots.knobs.set(*sampled)  # what run_schedule does at the start of a call
+        runs.append((slots, stage, batch, stage.stage_requests(meta, 2)))
+    (eager, stage_e, batch_e, round_e), (graphed, stage_g, batch_g, round_g) = runs
     with torch.no_grad():
-        prefill_staged(model, stage_e.stage_prompts(ids, mask, 2, 8))
-        admission_round(eager, stage_e.stage_requests(meta, 2, 8), sampled)
-        batch_g, round_g = stage_g.stage_prompts(ids, mask, 2, 8), stage_g.stage_requests(meta, 2, 8)
+        prefill_staged(model, batch_e)
+        admission_round(eager, round_e, sampled)
         prefill_staged(model, batch_g)  # warm-up, then reset what it wrote
         admission_round(graphed, round_g, sampled)
         graphed.release(torch.tensor([0, 1]))
@@ -103,7 +138,8 @@ def test_staged_batch_and_round_captured_equal_eager():
             acc.replay_graph(graph)
     for name in ("tokens", "token_index", "seed", "request_index", "budget", "finished", "out_logprobs"):
         assert torch.equal(getattr(eager, name), getattr(graphed, name)), name
-    assert torch.equal(eager.cache.layers[1].values, graphed.cache.layers[1].values)
+    assert torch.equal(eager.cache.block_table, graphed.cache.block_table)
+    assert torch.equal(eager.pool.values[1], graphed.pool.values[1])
 
 
 def test_rollout_replays_admission_rounds_and_engine_generate_does_not_stage():
@@ -131,7 +167,8 @@ def test_rollout_replays_admission_rounds_and_engine_generate_does_not_stage():
 
 def test_prefill_batches_run_their_exact_prompt_count_up_to_eight_then_decode_buckets():
     model = build_model("tiny-gpt2", seed=3)
-    # 3 prompts in one batch: 3 prompt rows (no padding prefill), their round's requests in a decode bucket (4).
+    # 3 prompts in one batch: 3 prompt rows (no padding prefill), their round's requests in a decode bucket (4);
+    # rounds of every smaller size are captured up front too (how many a round admits follows the tokens).
     request = RolloutRequest(*prompts(3, 6, seed=4))
     cfg = dict(pad_token_id=0, eos_token_id=10_000, max_batch_size=3)
     rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, **cfg))
@@ -141,7 +178,7 @@ def test_prefill_batches_run_their_exact_prompt_count_up_to_eight_then_decode_bu
         assert torch.equal(batch.input_ids, eager.input_ids)
     graphs = rollout.runner._graphs
     assert [k.prompts for k in graphs if isinstance(k, PrefillKey)] == [3]
-    assert [k.requests for k in graphs if isinstance(k, AdmissionKey)] == [4]
+    assert sorted(k.requests for k in graphs if isinstance(k, AdmissionKey)) == [1, 2, 4]
     assert rollout.last_stats["admission_graph_replays"] == 2
     runner = rollout.runner
     assert [runner.prompt_rows_for(n) for n in (1, 3, 5, 7, 8, 9, 17)] == [1, 3, 5, 7, 8, 16, 24]
@@ -288,27 +325,6 @@ def test_python_int_counters_capture_as_device_fills():
         torch.tensor(4) + seed  # what the old counter code did
 
 
-# ------------------------------------------------------------ cache views
-def test_rows_view_shares_storage_and_load_rows_fans_out_sources():
-    config = build_model("tiny-llama").config
-    big = StaticKVCache(config, 4, 10)
-    view = big.rows_view(1, 3, 6)
-    assert view.batch_size == 2 and view.capacity == 6
-    view.layers[0].keys.fill_(3.0)
-    assert (big.layers[0].keys[1:3, :, :6] == 3).all() and (big.layers[0].keys[1:3, :, 6:] == 0).all()
-    small = StaticKVCache(config, 2, 4)
-    small.layers[0].keys[0].fill_(1.0)
-    small.layers[0].keys[1].fill_(2.0)
-    small.valid[:, :4] = True
-    small.write_pos.fill_(4)
-    big.load_rows(torch.tensor([0, 2, 3]), small, sources=torch.tensor([1, 1, 0]))
-    keys = big.layers[0].keys
-    assert (keys[0, :, :4] == 2).all() and (keys[2, :, :4] == 2).all() and (keys[3, :, :4] == 1).all()
-    assert big.write_pos.tolist() == [4, 0, 4, 4] and big.valid[:, 4:].sum() == 0
-    with pytest.raises(ValueError, match="rows_view"):
-        big.rows_view(2, 5)
-
-
 # ------------------------------------------------------------ interrupted calls
 def test_a_call_interrupted_mid_decode_leaves_the_next_one_correct(monkeypatch):
     """An exception between steps (a bug, a KeyboardInterrupt) must not leak live slots into the next call."""
@@ -321,11 +337,11 @@ def test_a_call_interrupted_mid_decode_leaves_the_next_one_correct(monkeypatch):
     sampling = SamplingConfig(max_new_tokens=30, temperature=0.0)
     real, calls = DecodeGraphRunner.step, {"n": 0}
 
-    def failing_step(self, bucket, key):
+    def failing_step(self, bucket, span, key):
         calls["n"] += 1
         if calls["n"] == 5:
             raise KeyboardInterrupt
-        return real(self, bucket, key)
+        return real(self, bucket, span, key)
 
     monkeypatch.setattr(DecodeGraphRunner, "step", failing_step)
     with pytest.raises(KeyboardInterrupt):

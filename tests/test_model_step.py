@@ -1,4 +1,5 @@
-"""prefill/decode_one_token parity with transformers' generate, eager and graph-replayed (CPU emulation)."""
+"""prefill/decode_one_token over a paged cache: parity with transformers' generate, eager and graph-replayed
+(CPU emulation), one graph per span."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch.utils._python_dispatch
 from transformers import PreTrainedModel
 
 from hybrid_engine.accelerator import GraphCaptureError
-from hybrid_engine.decode.kv_cache import StaticKVCache
+from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.model_support import check_model_supported
 from hybrid_engine.decode.step import (
     build_decode_mask,
@@ -58,17 +59,17 @@ def eager_greedy(model, cache, ids, mask) -> torch.Tensor:
     return torch.stack(out, 1)
 
 
-def graph_greedy(acc, model, cache, ids, mask, per_position: bool = False, n_new: int = N_NEW) -> torch.Tensor:
+def graph_greedy(acc, model, cache, ids, mask, per_span: bool = False, n_new: int = N_NEW) -> torch.Tensor:
     tok = prefill(model, cache, ids, mask).argmax(-1)
     out = [tok]
     static_tok = tok.clone()
     graphs: dict[int, tuple] = {}
     for _ in range(n_new - 1):
         key = 0
-        if per_position:
-            key = int(cache.write_pos.max()) + 1  # rows in lockstep after a shared-length prefill
+        if per_span:  # the pages the longest row reads, with the token this step writes
+            key = -(-(int(cache.write_pos.max()) + 1) // cache.page_size)
         if key not in graphs:
-            cache.kv_len = key or None
+            cache.span_pages = key or None
             graph = acc.create_graph()
             with acc.capture_to_graph(graph):
                 logits = decode_one_token(model, cache, static_tok)
@@ -78,7 +79,7 @@ def graph_greedy(acc, model, cache, ids, mask, per_position: bool = False, n_new
         tok = logits.argmax(-1)
         static_tok.copy_(tok)
         out.append(tok)
-    cache.kv_len = None
+    cache.span_pages = None
     return torch.stack(out, 1)
 
 
@@ -88,21 +89,22 @@ def test_greedy_matches_generate(arch, batch, cpu_graphs):
     model = tiny(arch)
     ids, mask = prompts(batch)
     ref = reference(model, ids, mask)
-    cache = StaticKVCache(model.config, batch, CAPACITY, dtype=model.dtype)
+    cache = PagedKVCache(model.config, batch, CAPACITY, dtype=model.dtype)
     assert torch.equal(eager_greedy(model, cache, ids, mask), ref)
-    cache = StaticKVCache(model.config, batch, CAPACITY, dtype=model.dtype)
+    cache = PagedKVCache(model.config, batch, CAPACITY, dtype=model.dtype)
     assert torch.equal(graph_greedy(cpu_graphs, model, cache, ids, mask), ref)
 
 
 @pytest.mark.parametrize("arch", ["opt", "qwen3"])
-def test_per_position_graphs_match(arch, cpu_graphs):
-    """One graph per kv_len (attention spans only the live prefix); each capture costs a gc pass, so 6 steps."""
+def test_per_span_graphs_match(arch, cpu_graphs):
+    """One graph per span (attention reads only the pages the longest row reaches: here 2, 3, then 4 pages of
+    4 tokens), the tokens those of transformers."""
     model = tiny(arch)
     ids, mask = prompts(3)
     ref = reference(model, ids, mask)
-    cache = StaticKVCache(model.config, 3, CAPACITY, dtype=model.dtype)
-    got = graph_greedy(cpu_graphs, model, cache, ids, mask, per_position=True, n_new=6)
-    assert torch.equal(got, ref[:, :6])
+    cache = PagedKVCache(model.config, 3, CAPACITY, page_size=4, dtype=model.dtype)
+    got = graph_greedy(cpu_graphs, model, cache, ids, mask, per_span=True, n_new=N_NEW)
+    assert torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("arch", ["opt", "mistral", "qwen2"])
@@ -111,7 +113,7 @@ def test_rows_at_different_lengths(arch, cpu_graphs):
     model = tiny(arch)
     lengths = [3, 9, 5]
     singles = [prompts(1, length=n, seed=10 + i) for i, n in enumerate(lengths)]
-    cache = StaticKVCache(model.config, 3, CAPACITY, dtype=model.dtype)
+    cache = PagedKVCache(model.config, 3, CAPACITY, dtype=model.dtype)
     first = torch.empty(3, dtype=torch.int64)
     for row in (2, 0, 1):
         ids, mask = singles[row]
@@ -137,7 +139,7 @@ def test_rows_at_different_lengths(arch, cpu_graphs):
 def test_shared_prefill_fanned_out_with_copy_rows(cpu_graphs):
     model = tiny("llama")
     ids, mask = prompts(1)
-    cache = StaticKVCache(model.config, 4, CAPACITY, dtype=model.dtype)
+    cache = PagedKVCache(model.config, 4, CAPACITY, dtype=model.dtype)
     logits = prefill(model, cache, ids, mask, rows=torch.tensor([0]))
     cache.copy_rows(torch.zeros(3, dtype=torch.int64), torch.tensor([1, 2, 3]))
     tok = logits.argmax(-1).expand(4).clone()
@@ -153,15 +155,15 @@ def test_shared_prefill_fanned_out_with_copy_rows(cpu_graphs):
 def test_decode_capture_does_no_host_reads_and_leaves_state(cpu_graphs):
     model = tiny("qwen3")
     ids, mask = prompts(2)
-    cache = StaticKVCache(model.config, 2, CAPACITY, dtype=model.dtype)
+    cache = PagedKVCache(model.config, 2, CAPACITY, dtype=model.dtype)
     tok = prefill(model, cache, ids, mask).argmax(-1)
-    before = (cache.write_pos.clone(), cache.position.clone(), cache.valid.clone())
+    before = (cache.write_pos.clone(), cache.position.clone(), [k.clone() for k in cache.pool.keys])
     graph = cpu_graphs.create_graph()
     with cpu_graphs.capture_to_graph(graph):
         decode_one_token(model, cache, tok)
     # capture does not apply its work; the first replay is the first real step
     assert torch.equal(cache.write_pos, before[0]) and torch.equal(cache.position, before[1])
-    assert torch.equal(cache.valid, before[2])
+    assert all(torch.equal(a, b) for a, b in zip(cache.pool.keys, before[2]))
     cpu_graphs.replay_graph(graph)
     assert torch.equal(cache.write_pos, before[0] + 1)
 
@@ -184,7 +186,7 @@ def test_eager_steps_read_nothing_on_the_host(arch):
     forward, which is answered with a device tensor inside every step, not only while capturing."""
     model = tiny(arch)
     ids, mask = prompts(2)
-    cache = StaticKVCache(model.config, 2, CAPACITY, dtype=model.dtype)
+    cache = PagedKVCache(model.config, 2, CAPACITY, dtype=model.dtype)
     cache.bounds_checks = False  # as the engines run it (they check lengths up front)
     with torch.no_grad():
         tok = prefill(model, cache, ids, mask).argmax(-1)
@@ -198,7 +200,7 @@ def test_eager_steps_read_nothing_on_the_host(arch):
 def test_host_read_inside_capture_is_caught(cpu_graphs):
     """Sanity check of the harness: the seq-length host read would raise while capturing."""
     model = tiny("gpt2")
-    cache = StaticKVCache(model.config, 1, 8, dtype=model.dtype)
+    cache = PagedKVCache(model.config, 1, 8, dtype=model.dtype)
     graph = cpu_graphs.create_graph()
     with pytest.raises(GraphCaptureError):
         with cpu_graphs.capture_to_graph(graph):
@@ -208,21 +210,21 @@ def test_host_read_inside_capture_is_caught(cpu_graphs):
 def test_decode_past_capacity_raises():
     model = tiny("gpt2")
     ids, mask = prompts(1, length=4)
-    cache = StaticKVCache(model.config, 1, 5, dtype=model.dtype)
+    cache = PagedKVCache(model.config, 1, 5, page_size=4, dtype=model.dtype)
     tok = prefill(model, cache, ids, mask).argmax(-1)
     tok = decode_one_token(model, cache, tok).argmax(-1)
     with pytest.raises(ValueError, match="capacity"):
         decode_one_token(model, cache, tok)
     cache.reset()
     prefill(model, cache, ids, mask)
-    cache.kv_len = 4
-    with pytest.raises(ValueError, match="kv_len"):
+    cache.span_pages = 1  # 4 tokens a row: the prompt fills them
+    with pytest.raises(ValueError, match="span"):
         decode_one_token(model, cache, tok)
 
 
 def test_prefill_rejects_bad_input():
     model = tiny("llama")
-    cache = StaticKVCache(model.config, 2, 4, dtype=model.dtype)
+    cache = PagedKVCache(model.config, 2, 4, dtype=model.dtype)
     ids, mask = prompts(2, length=6)
     with pytest.raises(ValueError, match="capacity"):
         prefill(model, cache, ids, mask)
@@ -234,11 +236,11 @@ def test_prefill_rejects_bad_input():
 def test_helpers():
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     assert prompt_position_ids(mask).tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
-    valid = torch.tensor([[True, False, True]])
-    m = build_decode_mask(valid, torch.float32)
-    assert m.shape == (1, 1, 1, 3)
-    assert m[0, 0, 0].tolist() == [0.0, torch.finfo(torch.float32).min, 0.0]
-    assert build_decode_mask(valid, torch.bfloat16, kv_len=2).shape == (1, 1, 1, 2)
+    m = build_decode_mask(torch.tensor([1, 3]), 4, torch.float32)  # rows holding 1 and 3 tokens write one more
+    low = torch.finfo(torch.float32).min
+    assert m.shape == (2, 1, 1, 4)
+    assert m[:, 0, 0].tolist() == [[0.0, 0.0, low, low], [0.0, 0.0, 0.0, 0.0]]
+    assert build_decode_mask(torch.tensor([0]), 2, torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_check_model_supported():
@@ -254,13 +256,13 @@ def test_check_model_supported():
         check_model_supported(torch.nn.Linear(2, 2))
     windowed = build_model("tiny-mistral", sliding_window=8)
     with pytest.raises(ValueError, match="sliding"):
-        StaticKVCache(windowed.config, 1, 16)
+        PagedKVCache(windowed.config, 1, 16)
 
 
 def test_eager_attention_parity():
     model = build_model("tiny-llama", attn_implementation="eager")
     ids, mask = prompts(3)
-    cache = StaticKVCache(model.config, 3, CAPACITY, dtype=model.dtype)
+    cache = PagedKVCache(model.config, 3, CAPACITY, dtype=model.dtype)
     assert torch.equal(eager_greedy(model, cache, ids, mask), reference(model, ids, mask))
 
 
@@ -290,7 +292,7 @@ def test_a_padding_query_sees_its_own_slot_so_fp16_eager_attention_makes_no_nan(
             block.attn.c_attn.bias.copy_(bias)
     ids = torch.tensor([[PAD_ID, PAD_ID, 5, 6], [7, 8, 9, 10]])
     mask = (ids != PAD_ID).long()
-    cache = StaticKVCache(model.config, 2, 8, dtype=torch.float16)
+    cache = PagedKVCache(model.config, 2, 8, dtype=torch.float16)
     logits = prefill(model, cache, ids, mask)
     assert torch.isfinite(logits).all()
     assert not build_prefill_mask(mask, 8, torch.float16).amax(-1).lt(0).any()  # no row masked throughout

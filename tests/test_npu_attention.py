@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from conftest import left_padded_prompts as prompts
 
 from hybrid_engine.accelerator import CPUAccelerator, is_capturing, set_accelerator
-from hybrid_engine.decode.kv_cache import StaticKVCache
+from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.npu_attention import (
     NPU_GRAPH_ATTENTION,
     npu_graph_attention_forward,
@@ -210,8 +210,8 @@ def test_masked_out_follows_torch_npu_convention():
     assert npu_masked_out(keep, 1, 3, is_causal=True, device=dev)[0, 0, 0].tolist() == [False, False, True]
     # A row with nothing to attend (padding) attends everything rather than dividing 0 by 0.
     assert not npu_masked_out(keep, 1, 3, is_causal=True, device=dev)[1].any()
-    additive = build_decode_mask(torch.tensor([[True, False, True, False]]), torch.float32)  # 0 / finfo.min
-    assert npu_masked_out(additive, 1, 4, is_causal=True, device=dev).flatten().tolist() == [False, True, False, True]
+    additive = build_decode_mask(torch.tensor([1]), 4, torch.float32)  # 0 / finfo.min: keys 0 and 1 seen
+    assert npu_masked_out(additive, 1, 4, is_causal=True, device=dev).flatten().tolist() == [False, False, True, True]
     assert npu_masked_out(additive, 1, 2, is_causal=True, device=dev).shape[-1] == 2  # cut to the keys given
     causal = npu_masked_out(None, 3, 3, is_causal=True, device=dev)[0, 0]
     assert causal.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
@@ -236,8 +236,8 @@ def test_npu_graph_logits_equal_sdpa_with_left_padding_and_gqa(arch, tuple_outpu
         want, got = ref(input_ids=ids, attention_mask=mask).logits, npu(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
     assert torch.isfinite(got).all()  # pad queries too: no NaN to leak through 0 * NaN
-    # The static cache's path: explicit 4D additive float masks, in prefill and in every decode step.
-    caches = [StaticKVCache(m.config, 4, 12, dtype=torch.float32) for m in (ref, npu)]
+    # The paged cache's path: explicit 4D additive float masks, in prefill and in every decode step.
+    caches = [PagedKVCache(m.config, 4, 12, dtype=torch.float32) for m in (ref, npu)]
     logits = [prefill(m, c, ids, mask) for m, c in zip((ref, npu), caches)]
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)
     for _ in range(4):
@@ -284,7 +284,7 @@ def test_graph_captured_npu_graph_decoding_equals_sdpa_eager(arch, stub_npu):
 def test_uncaptured_v1_is_what_the_switch_avoids(npu_backend, npu_sdpa):
     """Control: on the stub NPU, capturing an sdpa step without the switch fails with 107025."""
     model = build_model("tiny-llama", seed=2, attn_implementation="sdpa")
-    cache = StaticKVCache(model.config, 2, 8, dtype=torch.float32)
+    cache = PagedKVCache(model.config, 2, 8, dtype=torch.float32)
     ids, mask = prompts(2, 3)
     prefill(model, cache, ids, mask)  # eager: v1 is fine outside capture
     assert launches(npu_sdpa, "v1", capturing=False)
@@ -428,20 +428,23 @@ def test_failed_capture_leaves_host_counters_as_before(backend, failure, request
 @pytest.mark.stub
 def test_failed_capture_restores_counters_at_the_runner():
     """The counter a failed capture advanced (through a row view of the cache) is put back by the runner."""
+    from hybrid_engine.decode.kv_pool import KVBudget
     from hybrid_engine.graphs.keys import GraphKey
     from hybrid_engine.graphs.runner import DecodeGraphRunner
 
     model = build_model("tiny-llama", seed=1)
     runner = DecodeGraphRunner(model)
-    slots = runner.prepare(rows=2, capacity=8, num_eos=1, graphs=True)
+    slots = runner.prepare(rows=2, capacity=8, num_eos=1, graphs=True,
+                           budget=KVBudget(16, None, None, "RolloutConfig.kv_cache", 4, 4))
     view = slots.cache.rows_view(0, 2)
+    view.write_slots, view.fresh = torch.zeros(2, dtype=torch.int64), True  # both rows write the null page
 
     def step():
         view.update(torch.zeros(2, 2, 1, 16), torch.zeros(2, 2, 1, 16), 0)
         if is_capturing():
             raise RuntimeError("fails after advancing host state")
 
-    key = GraphKey(2, (False, False, False))
+    key = GraphKey(2, 1, (False, False, False))
     runner._run(key, step)  # warm-up (eager): counted
     assert slots.cache.num_updates == 1
     with pytest.warns(GraphRefusedWarning, match="fails after advancing host state"):

@@ -48,8 +48,10 @@ def python_block(name: str, heading: str) -> str:
 def check_use_it(scope: dict) -> None:
     engine, batch, rollout = scope["engine"], scope["batch"], scope["rollout"]
     assert engine.graph_stats.captures > 0 and engine.graph_stats.fallbacks == 0
-    # One capture per bucket the call may reach (EOS can end rows early, so every bucket up to 16).
-    assert rollout.last_stats["graph_captures"] == len(rollout.graph_stats.buckets) == 5
+    # One capture per bucket the call may reach (EOS can end rows early, so every bucket up to 16) and span of
+    # pages its rows reach: no key twice.
+    assert rollout.graph_stats.buckets == (1, 2, 4, 8, 16)
+    assert rollout.last_stats["graph_captures"] == rollout.graph_stats.graph_keys
     assert batch.response_logprobs.shape[0] == 16  # 4 prompts x 4 samples
     assert engine.global_steps == 1
 

@@ -114,7 +114,7 @@ def test_released_decode_buffers_are_freed_at_once_not_when_the_cyclic_collector
     try:
         rollout.generate(small, SAMPLED)
         slots = weakref.ref(rollout.runner.slots)
-        kv = weakref.ref(rollout.runner.slots.cache.kv)
+        kv = weakref.ref(rollout.runner.slots.cache.pool.keys[0])
         rollout.release()
         assert slots() is None and kv() is None
         rollout.generate(small, SamplingConfig(max_new_tokens=4))
@@ -377,7 +377,7 @@ def test_an_interrupted_call_propagates_and_the_next_calls_are_exact(path, kind,
         assert torch.equal(call(graph, ids_a, mask_a), want_a)
     s = graph.graph_stats
     assert s.fallbacks == 0  # nothing left broken
-    if where == "hook":  # removing the injected hook changed what graphs bake in: one recapture, per bucket
-        assert s.invalidations == 1 and s.captures - captured_before == len(s.buckets)
-    else:  # no key captured twice
-        assert s.invalidations == 0 and s.captures == len(s.buckets)
+    if where == "hook":  # removing the injected hook changed what graphs bake in: one recapture, per key
+        assert s.invalidations == 1 and s.captures - captured_before == s.graph_keys
+    else:  # no key (bucket, span, sampling mode) captured twice
+        assert s.invalidations == 0 and s.captures == s.graph_keys

@@ -123,8 +123,10 @@ def precision_config(dtype: torch.dtype) -> dict[str, Any]:
 _MODEL_CACHE: dict[tuple, Any] = {}
 
 
-def build_bench_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """A fresh model (same weights for the same seed) from ``--model`` or ``--model-path``, on ``device``.
+def build_bench_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                      **config_overrides: Any):
+    """A fresh model (same weights for the same seed) from ``--model`` or ``--model-path``, on ``device``;
+    ``config_overrides`` change a config-built model's config (``max_position_embeddings``, say).
 
     The weights are built (or loaded) once on the CPU, where the seeded init is
     reproducible, and each call returns an independent copy moved to ``device``:
@@ -132,7 +134,8 @@ def build_bench_model(args: argparse.Namespace, dtype: torch.dtype, device: torc
     """
     import copy
 
-    key = (getattr(args, "model_path", None) or resolve_model_name(args.model), dtype, seed)
+    key = (getattr(args, "model_path", None) or resolve_model_name(args.model), dtype, seed,
+           tuple(sorted(config_overrides.items())))
     if key not in _MODEL_CACHE:
         _MODEL_CACHE.clear()  # one model at a time: a 1.3B master copy is big enough
         if getattr(args, "model_path", None):
@@ -141,7 +144,7 @@ def build_bench_model(args: argparse.Namespace, dtype: torch.dtype, device: torc
         else:
             from hybrid_engine.tiny_models import build_model
 
-            model = build_model(resolve_model_name(args.model), seed=seed, dtype=dtype)
+            model = build_model(resolve_model_name(args.model), seed=seed, dtype=dtype, **config_overrides)
         _MODEL_CACHE[key] = model
     return copy.deepcopy(_MODEL_CACHE[key]).to(device)
 

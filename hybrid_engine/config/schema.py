@@ -30,6 +30,7 @@ from pydantic import (
     model_validator,
 )
 
+from hybrid_engine.decode.kv_pool import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from hybrid_engine.distributed.world import world_size
 from hybrid_engine.user_warnings import user_stacklevel
 
@@ -451,6 +452,11 @@ class HybridEngineConfig(BaseModel):
     enable_graph_capture: StrictBool = False
     #: Under ZeRO-3, keep an unpartitioned copy for generation, refreshed in place after each step (graphs allowed).
     zero3_gathered_inference_copy: StrictBool = False
+    #: Tokens per page of generate's K/V pool, and the pool's budget in tokens or bytes (unset: what the call's
+    #: rows could hold at once, never more than max_out_tokens rows would take).
+    kv_page_size: StrictInt = Field(default=DEFAULT_PAGE_SIZE, ge=1, le=MAX_PAGE_SIZE)
+    kv_cache_tokens: StrictInt | None = Field(default=None, gt=0)
+    kv_cache_bytes: StrictInt | None = Field(default=None, gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -481,6 +487,8 @@ class HybridEngineConfig(BaseModel):
                     f"remove the deprecated hybrid_engine.{_DEPRECATED_ALIAS}"
                 )
             data.setdefault(_ALIAS_TARGET, old)
+        if data.get("kv_cache_tokens") is not None and data.get("kv_cache_bytes") is not None:
+            raise ValueError("hybrid_engine: set kv_cache_tokens or kv_cache_bytes, not both (they size the same pool)")
         return data
 
     @field_validator("max_out_tokens")

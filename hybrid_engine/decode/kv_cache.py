@@ -1,62 +1,31 @@
-"""A graph-safe static KV cache that is a transformers ``Cache``.
+"""The decode cache as a transformers ``Cache``: per-row block tables into a shared paged pool.
 
-Why this exists: decode steps are captured once into an accelerator graph and
-replayed for every later step. A capture freezes every *host* value (Python
-ints, shapes, anything read with ``.item()``) and every tensor *address*. So
-all state that changes from one decode step to the next must live in device
-tensors that are updated in place, and nothing in the step may read device
-state on the host. transformers' own caches keep host-side lengths (4.57) or a
-single shared length (5.x ``StaticLayer.cumulative_length``), which cannot
-express rows of different lengths; this cache keeps per-row state on device.
+Why: decode steps are captured once and replayed, and a capture freezes every
+host value and every address. So all per-row state lives in device tensors
+updated in place, and nothing in a step reads the device on the host.
+transformers' own caches keep host-side lengths (4.57) or one shared length
+(5.x), which cannot express rows of different lengths.
 
-Invariants
-----------
-* K/V live in one buffer, ``kv``, allocated once in ``__init__`` and never
-  reallocated or swapped (``reset``/``copy_rows``/``load_rows`` write into it in
-  place), so a captured graph keeps reading the right storage. Its shape is
-  ``[num_layers, 2, batch_size, num_kv_heads, capacity, head_dim]``; layer ``i``'s
-  keys and values are its contiguous ``[i, 0]`` and ``[i, 1]`` views
-  (``head_dim`` from the config when it names one, e.g. Qwen3; otherwise
-  hidden/heads; GPT-2/OPT have no ``num_key_value_heads`` and use
-  ``num_attention_heads``). Moving or emptying rows is therefore one op over
-  every layer, whatever the depth (compaction). Loading rows from another cache
-  (admission rounds) gathers one layer at a time instead: the gathered rows are
-  a temporary, and inside a captured admission round it stays in the graph pool
-  for good, so it is one layer's rows, not the whole depth's.
-* Per-row device state, all ``[batch_size]``-leading and updated in place:
-  ``write_pos`` (int64, next buffer slot each row writes), ``valid`` (bool
-  ``[B, capacity]``, which slots a query may attend), ``position`` (int64, the
-  next position id of each row; differs from ``write_pos`` under left padding).
-* :meth:`update` writes row ``b``'s new keys at ``write_pos[b] + arange(q_len)``
-  with ``scatter_`` (no host reads; a prefill, where every ``write_pos`` is 0,
-  says so with the host flag ``writes_at_start`` and gets a plain copy) and
-  returns the full buffers, or views of the first ``kv_len`` slots when the
-  host int ``cache.kv_len`` is set (a per-position graph captures with
-  ``kv_len`` frozen). It does NOT advance
-  ``write_pos``: the step function does that once per forward, after all layers.
-* Host-side checks (bounds, dtype, batch) read device values, so they run only
-  when the current stream is not capturing
-  (:func:`~hybrid_engine.accelerator.is_capturing`).
-* :meth:`get_seq_length` / :meth:`get_query_offset` return a 0-dim device
-  tensor (``max(write_pos)``) inside every model step, eager or captured
-  (:attr:`StaticKVCache.answer_on_device`; transformers' own 5.x ``StaticLayer``
-  also returns a tensor), so model code that calls them (OPT's decoder, at
-  every forward) never syncs, and eager steps run what captured ones do; a
-  host ``int`` otherwise. With per-row lengths
-  there is no single "sequence length": callers must pass an explicit 4D mask
-  and position ids (see :mod:`hybrid_engine.decode.step`).
-* Host-side state (Python values a captured step would advance) is kept to
-  one counter, ``num_updates``, shared by a cache and all its row views, and
-  :meth:`host_state`/:meth:`restore_host_state` save and restore it. A capture
-  applies none of its device work, so when one fails its owner restores the
-  host state too, and the eager fallback runs from where the step started.
+Device state, all ``[rows]``-leading: ``block_table`` (int64 ``[rows, max_pages]``:
+the pool page holding each row's logical page; :data:`~hybrid_engine.decode.kv_pool.NULL_PAGE`
+where none), ``write_pos`` (tokens the row holds: the logical index its next
+token is written at) and ``position`` (its next position id). A row's tokens
+sit at logical indices ``0..write_pos-1`` with no padding between them, so a
+query attends keys ``j <= write_pos`` and nothing else needs a mask.
 
-Works with transformers 4.57 (``get_mask_sizes(cache_position, layer_idx)``,
-``get_max_cache_shape``, ``max_batch_size``/``max_cache_len``) and 5.x
-(``get_mask_sizes(query_length, layer_idx)``, ``get_query_offset``,
-``get_max_length``, ``update(..., kwargs=...)``, ``is_linear``/``is_dummy``).
-Sliding-window attention is not masked here, so configs whose window is smaller
-than the capacity are refused.
+A forward sets two device index tensors before it runs (the step functions in
+:mod:`hybrid_engine.decode.step` compute them): ``write_slots`` (the pool slot
+of every new token; padding and finished rows write the null page) and, unless
+``fresh`` (a prefill attends over its own new states), ``read_slots``: the
+slots of the first ``span_pages`` pages of every row, gathered in logical
+order. What a capture freezes is the span (a host int: one graph per span
+bucket) and the shapes; the pages a row reads are table data.
+
+Host-side checks (shapes, dtype, bounds) read device values, so they run only
+outside capture. ``get_seq_length``/``get_query_offset`` answer a 0-dim device
+tensor inside a model step (:attr:`answer_on_device`) and while capturing.
+Works with transformers 4.57 and 5.x. Sliding-window attention is not masked
+here, so configs whose window is smaller than the capacity are refused.
 """
 
 from __future__ import annotations
@@ -69,8 +38,9 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hybrid_engine.accelerator import is_capturing
+from hybrid_engine.decode.kv_pool import DEFAULT_PAGE_SIZE, NULL_PAGE, KVPool, LayerSpec, pages_for
 
-__all__ = ["StaticKVCache", "cache_geometry", "sliding_window"]
+__all__ = ["PagedKVCache", "cache_geometry", "layer_specs", "sliding_window"]
 
 
 class _HostCounters:
@@ -108,30 +78,35 @@ def sliding_window(config: PretrainedConfig) -> int | None:
     return int(window)
 
 
-class _StaticKVLayer(CacheLayerMixin):
-    """One layer's view of a :class:`StaticKVCache` (what ``cache.layers[i]`` holds)."""
+def layer_specs(config: PretrainedConfig) -> list[LayerSpec]:
+    """What each layer of ``config``'s decoder caches per token."""
+    num_layers, heads, head_dim = cache_geometry(config)
+    return [LayerSpec(heads, head_dim, head_dim)] * num_layers
+
+
+class _PagedKVLayer(CacheLayerMixin):
+    """One layer's view of a :class:`PagedKVCache` (what ``cache.layers[i]`` holds)."""
 
     is_compileable = True
     is_sliding = False
     is_croppable = False
     supports_early_init = True
 
-    def __init__(self, owner: "StaticKVCache", layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, owner: "PagedKVCache", layer_idx: int):
         super().__init__()
-        # A proxy, not a reference: the cache holds its layers, and a cycle would keep the KV buffers alive
-        # after release() until Python's cyclic collector happened to run.
+        # A proxy, not a reference: the cache holds its layers, and a cycle would keep the pool alive after
+        # release() until Python's cyclic collector happened to run.
         self._owner = weakref.proxy(owner)
         self.layer_idx = layer_idx
-        self.keys = keys
-        self.values = values
+        self.keys = owner.pool.keys[layer_idx]  # token-major pool storage [slots, heads, dim]
+        self.values = owner.pool.values[layer_idx]
         self.is_initialized = True
-        self.device = keys.device
-        self.max_cache_len = keys.shape[2]
-        self.max_batch_size = keys.shape[0]
-        self.batch_size = keys.shape[0]
-        self.num_heads = keys.shape[1]
+        self.device = self.keys.device
+        self.max_cache_len = owner.capacity
+        self.max_batch_size = self.batch_size = owner.batch_size
+        self.num_heads = self.keys.shape[1]
 
-    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:  # buffers exist from the start
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:  # storage exists from the start
         return None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -153,86 +128,97 @@ class _StaticKVLayer(CacheLayerMixin):
         self._owner.reset()
 
     def offload(self) -> None:
-        raise NotImplementedError("StaticKVCache buffers have fixed addresses and cannot be offloaded")
+        raise NotImplementedError("PagedKVCache pages have fixed addresses and cannot be offloaded")
 
     def prefetch(self) -> None:
         return None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.keys.copy_(self.keys.index_select(0, beam_idx.to(self.device)))
-        self.values.copy_(self.values.index_select(0, beam_idx.to(self.device)))
+        raise NotImplementedError("PagedKVCache does not reorder beams; beam search is delegated to transformers")
 
     def crop(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("StaticKVCache does not support crop(); use reset_rows()")
+        raise NotImplementedError("PagedKVCache does not support crop(); use reset_rows()")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("StaticKVCache has a fixed batch size; use copy_rows() to replicate rows")
+        raise NotImplementedError("PagedKVCache has a fixed batch size; share pages through the block table")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("StaticKVCache has a fixed batch size; use copy_rows() to compact rows")
+        raise NotImplementedError("PagedKVCache has a fixed batch size; use copy_rows() to compact rows")
 
 
-class StaticKVCache(Cache):
-    """Fixed-address KV cache with per-row write positions, validity and position ids (see module docstring)."""
+class PagedKVCache(Cache):
+    """Per-row block tables, write positions and position ids over a :class:`~hybrid_engine.decode.kv_pool.KVPool`.
 
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        batch_size: int,
-        capacity: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    ``capacity`` is the longest sequence one row may hold. Without ``pool``, the
+    cache owns a pool in which row ``b`` holds pages ``1 + b * max_pages ...``
+    for good (a self-contained cache, as for one ``prefill`` and decode loop);
+    with ``pool``, every table entry starts at the null page and the owner
+    assigns pages (:class:`~hybrid_engine.decode.kv_pool.PageLedger`).
+    """
+
+    def __init__(self, config: PretrainedConfig, batch_size: int, capacity: int, *,
+                 page_size: int = DEFAULT_PAGE_SIZE, pool: KVPool | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"StaticKVCache: batch_size must be a positive int, got {batch_size!r}")
+            raise ValueError(f"PagedKVCache: batch_size must be a positive int, got {batch_size!r}")
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-            raise ValueError(f"StaticKVCache: capacity must be a positive int, got {capacity!r}")
+            raise ValueError(f"PagedKVCache: capacity must be a positive int, got {capacity!r}")
         window = sliding_window(config)
         if window is not None and window < capacity:
             raise ValueError(
-                f"StaticKVCache: the config uses sliding-window attention (window {window}) smaller than "
+                f"PagedKVCache: the config uses sliding-window attention (window {window}) smaller than "
                 f"capacity {capacity}; sliding windows are not supported by this cache"
             )
-        if dtype is None:
-            cfg_dtype = getattr(config, "dtype", None)  # 4.57 and 5.x; `torch_dtype` is deprecated
-            dtype = cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.get_default_dtype()
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        num_layers, num_kv_heads, head_dim = cache_geometry(config)
-        kv = torch.zeros((num_layers, 2, batch_size, num_kv_heads, capacity, head_dim), dtype=dtype, device=device)
-        self._setup(
-            kv,
-            torch.zeros(batch_size, dtype=torch.int64, device=device),
-            torch.zeros(batch_size, dtype=torch.int64, device=device),
-            torch.zeros(batch_size, capacity, dtype=torch.bool, device=device),
-        )
+        if pool is None:
+            if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+                raise ValueError(f"PagedKVCache: page_size must be a positive int, got {page_size!r}")
+            if dtype is None:
+                cfg_dtype = getattr(config, "dtype", None)  # 4.57 and 5.x; `torch_dtype` is deprecated
+                dtype = cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.get_default_dtype()
+            device = torch.device(device) if device is not None else torch.device("cpu")
+            max_pages = pages_for(capacity, page_size)
+            pool = KVPool(layer_specs(config), 1 + batch_size * max_pages, page_size, device=device, dtype=dtype)
+            table = 1 + torch.arange(batch_size * max_pages, device=device).view(batch_size, max_pages)
+            owns = True
+        else:
+            if len(pool.layers) != len(layer_specs(config)):
+                raise ValueError(f"PagedKVCache: the pool has {len(pool.layers)} layers, the config "
+                                 f"{len(layer_specs(config))}")
+            max_pages = pages_for(capacity, pool.page_size)
+            table = torch.full((batch_size, max_pages), NULL_PAGE, dtype=torch.int64, device=pool.device)
+            owns = False
+        i64 = dict(dtype=torch.int64, device=pool.device)
+        self._setup(pool, table, torch.zeros(batch_size, **i64), torch.zeros(batch_size, **i64), capacity)
+        #: Whether this cache made its pool (row ``b`` then holds its pages for good).
+        self._owns_pool = owns
 
-    def _setup(self, kv: torch.Tensor, write_pos: torch.Tensor, position: torch.Tensor, valid: torch.Tensor,
-               host: _HostCounters | None = None) -> None:
-        super().__init__(layers=[_StaticKVLayer(self, i, kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])])
-        #: Every layer's K and V, ``[num_layers, 2, batch_size, num_kv_heads, capacity, head_dim]``.
-        self.kv = kv
-        self._batch_size = kv.shape[2]
-        self._capacity = kv.shape[4]
-        self._dtype = kv.dtype
-        self._device = kv.device
-        self.num_kv_heads = kv.shape[3]
-        self.head_dim = kv.shape[5]
+    def _setup(self, pool: KVPool, block_table: torch.Tensor, write_pos: torch.Tensor, position: torch.Tensor,
+               capacity: int, host: _HostCounters | None = None) -> None:
+        self.pool = pool
+        self.block_table = block_table
         self.write_pos = write_pos
         self.position = position
-        self.valid = valid
-        #: Host int set by the caller: attention spans only the first ``kv_len`` slots (None: all).
+        self._capacity = capacity
+        self._batch_size = block_table.shape[0]
+        super().__init__(layers=[_PagedKVLayer(self, i) for i in range(len(pool.layers))])
+        #: Host int: how many pages of each row attention reads (``None``: all ``max_pages``). Frozen in a
+        #: capture, so the runner keys decode graphs by it (span buckets).
+        self.span_pages: int | None = None
+        #: Host int set by the step functions: the K/V length the current forward returns.
         self.kv_len: int | None = None
+        #: Host flag set by prefill: ``update`` returns the new states themselves (a prompt attends to itself).
+        self.fresh = False
+        #: Device indices of the current forward (see the module docstring).
+        self.write_slots: torch.Tensor | None = None
+        self.read_slots: torch.Tensor | None = None
         #: Read write positions on the host to bounds-check each write (outside capture only).
         #: Owners that validate lengths up front (the engines) turn it off: it costs a sync per step.
         self.bounds_checks = True
         #: Set around a model forward by :mod:`hybrid_engine.decode.step`: sequence-length queries get a device
         #: tensor, as while capturing, so an eager step reads nothing on the host either.
         self.answer_on_device = False
-        #: Host flag set by :func:`~hybrid_engine.decode.step.prefill` while every row's ``write_pos`` is 0:
-        #: ``update`` then copies into the first ``q_len`` slots, a plain copy instead of a scatter.
-        self.writes_at_start = False
         self._host = host if host is not None else _HostCounters()
+        self._owns_pool = False
 
     @property
     def num_updates(self) -> int:
@@ -269,12 +255,28 @@ class StaticKVCache(Cache):
         return self._capacity
 
     @property
+    def max_pages(self) -> int:
+        return self.block_table.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.pool.layers[0].heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.pool.layers[0].key_dim
+
+    @property
     def dtype(self) -> torch.dtype:
-        return self._dtype
+        return self.pool.dtype
 
     @property
     def device(self) -> torch.device:
-        return self._device
+        return self.pool.device
 
     @property
     def is_compileable(self) -> bool:
@@ -300,8 +302,9 @@ class StaticKVCache(Cache):
     def is_croppable(self) -> bool:
         return False
 
-    def _span(self) -> int:
-        return self._capacity if self.kv_len is None else self.kv_len
+    def span_tokens(self) -> int:
+        """Tokens of each row that a decode step reads: ``span_pages`` pages (all pages when unset)."""
+        return (self.max_pages if self.span_pages is None else self.span_pages) * self.page_size
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return self._capacity
@@ -310,11 +313,11 @@ class StaticKVCache(Cache):
         return self._capacity
 
     def get_mask_sizes(self, query_length_or_cache_position: Any = None, layer_idx: int = 0) -> tuple[int, int]:
-        """``(kv_length, kv_offset)``: the span attention sees (``kv_len`` or capacity), offset 0.
+        """``(kv_length, kv_offset)``: the K/V length the current forward returns, offset 0.
 
         Accepts both the 4.57 form ``(cache_position, layer_idx)`` and the 5.x form ``(query_length, layer_idx)``.
         """
-        return self._span(), 0
+        return (self.kv_len if self.kv_len is not None else self.span_tokens()), 0
 
     def get_seq_length(self, layer_idx: int | None = 0) -> Any:
         """``max(write_pos)``: a 0-dim device tensor inside a model step (:attr:`answer_on_device`, set by
@@ -325,18 +328,31 @@ class StaticKVCache(Cache):
         return int(longest)
 
     def get_query_offset(self, layer_idx: int = 0) -> Any:
-        """Slot of the next query (rows written in lockstep); same type rules as :meth:`get_seq_length`."""
+        """Logical index of the next query (rows written in lockstep); same type rules as :meth:`get_seq_length`."""
         return self.get_seq_length(layer_idx)
 
     def memory_bytes(self) -> int:
-        """Bytes held by the K/V buffers and the per-row state."""
-        return self.kv.nbytes + self.write_pos.nbytes + self.position.nbytes + self.valid.nbytes
+        """Bytes of the block table and per-row state (and of the pool, for a cache that made its own)."""
+        own = self.block_table.nbytes + self.write_pos.nbytes + self.position.nbytes
+        return own + (self.pool.memory_bytes() if self._owns_pool else 0)
 
     def __repr__(self) -> str:
-        return (
-            f"StaticKVCache(layers={len(self.layers)}, batch_size={self._batch_size}, capacity={self._capacity}, "
-            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self._dtype}, device={self._device})"
-        )
+        return (f"PagedKVCache(layers={len(self.layers)}, batch_size={self._batch_size}, capacity={self._capacity}, "
+                f"page_size={self.page_size}, pool_pages={self.pool.num_pages}, dtype={self.dtype}, "
+                f"device={self.device})")
+
+    # ------------------------------------------------------------ indices
+    def token_slots(self, logical: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Pool slots of each row's logical token indices ``logical [rows, T]`` (capture-safe); where ``keep``
+        is false, the null page's first slot."""
+        page_index = torch.div(logical, self.page_size, rounding_mode="floor").clamp_(0, self.max_pages - 1)
+        slots = self.block_table.gather(1, page_index) * self.page_size + logical.remainder(self.page_size)
+        return slots if keep is None else torch.where(keep, slots, NULL_PAGE * self.page_size)
+
+    def span_slots(self) -> torch.Tensor:
+        """The pool slots of every row's first ``span_pages`` pages, ``[rows * span_tokens]`` (capture-safe)."""
+        span = self.max_pages if self.span_pages is None else self.span_pages
+        return self.pool.page_slots(self.block_table[:, :span]).flatten()
 
     # ----------------------------------------------------------------- update
     def update(
@@ -347,158 +363,114 @@ class StaticKVCache(Cache):
         cache_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``[B, H, q_len, D]`` states at each row's ``write_pos``; return the (``kv_len``-sliced) buffers."""
-        layer = self.layers[layer_idx]
-        q_len = key_states.shape[2]
+        """Write ``[B, H, q_len, D]`` states at ``write_slots``; return them (``fresh``), else the rows' spans
+        gathered from the pool as ``[B, H, span_tokens, D]``."""
         if torch.is_autocast_enabled(key_states.device.type):
             # Autocast mixes dtypes (bf16 projections, fp32 RoPE): store each in the cache's dtype, as exactly as
             # transformers' DynamicCache keeps them, since attention under autocast casts its inputs down anyway.
-            key_states, value_states = key_states.to(self._dtype), value_states.to(self._dtype)
+            key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
         if not is_capturing():
-            self._check_update(layer, key_states, value_states, q_len)
-        if self.writes_at_start:
-            layer.keys[:, :, :q_len].copy_(key_states)
-            layer.values[:, :, :q_len].copy_(value_states)
-        else:
-            slots = self.write_pos[:, None] + torch.arange(q_len, device=self.write_pos.device)
-            index = slots[:, None, :, None].expand(key_states.shape)
-            layer.keys.scatter_(2, index, key_states)
-            layer.values.scatter_(2, index, value_states)
+            self._check_update(layer_idx, key_states, value_states)
+        b, h, t = key_states.shape[:3]
+        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
+        keys.index_copy_(0, self.write_slots, key_states.transpose(1, 2).reshape(b * t, h, keys.shape[2]))
+        values.index_copy_(0, self.write_slots, value_states.transpose(1, 2).reshape(b * t, h, values.shape[2]))
         self.num_updates += 1
-        if self.kv_len is None:
-            return layer.keys, layer.values
-        return layer.keys[:, :, : self.kv_len], layer.values[:, :, : self.kv_len]
+        if self.fresh:
+            return key_states, value_states
+        read = self.read_slots
+        span = read.numel() // b
+        return (keys.index_select(0, read).view(b, span, h, keys.shape[2]).transpose(1, 2),
+                values.index_select(0, read).view(b, span, h, values.shape[2]).transpose(1, 2))
 
-    def _check_update(self, layer: _StaticKVLayer, key_states: torch.Tensor, value_states: torch.Tensor,
-                      q_len: int) -> None:
-        expected = (self._batch_size, self.num_kv_heads, q_len, self.head_dim)
-        if tuple(key_states.shape) != expected or tuple(value_states.shape) != expected:
+    def _check_update(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        spec = self.pool.layers[layer_idx]
+        q_len = key_states.shape[2]
+        expected_k = (self._batch_size, spec.heads, q_len, spec.key_dim)
+        expected_v = (self._batch_size, spec.heads, q_len, spec.value_dim)
+        if tuple(key_states.shape) != expected_k or tuple(value_states.shape) != expected_v:
             raise ValueError(
-                f"StaticKVCache.update: key/value states of shape {tuple(key_states.shape)}/"
-                f"{tuple(value_states.shape)} do not match the cache layout {expected}"
+                f"PagedKVCache.update: key/value states of shape {tuple(key_states.shape)}/"
+                f"{tuple(value_states.shape)} do not match the cache layout {expected_k}/{expected_v}"
             )
-        if key_states.dtype != self._dtype or value_states.dtype != self._dtype:
+        if key_states.dtype != self.dtype or value_states.dtype != self.dtype:
             raise ValueError(
-                f"StaticKVCache.update: key/value states have dtypes {key_states.dtype}/{value_states.dtype}, the "
-                f"cache holds {self._dtype}; build the cache with dtype=model.dtype"
+                f"PagedKVCache.update: key/value states have dtypes {key_states.dtype}/{value_states.dtype}, the "
+                f"cache holds {self.dtype}; build the cache with dtype=model.dtype"
             )
-        if self.kv_len is not None and not 1 <= self.kv_len <= self._capacity:
-            raise ValueError(f"StaticKVCache: kv_len={self.kv_len} is outside 1..capacity={self._capacity}")
-        if not self.bounds_checks:
+        if self.write_slots is None or self.write_slots.numel() != self._batch_size * q_len:
+            raise ValueError("PagedKVCache.update: no write slots for this forward; run the model through "
+                             "hybrid_engine.decode.step.prefill or decode_one_token")
+        if not self.fresh and (self.read_slots is None or self.read_slots.numel() % self._batch_size):
+            raise ValueError("PagedKVCache.update: no read slots for this forward")
+
+    def check_room(self, q_len: int) -> None:
+        """Outside capture, with ``bounds_checks``: refuse ``q_len`` more tokens in a row past the capacity or
+        the span (one host read)."""
+        if is_capturing() or not self.bounds_checks:
             return
         end = int(self.write_pos.max()) + q_len
-        limit = self._span()
+        limit = min(self._capacity, self.span_tokens())
         if end > limit:
-            what = "capacity" if self.kv_len is None else "kv_len"
+            what = "capacity" if limit == self._capacity else "span"
             raise ValueError(
-                f"StaticKVCache.update: writing {q_len} token(s) at write position {end - q_len} would end at "
-                f"{end}, past {what}={limit}"
+                f"PagedKVCache: writing {q_len} token(s) at write position {end - q_len} would end at {end}, past "
+                f"{what}={limit}; the cache is full"
             )
 
-    def rows_view(self, start: int, stop: int, capacity: int | None = None) -> "StaticKVCache":
-        """A cache over rows ``start..stop-1`` (and slots ``0..capacity-1``) sharing this cache's storage.
+    # -------------------------------------------------------------- row views
+    def rows_view(self, start: int, stop: int) -> "PagedKVCache":
+        """A cache over rows ``start..stop-1`` sharing this cache's pool, tables and state.
 
-        A graph captured on a view reads and writes exactly those addresses of this
-        cache, so graphs of several batch buckets share one allocation; a prefill into
-        contiguous rows writes them directly.
+        A graph captured on a view reads and writes exactly those rows, so graphs
+        of several batch buckets share one allocation.
         """
-        capacity = self._capacity if capacity is None else capacity
-        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= self._batch_size
-                and isinstance(capacity, int) and 1 <= capacity <= self._capacity):
-            raise ValueError(f"StaticKVCache.rows_view: need 0 <= start < stop <= {self._batch_size} and "
-                             f"1 <= capacity <= {self._capacity}, got {start!r}, {stop!r}, {capacity!r}")
-        view = StaticKVCache.__new__(StaticKVCache)
-        view._setup(
-            self.kv[:, :, start:stop, :, :capacity],
-            self.write_pos[start:stop],
-            self.position[start:stop],
-            self.valid[start:stop, :capacity],
-            self._host,
-        )
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= self._batch_size):
+            raise ValueError(f"PagedKVCache.rows_view: need 0 <= start < stop <= {self._batch_size}, got "
+                             f"{start!r}, {stop!r}")
+        view = PagedKVCache.__new__(PagedKVCache)
+        view._setup(self.pool, self.block_table[start:stop], self.write_pos[start:stop], self.position[start:stop],
+                    self._capacity, self._host)
         view.bounds_checks = self.bounds_checks
+        view._owns_pool = self._owns_pool
         return view
-
-    # -------------------------------------------------------------- row state
-    def _row_state(self) -> tuple[torch.Tensor, ...]:
-        """The per-row tensors besides ``kv`` (rows on dim 0; ``kv`` holds them on dim 2)."""
-        return self.valid, self.write_pos, self.position
 
     def _rows(self, rows: torch.Tensor | Any, name: str, checked: bool = False) -> torch.Tensor:
         """``rows`` as an int64 device tensor; its range is checked (two host reads) unless ``checked``."""
-        rows = torch.as_tensor(rows, dtype=torch.int64, device=self._device)
+        rows = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
         if rows.dim() != 1:
-            raise ValueError(f"StaticKVCache: {name} must be a 1-D tensor of row indices, got shape {tuple(rows.shape)}")
+            raise ValueError(f"PagedKVCache: {name} must be a 1-D tensor of row indices, got shape {tuple(rows.shape)}")
         if checked or is_capturing():
             return rows
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self._batch_size):
-            raise ValueError(f"StaticKVCache: {name} must lie in 0..{self._batch_size - 1}")
+            raise ValueError(f"PagedKVCache: {name} must lie in 0..{self._batch_size - 1}")
         return rows
 
     def reset(self) -> None:
-        """Empty every row (in place; addresses unchanged)."""
-        self.kv.zero_()
-        for t in self._row_state():
-            t.zero_()
+        """Every row empty (in place). A cache that owns its pool keeps its pages; a shared pool's rows let go
+        of theirs (their owner frees them)."""
+        if not self._owns_pool:
+            self.block_table.fill_(NULL_PAGE)
+        self.write_pos.zero_()
+        self.position.zero_()
 
-    def reset_rows(self, rows: torch.LongTensor) -> None:
-        """Empty the given rows: K/V zeroed, nothing valid, write position and position id 0."""
-        rows = self._rows(rows, "rows")
-        self.kv.index_fill_(2, rows, 0)
-        for t in self._row_state():
-            t.index_fill_(0, rows, 0)
+    def reset_rows(self, rows: torch.LongTensor, *, checked: bool = False) -> None:
+        """Empty the given rows: no pages (shared pool), write position and position id 0."""
+        rows = self._rows(rows, "rows", checked)
+        if not self._owns_pool:
+            self.block_table.index_fill_(0, rows, NULL_PAGE)
+        self.write_pos.index_fill_(0, rows, 0)
+        self.position.index_fill_(0, rows, 0)
 
     def copy_rows(self, src_rows: torch.LongTensor, dst_rows: torch.LongTensor, *, checked: bool = False) -> None:
-        """Copy K/V, ``valid``, ``write_pos`` and ``position`` of ``src_rows[i]`` into ``dst_rows[i]``.
+        """Point rows ``dst_rows[i]`` at the pages of ``src_rows[i]`` and copy their lengths and positions.
 
-        Sources are gathered before anything is written, so overlapping sets are fine
-        (e.g. compaction). Use it to fan one prefilled prompt out to ``n`` rows.
-        ``checked=True``: the caller guarantees the rows are in range (no host read).
+        No K/V moves: the rows share pages afterwards, so moving a row (compaction) costs its table entry.
+        Sources are gathered before anything is written, so overlapping sets are fine.
         """
         src = self._rows(src_rows, "src_rows", checked)
         dst = self._rows(dst_rows, "dst_rows", checked)
         if src.shape != dst.shape:
-            raise ValueError(f"StaticKVCache.copy_rows: src_rows has {src.numel()} rows, dst_rows {dst.numel()}")
-        self.kv.index_copy_(2, dst, self.kv.index_select(2, src))
-        for t in self._row_state():
+            raise ValueError(f"PagedKVCache.copy_rows: src_rows has {src.numel()} rows, dst_rows {dst.numel()}")
+        for t in (self.block_table, self.write_pos, self.position):
             t.index_copy_(0, dst, t.index_select(0, src))
-
-    def load_rows(self, rows: torch.LongTensor, other: "StaticKVCache", sources: torch.LongTensor | None = None, *,
-                  checked: bool = False) -> None:
-        """Copy rows of ``other`` (capacity <= ours) into ``rows``: its first ``len(rows)`` rows, or ``sources``.
-
-        ``sources[i]`` is the row of ``other`` that goes to ``rows[i]`` (a device index;
-        repeated sources fan one prompt out to several rows). Slots beyond
-        ``other.capacity`` are marked invalid; their K/V are left as they were (no query
-        attends an invalid slot), so loading a short prompt costs its own length, not
-        the capacity. ``checked=True``: the caller guarantees the rows are in range (no
-        host read; also capture-safe then).
-
-        K/V are gathered and copied one layer at a time: the gathered rows are a temporary
-        (``len(rows)`` x ``other.capacity`` K/V), which a captured admission round keeps in its
-        graph pool for good, so it stays one layer's size whatever the depth (at the cost of two
-        ops per layer instead of two in all).
-        """
-        rows = self._rows(rows, "rows", checked)
-        if sources is None and rows.numel() > other.batch_size:
-            raise ValueError(f"StaticKVCache.load_rows: {rows.numel()} rows but other has {other.batch_size}")
-        if sources is not None and sources.shape != rows.shape:
-            raise ValueError(f"StaticKVCache.load_rows: {sources.numel()} sources for {rows.numel()} rows")
-        if other.capacity > self._capacity:
-            raise ValueError(
-                f"StaticKVCache.load_rows: other capacity {other.capacity} exceeds capacity {self._capacity}"
-            )
-        if (len(other.layers), other.num_kv_heads, other.head_dim) != (
-            len(self.layers), self.num_kv_heads, self.head_dim
-        ):
-            raise ValueError("StaticKVCache.load_rows: the two caches have different layer/head geometry")
-
-        def pick(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
-            return t.narrow(dim, 0, rows.numel()) if sources is None else t.index_select(dim, sources)
-
-        self.valid.index_fill_(0, rows, False)
-        n = other.capacity
-        for layer in range(self.kv.shape[0]):
-            self.kv[layer, :, :, :, :n].index_copy_(1, rows, pick(other.kv[layer], 1).to(self._dtype))
-        self.valid[:, :n].index_copy_(0, rows, pick(other.valid))
-        self.write_pos.index_copy_(0, rows, pick(other.write_pos))
-        self.position.index_copy_(0, rows, pick(other.position))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from hybrid_engine.decode.kv_cache import StaticKVCache
+from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.npu_attention import NPU_GRAPH_ATTENTION
 from hybrid_engine.decode.step import _forward_signature, _model_dtype, decode_one_token, prefill
 
@@ -43,7 +43,7 @@ def max_positions(config: Any) -> int | None:
 
 
 def check_model_supported(model: torch.nn.Module) -> None:
-    """Raise ``TypeError``/``ValueError`` with a clear message unless ``model`` can run on a StaticKVCache.
+    """Raise ``TypeError``/``ValueError`` with a clear message unless ``model`` can run on a PagedKVCache.
 
     Requirements: a decoder-only HF model whose forward takes an external ``Cache``
     (``cache=``/``past_key_values=``) and an attention implementation that honours
@@ -65,26 +65,26 @@ def check_model_supported(model: torch.nn.Module) -> None:
         )
     _forward_signature(model)  # TypeError when the forward takes no cache
     try:
-        StaticKVCache(config, 1, 2, device=next(model.parameters()).device, dtype=_model_dtype(model))
+        PagedKVCache(config, 1, 2, device=next(model.parameters()).device, dtype=_model_dtype(model))
     except ValueError as exc:
         raise ValueError(f"{type(model).__name__}: {exc}") from exc
     model_type = getattr(config, "model_type", None)
     if model_type in SUPPORTED_MODEL_TYPES:
         return
     device = next(model.parameters()).device
-    probe = StaticKVCache(config, 1, 2, device=device, dtype=_model_dtype(model))
+    probe = PagedKVCache(config, 1, 2, device=device, dtype=_model_dtype(model))
     ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
     try:
         prefill(model, probe, ids, torch.ones_like(ids))
         decode_one_token(model, probe, ids[:, 0])
     except Exception as exc:
         raise TypeError(
-            f"{type(model).__name__} (model_type={model_type!r}) rejected past_key_values=StaticKVCache: "
+            f"{type(model).__name__} (model_type={model_type!r}) rejected past_key_values=PagedKVCache: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
     expected = 2 * len(probe.layers)
     if probe.num_updates != expected:
         raise TypeError(
             f"{type(model).__name__} (model_type={model_type!r}) did not write its keys/values through the "
-            f"external cache ({probe.num_updates} of {expected} layer updates); it cannot use StaticKVCache"
+            f"external cache ({probe.num_updates} of {expected} layer updates); it cannot use PagedKVCache"
         )

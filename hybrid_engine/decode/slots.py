@@ -5,32 +5,30 @@ re-runs fixed kernels, so everything that changes from one step to the next,
 or from one request to the next in a slot, lives in a device tensor allocated
 once here and only ever updated in place:
 
-* the static KV cache (K/V buffers, per-row ``write_pos``/``position``/``valid``);
+* the cache rows: a block table into the runner's page pool, ``write_pos`` and
+  ``position`` per slot (:class:`~hybrid_engine.decode.kv_cache.PagedKVCache`);
 * per slot: the last token fed (``tokens``), the index of the next response
   token (``token_index``), the RNG counters (``seed``, ``request_index``), the
   response budget (``budget``), the EOS floor (``min_tokens``: EOS is masked
   out while ``token_index < min_tokens``, a device comparison), the
   ``finished`` flag, and the output rows ``out_tokens``/``out_logprobs``
   ``[S, width]`` that the step scatters into at ``token_index``;
-* the EOS ids (``eos_ids``, padded with -1 to a fixed length, and ``eos_mask``
-  over the vocabulary), the pad id (``pad_id``) and the sampling knobs' values
-  (``knobs``: temperature, top-p, top-k), all written before a call.
+* the EOS ids and mask, the pad id and the sampling knobs' values, all written
+  before a call.
 
-Everything is allocated for the largest batch bucket ``S``. The bucket of ``n``
-rows is :meth:`DecodeSlots.head`: the ``[:n]`` view of every tensor, at the same
-addresses, so graphs of every bucket share one allocation and a request can
-move to a smaller bucket by moving its row (:meth:`DecodeSlots.move`).
+Everything is allocated for the largest batch bucket ``S``; bucket ``n`` is
+:meth:`DecodeSlots.head`, the ``[:n]`` view of every tensor at the same
+addresses, so graphs of every bucket share one allocation, and a request moves
+to a smaller bucket by moving its row: its table entry, not its K/V.
 
-What a capture freezes: the bucket size, the cache capacity and output width
-(shapes), and the sampling mode (greedy or sampled, top-k and top-p on or
-off: which ops run). No position, length, counter or knob value is a host
-value, so one graph serves every decode position and every temperature.
-
-The eager path runs exactly the same :meth:`DecodeSlots.step` without capture,
-so eager and graph results are bit-identical by construction. Finished and
-idle rows keep running (a static graph cannot skip rows): nothing they produce
-is recorded, they feed the pad id, and their write position and position id
-stay parked at the last slot, so they never write out of bounds.
+What a capture freezes: the bucket size, the span of pages attention reads,
+the output width (shapes), and the sampling mode (which ops run). No position,
+length, counter, page or knob value is a host value, so one graph serves every
+decode position and every temperature. The eager path runs exactly the same
+:meth:`DecodeSlots.step`, so eager and graph results are bit-identical.
+Finished and free rows keep running (a static graph cannot skip rows): they
+feed the pad id, write the null page and do not advance, and nothing they
+produce is recorded.
 """
 
 from __future__ import annotations
@@ -38,7 +36,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from hybrid_engine.decode.kv_cache import StaticKVCache
+from hybrid_engine.decode.kv_cache import PagedKVCache
+from hybrid_engine.decode.kv_pool import KVPool
 from hybrid_engine.decode.sampling import SamplingKnobs, sample_tokens
 from hybrid_engine.decode.step import decode_one_token
 
@@ -102,15 +101,14 @@ class DecodeSlots:
         width: int,
         *,
         num_eos: int,
-        position_limit: int | None,
-        device: torch.device,
-        dtype: torch.dtype,
+        pool: KVPool,
     ) -> None:
         self.rows = rows
         self.capacity = capacity
         self.width = width
-        self.cache = StaticKVCache(model.config, rows, capacity, device=device, dtype=dtype)
-        # Lengths are validated before admission and idle rows are parked: skip the per-step host read.
+        device = pool.device
+        self.cache = PagedKVCache(model.config, rows, capacity, pool=pool)
+        # Lengths and pages are planned on the host before every step: skip the per-step host read.
         self.cache.bounds_checks = False
         i64 = dict(dtype=torch.int64, device=device)
         self.tokens = torch.zeros(rows, **i64)
@@ -131,10 +129,6 @@ class DecodeSlots:
         self.knobs = SamplingKnobs(device)
         self.vocab = vocab_sizes(model)  # (logits width, input-embedding rows)
         self.eos_reachable = False
-        # Parking spot for rows that are not live: the last cache slot and a legal position id.
-        park = capacity - 1
-        self._park_write = park
-        self._park_position = park if position_limit is None else min(park, position_limit - 1)
         # Views by row count; never ``self`` nor shared with a view: a reference cycle would keep the KV cache
         # alive after release() until Python's cyclic collector happens to run.
         self._heads: dict[int, DecodeSlots] = {}
@@ -147,13 +141,16 @@ class DecodeSlots:
     def dtype(self) -> torch.dtype:
         return self.cache.dtype
 
-    def fits(self, rows: int, capacity: int, width: int, num_eos: int, device: torch.device,
-             dtype: torch.dtype, vocab: tuple[int, int]) -> bool:
+    @property
+    def pool(self) -> KVPool:
+        return self.cache.pool
+
+    def fits(self, rows: int, capacity: int, width: int, num_eos: int, pool: KVPool,
+             vocab: tuple[int, int]) -> bool:
         """Whether a call needing these sizes can run on these slots as they are (``vocab``:
         :func:`vocab_sizes`, which ``resize_token_embeddings`` changes)."""
         return (self.rows >= rows and self.capacity >= capacity and self.width >= width
-                and self.num_eos_slots >= num_eos and self.device == device and self.dtype == dtype
-                and self.vocab == vocab)
+                and self.num_eos_slots >= num_eos and self.pool is pool and self.vocab == vocab)
 
     def head(self, n: int) -> DecodeSlots:
         """The first ``n`` slots, as slots sharing these tensors (what the graph of bucket ``n`` runs on)."""
@@ -174,7 +171,7 @@ class DecodeSlots:
         return view
 
     def memory_bytes(self) -> int:
-        """Bytes of the KV cache and every per-slot tensor."""
+        """Bytes of the block tables and every per-slot tensor (the pool is the runner's)."""
         extra = sum(getattr(self, name).nbytes for name in _ROW_TENSORS)
         return int(self.cache.memory_bytes()) + extra + self.eos_ids.nbytes + self.eos_mask.nbytes
 
@@ -199,13 +196,12 @@ class DecodeSlots:
     # ------------------------------------------------------------------ step
     def step(self, model: PreTrainedModel, sampling_key: tuple[float, float, int]) -> None:
         """One decode step for every slot, entirely in device tensors (this is what gets captured)."""
-        cache = self.cache
-        logits = decode_one_token(model, cache, self.tokens)
+        live = ~self.finished
+        logits = decode_one_token(model, self.cache, self.tokens, live)
         new_tokens, logprobs = choose_tokens(
             logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
             seed=self.seed, request_index=self.request_index, token_index=self.token_index, knobs=self.knobs,
         )
-        live = ~self.finished
         column = self.token_index.clamp(max=self.width - 1)[:, None]
         old_tok = self.out_tokens.gather(1, column)
         old_lp = self.out_logprobs.gather(1, column)
@@ -215,9 +211,6 @@ class DecodeSlots:
         self.token_index.add_(live.to(torch.int64))
         done = live & (self.is_eos(new_tokens) | (self.token_index >= self.budget))
         self.finished.logical_or_(done)
-        parked = self.finished
-        cache.write_pos.copy_(torch.where(parked, cache.write_pos.clamp(max=self._park_write), cache.write_pos))
-        cache.position.copy_(torch.where(parked, cache.position.clamp(max=self._park_position), cache.position))
 
     # ------------------------------------------------------------- admission
     def start(
@@ -231,7 +224,7 @@ class DecodeSlots:
         budget: torch.Tensor,
         min_tokens: torch.Tensor,
     ) -> None:
-        """Load freshly prefilled requests into ``slots``; their first token came from the prefill logits.
+        """Start freshly prefilled requests in ``slots``; their first token came from the prefill logits.
 
         Every argument is a per-request device tensor (capture-safe). Output columns past
         a request's length keep stale values: harvests read only up to it.
@@ -247,18 +240,29 @@ class DecodeSlots:
         done = self.is_eos(first_tokens) | (budget <= 1)
         self.finished.index_copy_(0, slots, done)
 
-    def release(self, slots: torch.Tensor) -> None:
-        """Free slots: nothing live, nothing valid, write position and position id back to 0.
+    def resume(self, slot: int, out_tokens: torch.Tensor, out_logprobs: torch.Tensor, generated: int, *,
+               seed: int, request_index: int, budget: int, min_tokens: int) -> None:
+        """Go on with a preempted request in ``slot``, whose prompt and first ``generated - 1`` tokens were just
+        prefilled: its output row gets back the tokens and logprobs it had (``out_tokens``/``out_logprobs``, its
+        result row), and its last token is fed next, at token index ``generated``. Eager (resumes are rare)."""
+        width = out_tokens.shape[0]
+        self.out_tokens[slot, :width].copy_(out_tokens)
+        self.out_logprobs[slot, :width].copy_(out_logprobs)
+        self.tokens[slot] = out_tokens[generated - 1]
+        for name, value in (("token_index", generated), ("seed", seed), ("request_index", request_index),
+                            ("budget", budget), ("min_tokens", min_tokens)):
+            getattr(self, name)[slot] = value
+        self.finished[slot] = False
 
-        K/V contents are left as they are: no row ever attends to a slot that is not valid.
-        """
+    def release(self, slots: torch.Tensor) -> None:
+        """Free slots: nothing live, no pages (the null page in every table entry), write position and position
+        id back to 0. The pages' K/V are left as they are: the host ledger frees or reuses them."""
         self.finished.index_fill_(0, slots, True)
         self.tokens.index_copy_(0, slots, self.pad_id.expand(slots.numel()))
-        for t in (self.cache.valid, self.cache.write_pos, self.cache.position):
-            t.index_fill_(0, slots, 0)
+        self.cache.reset_rows(slots, checked=True)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Move live rows ``src[i]`` into free slots ``dst[i]`` (cache rows included), then free ``src``."""
+        """Move live rows ``src[i]`` into free slots ``dst[i]`` (their table entries, no K/V), then free ``src``."""
         self.cache.copy_rows(src, dst, checked=True)
         for name in _ROW_TENSORS:
             t = getattr(self, name)

@@ -1,24 +1,25 @@
-"""Prefill and one-token decode as plain functions over a :class:`StaticKVCache`.
+"""Prefill and one-token decode as plain functions over a :class:`~hybrid_engine.decode.kv_cache.PagedKVCache`.
 
 ``decode_one_token`` is the function that gets captured into an accelerator
 graph once and replayed for every later step, so it obeys the capture rules:
 
 * every per-step input is read from a device tensor whose address never
-  changes: the token ids (the caller copies the next tokens into one static
-  ``tokens`` tensor before each replay), ``cache.write_pos``, ``cache.position``
-  and ``cache.valid``; the step advances ``write_pos``/``position`` in place;
-* no host reads and no data-dependent shapes: the 4D additive attention mask and
-  the position ids are built here from device state and passed explicitly, so
-  transformers' mask-building code (which may read the mask on the host to decide
-  whether it can be skipped) returns early, and ``get_seq_length`` (OPT asks at
-  every forward) is answered with a device tensor in every step, eager or
-  captured, so neither reads the host;
-* the only host values frozen into a capture are shapes and ``cache.kv_len``
-  (``None``: attention spans the whole capacity; an int: one graph per length).
+  changes: the token ids (one static ``tokens`` tensor), the rows' block
+  tables, ``write_pos`` and ``position``; the step advances the last two in
+  place;
+* no host reads and no data-dependent shapes: the pool slots the step writes
+  and reads, the 4D additive attention mask and the position ids are computed
+  here from device state and passed explicitly, so transformers' mask-building
+  code returns early, and ``get_seq_length`` (OPT asks at every forward) is
+  answered with a device tensor in every step, eager or captured;
+* the only host values frozen into a capture are shapes and ``cache.span_pages``
+  (how many pages of each row attention reads: one graph per span bucket).
 
-``prefill`` is never captured; it writes a left-padded prompt batch into any
-subset of cache rows. Works with transformers 4.57 (``past_key_values=``,
-``cache_position=``) and 5.x (``cache=``; no ``cache_position``).
+``prefill`` writes a left-padded (or right-aligned) prompt batch into any rows
+of the cache; the prompt attends to its own new states, so its numerics do not
+depend on the pool. It is captured only through the prompt stage
+(:mod:`hybrid_engine.decode.staging`). Works with transformers 4.57
+(``past_key_values=``, ``cache_position=``) and 5.x (``cache=``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hybrid_engine.accelerator import is_capturing
-from hybrid_engine.decode.kv_cache import StaticKVCache
+from hybrid_engine.decode.kv_cache import PagedKVCache
 
 __all__ = ["build_decode_mask", "build_prefill_mask", "decode_one_token", "prefill", "prompt_position_ids"]
 
@@ -60,13 +61,13 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else next(model.parameters()).dtype
 
 
-def build_decode_mask(valid: torch.Tensor, dtype: torch.dtype, kv_len: int | None = None) -> torch.Tensor:
-    """``[B, 1, 1, kv_len]`` additive mask: 0 where ``valid``, ``finfo(dtype).min`` elsewhere."""
-    if kv_len is not None:
-        valid = valid[:, :kv_len]
-    zero = torch.zeros((), dtype=dtype, device=valid.device)
-    neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=valid.device)
-    return torch.where(valid, zero, neg)[:, None, None, :]
+def build_decode_mask(write_pos: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, 1, 1, span]`` additive mask of a decode step: row ``b`` sees its logical keys ``j <= write_pos[b]``
+    (what it holds and the token being written); 0 there, ``finfo(dtype).min`` elsewhere."""
+    keys = torch.arange(span, device=write_pos.device)
+    zero = torch.zeros((), dtype=dtype, device=write_pos.device)
+    neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=write_pos.device)
+    return torch.where(keys[None, :] <= write_pos[:, None], zero, neg)[:, None, None, :]
 
 
 def build_prefill_mask(attention_mask: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -95,7 +96,7 @@ def prompt_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def _forward(
     model: PreTrainedModel,
-    cache: StaticKVCache,
+    cache: PagedKVCache,
     input_ids: torch.Tensor,
     mask4d: torch.Tensor,
     position_ids: torch.Tensor,
@@ -122,7 +123,7 @@ def _forward(
     return logits[:, -1]
 
 
-def _check_tokens(cache: StaticKVCache, tokens: torch.Tensor) -> None:
+def _check_tokens(cache: PagedKVCache, tokens: torch.Tensor) -> None:
     if tokens.dim() != 1 or tokens.shape[0] != cache.batch_size:
         raise ValueError(f"decode_one_token: tokens must have shape [{cache.batch_size}], got {tuple(tokens.shape)}")
     if tokens.dtype not in (torch.int64, torch.int32):
@@ -132,7 +133,7 @@ def _check_tokens(cache: StaticKVCache, tokens: torch.Tensor) -> None:
 @torch.no_grad()
 def prefill(
     model: PreTrainedModel,
-    cache: StaticKVCache,
+    cache: PagedKVCache,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     rows: torch.LongTensor | None = None,
@@ -141,12 +142,12 @@ def prefill(
 ) -> torch.Tensor:
     """Run a LEFT-padded prompt batch ``[N, T]`` into cache ``rows`` (default ``0..N-1``); return ``[N, V]`` logits.
 
-    Afterwards ``valid`` marks the real prompt tokens (nothing past them), ``write_pos
-    = T`` and ``position`` = number of real tokens; K/V past ``T`` are left as they were
-    (never attended). When ``rows`` is not the whole cache, the forward runs on a
-    temporary cache of batch ``N`` and capacity ``T`` whose rows are then loaded with
-    :meth:`StaticKVCache.load_rows`. ``checked=True`` skips the input checks (and their
-    host read) for callers that validated already. Not capture-safe (never captured).
+    Each row's real tokens are written at its logical indices ``0..len-1``, into
+    the pages its block table names (padding writes the null page); afterwards
+    ``write_pos`` = ``position`` = its real-token count. The prompt attends over
+    its own ``T`` new states, so prefill numerics depend neither on the pool nor
+    on the cache capacity. ``checked=True`` skips the input checks (and their
+    host read) for callers that validated already (capture-safe then).
     """
     if not checked:
         _check_prompts(cache, input_ids, attention_mask)
@@ -154,42 +155,36 @@ def prefill(
     device = cache.device
     input_ids = input_ids.to(device)
     attention_mask = attention_mask.to(device)
-    whole = rows is None and n == cache.batch_size
-    if whole:
-        target = cache
-        target.write_pos.zero_()  # the prompt is written at slots 0..T-1
+    if rows is None:
+        if n > cache.batch_size:
+            raise ValueError(f"prefill: {n} prompts but the cache has {cache.batch_size} rows")
+        table = cache.block_table[:n]
     else:
-        rows = torch.arange(n, device=device) if rows is None else torch.as_tensor(rows, device=device)
+        rows = torch.as_tensor(rows, dtype=torch.int64, device=device)
         if rows.numel() != n:
             raise ValueError(f"prefill: {n} prompts but {rows.numel()} rows")
-        target = StaticKVCache(model.config, n, t, device=device, dtype=cache.dtype)
-    # Attend over the prompt's own T slots only: prefill numerics do not depend on the cache capacity.
-    saved_kv_len, target.kv_len = target.kv_len, t
-    target.writes_at_start = True  # write_pos is 0 in every row (zeroed above, or a fresh cache)
-    try:
-        mask4d = build_prefill_mask(attention_mask, t, _model_dtype(model))
-        logits = _forward(
-            model,
-            target,
-            input_ids,
-            mask4d,
-            prompt_position_ids(attention_mask),
-            torch.arange(t, device=device),
-        )
-    finally:
-        target.kv_len = saved_kv_len
-        target.writes_at_start = False
-    if whole:
-        target.valid[:, t:] = False
-    target.valid[:, :t] = attention_mask.bool()
-    target.write_pos.fill_(t)
-    target.position.copy_(attention_mask.to(torch.int64).sum(-1))
-    if not whole:
-        cache.load_rows(rows, target, checked=checked)
+        table = cache.block_table.index_select(0, rows)
+    lengths = attention_mask.to(torch.int64).sum(-1)
+    # The forward runs on a view of the target rows whose lengths read 0: the prompt is all there is.
+    target = PagedKVCache.__new__(PagedKVCache)
+    target._setup(cache.pool, table, torch.zeros_like(lengths), torch.zeros_like(lengths), cache.capacity,
+                  cache._host)
+    real = attention_mask.bool()
+    target.write_slots = target.token_slots(prompt_position_ids(attention_mask), keep=real).flatten()
+    target.fresh, target.kv_len = True, t
+    mask4d = build_prefill_mask(attention_mask, t, _model_dtype(model))
+    logits = _forward(model, target, input_ids, mask4d, prompt_position_ids(attention_mask),
+                      torch.arange(t, device=device))
+    if rows is None:
+        cache.write_pos[:n].copy_(lengths)
+        cache.position[:n].copy_(lengths)
+    else:
+        cache.write_pos.index_copy_(0, rows, lengths)
+        cache.position.index_copy_(0, rows, lengths)
     return logits
 
 
-def _check_prompts(cache: StaticKVCache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+def _check_prompts(cache: PagedKVCache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"prefill: input_ids [N, T] and attention_mask of the same shape expected, got "
@@ -205,33 +200,32 @@ def _check_prompts(cache: StaticKVCache, input_ids: torch.Tensor, attention_mask
 
 
 @torch.no_grad()
-def decode_one_token(model: PreTrainedModel, cache: StaticKVCache, tokens: torch.Tensor) -> torch.Tensor:
+def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.Tensor,
+                     live: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step for every row: feed ``tokens [B]``, return ``[B, V]`` logits (model dtype).
 
-    Marks ``valid[b, write_pos[b]]``, attends over ``cache.kv_len`` (or all) slots,
-    then advances ``write_pos`` and ``position`` by one in place. Capture-safe: the
-    checks that need host reads run only outside capture.
+    Row ``b`` writes its token at logical index ``write_pos[b]`` and attends
+    over its first ``cache.span_pages`` pages (all of them when unset), masked
+    by its length; ``write_pos`` and ``position`` then advance by one in place.
+    ``live`` (bool ``[B]``): rows that are not live write the null page and do
+    not advance (finished or free slots of a captured bucket). Capture-safe:
+    the checks that need host reads run only outside capture.
     """
-    kv_len = cache.kv_len if cache.kv_len is not None else cache.capacity
     if not is_capturing():
         _check_tokens(cache, tokens)
-        end = int(cache.write_pos.max()) if cache.bounds_checks else -1
-        if end >= kv_len:
-            raise ValueError(
-                f"decode_one_token: a row's write position {end} is at or past "
-                f"{'kv_len' if cache.kv_len is not None else 'capacity'}={kv_len}; the cache is full"
-            )
+        cache.check_room(1)
     write_pos = cache.write_pos
-    cache.valid.scatter_(1, write_pos[:, None], True)
-    mask4d = build_decode_mask(cache.valid, _model_dtype(model), kv_len)
-    logits = _forward(
-        model,
-        cache,
-        tokens[:, None],
-        mask4d,
-        cache.position[:, None],
-        write_pos[:1],
-    )
-    write_pos.add_(1)
-    cache.position.add_(1)
+    keep = None if live is None else live[:, None]
+    cache.write_slots = cache.token_slots(write_pos[:, None], keep=keep).flatten()
+    cache.read_slots = cache.span_slots()
+    span = cache.span_tokens()
+    cache.fresh, cache.kv_len = False, span
+    mask4d = build_decode_mask(write_pos, span, _model_dtype(model))
+    try:
+        logits = _forward(model, cache, tokens[:, None], mask4d, cache.position[:, None], write_pos[:1])
+    finally:  # the indices are this forward's temporaries: nothing outlives a captured step but its outputs
+        cache.write_slots = cache.read_slots = None
+    step = 1 if live is None else live.to(torch.int64)
+    write_pos.add_(step)
+    cache.position.add_(step)
     return logits

@@ -46,6 +46,7 @@ from transformers import GenerationConfig
 
 from hybrid_engine.config.schema import EngineConfig, HybridEngineConfig
 from hybrid_engine.decode.kv_cache import sliding_window
+from hybrid_engine.decode.kv_pool import KVBudget
 from hybrid_engine.decode.model_support import check_model_supported, max_positions
 from hybrid_engine.decode.sampling import validate_sampling
 from hybrid_engine.distributed.ranks import rank_seed
@@ -481,18 +482,23 @@ class GenerateFrontEnd:
         enabled = self.config.hybrid_engine.enable_graph_capture
         capacity = self.config.hybrid_engine.max_out_tokens
         runner = self.runner
-        slots = runner.prepare(rows=batch, capacity=capacity, num_eos=len(plan.eos), graphs=enabled)
+        he = self.config.hybrid_engine
+        lengths = plan.attention_mask.sum(-1).tolist()
+        budget = KVBudget(he.kv_page_size, he.kv_cache_tokens, he.kv_cache_bytes, "hybrid_engine.kv_cache",
+                          max(lengths), plan.new_tokens)
+        slots = runner.prepare(rows=batch, capacity=capacity, num_eos=len(plan.eos), graphs=enabled, budget=budget)
         if not enabled:
             runner.note_refusal(GRAPHS_OFF, warn=False)
         pad = plan.pad if plan.pad is not None else 0
         slots.set_special_ids(pad, tuple(plan.eos))
         requests = [RequestSpec(request_index=b, prompt_index=b, budget=plan.new_tokens, rng_index=b,
-                                min_tokens=plan.min_new_tokens) for b in range(batch)]
+                                prompt_len=lengths[b], min_tokens=plan.min_new_tokens) for b in range(batch)]
         counters = Counters(timer=PhaseTimer(runner.accelerator, slots.device))
         out_tokens, _ = run_schedule(
             runner, requests, ids, plan.attention_mask, plan.sampling, seed,
             width=plan.new_tokens, max_active=batch, continuous=False, shared_prefill=False, staged=False,
             sync_interval=SYNC_INTERVAL, counters=counters,
         )
+        runner.note_call_pages(counters.kv_pages_peak, counters.preemptions)
         responses, _, _ = gather_responses(out_tokens, counters.lengths, pad)
         return torch.cat([ids, responses], dim=1)

@@ -1,57 +1,65 @@
-"""Slot scheduling for both generation paths: admission, shared prefill, harvest, compaction.
+"""Slot scheduling for both generation paths: admission, shared prefill, pages, harvest, compaction, preemption.
 
 ``engine.generate`` admits its whole batch at once (static batching);
 ``HybridEngineRollout`` refills slots as requests finish (continuous
 batching). Either way decode steps go to :meth:`DecodeGraphRunner.step` on the
-smallest bucket holding the live rows.
+smallest bucket holding the live rows, reading the smallest span of pages
+holding the longest of them.
 
 The host never looks at tokens while decoding. It knows, per active slot, an
 upper bound on the steps left (the budget minus the tokens generated when it
-last looked), and reads the device ``finished`` flags and ``token_index`` (one
-transfer, counted in ``host_syncs``) only when that can change what runs next:
+last looked), hence on the tokens the row holds, and reads the device
+``finished`` flags and ``token_index`` (one transfer, counted in
+``host_syncs``) only when that can change what runs next:
 
 * when enough slots are guaranteed to have finished for waiting requests to
-  be admitted (see below), or the live rows would then fit a smaller bucket,
-  or everything is done;
+  be admitted, or the live rows would then fit a smaller bucket, or everything
+  is done;
 * every ``sync_interval`` steps, only while some row can still stop early on
-  EOS (a reachable EOS id, past its ``min_tokens``).
+  EOS (a reachable EOS id, past its ``min_tokens``);
+* when the page pool cannot give the live rows their next step's pages.
+
+Pages (:mod:`hybrid_engine.generation.pages`): before a run of steps every live
+row is given the pages those steps reach (fewer steps when the pool is short);
+harvested rows give theirs back. When not even one step fits, the rows that
+finished are harvested, then the most recently admitted request is preempted:
+its tokens so far go to the result rows, its pages are freed, and it is
+requeued at the front, to resume by prefilling its prompt plus the tokens it
+had (eagerly) and going on from its next token with the same sampler
+counters: it never errors and never loses a request. Admission waits for
+pages, a round admitting only the requests that fit.
 
 A harvest copies finished slots' output rows into device result tensors (no
-host transfer) and frees the slots. Then, when the live rows fit a smaller
-bucket, rows above it move into free slots below it (:meth:`DecodeSlots.move`,
-as vLLM compacts its batch), so finished rows stop costing compute.
+host transfer) and frees the slots. When the live rows fit a smaller bucket,
+rows above it move into free slots below it (their table rows, no K/V), so
+finished rows stop costing compute.
 
 Continuous batching admits waiting requests into the lowest free slots in
-rounds. A round costs about ``ADMISSION_COST`` decode steps, so the scheduler
-holds free slots back until idling them would cost more than another round
-(:func:`_steps_to_admission`). Rollouts prefill prompts ahead, in batches of
-the distinct prompts of the next requests of the queue, as many as the
-admission stage has rows (bounded by a token budget, not by the slots: see
-:data:`~hybrid_engine.graphs.runner.PREFILL_TOKEN_BUDGET`), and a round only
-loads staged prompts into slots (:mod:`hybrid_engine.decode.staging`); both run on
-the runner, graphed like a decode step. With shared prefill each distinct
-prompt is prefilled once per call and its K/V fan out to the slots of its
-samples, whichever rounds admit them. ``engine.generate`` admits its batch
-once, eagerly, at its exact width.
-
-A request's first token is picked from the prefill logits by the same
-:func:`~hybrid_engine.decode.slots.choose_tokens` and counters (request index,
-token 0) as the decode step, so where a request runs (slot, round, bucket)
-does not change what it samples.
+rounds; a round costs about ``ADMISSION_COST`` decode steps, so free slots are
+held back until idling them would cost more (:func:`_steps_to_admission`).
+Rollouts prefill prompts ahead, in batches of the distinct prompts of the next
+requests (:mod:`hybrid_engine.decode.staging`), and a round points slots at
+them; with shared prefill each prompt is prefilled once per call and its
+samples share its full pages. ``engine.generate`` admits its batch eagerly, at
+its exact width. A request's first token comes from the prefill logits through
+the decode step's sampler and counters, so where it runs (slot, round, bucket,
+span, resumed or not) does not change what it samples.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
-from collections.abc import Iterable
+from collections import Counter, deque
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
+from hybrid_engine.decode.kv_pool import NULL_PAGE
 from hybrid_engine.decode.slots import DecodeSlots
 from hybrid_engine.decode.staging import start_from_logits
 from hybrid_engine.decode.step import prefill
+from hybrid_engine.generation.pages import PagePlan
 from hybrid_engine.generation.timing import PhaseTimer
 from hybrid_engine.graphs.runner import DecodeGraphRunner
 
@@ -71,7 +79,9 @@ class RequestSpec:
     prompt_index: int
     budget: int
     rng_index: int  # request counter of the sampler
+    prompt_len: int  # real prompt tokens
     min_tokens: int = 0  # EOS is suppressed before this many tokens
+    resume_from: int = 0  # tokens it had generated when it was preempted (0: not preempted)
 
 
 @dataclass
@@ -87,7 +97,12 @@ class Counters:
     peak_active_batch: int = 0
     compactions: int = 0
     rows_moved: int = 0
+    preemptions: int = 0
+    kv_pages_peak: int = 0
+    kv_pages_held_peak: int = 0  # the page-rounded tokens held when the pool was at its peak
+    page_table_writes: int = 0  # host-to-device copies of new block table entries
     bucket_steps: dict[int, int] = field(default_factory=dict)
+    span_steps: dict[int, int] = field(default_factory=dict)
     lengths: dict[int, int] = field(default_factory=dict)
 
 
@@ -96,105 +111,174 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 class _Staging:
-    """Which prompts of a call sit in the runner's admission stage, and at which rows."""
+    """Which prompts of a call sit in the runner's prompt stage, at which rows, and how many samples still
+    read each."""
 
-    def __init__(self, rows: int, shared_prefill: bool) -> None:
+    def __init__(self, rows: int, shared_prefill: bool, requests: Iterable[RequestSpec]) -> None:
         self.rows = rows
         self.shared = shared_prefill
-        self.row_of: dict[tuple[int, ...], int] = {}
-        self.used: set[tuple[int, ...]] = set()
+        self.row_of: dict[Hashable, int] = {}
+        self.used: set[Hashable] = set()
+        self.pending = Counter(self.unit(r) for r in requests)
 
     def unit(self, req: RequestSpec) -> tuple[int, ...]:
         """What is prefilled for ``req``: its prompt, shared by its samples, or its own copy of it."""
         return (req.prompt_index,) if self.shared else (req.prompt_index, req.request_index)
 
-    def next_batch(self, upcoming: Iterable[RequestSpec]) -> list[tuple[int, ...]]:
-        """The next units to prefill: those of the next requests of ``upcoming``, up to as many distinct units
-        as the stage has rows (with ``n`` samples per prompt that covers about ``n`` times as many requests).
+    def next_batch(self, upcoming: Iterable[RequestSpec], plan: PagePlan) -> list[tuple[int, ...]]:
+        """The next units to prefill, each given its pages: those of the next requests of ``upcoming``, up to as
+        many distinct units as the stage has rows and the pool has pages for (with ``n`` samples per prompt that
+        covers about ``n`` times as many requests). The last batch's pages go back first.
 
         A batch replaces the last one, so it must not drop a unit that a request still to be admitted reads,
         or a unit would be prefilled twice. It does not: a batch is taken only when the next request's unit is
-        not staged, requests are admitted in queue order, and a prompt's samples are consecutive in the queue.
-        So the next batch starts at the first request past the run of requests whose units this batch holds,
-        and that request's unit appears nowhere before it: each unit is prefilled once per call, whatever the
-        batch size. A round may need more units than the stage holds (more requests than rows, or samples of
-        more prompts): its requests past this batch run as another part, after the next batch (:func:`_admit`).
-        """
-        batch: dict[tuple[int, ...], None] = {}
+        not staged, requests are admitted in queue order, and a prompt's samples are consecutive in the queue,
+        so every unit of the last batch has been read by all its requests. A round may need more units than
+        one batch holds: its requests past this batch run as another part, after the next batch."""
+        self.drop(plan)
+        batch: dict[Hashable, None] = {}
         for req in upcoming:
+            if req.resume_from:
+                continue  # resumed requests prefill their own history
             unit = self.unit(req)
-            if unit not in batch:
-                if len(batch) == self.rows:
-                    break
-                batch[unit] = None
+            if unit in batch:
+                continue
+            if len(batch) == self.rows or plan.stage(unit, req.prompt_len) is None:
+                break
+            batch[unit] = None
         self.row_of = {unit: row for row, unit in enumerate(batch)}
         return list(batch)
 
-
-def _meta(slots: list[int], sources: list[int], reqs: list[RequestSpec], seed: int) -> list[list[int]]:
-    """An admission round's six meta rows, one entry per request
-    (see :class:`~hybrid_engine.decode.staging.StagedRequests`)."""
-    return [slots, sources, [r.rng_index for r in reqs], [r.budget for r in reqs], [r.min_tokens for r in reqs],
-            [seed] * len(reqs)]
+    def drop(self, plan: PagePlan) -> None:
+        """Let go of the staged batch's pages (samples already admitted keep the pages they share)."""
+        for unit in self.row_of:
+            plan.unstage(unit)
+        self.row_of = {}
 
 
 def _admission_round(
     runner: DecodeGraphRunner,
+    plan: PagePlan,
     slots: list[int],
     reqs: list[RequestSpec],
     queue: deque[RequestSpec],
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
+    results: tuple[torch.Tensor, torch.Tensor],
     sampling_key: tuple[float, float, int],
     seed: int,
     *,
     staging: _Staging | None,
     counters: Counters,
-) -> None:
-    """Load ``reqs`` into ``slots`` (one admission round), prefilling what they need.
+) -> int:
+    """Start ``reqs`` in ``slots`` (one admission round), prefilling what they need; returns how many started.
 
-    ``staging``: the round reads prompts staged ahead, prefilling the next batch
-    when a request's prompt is not staged (a round straddling batches runs as
-    one part per batch); ``None``: the whole batch is prefilled eagerly at its own
-    width into slots 0..n-1, exactly as transformers prefills it (never graphed).
+    The round stops at the first request the pool has no pages for; it and the
+    ones after it are not started (the caller puts them back). ``staging``: the
+    round reads prompts staged ahead, prefilling the next batch when a
+    request's prompt is not staged (a round straddling batches runs as one part
+    per batch); ``None``: the requests are prefilled eagerly at the batch's own
+    width, as transformers prefills them (never graphed). Resumed requests
+    prefill their prompt and tokens so far, eagerly.
     """
     counters.admission_rounds += 1
-    device = prompt_ids.device
     if staging is None:
-        if slots != list(range(len(slots))):
-            raise ValueError("unstaged admission takes one prompt per request into slots 0..n-1")
-        counters.prefill_forwards += 1
-        counters.prefill_rows += len(reqs)
-        index = _index([r.prompt_index for r in reqs], device)
-        state = runner.slots
-        logits = prefill(runner.model, state.head(len(slots)).cache, prompt_ids.index_select(0, index),
-                         prompt_mask.index_select(0, index), checked=True)
-        meta = _meta(slots, list(range(len(reqs))), reqs, seed)
-        start_from_logits(state, logits, torch.tensor(meta, dtype=torch.int64, device=state.device), sampling_key)
-        return
-    start = 0
-    for i in range(len(reqs) + 1):
-        if i < len(reqs) and staging.unit(reqs[i]) in staging.row_of:
+        return _unstaged_round(runner, plan, slots, reqs, prompt_ids, prompt_mask, sampling_key, seed, counters)
+    part: list[list[int]] = []
+    started = 0
+
+    def run_part() -> None:
+        if part:
+            runner.admission_round(part, sampling_key)
+            part.clear()
+
+    for slot, req in zip(slots, reqs):
+        if req.resume_from:
+            run_part()
+            if not _resume(runner, plan, slot, req, prompt_ids, prompt_mask, results, seed, counters):
+                break
+            started += 1
             continue
-        if i > start:  # the requests whose prompts are staged now
-            part = reqs[start:i]
-            meta = _meta(slots[start:i], [staging.row_of[staging.unit(r)] for r in part], part, seed)
-            for r in part:
-                unit = staging.unit(r)
-                counters.kv_row_copies += unit in staging.used
-                staging.used.add(unit)
-            runner.admission_round(meta, sampling_key)
-        if i < len(reqs):
-            batch = staging.next_batch(itertools.chain(reqs[i:], queue))
-            index = _index([unit[0] for unit in batch], device)
-            runner.prefill_prompts(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index))
+        unit = staging.unit(req)
+        if unit not in staging.row_of:
+            run_part()
+            batch = staging.next_batch(itertools.chain(reqs[started:], queue), plan)
+            if not batch:
+                break
+            index = _index([u[0] for u in batch], prompt_ids.device)
+            runner.prefill_prompts(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index),
+                                   [plan.unit_pages[u][0] for u in batch])
             counters.prefill_forwards += 1
             counters.prefill_rows += len(batch)
-            start = i
+        pages = plan.admit(slot, unit, last=staging.pending[unit] == 1)
+        if pages is None:
+            break
+        staging.pending[unit] -= 1
+        counters.kv_row_copies += unit in staging.used
+        staging.used.add(unit)
+        part.append([slot, staging.row_of[unit], req.rng_index, req.budget, req.min_tokens, seed, req.prompt_len,
+                     pages.src, pages.dst] + pages.table)
+        started += 1
+    run_part()
+    return started
 
 
-def _compact(state: DecodeSlots, active: dict[int, RequestSpec], left: dict[int, int], free: list[int],
-             target: int, counters: Counters) -> list[int]:
+def _unstaged_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int], reqs: list[RequestSpec],
+                    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling_key: tuple[float, float, int],
+                    seed: int, counters: Counters) -> int:
+    """``engine.generate``'s admission: the requests that get pages are prefilled together, eagerly."""
+    state = runner.slots
+    taken: list[list[int]] = []
+    for slot, req in zip(slots, reqs):
+        pages = plan.take(slot, req.prompt_len)
+        if pages is None:
+            break
+        taken.append(pages)
+    n = len(taken)
+    if n == 0:
+        return 0
+    device = state.device
+    counters.prefill_forwards += 1
+    counters.prefill_rows += n
+    rows = _index(slots[:n], device)
+    table = [pages + [NULL_PAGE] * (state.cache.max_pages - len(pages)) for pages in taken]
+    state.cache.block_table.index_copy_(0, rows, _index(table, device))
+    index = _index([r.prompt_index for r in reqs[:n]], device)
+    logits = prefill(runner.model, state.cache, prompt_ids.index_select(0, index), prompt_mask.index_select(0, index),
+                     rows=rows, checked=True)
+    meta = _index([[r.rng_index for r in reqs[:n]], [r.budget for r in reqs[:n]], [r.min_tokens for r in reqs[:n]]],
+                  device)
+    start_from_logits(state, logits, rows, torch.arange(n, device=device), meta[0], meta[1], meta[2],
+                      torch.full((n,), seed, dtype=torch.int64, device=device), sampling_key)
+    return n
+
+
+def _resume(runner: DecodeGraphRunner, plan: PagePlan, slot: int, req: RequestSpec, prompt_ids: torch.Tensor,
+            prompt_mask: torch.Tensor, results: tuple[torch.Tensor, torch.Tensor], seed: int,
+            counters: Counters) -> bool:
+    """Resume a preempted request in ``slot``: prefill its prompt and all its tokens but the last (eagerly), and
+    go on from the last with its own counters. ``False`` (nothing taken) when the pool has no pages for it."""
+    generated = req.resume_from
+    pages = plan.take(slot, req.prompt_len + generated - 1)
+    if pages is None:
+        return False
+    state = runner.slots
+    device = state.device
+    out_tokens, out_logprobs = results
+    state.cache.block_table[slot].copy_(_index(pages + [NULL_PAGE] * (state.cache.max_pages - len(pages)), device))
+    history = out_tokens[req.request_index, : generated - 1]
+    ids = torch.cat([prompt_ids[req.prompt_index], history])[None]
+    mask = torch.cat([prompt_mask[req.prompt_index], torch.ones_like(history)])[None]
+    prefill(runner.model, state.cache, ids, mask, rows=_index([slot], device), checked=True)
+    state.resume(slot, out_tokens[req.request_index], out_logprobs[req.request_index], generated, seed=seed,
+                 request_index=req.rng_index, budget=req.budget, min_tokens=req.min_tokens)
+    counters.prefill_forwards += 1
+    counters.prefill_rows += 1
+    return True
+
+
+def _compact(state: DecodeSlots, plan: PagePlan, active: dict[int, RequestSpec], left: dict[int, int],
+             free: list[int], order: list[int], target: int, counters: Counters) -> list[int]:
     """Move live rows at slots >= ``target`` into free slots below it; return the new free list."""
     movers = sorted(s for s in active if s >= target)
     holes = sorted(s for s in free if s < target)[: len(movers)]
@@ -203,6 +287,8 @@ def _compact(state: DecodeSlots, active: dict[int, RequestSpec], left: dict[int,
     for src, dst in zip(movers, holes):
         active[dst] = active.pop(src)
         left[dst] = left.pop(src)
+        plan.move(src, dst)
+        order[order.index(src)] = dst
     counters.compactions += 1
     counters.rows_moved += len(movers)
     return sorted((set(free) - set(holes)) | set(movers))
@@ -211,7 +297,6 @@ def _compact(state: DecodeSlots, active: dict[int, RequestSpec], left: dict[int,
 def _may_stop_early(state: DecodeSlots, requests: Iterable[RequestSpec]) -> bool:
     """Whether a row may stop on EOS before its budget: then the host must look, and rows end unevenly."""
     return state.eos_reachable and any(r.min_tokens < r.budget for r in requests)
-
 
 def _steps_to_admission(room: int, waiting: int, left: dict[int, int], max_active: int, cost: float,
                         cap: int | None) -> int:
@@ -242,7 +327,6 @@ def _steps_to_admission(room: int, waiting: int, left: dict[int, int], max_activ
             return cap
         now = nxt
 
-
 def _steps_to_shrink(runner: DecodeGraphRunner, left: dict[int, int], bucket: int) -> int:
     """Steps until a host sync can change what runs: the live rows fit a smaller bucket, or every slot
     is done. ``left`` holds upper bounds, so the slots counted done are done."""
@@ -252,6 +336,30 @@ def _steps_to_shrink(runner: DecodeGraphRunner, left: dict[int, int], bucket: in
         if remaining == 0 or runner.bucket_for(remaining) < bucket:
             return steps
     return bounds[-1]
+
+
+def _held(req: RequestSpec, left: int) -> int:
+    """An upper bound on the tokens a row holds now (its prompt, and every token but the last one generated)."""
+    return req.prompt_len + req.budget - left - 1
+
+
+def _reserve(plan: PagePlan, active: dict[int, RequestSpec], left: dict[int, int], n_steps: int) -> int:
+    """Give every live row the pages of its next ``n_steps`` steps, or of as many steps as the pool allows
+    (nothing is taken for steps that do not fit); returns the steps reserved (0: not even one)."""
+    def missing(n: int) -> int:
+        return sum(plan.missing(s, _held(r, left[s]) + min(n, left[s])) for s, r in active.items())
+
+    free = plan.ledger.free
+    if missing(n_steps) > free:
+        lo, hi = 0, n_steps  # the largest n with missing(n) <= free: missing grows with n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if missing(mid) <= free else (lo, mid - 1)
+        n_steps = lo
+    for s, r in active.items():
+        if not plan.grow(s, _held(r, left[s]) + min(n_steps, left[s])):
+            raise RuntimeError("page reservation exceeded the free pages it counted")  # a bug, not an input
+    return n_steps
 
 
 def run_schedule(
@@ -274,22 +382,16 @@ def run_schedule(
 
     Lengths go to ``counters.lengths``. ``staged`` prefills prompts ahead through
     :meth:`DecodeGraphRunner.prefill_prompts` and admits each round through
-    :meth:`DecodeGraphRunner.admission_round`, staged at the call's prompt width (graph
-    replay where allowed; a round straddling prefill batches runs as one
-    admission per batch); otherwise the batch is prefilled eagerly at its own width, as
-    transformers does.
+    :meth:`DecodeGraphRunner.admission_round` (graph replay where allowed);
+    otherwise requests are prefilled eagerly at their own width, as transformers does.
     """
     state = runner.slots
     device = state.device
-    staging = _Staging(runner.stage.rows, shared_prefill) if staged else None
+    plan = PagePlan(runner.ledger, runner.kv_pool.page_size, state.cache.max_pages)
+    staging = _Staging(runner.stage.rows, shared_prefill, requests) if staged else None
     # Every slot starts free, whatever an interrupted earlier call left live.
     state.release(torch.arange(state.rows, device=device))
     state.knobs.set(*sampling_key)  # the values the graphs of this sampling mode read
-    # Rows can finish at different times (EOS, unequal budgets, more requests than slots): the call may
-    # compact into every smaller bucket, so those are captured up front too.
-    shrink = _may_stop_early(state, requests) or len({r.budget for r in requests}) > 1 or len(requests) > max_active
-    if any(r.budget > 1 for r in requests):  # some row decodes at all
-        runner.capture_buckets(runner.bucket_for(min(max_active, len(requests))), sampling_key, shrink)
     num_requests = len(requests)
     out_tokens = torch.zeros(num_requests, width, dtype=torch.int64, device=device)
     out_logprobs = torch.zeros(num_requests, width, dtype=torch.float32, device=device)
@@ -297,66 +399,137 @@ def run_schedule(
     free = list(range(max_active))
     active: dict[int, RequestSpec] = {}  # slot -> request
     left: dict[int, int] = {}  # slot -> upper bound on decode steps before it must have finished
-
-    while queue or active:
-        room = min(len(queue), max_active - len(active), len(free))
-        cap = sync_interval if _may_stop_early(state, active.values()) else None
-        if room and (not active or (continuous and _steps_to_admission(room, len(queue), left, max_active,
-                                                                       ADMISSION_COST, cap) == 0)):
-            slots, free = free[:room], free[room:]
-            reqs = [queue.popleft() for _ in range(room)]
-            with counters.timer.phase("prefill"):
-                _admission_round(runner, slots, reqs, queue, prompt_ids, prompt_mask, sampling_key, seed, staging=staging,
-                       counters=counters)
-            for slot, req in zip(slots, reqs):
-                active[slot] = req
-                left[slot] = req.budget - 1
-            counters.peak_active_batch = max(counters.peak_active_batch, len(active))
-
-        target = runner.bucket_for(len(active))
-        if max(active) >= target:
-            free = _compact(state, active, left, free, target, counters)
-        bucket = runner.bucket_for(max(active) + 1)
-        cap = sync_interval if _may_stop_early(state, active.values()) else None
-        if continuous and queue:
+    order: list[int] = []  # active slots, oldest admission first (the newest is preempted first)
+    try:
+        # Rows can finish at different times (EOS, unequal budgets, more requests than slots): the call may
+        # compact into every smaller bucket, so those are captured up front too.
+        shrink = (_may_stop_early(state, requests) or len({r.budget for r in requests}) > 1
+                  or len(requests) > max_active)
+        if any(r.budget > 1 for r in requests):  # some row decodes at all
+            spans = runner.spans_between(min(r.prompt_len for r in requests) + 1,
+                                         max(r.prompt_len + r.budget for r in requests) - 1)
+            runner.capture_buckets(runner.bucket_for(min(max_active, len(requests))), spans, sampling_key, shrink)
+        if staged and len(requests) > 1:  # rounds of every size this call may admit (single rounds need no graph)
+            runner.capture_rounds(runner.bucket_for(min(max_active, len(requests))), sampling_key)
+            state.release(torch.arange(state.rows, device=device))
+        starved = False
+        blocked = False  # a round found no pages for its next request: admit again once pages are freed
+        while queue or active:
             room = min(len(queue), max_active - len(active), len(free))
-            n_steps = _steps_to_admission(room, len(queue), left, max_active, ADMISSION_COST, cap)
-        else:
-            n_steps = _steps_to_shrink(runner, left, bucket)
-        if cap is not None:
-            n_steps = min(n_steps, cap)
-        n_steps = max(0, n_steps)
-        if n_steps:
-            with counters.timer.phase("decode"):
-                for _ in range(n_steps):
-                    runner.step(bucket, sampling_key)
-            counters.decode_steps += n_steps
-            counters.bucket_steps[bucket] = counters.bucket_steps.get(bucket, 0) + n_steps
-            for slot in left:
-                left[slot] -= n_steps
+            cap = sync_interval if _may_stop_early(state, active.values()) else None
+            if room and not starved and not (blocked and active) and (not active or (continuous and _steps_to_admission(
+                    room, len(queue), left, max_active, ADMISSION_COST, cap) == 0)):
+                slots, free = free[:room], free[room:]
+                reqs = [queue.popleft() for _ in range(room)]
+                with counters.timer.phase("prefill"):
+                    started = _admission_round(runner, plan, slots, reqs, queue, prompt_ids, prompt_mask,
+                                               (out_tokens, out_logprobs), sampling_key, seed, staging=staging,
+                                               counters=counters)
+                queue.extendleft(reversed(reqs[started:]))  # no pages for them yet: first in line
+                free = sorted(free + slots[started:])
+                blocked = started < len(reqs)
+                for slot, req in zip(slots[:started], reqs[:started]):
+                    active[slot] = req
+                    left[slot] = req.budget - max(1, req.resume_from)
+                    order.append(slot)
+                counters.peak_active_batch = max(counters.peak_active_batch, len(active))
+                if not active:
+                    if staging is not None and staging.row_of:
+                        staging.drop(plan)  # staged prompts hold the pages the first request needs
+                        blocked = False
+                        continue
+                    raise RuntimeError("the page pool cannot hold one request, which the front end checks up "
+                                       "front; this is a bug")
 
-        # One host read of the per-slot flags: what scheduling needs, nothing per token.
-        flags = torch.stack([state.finished.to(torch.int64), state.token_index]).cpu()
-        counters.host_syncs += 1
-        finished_flags, generated = flags[0].tolist(), flags[1].tolist()
-        done = [slot for slot in active if finished_flags[slot]]
-        for slot in active:
-            left[slot] = active[slot].budget - generated[slot]
-        if not done:
-            continue
-        counters.harvests += 1
-        done_slots = _index(done, device)
-        rows = _index([active[s].request_index for s in done], device)
-        # Only the columns kept are gathered (the slots' output rows span the whole cache).
-        out_tokens.index_copy_(0, rows, state.out_tokens[:, :width].index_select(0, done_slots))
-        out_logprobs.index_copy_(0, rows, state.out_logprobs[:, :width].index_select(0, done_slots))
-        for slot in done:
-            counters.lengths[active[slot].request_index] = generated[slot]
-            del active[slot]
-            del left[slot]
-        state.release(done_slots)
-        free = sorted(free + done)
+            if not starved:
+                target = runner.bucket_for(len(active))
+                if max(active) >= target:
+                    free = _compact(state, plan, active, left, free, order, target, counters)
+                bucket = runner.bucket_for(max(active) + 1)
+                cap = sync_interval if _may_stop_early(state, active.values()) else None
+                if blocked:  # pages come back when a row finishes: look then
+                    n_steps = min((v for v in left.values() if v > 0), default=1)
+                elif continuous and queue:
+                    room = min(len(queue), max_active - len(active), len(free))
+                    n_steps = _steps_to_admission(room, len(queue), left, max_active, ADMISSION_COST, cap)
+                else:
+                    n_steps = _steps_to_shrink(runner, left, bucket)
+                if cap is not None:
+                    n_steps = min(n_steps, cap)
+                wanted = max(0, n_steps)
+                n_steps = _reserve(plan, active, left, wanted) if wanted else 0
+                counters.page_table_writes += plan.flush(state.cache.block_table) > 0
+                if n_steps:
+                    with counters.timer.phase("decode"):
+                        held = [(_held(r, left[s]), left[s]) for s, r in active.items()]
+                        for i in range(n_steps):
+                            span = runner.span_for(max(h + min(i, lft) for h, lft in held) + 1)
+                            runner.step(bucket, span, sampling_key)
+                            counters.span_steps[span] = counters.span_steps.get(span, 0) + 1
+                    counters.decode_steps += n_steps
+                    counters.bucket_steps[bucket] = counters.bucket_steps.get(bucket, 0) + n_steps
+                    for slot in left:
+                        left[slot] = max(0, left[slot] - n_steps)
+                elif wanted:
+                    starved = True  # no page for the next step: look, harvest, then preempt if still short
+
+            # One host read of the per-slot flags: what scheduling needs, nothing per token.
+            flags = torch.stack([state.finished.to(torch.int64), state.token_index]).cpu()
+            counters.host_syncs += 1
+            finished_flags, generated = flags[0].tolist(), flags[1].tolist()
+            done = [slot for slot in active if finished_flags[slot]]
+            for slot in active:
+                left[slot] = active[slot].budget - generated[slot]
+            if plan.ledger.in_use == plan.ledger.peak:  # at the peak: how much of it the tokens held need
+                held = {s: r.prompt_len + generated[s] - 1 for s, r in active.items()}
+                counters.kv_pages_held_peak = max(counters.kv_pages_held_peak, plan.held_pages(held))
+            if done:
+                _harvest(state, plan, done, active, left, order, out_tokens, out_logprobs, width, counters,
+                         generated)
+                free = sorted(free + done)
+                starved = blocked = False
+            elif starved and len(active) == 1 and staging is not None and staging.row_of:
+                staging.drop(plan)  # the staged prompts' pages go before the last running request's progress
+                starved = False
+            elif starved:
+                victim = order[-1]
+                req = active[victim]
+                _harvest(state, plan, [victim], active, left, order, out_tokens, out_logprobs, width, counters,
+                         None)
+                queue.appendleft(RequestSpec(req.request_index, req.prompt_index, req.budget, req.rng_index,
+                                             req.prompt_len, req.min_tokens, resume_from=generated[victim]))
+                free = sorted(free + [victim])
+                counters.preemptions += 1
+                # No admission (the preempted request first) until a row finishes: resuming it at once would
+                # take back the pages the others need, and preempt again.
+                starved, blocked = False, True
+    finally:
+        counters.kv_pages_peak = plan.ledger.peak
+        plan.close()
     return out_tokens, out_logprobs
+
+
+def _harvest(state: DecodeSlots, plan: PagePlan, done: list[int], active: dict[int, RequestSpec],
+             left: dict[int, int], order: list[int], out_tokens: torch.Tensor, out_logprobs: torch.Tensor,
+             width: int, counters: Counters, generated: list[int] | None) -> None:
+    """Copy ``done`` slots' output rows into the result rows and free the slots and their pages; ``generated``
+    (the host's read of ``token_index``) records their lengths (``None``: preempted, not finished)."""
+    device = state.device
+    done_slots = _index(done, device)
+    rows = _index([active[s].request_index for s in done], device)
+    # Only the columns kept are gathered (the slots' output rows span the whole cache).
+    out_tokens.index_copy_(0, rows, state.out_tokens[:, :width].index_select(0, done_slots))
+    out_logprobs.index_copy_(0, rows, state.out_logprobs[:, :width].index_select(0, done_slots))
+    for slot in done:
+        if generated is not None:
+            counters.lengths[active[slot].request_index] = generated[slot]
+        del active[slot]
+        del left[slot]
+        order.remove(slot)
+        plan.free_slot(slot)
+    if generated is not None:
+        counters.harvests += 1
+    state.release(done_slots)
 
 
 def gather_responses(out_tokens: torch.Tensor, lengths: dict[int, int], pad_id: int,

@@ -1,8 +1,10 @@
 """What a captured graph is keyed by, and the batch-bucket ladder.
 
 A key holds every host value a capture freezes besides the buffers' shapes:
-the bucket (rows), the staged width, and the sampling mode (which filters run;
-the knobs' values are device data). Keys stay few: one per bucket and mode.
+the bucket (rows), the span (pages a row's attention reads, a power of two),
+the staged width, and the sampling mode (which filters run; the knobs' values
+are device data). Keys stay bounded: per sampling mode, at most one decode
+graph per (bucket, span bucket).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class GraphKey(NamedTuple):
     """Everything a captured decode step bakes in besides the buffers' shapes."""
 
     bucket: int
+    span: int  # pages of each row attention reads (a power of two, or the row's whole table)
     sampling: tuple[bool, bool, bool]  # :func:`~hybrid_engine.decode.sampling.sampling_mode`; the values are device data
 
 
@@ -46,10 +49,10 @@ class PrefillKey(NamedTuple):
 
 
 class AdmissionKey(NamedTuple):
-    """A staged admission round: ``requests`` request rows reading prompts staged ``width`` wide."""
+    """A staged admission round: ``requests`` request rows (it copies table rows and one page each, whatever
+    the prompts' width)."""
 
     requests: int
-    width: int
     sampling: tuple[bool, bool, bool]
 
 

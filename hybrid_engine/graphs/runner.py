@@ -74,8 +74,16 @@ from transformers import PreTrainedModel
 from hybrid_engine.accelerator import accelerator_for
 from hybrid_engine.accelerator.base import graph_capture_lock
 from hybrid_engine.config.schema import EngineConfig
-from hybrid_engine.decode.kv_cache import sliding_window
-from hybrid_engine.decode.model_support import max_positions
+from hybrid_engine.decode.kv_cache import layer_specs, sliding_window
+from hybrid_engine.decode.kv_pool import (
+    DEFAULT_PAGE_SIZE,
+    KVBudget,
+    KVPool,
+    LayerSpec,
+    PageLedger,
+    pages_for,
+    pool_pages,
+)
 from hybrid_engine.decode.sampling import sampling_mode
 from hybrid_engine.decode.slots import DecodeSlots, vocab_sizes
 from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_staged
@@ -132,6 +140,10 @@ class DecodeGraphRunner:
         self._graphs: dict[RunKey, Any] = {}
         self._warm: set[RunKey] = set()
         self._prompt_width = 0
+        #: The K/V page pool the slots and the stage point into, and its host ledger (built by :meth:`prepare`).
+        self.kv_pool: KVPool | None = None
+        self.ledger: PageLedger | None = None
+        self._spans_used: set[int] = set()
         self._pool: Any = None
         self._fingerprint: tuple | None = None
         self._failures = 0
@@ -189,19 +201,23 @@ class DecodeGraphRunner:
         return limit
 
     # ------------------------------------------------------------- lifecycle
-    def prepare(self, *, rows: int, capacity: int, num_eos: int, graphs: bool,
+    def prepare(self, *, rows: int, capacity: int, num_eos: int, graphs: bool, budget: KVBudget | None = None,
                 prompt_width: int | None = None) -> DecodeSlots:
-        """Start a call: slots for ``rows`` concurrent rows, graphs checked against what they froze.
+        """Start a call: a page pool, slots for ``rows`` concurrent rows, graphs checked against what they froze.
 
-        The slots' output rows span the whole ``capacity``: a call with a few more
-        new tokens than any before it fits the buffers (and keeps the graphs)
-        whenever it fits the cache. ``graphs`` says whether the caller wants
+        The pool holds what ``budget`` says (:func:`~hybrid_engine.decode.kv_pool.pool_pages`;
+        the null page comes on top; ``None``: unconfigured, pages of
+        :data:`~hybrid_engine.decode.kv_pool.DEFAULT_PAGE_SIZE`). Unconfigured, it only grows, by half at
+        least, so calls a little larger each time rebuild it (and recapture)
+        rarely; a configured budget makes it exactly that size. The
+        slots' rows reach ``capacity`` tokens, and their output rows span it too:
+        a call with a few more new tokens than any before it keeps the buffers
+        and the graphs whenever it fits. ``graphs`` says whether the caller wants
         graphs; the policy may still refuse (warned once, recorded in
-        ``last_refusal_reason``).
-        ``prompt_width`` (the width prompts are staged at, at least the longest
-        real prompt) sets up :meth:`prefill_prompts` and :meth:`admission_round`: the
-        admission stage gets request columns for a round on every slot and
-        prompt rows within :data:`PREFILL_TOKEN_BUDGET` (:meth:`_stage_rows`).
+        ``last_refusal_reason``). ``prompt_width`` (the width prompts are staged
+        at) sets up :meth:`prefill_prompts` and :meth:`admission_round`: request
+        rows for a round on every slot, prompt rows within
+        :data:`PREFILL_TOKEN_BUDGET` (:meth:`_stage_rows`).
         """
         device = model_device(self.model)
         acc = accelerator_for(device)
@@ -210,23 +226,34 @@ class DecodeGraphRunner:
             self.accelerator = acc
         model = self.model
         dtype = next(model.parameters()).dtype
+        if budget is None:
+            budget = KVBudget(DEFAULT_PAGE_SIZE, None, None, "kv_cache", 1, 1)
         need = self.bucket_for(rows)
         slots = self.slots
         vocab = vocab_sizes(model)
         window = sliding_window(model.config)
-        if slots is None or not slots.fits(need, capacity, capacity, num_eos, device, dtype, vocab):
-            if slots is not None and slots.device == device and slots.dtype == dtype:
-                if capacity > slots.capacity:  # grow by half at least: calls a little longer each time (a
-                    # response-length schedule) then rebuild the buffers and recapture a few times, not every call
-                    grown = max(capacity, slots.capacity + slots.capacity // 2)
-                    # never past a sliding window the call itself fits in
-                    capacity = grown if window is None else max(capacity, min(grown, window))
-                need, capacity = max(need, slots.rows), max(capacity, slots.capacity)
-                num_eos = max(num_eos, slots.num_eos_slots)
+        specs = layer_specs(model.config)
+        same_kind = slots is not None and slots.device == device and slots.dtype == dtype
+        if same_kind and capacity > slots.capacity:  # grow by half at least: calls a little longer each time (a
+            # response-length schedule) then rebuild the buffers and recapture a few times, not every call
+            grown = max(capacity, slots.capacity + slots.capacity // 2)
+            # never past a sliding window the call itself fits in
+            capacity = grown if window is None else max(capacity, min(grown, window))
+        if same_kind:
+            need, capacity = max(need, slots.rows), max(capacity, slots.capacity)
+            num_eos = max(num_eos, slots.num_eos_slots)
+        stage_width = max(prompt_width or 0, self.stage.width if self.stage is not None else 0)
+        page_bytes = sum(s.heads * (s.key_dim + s.value_dim) for s in specs) * dtype.itemsize * budget.page_size
+        pages, fixed = pool_pages(budget, page_bytes=page_bytes, slots=need, capacity=capacity,
+                                  stage_rows=self._stage_rows(need, stage_width) if prompt_width else 0,
+                                  stage_width=stage_width)
+        self._prepare_pool(specs, pages + 1, budget.page_size, fixed, device, dtype)
+        pool = self.kv_pool
+        slots = self.slots
+        if slots is None or not slots.fits(need, capacity, capacity, num_eos, pool, vocab):
             self.invalidate()
             self.slots = slots = None  # free the old buffers before allocating the new ones
-            self.slots = slots = DecodeSlots(model, need, capacity, capacity, num_eos=num_eos, device=device,
-                                             dtype=dtype, position_limit=max_positions(model.config))
+            self.slots = slots = DecodeSlots(model, need, capacity, capacity, num_eos=num_eos, pool=pool)
         # Checked on allocation too: the config may have changed since.
         if window is not None and window < slots.capacity:
             raise ValueError(
@@ -236,17 +263,18 @@ class DecodeGraphRunner:
         if prompt_width is not None:
             self._prompt_width = prompt_width
             stage = self.stage
-            # Prompt rows within the token budget at the stage's width (it only grows), request columns for a
-            # round as wide as the slots: a batch of this call's narrower prompts stays within the budget too.
-            reusable = stage is not None and stage.ids.device == device and stage.cache.dtype == dtype
+            # Prompt rows within the token budget at the stage's width (it only grows), request rows for a
+            # round as many as the slots: a batch of this call's narrower prompts stays within the budget too.
+            reusable = stage is not None and stage.pool is pool
             stage_width = max(prompt_width, stage.width) if reusable else prompt_width
-            if stage is None or not stage.fits(self._stage_rows(need, stage_width), prompt_width, device, dtype,
-                                               vocab[0], requests=need):
+            max_pages = slots.cache.max_pages
+            if stage is None or not stage.fits(self._stage_rows(need, stage_width), prompt_width, pool, vocab[0],
+                                               need, max_pages):
                 requests = max(need, slots.rows)
                 self.invalidate()
                 self.stage = None
-                self.stage = PromptStage(model, self._stage_rows(requests, stage_width), stage_width,
-                                            device=device, dtype=dtype, requests=requests)
+                self.stage = PromptStage(model, self._stage_rows(requests, stage_width), stage_width, pool=pool,
+                                         requests=requests, max_pages=max_pages)
         fingerprint = graph_fingerprint(model)
         if fingerprint != self._fingerprint:
             self.invalidate()
@@ -270,8 +298,23 @@ class DecodeGraphRunner:
                         self._graph_attn, model.config._attn_implementation, model.config._attn_implementation)
         return slots
 
+    def _prepare_pool(self, specs: list[LayerSpec], num_pages: int, page_size: int, fixed: bool,
+                      device: torch.device, dtype: torch.dtype) -> None:
+        """Keep the page pool when the call fits it (exactly its size when ``fixed``), else build a new one."""
+        pool = self.kv_pool
+        same_kind = (pool is not None and pool.device == device and pool.dtype == dtype
+                     and pool.page_size == page_size and pool.layers == tuple(specs))
+        if same_kind and (pool.num_pages == num_pages if fixed else pool.num_pages >= num_pages):
+            return
+        if same_kind and not fixed:
+            num_pages = max(num_pages, pool.num_pages + pool.num_pages // 2)
+        self.release()  # the slots and the stage point into the old pool: free it all before allocating
+        self.kv_pool = KVPool(specs, num_pages, page_size, device=device, dtype=dtype)
+        self.ledger = PageLedger(num_pages)
+
     def invalidate(self) -> None:
-        """Drop every graph and the pool (the buffers stay); the next steps warm up and capture again."""
+        """Drop every graph and the graph memory pool (the buffers stay); the next steps warm up and capture
+        again."""
         if self._graphs:
             self._stats.invalidations += 1
         self._graphs.clear()
@@ -280,19 +323,35 @@ class DecodeGraphRunner:
         self._stats.graph_memory_bytes = 0
 
     def release(self) -> None:
-        """Drop the graphs and the buffers (the next call allocates and captures again)."""
+        """Drop the graphs and the buffers, the page pool included (the next call allocates and captures
+        again)."""
         self.invalidate()
         self.slots = None
         self.stage = None
+        self.kv_pool = None
+        self.ledger = None
 
     # ------------------------------------------------------------------ runs
-    def step(self, bucket: int, sampling_key: tuple[float, float, int]) -> None:
-        """One decode step on slots ``[:bucket]``: replay its graph, or warm up / capture it, or run eagerly."""
-        view = self.slots.head(bucket)
-        self._run(GraphKey(bucket, sampling_mode(*sampling_key)), lambda: view.step(self.model, sampling_key))
+    def span_for(self, tokens: int) -> int:
+        """The span bucket (pages each row's attention reads) for rows of up to ``tokens`` tokens: the next
+        power of two pages, within the slots' pages."""
+        pages = max(1, pages_for(tokens, self.kv_pool.page_size))
+        return min(1 << (pages - 1).bit_length(), self.slots.cache.max_pages)
 
-    def prefill_prompts(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        """Prefill prompts ``[p, w]`` (left-padded, ``p`` <= the stage's rows) into stage rows ``0..p-1``.
+    def step(self, bucket: int, span: int, sampling_key: tuple[float, float, int]) -> None:
+        """One decode step on slots ``[:bucket]`` reading ``span`` pages a row: replay its graph, or warm up /
+        capture it, or run eagerly."""
+        view = self.slots.head(bucket)
+        self._spans_used.add(span)
+
+        def run() -> None:
+            view.cache.span_pages = span
+            view.step(self.model, sampling_key)
+
+        self._run(GraphKey(bucket, span, sampling_mode(*sampling_key)), run)
+
+    def prefill_prompts(self, ids: torch.Tensor, mask: torch.Tensor, tables: list[list[int]]) -> None:
+        """Prefill prompts ``[p, w]`` (left-padded, ``p`` <= the stage's rows) into the pages ``tables`` name.
 
         Staged at the call's prompt width and run like a decode step (graph
         replay where allowed); :meth:`admission_round` reads them until the next batch.
@@ -302,45 +361,87 @@ class DecodeGraphRunner:
         width = self._prompt_width
         ids, mask = ids[:, -width:], mask[:, -width:]  # only left padding is cut: width >= every real prompt
         prompts = self.prompt_rows_for(ids.shape[0])
-        staged = self.stage.stage_prompts(ids, mask, prompts, width)
+        staged = self.stage.stage_prompts(ids, mask, tables, prompts, width)
         self._run(PrefillKey(prompts, width), lambda: prefill_staged(self.model, staged))
 
     def admission_round(self, meta: list[list[int]], sampling_key: tuple[float, float, int]) -> None:
         """One admission round of requests whose prompts :meth:`prefill_prompts` staged.
 
-        ``meta`` holds six lists, one entry per request: slot, stage row of its
-        prompt, request index, budget, min_tokens and seed. Run like a decode
-        step (graph replay where allowed).
+        ``meta`` holds one row per request: the columns of
+        :data:`~hybrid_engine.decode.staging.META`, then its slot's block table
+        row. Run like a decode step (graph replay where allowed).
         """
-        width, requests = self._prompt_width, self.bucket_for(len(meta[0]))
-        staged = self.stage.stage_requests(meta, requests, width)
-        self._run(AdmissionKey(requests, width, sampling_mode(*sampling_key)),
+        requests = self.bucket_for(len(meta))
+        staged = self.stage.stage_requests(meta, requests)
+        self._run(AdmissionKey(requests, sampling_mode(*sampling_key)),
                   lambda: admission_round(self.slots, staged, sampling_key))
 
-    def capture_buckets(self, top: int, sampling_key: tuple[float, float, int], shrink: bool) -> None:
-        """Warm up and capture, up front and largest first, every decode bucket a call may visit.
+    def spans_between(self, shortest: int, longest: int) -> list[int]:
+        """The span buckets rows of ``shortest`` to ``longest`` tokens read."""
+        spans, span = [], self.span_for(shortest)
+        while True:
+            spans.append(span)
+            if span >= self.span_for(longest):
+                return spans
+            span = self.span_for(span * self.kv_pool.page_size + 1)
+
+    def capture_buckets(self, top: int, spans: list[int], sampling_key: tuple[float, float, int],
+                        shrink: bool) -> None:
+        """Warm up and capture, up front and largest first, every decode graph a call may replay.
 
         That is bucket ``top``, and every smaller one when rows may finish at
-        different times (``shrink``) and the call compacts into them. Capturing
-        them now, on slots that are all free (a warm-up step touches no
-        request), rather than when a run first reaches them, keeps captures and
-        graph memory flat over a long run, as vLLM and SGLang capture at start-up.
+        different times (``shrink``) and the call compacts into them, each at
+        every span in ``spans`` (the pages its rows reach, from the shortest
+        prompt to the longest prompt and budget). Capturing them now, on slots
+        that are all free (a warm-up step touches no request: free rows write
+        the null page), rather than when a run first reaches them, keeps every
+        step of the call a replay and captures flat over a long run, as vLLM
+        and SGLang capture at start-up; largest first, so the smaller graphs
+        reuse the pool's blocks.
         """
         if not self.use_graphs:
             return
         sizes = self.buckets or default_graph_buckets(top)
         for bucket in sorted((b for b in sizes if b == top or (shrink and b < top)), reverse=True):
-            key = GraphKey(bucket, sampling_mode(*sampling_key))
+            for span in sorted(spans, reverse=True):
+                key = GraphKey(bucket, span, sampling_mode(*sampling_key))
+                if key in self._graphs or self._call_eager:
+                    continue
+                view = self.slots.head(bucket)
+
+                def step(view: DecodeSlots = view, span: int = span) -> None:
+                    view.cache.span_pages = span
+                    view.step(self.model, sampling_key)
+
+                if key not in self._warm and not self._warm_up(key, step):
+                    return
+                self._capture(key, step)
+
+    def capture_rounds(self, top: int, sampling_key: tuple[float, float, int]) -> None:
+        """Warm up and capture, up front, the admission round of every request bucket up to ``top``.
+
+        How many requests a round admits depends on when rows finish, hence on
+        the tokens; its graph does not, so capturing every size now keeps
+        captures flat over a long run whatever the tokens. The warm-ups run on
+        the stage's stale rows into free slots (a round of budget-0 requests:
+        finished at once, on the null page); the caller frees every slot after.
+        """
+        if not self.use_graphs or self.stage is None:
+            return
+        sizes = self.buckets or default_graph_buckets(top)
+        for requests in sorted((b for b in sizes if b <= top), reverse=True):
+            key = AdmissionKey(requests, sampling_mode(*sampling_key))
             if key in self._graphs or self._call_eager:
                 continue
-            view = self.slots.head(bucket)
+            staged = self.stage.requests_view(requests)
+            staged.meta.zero_()
 
-            def step(view: DecodeSlots = view) -> None:
-                view.step(self.model, sampling_key)
+            def run(staged=staged) -> None:
+                admission_round(self.slots, staged, sampling_key)
 
-            if key not in self._warm and not self._warm_up(key, step):
+            if key not in self._warm and not self._warm_up(key, run):
                 return
-            self._capture(key, step)
+            self._capture(key, run)
 
     def _warm_up(self, key: RunKey, run: Callable[[], None]) -> bool:
         """The one warm-up: a real run on the graph stream, so lazy kernels and workspaces exist before capture.
@@ -506,9 +607,26 @@ class DecodeGraphRunner:
         s = dataclasses.replace(self._stats)
         decode = [k for k in self._graphs if isinstance(k, GraphKey)]
         s.graph_keys = len(decode)
+        s.admission_graph_keys = len(self._graphs) - len(decode)
         s.buckets = tuple(sorted({k.bucket for k in decode}))
+        s.span_buckets = tuple(sorted({k.span for k in decode}))
         s.cache_memory_bytes = sum(b.memory_bytes() for b in (self.slots, self.stage) if b is not None)
+        pool = self.kv_pool
+        if pool is not None:
+            s.cache_memory_bytes += pool.memory_bytes()
+            s.kv_page_size = pool.page_size
+            s.kv_pages_total = pool.num_pages - 1
+            s.kv_bytes_peak = s.kv_pages_peak * pool.page_bytes
+        if self.slots is not None:
+            sizes = self.buckets or default_graph_buckets(self.slots.rows)
+            spans = self.slots.cache.max_pages.bit_length() + 1  # 1, 2, 4, ... pages, and the whole row
+            s.graph_key_bound = len([b for b in sizes if b <= self.slots.rows]) * spans
         return s
+
+    def note_call_pages(self, peak: int, preemptions: int) -> None:
+        """Record a call's page peak (the stats report the last call's) and its preemptions (cumulative)."""
+        self._stats.kv_pages_peak = peak
+        self._stats.preemptions += preemptions
 
 
 #: Per model, the hook set a capture refused (hook fingerprint, handle id of the hook, reason), shared by every

@@ -14,13 +14,18 @@ class GraphStats:
     """Counters of one runner (attribute access; ``to_dict()`` for logging).
 
     ``captures``, ``replays``, ``warmups`` and ``eager_steps`` count decode
-    steps; ``graph_keys`` counts the decode
-    graphs held now (each serves every position of its bucket and sampling
-    mode). ``admission_captures``/``admission_replays`` count the graphs of
-    admission: staged prefill batches and admission rounds (first token, slot
-    setup). ``enabled`` says whether the next
-    call may replay graphs (capture asked for, nothing refuses it), as read when
-    the stats were asked for.
+    steps; ``graph_keys`` counts the decode graphs held now (each serves every
+    position of its bucket, span and sampling mode), ``buckets`` and
+    ``span_buckets`` the batch and span sizes among them, and
+    ``graph_key_bound`` how many decode graphs a sampling mode can reach at most
+    (buckets x span buckets). ``admission_captures``/``admission_replays``
+    count the graphs of admission (staged prefill batches and admission rounds)
+    and ``admission_graph_keys`` how many of them are held; every graph held
+    is in ``graph_memory_bytes``. The ``kv_*`` fields describe the page pool:
+    page size, pages a call can hold, and the last call's peak in pages and
+    bytes; ``preemptions`` counts requests preempted for pages (and resumed).
+    ``enabled`` says whether the next call may replay graphs (capture asked
+    for, nothing refuses it), as read when the stats were asked for.
     """
 
     replays: int = 0
@@ -38,6 +43,14 @@ class GraphStats:
     buckets: tuple[int, ...] = ()
     admission_captures: int = 0
     admission_replays: int = 0
+    admission_graph_keys: int = 0
+    span_buckets: tuple[int, ...] = ()
+    graph_key_bound: int = 0
+    kv_page_size: int = 0
+    kv_pages_total: int = 0
+    kv_pages_peak: int = 0
+    kv_bytes_peak: int = 0
+    preemptions: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The counters as a plain dict, for logging."""

@@ -28,6 +28,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hybrid_engine.config.schema import EngineConfig
+from hybrid_engine.decode.kv_pool import KVBudget
 from hybrid_engine.decode.model_support import check_model_supported, max_positions
 from hybrid_engine.decode.staging import staged_width_within, width_bucket
 from hybrid_engine.distributed.ranks import rank_seed
@@ -243,7 +244,7 @@ class HybridEngineRollout:
             )
         requests = [
             RequestSpec(request_index=i * n + j, prompt_index=i, budget=min(budgets[i], max_new),
-                        rng_index=uids[i] * n + j)
+                        rng_index=uids[i] * n + j, prompt_len=prompt_lengths[i])
             for i in range(num_prompts)
             for j in range(n)
         ]
@@ -255,8 +256,10 @@ class HybridEngineRollout:
         runner = self.runner
         before = runner.stats
         with self._inference_mode():
+            budget = KVBudget(cfg.kv_page_size, cfg.kv_cache_tokens, cfg.kv_cache_bytes, "RolloutConfig.kv_cache",
+                              longest, max_new)
             state = runner.prepare(rows=max_active, capacity=capacity, num_eos=len(eos_ids),
-                                   graphs=cfg.use_graph_capture, prompt_width=prompt_width)
+                                   graphs=cfg.use_graph_capture, budget=budget, prompt_width=prompt_width)
             counters = Counters(timer=PhaseTimer(runner.accelerator, state.device))
             state.set_special_ids(pad_id, eos_ids)
             prompt_ids = request.prompt_ids.to(state.device)
@@ -272,6 +275,7 @@ class HybridEngineRollout:
         with runner.accelerator.on_device(state.device):  # the model's device, not the current one
             runner.accelerator.synchronize()
         total_s = time.perf_counter() - t_start
+        runner.note_call_pages(counters.kv_pages_peak, counters.preemptions)
         graph = runner.stats
         self.total_graph_captures += graph.captures - before.captures
         self.last_stats = self._stats(counters, total_s, before, graph, batch, runner.bucket_for(max_active))
@@ -285,7 +289,8 @@ class HybridEngineRollout:
         empty = torch.zeros(0, dtype=torch.int64, device=ids.device)
         self.last_stats = {"num_sequences": 0, "tokens_generated": 0, "decode_steps": 0, "prefill_forwards": 0,
                            "graph_replays": 0, "graph_captures": 0, "admission_graph_replays": 0,
-                           "admission_graph_captures": 0, "fallbacks": 0, "host_syncs": 0,
+                           "admission_graph_captures": 0, "fallbacks": 0, "host_syncs": 0, "kv_pages_peak": 0, "kv_pages_held_peak": 0,
+                           "kv_bytes_peak": 0, "preemptions": 0, "span_buckets": (),
                            "total_ms": (time.perf_counter() - t_start) * 1e3,
                            "use_graph_capture": self.runner.use_graphs}
         return RolloutBatch(input_ids=ids, attention_mask=mask, response_start_idx=ids.shape[1],
@@ -330,7 +335,15 @@ class HybridEngineRollout:
             "fallbacks": after.fallbacks - before.fallbacks,
             "peak_active_batch": c.peak_active_batch,
             "cache_capacity": slots.capacity,
-            "cache_memory_bytes": int(slots.cache.memory_bytes()),
+            "cache_memory_bytes": after.cache_memory_bytes,
+            "kv_page_size": after.kv_page_size,
+            "kv_pages_total": after.kv_pages_total,
+            "kv_pages_peak": c.kv_pages_peak,
+            "kv_pages_held_peak": c.kv_pages_held_peak,
+            "kv_bytes_peak": after.kv_bytes_peak,
+            "preemptions": c.preemptions,
+            "span_buckets": tuple(sorted(c.span_steps)),
+            "span_steps": dict(c.span_steps),
             "host_syncs": c.host_syncs,
             # extras
             "eager_steps": after.eager_steps - before.eager_steps,

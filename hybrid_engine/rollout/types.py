@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybrid_engine.config.schema import MAX_CACHE_TOKENS
+from hybrid_engine.decode.kv_pool import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from hybrid_engine.decode.sampling import validate_sampling
 from hybrid_engine.generation.token_ids import MAX_TOKEN_ID
 
@@ -66,6 +67,14 @@ class RolloutConfig:
     bucket sizes (``None``: 1, 2, 4, 8, then multiples of 8). ``sync_interval`` is
     the number of decode steps between two reads of the finished flags on the
     host (the only per-step-loop host synchronisation).
+
+    K/V live in pages of ``kv_page_size`` tokens in one pool per rollout. The
+    pool holds ``kv_cache_tokens`` tokens, or ``kv_cache_bytes`` bytes; unset,
+    as many as every slot and staged prompt of the call could hold at once
+    (never more than contiguous rows of ``cache_capacity`` would take). When a
+    configured pool runs dry, running requests are preempted and resumed later
+    with the same tokens. ``cache_capacity`` stays the longest sequence a row may
+    reach; it no longer sizes the memory.
     """
 
     use_graph_capture: bool = False
@@ -78,6 +87,9 @@ class RolloutConfig:
     pad_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     sync_interval: int = 4
+    kv_page_size: int = DEFAULT_PAGE_SIZE
+    kv_cache_tokens: int | None = None
+    kv_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         owner = "RolloutConfig"
@@ -93,6 +105,11 @@ class RolloutConfig:
                         "max_new_tokens, within the model's position limit, or None to size it per call")
         _check_int(owner, "pad_token_id", self.pad_token_id, minimum=0, maximum=MAX_TOKEN_ID, allow_none=True)
         _check_int(owner, "sync_interval", self.sync_interval, minimum=1)
+        _check_int(owner, "kv_page_size", self.kv_page_size, minimum=1, maximum=MAX_PAGE_SIZE)
+        _check_int(owner, "kv_cache_tokens", self.kv_cache_tokens, minimum=1, allow_none=True)
+        _check_int(owner, "kv_cache_bytes", self.kv_cache_bytes, minimum=1, allow_none=True)
+        if self.kv_cache_tokens is not None and self.kv_cache_bytes is not None:
+            raise ValueError(f"{owner}: set kv_cache_tokens or kv_cache_bytes, not both (they size the same pool)")
         eos = self.eos_token_id
         if eos is not None and not is_int(eos):
             if not isinstance(eos, (list, tuple)) or not eos:

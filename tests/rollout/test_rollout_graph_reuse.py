@@ -12,6 +12,7 @@ from rollout_helpers import (
     shared_model,
 )
 
+from hybrid_engine.engine import initialize
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 from hybrid_engine.tiny_models import build_model
 
@@ -144,7 +145,8 @@ def test_last_stats_fields_and_few_host_syncs():
     batch, stats = run(model, request, sampling, graphs=True, enable_profiling=True)
     assert STAT_FIELDS <= set(stats)
     assert stats["tokens_generated"] == int(batch.response_lengths.sum()) == 36
-    assert stats["decode_steps"] == 11 and stats["graph_replays"] == 11  # warmed up and captured before step 1
+    # Warmed up and captured before step 1, at every span the call reaches (one page, then a second).
+    assert stats["decode_steps"] == 11 and stats["graph_replays"] == 11 and stats["span_buckets"] == (1, 2)
     assert stats["prefill_forwards"] == 1 and stats["peak_active_batch"] == 3
     assert stats["host_syncs"] <= 4  # one flag read per sync_interval=4 steps, none per token
     # The longest prompt (6 tokens) is staged at width 8; the cache holds that plus the 12 new tokens.
@@ -376,3 +378,42 @@ def test_max_batch_size_none_caps_the_slots_at_the_default():
     batch = rollout.generate(request, SamplingConfig(max_new_tokens=2, n_samples_per_prompt=8))
     assert batch.input_ids.shape[0] == 320 > DEFAULT_MAX_BATCH_SIZE
     assert rollout.last_stats["peak_active_batch"] == DEFAULT_MAX_BATCH_SIZE == rollout.runner.slots.rows
+
+
+def test_a_long_varied_run_reaches_a_plateau_of_captures_and_every_graph_held_is_counted():
+    """12 rollout shapes (prompt widths, samples, budgets, greedy and sampled, a reachable EOS), replayed for
+    four epochs with training steps in between, so tokens, EOS times and the admission schedule change: the
+    fourth epoch captures nothing (decode graphs are captured per call for every bucket and span it may reach,
+    rounds for every size; a prefill shape seen once an epoch is warmed up the first time and captured the
+    second, and the pool's growth in the first epoch drops what was warmed up before it), every graph the runner holds is in graph_stats, and the decode keys stay within the
+    stated bound. Before, admission graphs kept being captured as the schedule followed the tokens, and no
+    stat counted them."""
+    model = build_model("tiny-gpt2", seed=11)
+    engine, *_ = initialize(model=model, config={"optimizer": {"type": "SGD", "params": {"lr": 1e-2}}})
+    rollout = HybridEngineRollout(engine, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,
+                                                               eos_token_id=7, max_batch_size=8))
+    gen = torch.Generator().manual_seed(0)
+    shapes = []
+    for i in range(12):
+        width = int(torch.randint(3, 20, (1,), generator=gen))
+        lengths = torch.randint(1, width + 1, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen)
+        shapes.append((lengths.tolist(), SamplingConfig(
+            max_new_tokens=int(torch.randint(4, 40, (1,), generator=gen)), temperature=0.0 if i % 2 else 0.9,
+            n_samples_per_prompt=1 + i % 3, seed=i)))
+    epochs = []
+    for _ in range(4):
+        for i, (lengths, sampling) in enumerate(shapes):
+            batch = rollout.generate(left_padded_prompts(lengths, seed=i), sampling)
+            s = rollout.graph_stats
+            assert s.graph_keys + s.admission_graph_keys == len(rollout.runner._graphs)  # nothing held uncounted
+            assert rollout.runner.ledger.in_use == 0  # a call gives back every page it took
+            engine.train()
+            loss = engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                          labels=batch.input_ids).loss
+            engine.backward(loss)
+            engine.step()
+            engine.eval()
+        epochs.append(s.captures + s.admission_captures)
+    assert epochs[0] > 0 and epochs[2] == epochs[3], epochs  # the plateau
+    modes = 2  # greedy and sampled (top-k 50, as SamplingConfig defaults)
+    assert s.graph_keys <= modes * s.graph_key_bound and s.fallbacks == 0

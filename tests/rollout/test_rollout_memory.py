@@ -43,7 +43,8 @@ def _graph_bytes(graph) -> int:
 
 def test_a_captured_admission_round_keeps_one_layers_kv_in_the_graph_pool():
     """8 layers: an admission round used to gather every layer's K/V of its rows at once, and its capture kept
-    that (8x one layer's) in the pool; now one layer's, with the same tokens and logprobs as graphs off."""
+    that (8x one layer's) in the pool; now it copies one page per request (the sample's own last page), one
+    layer at a time, with the same tokens and logprobs as graphs off."""
     model = build_model("tiny-gpt2", n_layer=8, seed=1)
     request = _prompts(16, 60, seed=0)
     sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, n_samples_per_prompt=4, seed=3)
@@ -56,7 +57,7 @@ def test_a_captured_admission_round_keeps_one_layers_kv_in_the_graph_pool():
     admissions = {k: g for k, g in rollout.runner._graphs.items() if isinstance(k, AdmissionKey)}
     assert admissions
     for key, graph in admissions.items():
-        one_layer = key.requests * 2 * stage.num_kv_heads * key.width * stage.head_dim * 4  # float32 K and V
+        one_layer = key.requests * 2 * stage.num_kv_heads * stage.page_size * stage.head_dim * 4  # float32 K and V
         assert _graph_bytes(graph) <= one_layer * 5 // 4, (key, _graph_bytes(graph), one_layer)
 
 

@@ -1,0 +1,201 @@
+"""The paged K/V pool: fixed-size pages of every layer's keys and values, preallocated once, and its host ledger.
+
+Why pages. A slot no longer holds a K/V row of the full cache capacity: memory
+follows the tokens held (a row takes a page as it reaches it), a prompt's n
+samples point at the same prompt pages, and attention reads only the pages a
+row's span covers, not the capacity.
+
+Graph-safety invariants:
+
+* Storage is allocated once per pool and never moves. Layer ``i``'s keys and
+  values are their own tensors (``keys[i]``, ``values[i]``), token-major
+  ``[num_pages * page_size, heads, dim]``, so a captured step keeps reading the
+  right addresses, and layers may differ in heads and K/V widths (MLA keys and
+  values differ; a sliding-window or linear layer can get a pool of its own).
+* Page :data:`NULL_PAGE` is never handed out. Writes nobody will read (padding
+  columns, finished rows) go there, and unused block-table entries point at
+  it, so every index a captured step computes is in range and every value
+  attention reads is finite; attention masks by each row's length, never by
+  what a table entry holds.
+* Which page belongs to whom is host bookkeeping only (:class:`PageLedger`):
+  the host assigns pages ahead of the steps that fill them and writes block
+  tables before replays, so no step reads the device to find a page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["DEFAULT_PAGE_SIZE", "MAX_PAGE_SIZE", "NULL_PAGE", "KVBudget", "KVPool", "LayerSpec", "PageLedger", "pages_for", "pool_pages"]
+
+#: Tokens per page unless configured (``kv_page_size``): vLLM's default; a shared prompt's partial last page,
+#: copied once per sample, is then at most 15 tokens.
+DEFAULT_PAGE_SIZE = 16
+#: The largest page size accepted: a shared prompt's partial last page is copied once per sample, so pages much
+#: larger than a prompt copy more than they share.
+MAX_PAGE_SIZE = 4096
+#: The page that absorbs writes nobody reads and that unused table entries name.
+NULL_PAGE = 0
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold ``tokens`` tokens."""
+    return -(-tokens // page_size)
+
+
+class LayerSpec(NamedTuple):
+    """What one layer caches per token: ``heads`` K/V heads of ``key_dim``/``value_dim`` elements."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+
+
+class KVPool:
+    """``num_pages`` pages of ``page_size`` tokens for every layer in ``layers`` (see the module docstring)."""
+
+    def __init__(self, layers: Sequence[LayerSpec], num_pages: int, page_size: int, *, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        if num_pages < 2:
+            raise ValueError(f"KVPool: need at least 2 pages (one is the null page), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"KVPool: page_size must be >= 1, got {page_size}")
+        self.layers = tuple(LayerSpec(*spec) for spec in layers)
+        self.num_pages = num_pages
+        self.page_size = page_size
+        slots = num_pages * page_size
+        self.keys = [torch.zeros(slots, s.heads, s.key_dim, device=device, dtype=dtype) for s in self.layers]
+        self.values = [torch.zeros(slots, s.heads, s.value_dim, device=device, dtype=dtype) for s in self.layers]
+        # Offsets within a page, made once: a captured step must not build them from a host int.
+        self.offsets = torch.arange(page_size, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page holds over all layers."""
+        per_token = sum(s.heads * (s.key_dim + s.value_dim) for s in self.layers) * self.keys[0].element_size()
+        return per_token * self.page_size
+
+    def memory_bytes(self) -> int:
+        return self.page_bytes * self.num_pages
+
+    def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        """The token slots of ``pages`` (any shape ``[...]``) as ``[..., page_size]``; capture-safe."""
+        return pages[..., None] * self.page_size + self.offsets
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy pages ``src[i]`` into ``dst[i]`` in every layer (device page ids; capture-safe). The sources
+        are gathered before anything is written, so ``dst[i] == src[i]`` is a no-op."""
+        src_slots, dst_slots = self.page_slots(src).flatten(), self.page_slots(dst).flatten()
+        for layer in (*self.keys, *self.values):
+            layer.index_copy_(0, dst_slots, layer.index_select(0, src_slots))
+
+
+class PageLedger:
+    """Host bookkeeping of a pool's pages: a free list and a reference count per page.
+
+    A page is shared by reference (a prompt's full pages by every sample that
+    reads them) and returns to the free list when its last holder releases it.
+    ``peak`` is the most pages held at once since :meth:`reset_peak`.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, NULL_PAGE, -1))  # popped from the end: lowest page first
+        self._refs = [0] * num_pages
+        self.peak = 0
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        """Pages that can ever be handed out (all but the null page)."""
+        return self.num_pages - 1
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity - len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` fresh pages held once each, or ``None`` (nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        self.peak = max(self.peak, self.in_use)
+        return pages
+
+    def retain(self, pages: Iterable[int]) -> None:
+        """One more holder of each of ``pages``."""
+        for p in pages:
+            if self._refs[p] < 1:
+                raise RuntimeError(f"PageLedger: page {p} is not held; only held pages can be shared")
+            self._refs[p] += 1
+
+    def release(self, pages: Iterable[int]) -> None:
+        """One holder less of each of ``pages``; a page nobody holds is free again."""
+        for p in pages:
+            refs = self._refs[p] - 1
+            if refs < 0:
+                raise RuntimeError(f"PageLedger: page {p} released more often than held")
+            self._refs[p] = refs
+            if refs == 0:
+                self._free.append(p)
+
+    def refs(self, page: int) -> int:
+        return self._refs[page]
+
+    def reset_peak(self) -> None:
+        self.peak = self.in_use
+
+
+class KVBudget(NamedTuple):
+    """What sizes a call's pool: the page size, a configured budget (``tokens`` or ``nbytes``, set through the
+    knobs ``<knob>_tokens``/``<knob>_bytes``) or none, and the call's longest prompt and ``max_new`` tokens."""
+
+    page_size: int
+    tokens: int | None
+    nbytes: int | None
+    knob: str
+    longest_prompt: int
+    max_new: int
+
+
+def pool_pages(budget: KVBudget, *, page_bytes: int, slots: int, stage_rows: int, capacity: int,
+               stage_width: int) -> tuple[int, bool]:
+    """``(pages, fixed)``: the pages a call's pool holds besides the null page, and whether they were configured.
+
+    Configured: that budget, fixed. Otherwise what the contiguous rows of ``capacity`` tokens (and a stage of
+    ``stage_rows`` prompts ``stage_width`` wide) took for the same call, in whole pages: memory a call holds
+    follows its tokens within it (``kv_pages_peak``), and the pool changes only when the rows' capacity does,
+    so the graphs keep their addresses. A budget that cannot hold one request of the call (its staged prompt
+    and its own row) is a ``ValueError`` naming the knob and the size needed.
+    """
+    page_size, tokens, nbytes, knob, longest_prompt, max_new = budget
+    row = pages_for(longest_prompt + max_new - 1, page_size)
+    one = row + (pages_for(longest_prompt, page_size) if stage_rows else 0)
+    if tokens is not None:
+        pages, fixed, have = tokens // page_size, True, f"{knob}_tokens={tokens}"
+    elif nbytes is not None:
+        pages, fixed, have = nbytes // page_bytes, True, f"{knob}_bytes={nbytes}"
+    else:
+        return slots * pages_for(capacity, page_size) + stage_rows * pages_for(stage_width, page_size), False
+    if pages < one:
+        raise ValueError(
+            f"{have} holds {pages} pages of {page_size} tokens ({page_bytes} bytes a page), but one request of "
+            f"this call (a prompt of {longest_prompt} tokens and max_new_tokens {max_new}) needs up to {one} pages: "
+            f"raise {knob}_tokens to at least {one * page_size} (or {knob}_bytes to {one * page_bytes})")
+    return pages, fixed

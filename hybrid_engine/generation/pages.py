@@ -1,0 +1,150 @@
+"""Which pages each slot and each staged prompt holds during a call: host bookkeeping, written to the device ahead.
+
+The host knows every live row's length bound (its prompt, plus at most one
+token per step since it last looked), so it assigns pages before the steps
+that fill them, and no decode step reads the device to find a page:
+
+* a staged prompt holds the pages its prefill writes (:meth:`PagePlan.stage`);
+* an admitted sample shares its prompt's full pages (one more reference each)
+  and gets its own copy of the partly filled last page (copy-on-write), except
+  the prompt's last sample, which takes that page itself (:meth:`PagePlan.admit`);
+* before a run of decode steps every live row gets the pages those steps reach
+  (:meth:`PagePlan.grow`); the new table entries go to the device in one copy
+  (:meth:`PagePlan.flush`);
+* a harvested or preempted row gives its pages back (:meth:`PagePlan.free_slot`);
+  a page is free once nobody holds it (:class:`~hybrid_engine.decode.kv_pool.PageLedger`).
+
+A plan is one call's: pages still held when the call ends are released with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from hybrid_engine.decode.kv_pool import PageLedger, pages_for
+
+__all__ = ["AdmittedPages", "PagePlan"]
+
+
+class AdmittedPages:
+    """A sample's block table row, and the page copied (``src``) into its own last page (``dst``)."""
+
+    __slots__ = ("dst", "src", "table")
+
+    def __init__(self, table: list[int], src: int, dst: int) -> None:
+        self.table, self.src, self.dst = table, src, dst
+
+
+class PagePlan:
+    """One call's page assignments over ``ledger``, for slots of ``max_pages`` pages of ``page_size`` tokens."""
+
+    def __init__(self, ledger: PageLedger, page_size: int, max_pages: int) -> None:
+        self.ledger = ledger
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.slot_pages: dict[int, list[int]] = {}
+        self.unit_pages: dict[Hashable, tuple[list[int], int]] = {}  # staged prompt -> (pages, tokens)
+        self._pending: list[tuple[int, int, int]] = []  # (slot, logical page, pool page) not yet on the device
+        ledger.reset_peak()
+
+    # ---------------------------------------------------------------- prompts
+    def stage(self, unit: Hashable, tokens: int) -> list[int] | None:
+        """Pages for a staged prompt of ``tokens`` tokens (``None``: not enough free)."""
+        pages = self.ledger.allocate(pages_for(tokens, self.page_size))
+        if pages is not None:
+            self.unit_pages[unit] = (pages, tokens)
+        return pages
+
+    def unstage(self, unit: Hashable) -> None:
+        """The stage lets go of a prompt's pages (samples that share them keep them)."""
+        pages, _ = self.unit_pages.pop(unit)
+        self.ledger.release(pages)
+
+    def admit(self, slot: int, unit: Hashable, *, last: bool) -> AdmittedPages | None:
+        """Slot ``slot`` starts a sample of the staged ``unit``; ``last``: no later sample of the call reads the
+        unit. ``None`` (nothing taken) when no page is free for the sample's own last page."""
+        pages, tokens = self.unit_pages[unit]
+        full = tokens // self.page_size
+        shared = pages[:full]
+        if full == len(pages):  # no partial page: the first response token starts a page of its own (grow)
+            own, src, dst = [], 0, 0
+        elif last:
+            own = [pages[full]]
+            src = dst = pages[full]
+        else:
+            fresh = self.ledger.allocate(1)
+            if fresh is None:
+                return None
+            own, src, dst = fresh, pages[full], fresh[0]
+        self.ledger.retain(shared + ([pages[full]] if last and own else []))
+        held = shared + own
+        self.slot_pages[slot] = held
+        return AdmittedPages(held + [0] * (self.max_pages - len(held)), src, dst)
+
+    def take(self, slot: int, tokens: int) -> list[int] | None:
+        """Fresh pages for ``tokens`` tokens of a slot prefilled directly (engine.generate, a resumed
+        request); ``None`` when not enough are free. The caller writes the slot's table row."""
+        pages = self.ledger.allocate(pages_for(tokens, self.page_size))
+        if pages is not None:
+            self.slot_pages[slot] = pages
+        return pages
+
+    # ----------------------------------------------------------------- decode
+    def missing(self, slot: int, tokens: int) -> int:
+        """Pages slot ``slot`` lacks to hold ``tokens`` tokens."""
+        return max(0, pages_for(min(tokens, self.max_pages * self.page_size), self.page_size)
+                   - len(self.slot_pages[slot]))
+
+    def grow(self, slot: int, tokens: int) -> bool:
+        """Give slot ``slot`` the pages to hold ``tokens`` tokens (``False``, nothing taken, when not enough are
+        free); the new table entries wait for :meth:`flush`."""
+        n = self.missing(slot, tokens)
+        if n == 0:
+            return True
+        fresh = self.ledger.allocate(n)
+        if fresh is None:
+            return False
+        held = self.slot_pages[slot]
+        self._pending.extend((slot, len(held) + i, page) for i, page in enumerate(fresh))
+        held.extend(fresh)
+        return True
+
+    def flush(self, block_table: torch.Tensor) -> int:
+        """Write the table entries :meth:`grow` made into ``block_table`` (one host-to-device copy); returns how
+        many were written. Outside capture, before the steps that reach them."""
+        if not self._pending:
+            return 0
+        entries = torch.tensor(self._pending, dtype=torch.int64).t()
+        device = block_table.device
+        block_table.index_put_((entries[0].to(device), entries[1].to(device)), entries[2].to(device))
+        n = len(self._pending)
+        self._pending.clear()
+        return n
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot ``src``'s pages now belong to slot ``dst`` (compaction moved its table row)."""
+        self.slot_pages[dst] = self.slot_pages.pop(src)
+        self._pending = [(dst if s == src else s, i, p) for s, i, p in self._pending]
+
+    def free_slot(self, slot: int) -> None:
+        """Slot ``slot`` gives its pages back (harvest, preemption)."""
+        self._pending = [e for e in self._pending if e[0] != slot]
+        self.ledger.release(self.slot_pages.pop(slot))
+
+    def held_pages(self, tokens: dict[int, int]) -> int:
+        """Distinct pages the page-rounded tokens held need: ``tokens[slot]`` per slot (shared prompt pages
+        count once), and every staged prompt's. What the ledger holds beyond it was assigned ahead."""
+        pages = {p for held, _ in self.unit_pages.values() for p in held}
+        for slot, n in tokens.items():
+            pages.update(self.slot_pages[slot][: pages_for(n, self.page_size)])
+        return len(pages)
+
+    def close(self) -> None:
+        """Release everything this call still holds (its end, or an error part-way)."""
+        for slot in list(self.slot_pages):
+            self.free_slot(slot)
+        for unit in list(self.unit_pages):
+            self.unstage(unit)
+
