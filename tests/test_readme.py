@@ -106,6 +106,14 @@ def check_accelerator(scope: dict) -> None:
     assert scope["cpu"].graph_stream() is not None
 
 
+def check_kv_budget(scope: dict) -> None:
+    roomy, tight = scope["roomy"].last_stats, scope["s"]  # s: the tight call's stats, before the refused one
+    assert torch.equal(scope["a"].input_ids, scope["b"].input_ids)  # preempted and resumed: the same tokens
+    assert tight["preemptions"] > 0 and roomy["preemptions"] == 0
+    assert tight["kv_pages_total"] == 10 and tight["kv_pages_peak"] <= 10 < roomy["kv_pages_peak"]
+    assert "raise RolloutConfig.kv_cache_tokens to at least 224" in scope["message"]
+
+
 def check_trl(scope: dict) -> None:
     assert scope["trainer"].state.global_step == 2
     stats = scope["fn"].rollout.graph_stats
@@ -129,6 +137,7 @@ CHECKS: dict[tuple[str, str], tuple[tuple[str, ...], Callable[[dict], None]]] = 
     ("docs/checkpoints.md", "Checkpoints"): ((), check_checkpoint),
     ("docs/config.md", "Config"): ((), check_config),
     ("docs/accelerators.md", "Accelerators and graph capture"): ((), check_accelerator),
+    ("docs/kv-cache.md", "Sizing the pool"): ((), check_kv_budget),
     ("docs/trl.md", "TRL's `GRPOTrainer`"): (("trl", "datasets"), check_trl),
     ("docs/deepspeed-rollout.md", "DeepSpeed's rollout interface"): (("deepspeed",), check_deepspeed_rollout),
 }
