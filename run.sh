@@ -45,7 +45,7 @@ fi
 case "$cmd" in
   test) exec "$py" -m pytest -q "$@" ;;
   test-transformers-4.57)
-    exec "$py" -m pytest -q tests/test_static_cache.py tests/test_model_step.py tests/test_engine_generate.py \
+    exec "$py" -m pytest -q tests/test_kv_cache.py tests/test_model_step.py tests/test_engine_generate.py \
       tests/test_engine_graphs.py tests/test_engine_training.py tests/test_inference_copy.py tests/test_graph_runner.py \
       tests/rollout "$@" ;;
   *) exec "$py" -m hybrid_engine "$cmd" "$@" ;;
