@@ -1,6 +1,6 @@
 """Failed captures and concurrent captures on a real device: what bench/gpu_check.sh runs for issue 29.
 
-Two cases, each compared with eager tokens in the same process:
+Three cases, the first two compared with eager tokens in the same process:
 
 * ``failed_capture``: a forward hook that reads the host, and a model whose own
   code syncs while capturing (as gpt_neo, falcon, mpt ... do), make captures
@@ -12,6 +12,9 @@ Two cases, each compared with eager tokens in the same process:
   must hold 0 bytes once emptied. Graphs must then capture and replay again.
 * ``two_threads``: two models in two threads, each dropping its graphs and
   capturing again at every call: exact tokens on both, no capture failure.
+* ``pinned_copies`` (CUDA): with a long kernel queued, the host's small index
+  tensors (page-table entries, admission rows) reach the device without waiting
+  for it (``hybrid_engine.accelerator.host_copy``), and hold the right values.
 
 Prints one line per case and writes ``--json``; exits 1 when a case fails.
 
@@ -189,6 +192,27 @@ def two_threads_case(device: torch.device, dtype: torch.dtype, rounds: int) -> d
     return out
 
 
+def pinned_copies_case(device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
+        return {"ok": True, "skipped": f"needs CUDA's _sleep kernel, not {device.type}"}
+    from hybrid_engine.accelerator.host_copy import device_tensor
+
+    counters = argparse.Namespace(host_syncs=0)
+    values = [[i, 2 * i, 3 * i] for i in range(64)]
+    device_tensor(values, device, counters=counters)  # first call: pinned allocator warm
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead of the copy
+    queued = time.perf_counter()
+    copied = device_tensor(values, device, counters=counters)
+    copy_s = time.perf_counter() - queued
+    torch.cuda.synchronize(device)
+    kernel_s = time.perf_counter() - t0
+    ok = copy_s < 0.25 * kernel_s and copied.tolist() == values and counters.host_syncs == 0
+    return {"ok": ok, "copy_s": round(copy_s, 4), "queued_kernel_s": round(kernel_s, 4),
+            "host_syncs": counters.host_syncs}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -208,13 +232,15 @@ def main(argv: list[str] | None = None) -> int:
               "graph_api": acc.graph_api}
     result["failed_capture"] = failed_capture_case(device, dtype, acc)
     result["two_threads"] = two_threads_case(device, dtype, args.rounds)
-    result["ok"] = result["failed_capture"]["ok"] and result["two_threads"]["ok"]
+    result["pinned_copies"] = pinned_copies_case(device)
+    result["ok"] = all(result[k]["ok"] for k in ("failed_capture", "two_threads", "pinned_copies"))
     fc, tt = result["failed_capture"], result["two_threads"]
     print(f"failed_capture: ok={fc['ok']} " + "; ".join(
         f"{s['failure']} x{s['runs']}: failed {s['failed_captures']}, stuck pools {s['stuck_pools']}, "
         f"empty_cache frees {s['empty_cache_frees']}, pool bytes after {s['pool_bytes_after']}, exact {s['exact']}"
         for s in fc["steps"]) + f"; graphs after: {fc['graphs_after']}")
     print(f"two_threads: ok={tt['ok']} rounds {tt['rounds']}, x {tt['x']}, y {tt['y']}, errors {tt['errors']}")
+    print(f"pinned_copies: {result['pinned_copies']}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)

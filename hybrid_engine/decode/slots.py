@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from hybrid_engine.accelerator.host_copy import device_tensor
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import KVPool
 from hybrid_engine.decode.sampling import SamplingKnobs, sample_tokens
@@ -186,9 +187,9 @@ class DecodeSlots:
         #: Whether a row can emit an EOS at all (host-side; then the scheduler must look for early stops).
         self.eos_reachable = bool(reachable)
         if eos_ids:
-            self.eos_ids[: len(eos_ids)].copy_(torch.tensor(eos_ids, dtype=torch.int64))
+            self.eos_ids[: len(eos_ids)].copy_(device_tensor(eos_ids, self.device))
         if reachable:
-            self.eos_mask.index_fill_(0, torch.tensor(reachable, dtype=torch.int64, device=self.device), True)
+            self.eos_mask.index_fill_(0, device_tensor(reachable, self.device), True)
 
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens[:, None] == self.eos_ids[None, :]).any(dim=-1)

@@ -43,6 +43,7 @@ from typing import NamedTuple
 import torch
 from transformers import PreTrainedModel
 
+from hybrid_engine.accelerator.host_copy import CountsHostSyncs, device_tensor
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import KVPool
 from hybrid_engine.decode.slots import DecodeSlots, choose_tokens, logits_width
@@ -141,7 +142,7 @@ class PromptStage:
         return view
 
     def stage_prompts(self, ids: torch.Tensor, mask: torch.Tensor, tables: list[list[int]], prompts: int,
-                      width: int) -> StagedPrompts:
+                      width: int, counters: CountsHostSyncs | None = None) -> StagedPrompts:
         """Copy a batch's left-padded prompts ``[p, w]`` into its bucket, right-aligned (prompt ``i`` at row
         ``i``), and their pages (``tables[i]``, the prompt's pages in order) into the stage's block table."""
         p, w = ids.shape
@@ -151,15 +152,16 @@ class PromptStage:
         view.ids[:p, width - w:].copy_(ids)
         pages = self.cache.max_pages
         rows = [table + [0] * (pages - len(table)) for table in tables]
-        self.cache.block_table[:p].copy_(torch.tensor(rows, dtype=torch.int64))
+        self.cache.block_table[:p].copy_(device_tensor(rows, self.cache.device, counters=counters))
         return view
 
-    def stage_requests(self, meta: list[list[int]], requests: int) -> StagedRequests:
+    def stage_requests(self, meta: list[list[int]], requests: int,
+                       counters: CountsHostSyncs | None = None) -> StagedRequests:
         """Copy a round's per-request rows (each :data:`META` then a slot block table row) into its bucket."""
         view = self.requests_view(requests)
         rows = [row + [0] * (len(META) + self.max_pages - len(row)) for row in meta]
         rows += rows[-1:] * (requests - len(rows))  # pad by repeating the last request
-        view.meta.copy_(torch.tensor(rows, dtype=torch.int64))
+        view.meta.copy_(device_tensor(rows, view.meta.device, counters=counters))
         return view
 
     def memory_bytes(self) -> int:

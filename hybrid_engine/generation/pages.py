@@ -23,6 +23,7 @@ from collections.abc import Hashable
 
 import torch
 
+from hybrid_engine.accelerator.host_copy import CountsHostSyncs, device_tensor
 from hybrid_engine.decode.kv_pool import PageLedger, pages_for
 
 __all__ = ["AdmittedPages", "PagePlan"]
@@ -111,14 +112,13 @@ class PagePlan:
         held.extend(fresh)
         return True
 
-    def flush(self, block_table: torch.Tensor) -> int:
+    def flush(self, block_table: torch.Tensor, counters: CountsHostSyncs | None = None) -> int:
         """Write the table entries :meth:`grow` made into ``block_table`` (one host-to-device copy); returns how
         many were written. Outside capture, before the steps that reach them."""
         if not self._pending:
             return 0
-        entries = torch.tensor(self._pending, dtype=torch.int64).t()
-        device = block_table.device
-        block_table.index_put_((entries[0].to(device), entries[1].to(device)), entries[2].to(device))
+        entries = device_tensor(self._pending, block_table.device, counters=counters).t()
+        block_table.index_put_((entries[0], entries[1]), entries[2])
         n = len(self._pending)
         self._pending.clear()
         return n

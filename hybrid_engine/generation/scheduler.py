@@ -19,6 +19,12 @@ last looked), hence on the tokens the row holds, and reads the device
   EOS (a reachable EOS id, past its ``min_tokens``);
 * when the page pool cannot give the live rows their next step's pages.
 
+The host's own small tensors (new page-table entries, admission rows, slot
+indices) go the other way from pinned memory, ``non_blocking``, queued in
+stream order (:mod:`hybrid_engine.accelerator.host_copy`); where an
+accelerator has no pinned memory each such copy waits for the queue and is
+counted in ``host_syncs`` too.
+
 Pages (:mod:`hybrid_engine.generation.pages`): before a run of steps every live
 row is given the pages those steps reach (fewer steps when the pool is short);
 harvested rows give theirs back. When not even one step fits, the rows that
@@ -52,9 +58,11 @@ import itertools
 from collections import Counter, deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from hybrid_engine.accelerator.host_copy import device_tensor
 from hybrid_engine.decode.kv_pool import NULL_PAGE
 from hybrid_engine.decode.slots import DecodeSlots
 from hybrid_engine.decode.staging import start_from_logits
@@ -106,8 +114,8 @@ class Counters:
     lengths: dict[int, int] = field(default_factory=dict)
 
 
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+def _index(values: list[Any], device: torch.device, counters: Counters) -> torch.Tensor:
+    return device_tensor(values, device, counters=counters)
 
 
 class _Staging:
@@ -189,7 +197,7 @@ def _admission_round(
 
     def run_part() -> None:
         if part:
-            runner.admission_round(part, sampling_key)
+            runner.admission_round(part, sampling_key, counters)
             part.clear()
 
     for slot, req in zip(slots, reqs):
@@ -205,9 +213,9 @@ def _admission_round(
             batch = staging.next_batch(itertools.chain(reqs[started:], queue), plan)
             if not batch:
                 break
-            index = _index([u[0] for u in batch], prompt_ids.device)
+            index = _index([u[0] for u in batch], prompt_ids.device, counters)
             runner.prefill_prompts(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index),
-                                   [plan.unit_pages[u][0] for u in batch])
+                                   [plan.unit_pages[u][0] for u in batch], counters)
             counters.prefill_forwards += 1
             counters.prefill_rows += len(batch)
         pages = plan.admit(slot, unit, last=staging.pending[unit] == 1)
@@ -240,14 +248,14 @@ def _unstaged_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int],
     device = state.device
     counters.prefill_forwards += 1
     counters.prefill_rows += n
-    rows = _index(slots[:n], device)
+    rows = _index(slots[:n], device, counters)
     table = [pages + [NULL_PAGE] * (state.cache.max_pages - len(pages)) for pages in taken]
-    state.cache.block_table.index_copy_(0, rows, _index(table, device))
-    index = _index([r.prompt_index for r in reqs[:n]], device)
+    state.cache.block_table.index_copy_(0, rows, _index(table, device, counters))
+    index = _index([r.prompt_index for r in reqs[:n]], device, counters)
     logits = prefill(runner.model, state.cache, prompt_ids.index_select(0, index), prompt_mask.index_select(0, index),
                      rows=rows, checked=True)
     meta = _index([[r.rng_index for r in reqs[:n]], [r.budget for r in reqs[:n]], [r.min_tokens for r in reqs[:n]]],
-                  device)
+                  device, counters)
     start_from_logits(state, logits, rows, torch.arange(n, device=device), meta[0], meta[1], meta[2],
                       torch.full((n,), seed, dtype=torch.int64, device=device), sampling_key)
     return n
@@ -265,11 +273,11 @@ def _resume(runner: DecodeGraphRunner, plan: PagePlan, slot: int, req: RequestSp
     state = runner.slots
     device = state.device
     out_tokens, out_logprobs = results
-    state.cache.block_table[slot].copy_(_index(pages + [NULL_PAGE] * (state.cache.max_pages - len(pages)), device))
+    state.cache.block_table[slot].copy_(_index(pages + [NULL_PAGE] * (state.cache.max_pages - len(pages)), device, counters))
     history = out_tokens[req.request_index, : generated - 1]
     ids = torch.cat([prompt_ids[req.prompt_index], history])[None]
     mask = torch.cat([prompt_mask[req.prompt_index], torch.ones_like(history)])[None]
-    prefill(runner.model, state.cache, ids, mask, rows=_index([slot], device), checked=True)
+    prefill(runner.model, state.cache, ids, mask, rows=_index([slot], device, counters), checked=True)
     state.resume(slot, out_tokens[req.request_index], out_logprobs[req.request_index], generated, seed=seed,
                  request_index=req.rng_index, budget=req.budget, min_tokens=req.min_tokens)
     counters.prefill_forwards += 1
@@ -283,7 +291,7 @@ def _compact(state: DecodeSlots, plan: PagePlan, active: dict[int, RequestSpec],
     movers = sorted(s for s in active if s >= target)
     holes = sorted(s for s in free if s < target)[: len(movers)]
     device = state.device
-    state.move(_index(movers, device), _index(holes, device))
+    state.move(_index(movers, device, counters), _index(holes, device, counters))
     for src, dst in zip(movers, holes):
         active[dst] = active.pop(src)
         left[dst] = left.pop(src)
@@ -458,7 +466,7 @@ def run_schedule(
                     n_steps = min(n_steps, cap)
                 wanted = max(0, n_steps)
                 n_steps = _reserve(plan, active, left, wanted) if wanted else 0
-                counters.page_table_writes += plan.flush(state.cache.block_table) > 0
+                counters.page_table_writes += plan.flush(state.cache.block_table, counters) > 0
                 if n_steps:
                     with counters.timer.phase("decode"):
                         held = [(_held(r, left[s]), left[s]) for s, r in active.items()]
@@ -515,8 +523,8 @@ def _harvest(state: DecodeSlots, plan: PagePlan, done: list[int], active: dict[i
     """Copy ``done`` slots' output rows into the result rows and free the slots and their pages; ``generated``
     (the host's read of ``token_index``) records their lengths (``None``: preempted, not finished)."""
     device = state.device
-    done_slots = _index(done, device)
-    rows = _index([active[s].request_index for s in done], device)
+    done_slots = _index(done, device, counters)
+    rows = _index([active[s].request_index for s in done], device, counters)
     # Only the columns kept are gathered (the slots' output rows span the whole cache).
     out_tokens.index_copy_(0, rows, state.out_tokens[:, :width].index_select(0, done_slots))
     out_logprobs.index_copy_(0, rows, state.out_logprobs[:, :width].index_select(0, done_slots))

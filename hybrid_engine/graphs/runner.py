@@ -73,6 +73,7 @@ from transformers import PreTrainedModel
 
 from hybrid_engine.accelerator import accelerator_for
 from hybrid_engine.accelerator.base import graph_capture_lock
+from hybrid_engine.accelerator.host_copy import CountsHostSyncs
 from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.decode.kv_cache import layer_specs, sliding_window
 from hybrid_engine.decode.kv_pool import (
@@ -350,7 +351,8 @@ class DecodeGraphRunner:
 
         self._run(GraphKey(bucket, span, sampling_mode(*sampling_key)), run)
 
-    def prefill_prompts(self, ids: torch.Tensor, mask: torch.Tensor, tables: list[list[int]]) -> None:
+    def prefill_prompts(self, ids: torch.Tensor, mask: torch.Tensor, tables: list[list[int]],
+                        counters: CountsHostSyncs | None = None) -> None:
         """Prefill prompts ``[p, w]`` (left-padded, ``p`` <= the stage's rows) into the pages ``tables`` name.
 
         Staged at the call's prompt width and run like a decode step (graph
@@ -361,10 +363,11 @@ class DecodeGraphRunner:
         width = self._prompt_width
         ids, mask = ids[:, -width:], mask[:, -width:]  # only left padding is cut: width >= every real prompt
         prompts = self.prompt_rows_for(ids.shape[0])
-        staged = self.stage.stage_prompts(ids, mask, tables, prompts, width)
+        staged = self.stage.stage_prompts(ids, mask, tables, prompts, width, counters)
         self._run(PrefillKey(prompts, width), lambda: prefill_staged(self.model, staged))
 
-    def admission_round(self, meta: list[list[int]], sampling_key: tuple[float, float, int]) -> None:
+    def admission_round(self, meta: list[list[int]], sampling_key: tuple[float, float, int],
+                        counters: CountsHostSyncs | None = None) -> None:
         """One admission round of requests whose prompts :meth:`prefill_prompts` staged.
 
         ``meta`` holds one row per request: the columns of
@@ -372,7 +375,7 @@ class DecodeGraphRunner:
         row. Run like a decode step (graph replay where allowed).
         """
         requests = self.bucket_for(len(meta))
-        staged = self.stage.stage_requests(meta, requests)
+        staged = self.stage.stage_requests(meta, requests, counters)
         self._run(AdmissionKey(requests, sampling_mode(*sampling_key)),
                   lambda: admission_round(self.slots, staged, sampling_key))
 
