@@ -144,6 +144,29 @@ def test_bench_continuous_long_tail(tmp_path, capsys):
     _total(d["token_agreement"])
 
 
+def test_bench_memory(tmp_path, capsys):
+    """Behaviour only (never timing): the same tokens at every capacity, pages that follow the tokens held, a
+    shared prompt held once, a budget that bounds the pool at a large capacity, and transformers' paged
+    continuous batching run on the same requests (or its failure reported, not fatal)."""
+    d = _run(tmp_path, capsys, "bench", "memory", "--model", "tiny", "--capacities", "24,96", "--prompts", "4",
+             "--samples", "2", "--prompt-len", "6", "--long", "12", "--short", "3", "--slots", "4",
+             "--page-size", "4", "--repeats", "1")
+    assert d["benchmark"] == "memory" and d["tokens_identical_across_capacities"] is True
+    assert [(r["capacity"], r["kv_cache_tokens"]) for r in d["rows"]] == [(24, None), (96, None), (96, 4 * d["rows"][0]["kv_pages_total"])]
+    for r in d["rows"]:
+        assert r["graph_replays"] > 0 and r["fallbacks"] == 0
+        assert 0 < r["kv_pages_held_peak"] <= r["kv_pages_peak"] < r["kv_pages_total"]
+        assert r["kv_bytes_peak"] == d["rows"][0]["kv_bytes_peak"]  # the tokens held, not the capacity
+    default_96, budget_96 = d["rows"][1]["pool_bytes"], d["rows"][2]["pool_bytes"]
+    assert budget_96 < default_96  # the pool follows the budget, not cache_capacity
+    assert d["page_ratio"] <= d["target_page_ratio"] and d["step_ratio"] > 0
+    assert d["shared_prompt"]["prompt_held_once"] is True
+    cb = d["transformers_continuous"]
+    assert "error" in cb or (cb["cache_bytes"] > 0 and cb["responses"] == 8), cb
+    assert d["transformers_generate"]["kv_bytes_peak"] > 0
+    assert d["graph_side_problems"] == []
+
+
 def test_bench_overhead(tmp_path, capsys):
     d = _run(tmp_path, capsys, "bench", "overhead", "--model", "tiny", "--batch-size", "2", "--prompt-len", "8",
              "--new-tokens", "6", "--repeats", "1")

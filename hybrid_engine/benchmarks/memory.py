@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, default=8, help="concurrently decoding rows (default 8)")
     p.add_argument("--page-size", type=int, default=16, help="kv_page_size (default 16)")
     p.add_argument("--repeats", type=int, default=3, help="measured calls per capacity (default 3)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="the budget of the last row, at the largest capacity (default: the smallest capacity's "
+                        "default pool)")
     p.add_argument("--no-transformers-cb", action="store_true",
                    help="skip transformers' continuous batching (generate_batch) baseline")
 
@@ -62,8 +65,9 @@ def _positions(args: argparse.Namespace, positions: int) -> dict[str, int]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("prompts", "samples", "prompt_len", "long", "short", "slots", "page_size", "repeats"):
-        if getattr(args, name) < 1:
+    for name in ("prompts", "samples", "prompt_len", "long", "short", "slots", "page_size", "repeats",
+                 "kv_cache_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1")
     need = args.prompt_len + max(args.long, args.short)
     if min(args.capacities) < need:
@@ -85,26 +89,32 @@ def _workload(args: argparse.Namespace, vocab: int, device: torch.device) -> Any
     return RolloutRequest((ids * mask).to(device), mask.to(device), max_new_tokens=budgets)
 
 
-def _rollout_row(model: Any, request: Any, args: argparse.Namespace, capacity: int, sampling: Any) -> dict[str, Any]:
+def _rollout_row(model: Any, request: Any, args: argparse.Namespace, capacity: int, sampling: Any,
+                 budget: int | None = None) -> dict[str, Any]:
     from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig
 
     rollout = HybridEngineRollout(model, config=RolloutConfig(
         use_graph_capture=True, cache_capacity=capacity, max_batch_size=args.slots, pad_token_id=0,
-        eos_token_id=10**9, kv_page_size=args.page_size))
+        eos_token_id=10**9, kv_page_size=args.page_size, kv_cache_tokens=budget))
     for _ in range(C.WARMUP_CALLS):
         rollout.generate(request, sampling)
-    step_ms, tokens = [], None
+    step_ms, call_ms, tokens = [], [], None
     for _ in range(args.repeats):
+        t0 = time.perf_counter()
         batch = rollout.generate(request, sampling)
+        call_ms.append((time.perf_counter() - t0) * 1e3)
         s = rollout.last_stats
         step_ms.append(s["decode_ms"] / max(1, s["decode_steps"]))
         tokens = batch.input_ids
+    responses = [batch.responses[i, : int(n)].tolist() for i, n in enumerate(batch.response_lengths)]
     s = rollout.last_stats
-    return {"capacity": capacity, "decode_ms_per_step": C.median(step_ms), "decode_steps": s["decode_steps"],
+    return {"capacity": capacity, "kv_cache_tokens": budget, "decode_ms_per_step": C.median(step_ms),
+            "call_ms": C.median(call_ms), "decode_steps": s["decode_steps"],
             "kv_pages_peak": s["kv_pages_peak"], "kv_pages_held_peak": s["kv_pages_held_peak"],
             "kv_bytes_peak": s["kv_bytes_peak"], "kv_pages_total": s["kv_pages_total"],
             "pool_bytes": s["cache_memory_bytes"], "span_buckets": list(s["span_buckets"]),
-            "graph_replays": s["graph_replays"], "fallbacks": s["fallbacks"], "tokens": tokens}
+            "graph_replays": s["graph_replays"], "fallbacks": s["fallbacks"], "tokens": tokens,
+            "responses": responses}
 
 
 def _hf_generate(model: Any, request: Any, n: int, per_token_bytes: int) -> dict[str, Any]:
@@ -121,32 +131,40 @@ def _hf_generate(model: Any, request: Any, n: int, per_token_bytes: int) -> dict
     return {"decode_ms_per_step": ms / longest, "kv_bytes_peak": held * per_token_bytes, "tokens_held": held}
 
 
-def _hf_continuous(model: Any, request: Any, n: int) -> dict[str, Any]:
-    """transformers' continuous batching on the same requests and budgets: its paged cache's bytes."""
+def _hf_continuous(model: Any, request: Any, n: int, args: argparse.Namespace, pages: int) -> dict[str, Any]:
+    """transformers' continuous batching on the same requests and budgets (its pages of ``--page-size`` tokens,
+    ``pages`` of them, ``--slots`` requests at a time): its paged cache's bytes, and how many of its greedy
+    responses equal ours (its paged attention kernel may round differently)."""
+    import gc
+
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(request.max_new_tokens), eos_token_id=-1,
                               pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=config)
-    manager.start()
-    try:
+    # Sized like our pool: left to itself it takes most of the free memory (hundreds of MB here).
+    cb_config = ContinuousBatchingConfig(page_size=args.page_size, num_blocks=pages,
+                                         max_requests_per_batch=args.slots)
+    responses: dict[str, list[int]] = {}
+    # The context manager warms the manager up before starting its thread; started bare it never answers here.
+    with model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb_config,
+                                                   block=True, timeout=30) as manager:
         t0 = time.perf_counter()
-        ids = []
         for row, budget in enumerate(request.max_new_tokens):
             prompt = request.prompt_ids[row][request.prompt_attention_mask[row].bool()].tolist()
             for j in range(n):
-                ids.append(manager.add_request(prompt, request_id=f"r{row}_{j}", max_new_tokens=budget))
-        done = 0
-        while done < len(ids):
-            result = manager.get_result(timeout=60)
-            if result is None:
-                raise RuntimeError("transformers' continuous batching returned no result in 60 s")
-            done += result.is_finished()
+                manager.add_request(prompt, request_id=f"{row}_{j}", max_new_tokens=budget)
+        deadline = time.perf_counter() + 600
+        while len(responses) < n * len(request.max_new_tokens):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                responses[result.request_id] = list(result.generated_tokens)
+            elif result is None and (not manager.is_running() or time.perf_counter() > deadline):
+                raise RuntimeError(f"transformers' continuous batching stopped after {len(responses)} responses")
         ms = (time.perf_counter() - t0) * 1e3
-        cache = manager.batch_processor.cache
-        return {"wall_ms": ms, "cache_bytes": int(cache.cache_tensor.nbytes)}
-    finally:
-        manager.stop(block=True, timeout=30)
+        cache_bytes = int(manager.batch_processor.cache.cache_tensor.nbytes)
+    gc.collect()
+    return {"wall_ms": ms, "cache_bytes": cache_bytes, "responses": responses}
 
 
 def _shared_prompt(model: Any, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -177,19 +195,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sampling = SamplingConfig(max_new_tokens=max(args.long, args.short), temperature=0.0,
                               n_samples_per_prompt=args.samples)
     rows = [_rollout_row(model, request, args, c, sampling) for c in args.capacities]
+    # The largest capacity again with a budget: the pool follows kv_cache_tokens, not the capacity.
+    budget = args.kv_cache_tokens or rows[0]["kv_pages_total"] * args.page_size
+    rows.append(_rollout_row(model, request, args, max(args.capacities), sampling, budget))
     same = all(torch.equal(r["tokens"], rows[0]["tokens"]) for r in rows)
+    ours = rows[0]["responses"]
     for r in rows:
-        del r["tokens"]
+        del r["tokens"], r["responses"]
     hf = _hf_generate(model, request, args.samples, per_token)
     cb: dict[str, Any] | None = None
     if not args.no_transformers_cb:
         try:
-            cb = _hf_continuous(model, request, args.samples)
+            cb = _hf_continuous(model, request, args.samples, args, rows[-1]["kv_pages_total"])
+            theirs = cb.pop("responses")
+            cb["responses_equal_ours"] = sum(theirs.get(f"{i // args.samples}_{i % args.samples}") == r
+                                             for i, r in enumerate(ours))
+            cb["responses"] = len(ours)
         except Exception as exc:  # a baseline that does not run here is reported, not fatal
             cb = {"error": f"{type(exc).__name__}: {exc}"}
     shared = _shared_prompt(model, args, device)
     base = rows[0]
-    at_4096 = next((r for r in rows if r["capacity"] == 4096), rows[-1])
+    at_4096 = next((r for r in rows if r["capacity"] == 4096), rows[-2])
     step_ratio = at_4096["decode_ms_per_step"] / base["decode_ms_per_step"]
     page_ratio = max(r["kv_pages_peak"] / max(1, r["kv_pages_held_peak"]) for r in rows)
     problems = [f"capacity {r['capacity']}" for r in rows if not r["graph_replays"] or r["fallbacks"]]
@@ -205,11 +231,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "graph_side_problems": [f"bench memory: no graph replay at {p}" for p in problems],
     }
     table = C.format_table(
-        ["cache_capacity", "decode ms/step", "span pages", "pages peak", "held peak", "KV bytes peak", "pool bytes"],
-        [[r["capacity"], r["decode_ms_per_step"], ",".join(map(str, r["span_buckets"])), r["kv_pages_peak"],
+        ["cache_capacity", "kv_cache_tokens", "decode ms/step", "ms/call", "span pages", "pages peak", "held peak",
+         "KV bytes peak", "cache bytes"],
+        [[r["capacity"], r["kv_cache_tokens"] or "default", r["decode_ms_per_step"], r["call_ms"], ",".join(map(str, r["span_buckets"])), r["kv_pages_peak"],
           r["kv_pages_held_peak"], r["kv_bytes_peak"], r["pool_bytes"]] for r in rows])
     cb_line = ("skipped" if cb is None else cb.get("error") or
-               f"{cb['wall_ms']:.1f} ms for the workload, paged cache {cb['cache_bytes']} bytes")
+               f"{cb['wall_ms']:.1f} ms for the workload, paged cache {cb['cache_bytes']} bytes, "
+               f"{cb['responses_equal_ours']} of {cb['responses']} greedy responses equal ours")
     text = (
         f"\nbench memory: {C.model_label(args)} {C.dtype_name(dtype)}, {args.prompts} prompts x {args.samples} "
         f"samples, budgets {args.long} (1 in 4) and {args.short}, {args.slots} slots, pages of {args.page_size}\n"
