@@ -16,8 +16,8 @@ from hybrid_engine.accelerator import (
     TorchBackendAccelerator,
     set_accelerator,
 )
-from hybrid_engine.decode.kv_cache import layer_specs
 from hybrid_engine.decode.kv_pool import KVPool, PageLedger
+from hybrid_engine.decode.layout import layer_specs
 from hybrid_engine.decode.sampling import counter_uniform, sample_tokens
 from hybrid_engine.decode.slots import DecodeSlots
 from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_staged, width_bucket

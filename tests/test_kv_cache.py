@@ -8,7 +8,7 @@ import torch
 import torch.utils._python_dispatch
 from transformers.cache_utils import Cache
 
-from hybrid_engine.decode.kv_cache import PagedKVCache, cache_geometry
+from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import (
     NULL_PAGE,
     KVBudget,
@@ -18,6 +18,7 @@ from hybrid_engine.decode.kv_pool import (
     pages_for,
     pool_pages,
 )
+from hybrid_engine.decode.layout import cache_geometry
 from hybrid_engine.tiny_models import ARCHITECTURES, build_config
 
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from hybrid_engine.benchmarks import common as C
-from hybrid_engine.decode.kv_cache import layer_specs
 from hybrid_engine.decode.kv_pool import pages_for
+from hybrid_engine.decode.layout import layer_specs
 
 DEFAULT_MODEL = "tiny-llama"
 TARGET_STEP_RATIO = 1.2

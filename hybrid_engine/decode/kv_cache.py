@@ -38,9 +38,10 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hybrid_engine.accelerator import is_capturing
-from hybrid_engine.decode.kv_pool import DEFAULT_PAGE_SIZE, NULL_PAGE, KVPool, LayerSpec, pages_for
+from hybrid_engine.decode.kv_pool import DEFAULT_PAGE_SIZE, NULL_PAGE, KVPool, pages_for
+from hybrid_engine.decode.layout import exact_length, layer_specs
 
-__all__ = ["PagedKVCache", "cache_geometry", "layer_specs", "sliding_window"]
+__all__ = ["PagedKVCache"]
 
 
 class _HostCounters:
@@ -50,38 +51,6 @@ class _HostCounters:
 
     def __init__(self) -> None:
         self.num_updates = 0
-
-
-def cache_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` of a decoder config."""
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    num_layers = int(config.num_hidden_layers)
-    num_heads = int(config.num_attention_heads)
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // num_heads
-    return num_layers, int(num_kv_heads), int(head_dim)
-
-
-def sliding_window(config: PretrainedConfig) -> int | None:
-    """The sliding-attention window of ``config``'s layers that use one, or ``None``."""
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return window if any("sliding" in t or "chunked" in t for t in layer_types) else None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
-
-
-def layer_specs(config: PretrainedConfig) -> list[LayerSpec]:
-    """What each layer of ``config``'s decoder caches per token."""
-    num_layers, heads, head_dim = cache_geometry(config)
-    return [LayerSpec(heads, head_dim, head_dim)] * num_layers
 
 
 class _PagedKVLayer(CacheLayerMixin):
@@ -163,11 +132,11 @@ class PagedKVCache(Cache):
             raise ValueError(f"PagedKVCache: batch_size must be a positive int, got {batch_size!r}")
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
             raise ValueError(f"PagedKVCache: capacity must be a positive int, got {capacity!r}")
-        window = sliding_window(config)
-        if window is not None and window < capacity:
+        limit = exact_length(config)
+        if limit is not None and limit.tokens < capacity:
             raise ValueError(
-                f"PagedKVCache: the config uses sliding-window attention (window {window}) smaller than "
-                f"capacity {capacity}; sliding windows are not supported by this cache"
+                f"PagedKVCache: the config's {limit.why} makes this cache exact only up to {limit.tokens} tokens, "
+                f"less than capacity {capacity}; use a capacity of at most {limit.tokens}"
             )
         if pool is None:
             if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:

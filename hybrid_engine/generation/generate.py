@@ -45,8 +45,8 @@ import torch
 from transformers import GenerationConfig
 
 from hybrid_engine.config.schema import EngineConfig, HybridEngineConfig
-from hybrid_engine.decode.kv_cache import sliding_window
 from hybrid_engine.decode.kv_pool import KVBudget
+from hybrid_engine.decode.layout import exact_length
 from hybrid_engine.decode.model_support import check_model_supported, max_positions
 from hybrid_engine.decode.sampling import validate_sampling
 from hybrid_engine.distributed.ranks import rank_seed
@@ -403,11 +403,11 @@ class GenerateFrontEnd:
             check_model_supported(self.model)
         except (TypeError, ValueError) as exc:
             return f"The model cannot use the static KV cache ({exc}); delegated to transformers' generate."
-        window, capacity = sliding_window(self.model.config), self.config.hybrid_engine.max_out_tokens
-        if window is not None and window < capacity:
-            return (f"The model's sliding-window attention (window {window}) is shorter than the static cache "
-                    f"(hybrid_engine.max_out_tokens={capacity}); delegated to transformers' generate. Set "
-                    f"max_out_tokens to at most {window} for the fast path.")
+        limit, capacity = exact_length(self.model.config), self.config.hybrid_engine.max_out_tokens
+        if limit is not None and limit.tokens < capacity:
+            return (f"The model's {limit.why} makes the paged cache exact only up to {limit.tokens} tokens, less "
+                    f"than hybrid_engine.max_out_tokens={capacity}; delegated to transformers' generate. Set "
+                    f"max_out_tokens to at most {limit.tokens} for the fast path.")
         return None
 
     def _special_ids(self, kwargs: dict[str, Any]) -> tuple[list[int], int | None]:

@@ -75,7 +75,6 @@ from hybrid_engine.accelerator import accelerator_for
 from hybrid_engine.accelerator.base import graph_capture_lock
 from hybrid_engine.accelerator.host_copy import CountsHostSyncs
 from hybrid_engine.config.schema import EngineConfig
-from hybrid_engine.decode.kv_cache import layer_specs, sliding_window
 from hybrid_engine.decode.kv_pool import (
     DEFAULT_PAGE_SIZE,
     KVBudget,
@@ -85,6 +84,7 @@ from hybrid_engine.decode.kv_pool import (
     pages_for,
     pool_pages,
 )
+from hybrid_engine.decode.layout import exact_length, layer_specs
 from hybrid_engine.decode.sampling import sampling_mode
 from hybrid_engine.decode.slots import DecodeSlots, vocab_sizes
 from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_staged
@@ -232,7 +232,8 @@ class DecodeGraphRunner:
         need = self.bucket_for(rows)
         slots = self.slots
         vocab = vocab_sizes(model)
-        window = sliding_window(model.config)
+        limit = exact_length(model.config)
+        window = None if limit is None else limit.tokens
         specs = layer_specs(model.config)
         same_kind = slots is not None and slots.device == device and slots.dtype == dtype
         if same_kind and capacity > slots.capacity:  # grow by half at least: calls a little longer each time (a
@@ -256,10 +257,11 @@ class DecodeGraphRunner:
             self.slots = slots = None  # free the old buffers before allocating the new ones
             self.slots = slots = DecodeSlots(model, need, capacity, capacity, num_eos=num_eos, pool=pool)
         # Checked on allocation too: the config may have changed since.
-        if window is not None and window < slots.capacity:
+        if limit is not None and limit.tokens < slots.capacity:
             raise ValueError(
-                f"the model's config now uses sliding-window attention (window {window}) smaller than the decode "
-                f"cache's capacity {slots.capacity}; sliding windows are not supported by this cache"
+                f"the model's config now has {limit.why}, which makes the paged cache exact only up to "
+                f"{limit.tokens} tokens, less than the decode cache's capacity {slots.capacity}; use a capacity of at most "
+                f"{limit.tokens}"
             )
         if prompt_width is not None:
             self._prompt_width = prompt_width

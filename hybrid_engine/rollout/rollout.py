@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 
 from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.decode.kv_pool import KVBudget
+from hybrid_engine.decode.layout import exact_length
 from hybrid_engine.decode.model_support import check_model_supported, max_positions
 from hybrid_engine.decode.staging import staged_width_within, width_bucket
 from hybrid_engine.distributed.ranks import rank_seed
@@ -209,6 +210,19 @@ class HybridEngineRollout:
                 f"{limit} positions; use cache_capacity={limit} or less, or None to size the cache per call"
             )
         needed = longest + max_new
+        exact = exact_length(model.config)
+        if exact is not None and needed > exact.tokens:
+            raise ValueError(
+                f"generate: the model's {exact.why} makes the paged cache exact only up to {exact.tokens} tokens, "
+                f"and the longest prompt ({longest}) + max_new_tokens ({max_new}) = {needed} is more; lower "
+                "max_new_tokens or truncate the prompts (windowed layers are not cached yet)"
+            )
+        if exact is not None and cfg.cache_capacity is not None and cfg.cache_capacity > exact.tokens:
+            raise ValueError(
+                f"generate: RolloutConfig.cache_capacity={cfg.cache_capacity} is more than the {exact.tokens} tokens "
+                f"the model's {exact.why} lets the paged cache hold exactly; use cache_capacity={exact.tokens} or "
+                "less, or None to size the cache per call"
+            )
         if cfg.cache_capacity is not None and cfg.cache_capacity < needed:
             raise ValueError(
                 f"generate: RolloutConfig.cache_capacity={cfg.cache_capacity} is below the longest prompt "
@@ -220,12 +234,13 @@ class HybridEngineRollout:
         # Prompts are staged for prefill at their padded width, rounded up to a power of two (see
         # hybrid_engine.decode.staging): the cache holds that plus the responses, within a configured capacity.
         prompt_width = width_bucket(request.prompt_ids.shape[1])
-        if cfg.cache_capacity is not None:
-            capacity = cfg.cache_capacity
-            if prompt_width > capacity - max_new:  # on a coarse grid, so that staged widths (graph keys) stay few
-                prompt_width = staged_width_within(longest, capacity - max_new)
-        else:
+        capacity = cfg.cache_capacity
+        if capacity is None:
             capacity = prompt_width + max_new
+            if exact is not None:
+                capacity = min(capacity, exact.tokens)  # a padded stage must not reach past a window
+        if prompt_width > capacity - max_new:  # on a coarse grid, so that staged widths (graph keys) stay few
+            prompt_width = staged_width_within(longest, capacity - max_new)
 
         n = sampling.n_samples_per_prompt
         num_prompts = request.prompt_ids.shape[0]

@@ -1,0 +1,117 @@
+"""What a decoder config's layers cache per token, and how long a sequence the paged cache reproduces exactly.
+
+The paged cache holds full-attention K/V: every layer attends over every
+cached token of its row, with positions applied once, when a token is
+written. A config is read, never probed by running it, for what would make
+that silently wrong: a layer that attends over a window or a chunk
+(``sliding_window``, GPT-Neo's ``window_size`` local layers, Llama 4's
+``attention_chunk_size``), or RoPE scaling that switches factors past a length
+(``longrope`` past ``original_max_position_embeddings``, where transformers
+recomputes the history). Up to that length full attention gives the same
+result, so it is a limit on the sequence a row may reach, not a refusal of the
+model. Layouts the cache cannot hold at all (state-space or linear-attention
+layers, ALiBi) are refused in one sentence that names what is missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from transformers import PretrainedConfig
+
+from hybrid_engine.decode.kv_pool import LayerSpec
+
+__all__ = ["LengthLimit", "cache_geometry", "exact_length", "layer_specs", "layout_refusal"]
+
+#: Layer kinds (``config.layer_types``) whose K/V the paged cache holds; windowed ones up to their window.
+ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+class LengthLimit(NamedTuple):
+    """The longest sequence (``tokens``) the paged cache reproduces exactly, and ``why``, naming the field."""
+
+    tokens: int
+    why: str
+
+
+def _text_config(config: PretrainedConfig) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def layout_refusal(config: PretrainedConfig) -> str | None:
+    """Why the paged K/V cache cannot hold ``config``'s layers at all, in one sentence; ``None`` when it can."""
+    config = _text_config(config)
+    model_type = getattr(config, "model_type", None)
+    kinds = sorted({k for k in getattr(config, "layer_types", None) or () if k not in ATTENTION_LAYER_KINDS})
+    if kinds:
+        return (f"model_type {model_type!r} has layers of kind {', '.join(map(repr, kinds))} (config.layer_types), "
+                "which keep a recurrent or convolution state per sequence that the paged K/V cache does not hold")
+    if not isinstance(getattr(config, "num_attention_heads", None), int):
+        return (f"model_type {model_type!r} has no attention heads (no config.num_attention_heads): its layers keep "
+                "a state-space or recurrent state that the paged K/V cache does not hold")
+    if getattr(config, "alibi", False) or model_type == "bloom":
+        return (f"model_type {model_type!r} uses ALiBi position biases, which transformers builds from a 2-D "
+                "attention mask; the paged cache passes a 4-D mask, so ALiBi models are not supported")
+    return None
+
+
+def cache_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_dim)`` of a decoder config; ``ValueError`` for a layout with no K/V."""
+    reason = layout_refusal(config)
+    if reason is not None:
+        raise ValueError(reason)
+    config = _text_config(config)
+    num_layers = int(config.num_hidden_layers)
+    num_heads = int(config.num_attention_heads)
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        num_kv_heads = 1  # Falcon-7B's and GPTBigCode's multi-query layout: one K/V head for all queries
+    else:
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) \
+            or num_heads
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // num_heads
+    return num_layers, int(num_kv_heads), int(head_dim)
+
+
+def layer_specs(config: PretrainedConfig) -> list[LayerSpec]:
+    """What each layer of ``config``'s decoder caches per token."""
+    num_layers, heads, head_dim = cache_geometry(config)
+    return [LayerSpec(heads, head_dim, head_dim)] * num_layers
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    """The RoPE scaling dict: ``rope_parameters`` (transformers 5.x) or ``rope_scaling`` (4.57)."""
+    for name in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, name, None)
+        if isinstance(value, dict):
+            return value
+    return {}
+
+
+def exact_length(config: PretrainedConfig) -> LengthLimit | None:
+    """The longest sequence full attention over the paged cache reproduces exactly for ``config``, or ``None``
+    when there is no such limit (the model's position limit still applies)."""
+    config = _text_config(config)
+    limits: list[LengthLimit] = []
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window:
+        if layer_types is not None:
+            windowed = any("sliding" in t for t in layer_types)
+        else:
+            windowed = getattr(config, "use_sliding_window", True) is not False
+        if windowed:
+            limits.append(LengthLimit(int(window), f"sliding-window attention (window {int(window)})"))
+    local = getattr(config, "window_size", None)
+    if local and "local" in (getattr(config, "attention_layers", None) or ()):
+        limits.append(LengthLimit(int(local), f"local attention layers (window_size {int(local)})"))
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk and (layer_types is None or any("chunked" in t for t in layer_types)):
+        limits.append(LengthLimit(int(chunk), f"chunked attention (attention_chunk_size {int(chunk)})"))
+    rope = _rope_parameters(config)
+    if (rope.get("rope_type") or rope.get("type")) == "longrope":
+        switch = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings",
+                                                                          None)
+        if switch:
+            limits.append(LengthLimit(int(switch), f"longrope RoPE scaling (its factors switch past "
+                                                   f"original_max_position_embeddings {int(switch)})"))
+    return min(limits, default=None)

@@ -1,0 +1,147 @@
+"""Families beyond the six tiny ones: no silent drift, clear refusals, and the layouts that now fit (issue 28).
+
+Each model is built from a tiny seeded config of transformers' own class (no network). Where the paged cache
+holds full-attention K/V but the family attends over a window or a chunk, or switches RoPE factors past a
+length, a sequence longer than that is refused by the rollout and handed to transformers by
+``engine.generate``; within it the tokens equal transformers' ``generate``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hybrid_engine import initialize
+from hybrid_engine.decode.layout import exact_length, layout_refusal
+from hybrid_engine.graphs.policy import GraphRefusedWarning
+from hybrid_engine.rollout import (
+    HybridEngineRollout,
+    RolloutConfig,
+    RolloutRequest,
+    SamplingConfig,
+    UnsupportedModelError,
+)
+
+SMALL = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+             max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+#: model_type -> (config fields, the limit's words, its tokens)
+LIMITED = {
+    "gpt_neo": (dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                     window_size=8, max_position_embeddings=128, bos_token_id=1, eos_token_id=2),
+                "local attention layers (window_size 8)", 8),
+    "llama4_text": (dict(SMALL, attention_chunk_size=8, num_key_value_heads=2, head_dim=8, intermediate_size_mlp=64,
+                         num_local_experts=2), "chunked attention (attention_chunk_size 8)", 8),
+    "mistral": (dict(SMALL, num_key_value_heads=2, sliding_window=8), "sliding-window attention (window 8)", 8),
+    "phi3": (dict(SMALL, num_key_value_heads=2, original_max_position_embeddings=16,
+                  rope_scaling={"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}),
+             "longrope RoPE scaling (its factors switch past original_max_position_embeddings 16)", 16),
+}
+
+
+def tiny(model_type: str, **fields) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **fields)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def prompts(batch: int = 2, width: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(4, 128, (batch, width), generator=torch.Generator().manual_seed(3))
+    return ids, torch.ones_like(ids)
+
+
+def hf_greedy(model, ids, mask, new: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                              min_new_tokens=new, pad_token_id=0)
+
+
+def rollout_tokens(model, ids, mask, new: int, graphs: bool, capacity: int | None = None) -> torch.Tensor:
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=graphs, cache_capacity=capacity,
+                                                              pad_token_id=0, eos_token_id=10**6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphRefusedWarning)  # some families' own code cannot be captured
+        batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=new, temperature=0.0))
+    return batch.input_ids
+
+
+@pytest.mark.parametrize("model_type", sorted(LIMITED))
+def test_a_window_chunk_or_rope_switch_is_read_from_the_config_that_sets_it(model_type):
+    fields, why, tokens = LIMITED[model_type]
+    assert exact_length(tiny(model_type, **fields).config) == (tokens, why)
+
+
+@pytest.mark.parametrize("model_type", sorted(LIMITED))
+def test_within_the_limit_tokens_equal_transformers_and_past_it_the_rollout_refuses_by_name(model_type):
+    """Before, gpt_neo's local layers and llama4's chunks were ignored: tokens differed from transformers'."""
+    fields, why, limit = LIMITED[model_type]
+    model = tiny(model_type, **fields)
+    ids, mask = prompts()
+    within = limit - ids.shape[1]
+    want = hf_greedy(model, ids, mask, within)
+    for graphs in (False, True):
+        assert torch.equal(rollout_tokens(model, ids, mask, within, graphs), want)
+    with pytest.raises(ValueError, match=rf"{why.split(' (')[0]} .*exact only up to {limit} tokens.*lower "
+                                         "max_new_tokens"):
+        rollout_tokens(model, ids, mask, within + 4, graphs=True)
+    with pytest.raises(ValueError, match=rf"cache_capacity=64 is more than the {limit} tokens"):
+        rollout_tokens(model, ids, mask, within, graphs=True, capacity=64)
+    assert torch.equal(rollout_tokens(model, ids, mask, within, graphs=True), want)  # still usable
+
+
+@pytest.mark.parametrize("model_type", sorted(LIMITED))
+def test_engine_generate_past_the_limit_is_handed_to_transformers_with_the_reason(model_type):
+    fields, why, limit = LIMITED[model_type]
+    model = tiny(model_type, **fields)
+    ids, mask = prompts()
+    new = limit + 6  # past the window / chunk / switch
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True,
+                                                                   "max_out_tokens": 64}})
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        out = engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                              min_new_tokens=new, pad_token_id=0)
+    assert torch.equal(out, hf_greedy(model, ids, mask, new))
+    assert why in engine.graph_stats.last_refusal_reason
+    assert f"max_out_tokens to at most {limit}" in engine.graph_stats.last_refusal_reason
+    assert sum(issubclass(w.category, GraphRefusedWarning) for w in rec) == 1
+
+
+def test_state_space_models_are_refused_by_name_and_generate_hands_them_to_transformers():
+    """Mamba raised AttributeError ('MambaConfig' object has no attribute 'num_attention_heads')."""
+    model = tiny("mamba", vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=4, pad_token_id=0,
+                 bos_token_id=1, eos_token_id=2)
+    assert "the paged K/V cache does not hold" in layout_refusal(model.config)
+    ids, mask = prompts()
+    with pytest.raises(UnsupportedModelError, match="model_type 'mamba' .*state.* the paged K/V cache does not hold"):
+        rollout_tokens(model, ids, mask, 4, graphs=True)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    with pytest.warns(GraphRefusedWarning, match="model_type 'mamba'"):
+        out = engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=4,
+                              min_new_tokens=4, pad_token_id=0)
+    assert torch.equal(out, hf_greedy(model, ids, mask, 4))
+
+
+def test_falcon_7b_multi_query_layout_caches_one_kv_head_and_matches_transformers():
+    """It was refused: '(1, 1, 1, 8) do not match the cache layout' (the cache had one K/V head per query head)."""
+    model = tiny("falcon", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 multi_query=True, new_decoder_architecture=False, alibi=False, max_position_embeddings=128,
+                 bos_token_id=1, eos_token_id=2)
+    ids, mask = prompts()
+    want = hf_greedy(model, ids, mask, 12)
+    for graphs in (False, True):
+        assert torch.equal(rollout_tokens(model, ids, mask, 12, graphs), want)
+
+
+@pytest.mark.parametrize("model_type,fields", [
+    ("falcon", dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True)),
+    ("bloom", dict(vocab_size=128, hidden_size=32, n_layer=2, n_head=4)),
+])
+def test_alibi_models_are_refused_in_one_sentence_naming_alibi(model_type, fields):
+    model = tiny(model_type, **fields)
+    ids, mask = prompts()
+    with pytest.raises(UnsupportedModelError, match=f"model_type '{model_type}' uses ALiBi position biases"):
+        rollout_tokens(model, ids, mask, 4, graphs=False)
