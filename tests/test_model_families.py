@@ -15,7 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hybrid_engine import initialize
-from hybrid_engine.decode.layout import exact_length, layout_refusal
+from hybrid_engine.decode.kv_pool import LayerSpec
+from hybrid_engine.decode.layout import exact_length, layer_specs, layout_refusal
 from hybrid_engine.graphs.policy import GraphRefusedWarning
 from hybrid_engine.rollout import (
     HybridEngineRollout,
@@ -56,7 +57,7 @@ def prompts(batch: int = 2, width: int = 5) -> tuple[torch.Tensor, torch.Tensor]
 def hf_greedy(model, ids, mask, new: int) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                              min_new_tokens=new, pad_token_id=0)
+                              min_new_tokens=new, pad_token_id=0, eos_token_id=-1)  # nothing suppressed
 
 
 def rollout_tokens(model, ids, mask, new: int, graphs: bool, capacity: int | None = None) -> torch.Tensor:
@@ -103,7 +104,7 @@ def test_engine_generate_past_the_limit_is_handed_to_transformers_with_the_reaso
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         out = engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                              min_new_tokens=new, pad_token_id=0)
+                              min_new_tokens=new, pad_token_id=0, eos_token_id=-1)
     assert torch.equal(out, hf_greedy(model, ids, mask, new))
     assert why in engine.graph_stats.last_refusal_reason
     assert f"max_out_tokens to at most {limit}" in engine.graph_stats.last_refusal_reason
@@ -121,7 +122,7 @@ def test_state_space_models_are_refused_by_name_and_generate_hands_them_to_trans
     engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
     with pytest.warns(GraphRefusedWarning, match="model_type 'mamba'"):
         out = engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=4,
-                              min_new_tokens=4, pad_token_id=0)
+                              min_new_tokens=4, pad_token_id=0, eos_token_id=-1)
     assert torch.equal(out, hf_greedy(model, ids, mask, 4))
 
 
@@ -145,3 +146,27 @@ def test_alibi_models_are_refused_in_one_sentence_naming_alibi(model_type, field
     ids, mask = prompts()
     with pytest.raises(UnsupportedModelError, match=f"model_type '{model_type}' uses ALiBi position biases"):
         rollout_tokens(model, ids, mask, 4, graphs=False)
+
+
+MLA = dict(SMALL, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4,
+           v_head_dim=6)
+MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+           moe_intermediate_size=16)
+
+
+@pytest.mark.parametrize("model_type,extra", [("deepseek_v3", MOE), ("deepseek_v2", MOE), ("minicpm3", {})])
+def test_multi_head_latent_attention_runs_on_the_pool_with_graphs_and_matches_transformers(model_type, extra):
+    """It was refused: K and V of different shapes did not fit one per-layer layout. transformers 5.x caches the
+    compressed latent (kv_lora_rank) and the rotated key part (qk_rope_head_dim), one head each."""
+    model = tiny(model_type, **MLA, **extra)
+    specs = layer_specs(model.config)
+    assert specs in ([LayerSpec(1, 16, 4)] * 2, [LayerSpec(4, 12, 6)] * 2)  # latent, or per-head K and V
+    ids, mask = prompts()
+    want = hf_greedy(model, ids, mask, 12)
+    for graphs in (False, True):
+        assert torch.equal(rollout_tokens(model, ids, mask, 12, graphs), want)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True,
+                                                                   "max_out_tokens": 32}})
+    out = engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                          min_new_tokens=12, pad_token_id=0, eos_token_id=-1)
+    assert torch.equal(out, want) and engine.graph_stats.replays > 0

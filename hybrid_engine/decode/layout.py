@@ -27,6 +27,10 @@ __all__ = ["LengthLimit", "cache_geometry", "exact_length", "layer_specs", "layo
 ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 
 
+#: Layer kinds that cache nothing (feed-forward blocks listed among the layers, as Nemotron-H does).
+STATELESS_LAYER_KINDS = ("mlp", "moe")
+
+
 class LengthLimit(NamedTuple):
     """The longest sequence (``tokens``) the paged cache reproduces exactly, and ``why``, naming the field."""
 
@@ -42,7 +46,8 @@ def layout_refusal(config: PretrainedConfig) -> str | None:
     """Why the paged K/V cache cannot hold ``config``'s layers at all, in one sentence; ``None`` when it can."""
     config = _text_config(config)
     model_type = getattr(config, "model_type", None)
-    kinds = sorted({k for k in getattr(config, "layer_types", None) or () if k not in ATTENTION_LAYER_KINDS})
+    kinds = sorted({k for k in getattr(config, "layer_types", None) or ()
+                    if k not in ATTENTION_LAYER_KINDS and k not in STATELESS_LAYER_KINDS})
     if kinds:
         return (f"model_type {model_type!r} has layers of kind {', '.join(map(repr, kinds))} (config.layer_types), "
                 "which keep a recurrent or convolution state per sequence that the paged K/V cache does not hold")
@@ -73,9 +78,31 @@ def cache_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
 
 
 def layer_specs(config: PretrainedConfig) -> list[LayerSpec]:
-    """What each layer of ``config``'s decoder caches per token."""
+    """What each layer of ``config``'s decoder caches per token. Multi-head latent attention (DeepSeek-V2/V3,
+    MiniCPM3, ...: ``kv_lora_rank``) caches keys of ``qk_nope_head_dim + qk_rope_head_dim`` and values of
+    ``v_head_dim`` per head, as transformers' modeling code writes them."""
     num_layers, heads, head_dim = cache_geometry(config)
+    text = _text_config(config)
+    if getattr(text, "kv_lora_rank", None) and getattr(text, "qk_nope_head_dim", None) is not None:
+        if _caches_latent(text):  # the compressed latent and the rotated key part, one head each
+            return [LayerSpec(1, int(text.kv_lora_rank), int(text.qk_rope_head_dim))] * num_layers
+        key_dim = int(text.qk_nope_head_dim) + int(text.qk_rope_head_dim)
+        return [LayerSpec(heads, key_dim, int(text.v_head_dim))] * num_layers
     return [LayerSpec(heads, head_dim, head_dim)] * num_layers
+
+
+def _caches_latent(config: Any) -> bool:
+    """Whether the installed transformers' modeling code for ``config`` caches MLA's compressed latent (its
+    attention expands K/V after the cache, ``expand_kv``) rather than per-head K and V. A layout guessed wrong
+    is refused by the cache's shape check at the first write, never run."""
+    import importlib
+
+    model_type = str(getattr(config, "model_type", "")).replace("-", "_")
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError:
+        return False
+    return any(isinstance(c, type) and callable(getattr(c, "expand_kv", None)) for c in vars(module).values())
 
 
 def _rope_parameters(config: Any) -> dict[str, Any]:
