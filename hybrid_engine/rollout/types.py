@@ -292,3 +292,23 @@ class RolloutBatch:
     def responses(self) -> torch.Tensor:
         """The response tokens ``[B, L]``: ``input_ids`` from ``response_start_idx`` on (pad past each length)."""
         return self.input_ids[:, self.response_start_idx :]
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        """``[R, T + L]`` bool: True on each row's real response tokens (EOS included), False on prompt and pad."""
+        cols = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
+        start = self.response_start_idx
+        return (cols[None, :] >= start) & (cols[None, :] < start + self.response_lengths.to(cols.device)[:, None])
+
+    def training_inputs(self) -> dict[str, torch.Tensor]:
+        """The training forward's inputs for these rollouts, ready for ``engine(**batch.training_inputs())``.
+
+        ``position_ids`` count from each row's first real token, as the rollout's did: models with absolute
+        position embeddings (GPT-2, GPT-Neo, OPT, BioGPT, ...) otherwise give left-padded rows other logprobs
+        than the rollout's. ``labels`` hold the response tokens and -100 elsewhere, so transformers' loss (and a
+        per-token loss over ``logits[:, :-1]`` against ``labels[:, 1:]``) covers the responses only.
+        """
+        mask = self.attention_mask
+        return {"input_ids": self.input_ids, "attention_mask": mask,
+                "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0),
+                "labels": self.input_ids.masked_fill(~self.response_mask, -100)}
