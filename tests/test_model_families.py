@@ -1,9 +1,10 @@
-"""Families beyond the six tiny ones: no silent drift, clear refusals, and the layouts that now fit (issue 28).
+"""Families beyond the six tiny ones: windows and chunks masked, no silent drift, clear refusals (issue 28).
 
-Each model is built from a tiny seeded config of transformers' own class (no network). Where the paged cache
-holds full-attention K/V but the family attends over a window or a chunk, or switches RoPE factors past a
-length, a sequence longer than that is refused by the rollout and handed to transformers by
-``engine.generate``; within it the tokens equal transformers' ``generate``.
+Each model is built from a tiny seeded config of transformers' own class (no network). Sliding-window and
+chunked layers are masked per layer kind as transformers masks them, so sequences longer than the window
+decode with graphs and equal transformers' ``generate``. Where a family's length limit cannot be masked
+(GPT-Neo's local layers, longrope's switch of factors), a longer sequence is refused by the rollout and
+handed to transformers by ``engine.generate``; within it the tokens equal transformers'.
 """
 
 from __future__ import annotations
@@ -29,14 +30,12 @@ from hybrid_engine.rollout import (
 SMALL = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
              max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
-#: model_type -> (config fields, the limit's words, its tokens)
+#: model_type -> (config fields, the limit's words, its tokens): what the cache's masks cannot carry. GPT-Neo's
+#: local layers apply their window from the key count the cache returns, not from positions.
 LIMITED = {
     "gpt_neo": (dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
                      window_size=8, max_position_embeddings=128, bos_token_id=1, eos_token_id=2),
                 "local attention layers (window_size 8)", 8),
-    "llama4_text": (dict(SMALL, attention_chunk_size=8, num_key_value_heads=2, head_dim=8, intermediate_size_mlp=64,
-                         num_local_experts=2), "chunked attention (attention_chunk_size 8)", 8),
-    "mistral": (dict(SMALL, num_key_value_heads=2, sliding_window=8), "sliding-window attention (window 8)", 8),
     "phi3": (dict(SMALL, num_key_value_heads=2, original_max_position_embeddings=16,
                   rope_scaling={"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}),
              "longrope RoPE scaling (its factors switch past original_max_position_embeddings 16)", 16),
@@ -77,7 +76,7 @@ def test_a_window_chunk_or_rope_switch_is_read_from_the_config_that_sets_it(mode
 
 @pytest.mark.parametrize("model_type", sorted(LIMITED))
 def test_within_the_limit_tokens_equal_transformers_and_past_it_the_rollout_refuses_by_name(model_type):
-    """Before, gpt_neo's local layers and llama4's chunks were ignored: tokens differed from transformers'."""
+    """Before, gpt_neo's local layers were ignored: tokens differed from transformers' past the window."""
     fields, why, limit = LIMITED[model_type]
     model = tiny(model_type, **fields)
     ids, mask = prompts()
@@ -170,3 +169,42 @@ def test_multi_head_latent_attention_runs_on_the_pool_with_graphs_and_matches_tr
     out = engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
                           min_new_tokens=12, pad_token_id=0, eos_token_id=-1)
     assert torch.equal(out, want) and engine.graph_stats.replays > 0
+
+
+WIN = dict(SMALL, num_hidden_layers=4, num_key_value_heads=2, max_position_embeddings=256)
+#: model_type -> config fields with a window or chunk of 8 tokens, on some layers or on all
+WINDOWED = {
+    "mistral": dict(WIN, sliding_window=8),
+    "starcoder2": dict(WIN, sliding_window=8),
+    "phi3": dict(WIN, sliding_window=8),
+    "qwen2": dict(WIN, use_sliding_window=True, sliding_window=8, max_window_layers=2),
+    "gemma2": dict(WIN, sliding_window=8, head_dim=8),
+    "gemma3_text": dict(WIN, sliding_window=8, head_dim=8, sliding_window_pattern=2),
+    "cohere2": dict(WIN, sliding_window=8),
+    "gpt_oss": dict(WIN, sliding_window=8, head_dim=8, num_local_experts=4, num_experts_per_tok=2),
+    "llama4_text": dict(WIN, attention_chunk_size=8, head_dim=8, intermediate_size_mlp=64, num_local_experts=2),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(WINDOWED))
+def test_sliding_and_chunked_layers_are_masked_as_transformers_masks_them_with_graphs(model_type):
+    """Before, llama4's chunks were ignored (tokens differed from transformers') and any sliding window
+    shorter than the cache was refused. 12-token prompts (one left-padded) plus 30 tokens, windows of 8."""
+    fields = WINDOWED[model_type]
+    model = tiny(model_type, **fields)
+    assert exact_length(model.config) is None
+    ids, mask = prompts(3, 12)
+    ids[1, :3], mask[1, :3] = 0, 0
+    want = hf_greedy(model, ids, mask, 30)
+    wide = {k: 256 for k in ("sliding_window", "attention_chunk_size") if k in fields}  # the same weights
+    with torch.no_grad():  # the window changes the logits over these sequences
+        drift = model(want).logits - tiny(model_type, **{**fields, **wide})(want).logits
+    assert float(drift.abs().max()) > 1e-3
+    for graphs in (False, True):
+        assert torch.equal(rollout_tokens(model, ids, mask, 30, graphs), want)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True,
+                                                                   "max_out_tokens": 64}})
+    out = engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30,
+                          min_new_tokens=30, pad_token_id=0, eos_token_id=-1)
+    assert torch.equal(out, want)
+    assert engine.graph_stats.last_refusal_reason is None and engine.graph_stats.replays > 0

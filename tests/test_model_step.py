@@ -255,8 +255,13 @@ def test_check_model_supported():
     with pytest.raises(TypeError):
         check_model_supported(torch.nn.Linear(2, 2))
     windowed = build_model("tiny-mistral", sliding_window=8)
-    with pytest.raises(ValueError, match="sliding"):
-        PagedKVCache(windowed.config, 1, 16)
+    check_model_supported(windowed)  # its window is masked: any capacity
+    assert PagedKVCache(windowed.config, 1, 16).capacity == 16
+    longrope = build_model("tiny-llama").config  # as Phi-3 128k's: factors that switch past a length
+    longrope.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                                "long_factor": [2.0] * 4, "original_max_position_embeddings": 8}
+    with pytest.raises(ValueError, match="longrope .* exact only up to 8 tokens, less than capacity 16"):
+        PagedKVCache(longrope, 1, 16)
 
 
 def test_eager_attention_parity():

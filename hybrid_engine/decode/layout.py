@@ -21,7 +21,8 @@ from transformers import PretrainedConfig
 
 from hybrid_engine.decode.kv_pool import LayerSpec
 
-__all__ = ["LengthLimit", "cache_geometry", "exact_length", "layer_specs", "layout_refusal"]
+__all__ = ["AttentionKind", "LengthLimit", "attention_kinds", "cache_geometry", "exact_length", "layer_specs",
+           "layout_refusal"]
 
 #: Layer kinds (``config.layer_types``) whose K/V the paged cache holds; windowed ones up to their window.
 ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
@@ -29,6 +30,17 @@ ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attenti
 
 #: Layer kinds that cache nothing (feed-forward blocks listed among the layers, as Nemotron-H does).
 STATELESS_LAYER_KINDS = ("mlp", "moe")
+
+
+class AttentionKind(NamedTuple):
+    """How one kind of layer masks its keys: all earlier ones, the last ``window`` positions (sliding), or the
+    query's ``chunk`` (chunked, as Llama 4)."""
+
+    window: int | None = None
+    chunk: int | None = None
+
+
+FULL = AttentionKind()
 
 
 class LengthLimit(NamedTuple):
@@ -114,25 +126,34 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
     return {}
 
 
+def attention_kinds(config: PretrainedConfig) -> dict[str | None, AttentionKind]:
+    """The masks a forward of ``config``'s model takes: ``{None: kind}`` for one mask for every layer, else one
+    per ``config.layer_types`` entry, as transformers' models with mixed layers take a dict of masks."""
+    config = _text_config(config)
+    window = getattr(config, "sliding_window", None) or None
+    chunk = getattr(config, "attention_chunk_size", None) or None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        kinds = {t: AttentionKind(int(window) if window and "sliding" in t else None,
+                                  int(chunk) if chunk and "chunked" in t else None)
+                 for t in dict.fromkeys(layer_types) if t in ATTENTION_LAYER_KINDS}
+        return kinds if any(k != FULL for k in kinds.values()) else {None: FULL}
+    if window and getattr(config, "use_sliding_window", True) is not False:
+        return {None: AttentionKind(window=int(window))}  # every layer slides (Mistral, Starcoder2, Phi-3)
+    return {None: FULL}
+
+
 def exact_length(config: PretrainedConfig) -> LengthLimit | None:
     """The longest sequence full attention over the paged cache reproduces exactly for ``config``, or ``None``
     when there is no such limit (the model's position limit still applies)."""
     config = _text_config(config)
     limits: list[LengthLimit] = []
-    window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
-    if window:
-        if layer_types is not None:
-            windowed = any("sliding" in t for t in layer_types)
-        else:
-            windowed = getattr(config, "use_sliding_window", True) is not False
-        if windowed:
-            limits.append(LengthLimit(int(window), f"sliding-window attention (window {int(window)})"))
     local = getattr(config, "window_size", None)
     if local and "local" in (getattr(config, "attention_layers", None) or ()):
         limits.append(LengthLimit(int(local), f"local attention layers (window_size {int(local)})"))
     chunk = getattr(config, "attention_chunk_size", None)
-    if chunk and (layer_types is None or any("chunked" in t for t in layer_types)):
+    if chunk and not (layer_types and any("chunked" in t for t in layer_types)):  # no layer to mask it on
         limits.append(LengthLimit(int(chunk), f"chunked attention (attention_chunk_size {int(chunk)})"))
     rope = _rope_parameters(config)
     if (rope.get("rope_type") or rope.get("type")) == "longrope":

@@ -25,6 +25,7 @@ depend on the pool. It is captured only through the prompt stage
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,8 +33,10 @@ from transformers import PreTrainedModel
 
 from hybrid_engine.accelerator import is_capturing
 from hybrid_engine.decode.kv_cache import PagedKVCache
+from hybrid_engine.decode.layout import FULL, AttentionKind, attention_kinds
 
-__all__ = ["build_decode_mask", "build_prefill_mask", "decode_one_token", "prefill", "prompt_position_ids"]
+__all__ = ["build_decode_mask", "build_prefill_mask", "decode_one_token", "layer_masks", "prefill",
+           "prompt_position_ids"]
 
 
 _SIGNATURES: dict[type, tuple[str, bool, bool]] = {}
@@ -61,17 +64,27 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else next(model.parameters()).dtype
 
 
-def build_decode_mask(write_pos: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:
+def build_decode_mask(write_pos: torch.Tensor, span: int, dtype: torch.dtype,
+                      kind: AttentionKind = FULL) -> torch.Tensor:
     """``[B, 1, 1, span]`` additive mask of a decode step: row ``b`` sees its logical keys ``j <= write_pos[b]``
-    (what it holds and the token being written); 0 there, ``finfo(dtype).min`` elsewhere."""
-    keys = torch.arange(span, device=write_pos.device)
+    (what it holds and the token being written; a key's logical index is its position), within the last
+    ``kind.window`` positions or the query's ``kind.chunk``; 0 there, ``finfo(dtype).min`` elsewhere."""
+    keys = torch.arange(span, device=write_pos.device)[None, :]
+    query = write_pos[:, None]
+    allowed = keys <= query
+    if kind.window is not None:
+        allowed &= keys > query - kind.window
+    if kind.chunk is not None:
+        allowed &= keys >= query - query % kind.chunk
     zero = torch.zeros((), dtype=dtype, device=write_pos.device)
     neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=write_pos.device)
-    return torch.where(keys[None, :] <= write_pos[:, None], zero, neg)[:, None, None, :]
+    return torch.where(allowed, zero, neg)[:, None, None, :]
 
 
-def build_prefill_mask(attention_mask: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[N, 1, T, kv_len]`` additive mask for a prompt written at slots ``0..T-1``: causal AND key is a real token.
+def build_prefill_mask(attention_mask: torch.Tensor, kv_len: int, dtype: torch.dtype,
+                       kind: AttentionKind = FULL) -> torch.Tensor:
+    """``[N, 1, T, kv_len]`` additive mask for a prompt written at slots ``0..T-1``: causal AND key is a real token
+    (AND within ``kind.window`` positions, or in the query's ``kind.chunk``).
 
     A padding query also sees its own slot: a row with every key masked is all ``finfo.min``, which fp16 eager
     attention can round to ``-inf`` and softmax to NaN, and a NaN in a padding slot's K/V poisons every real
@@ -82,7 +95,15 @@ def build_prefill_mask(attention_mask: torch.Tensor, kv_len: int, dtype: torch.d
     key_real[:, :t] = attention_mask.bool()
     q = torch.arange(t, device=device)[:, None]
     k = torch.arange(kv_len, device=device)[None, :]
-    allowed = ((k <= q)[None, :, :] & key_real[:, None, :]) | (k == q)[None, :, :]
+    causal = (k <= q)[None, :, :] & key_real[:, None, :]
+    if kind.window is not None:  # real tokens are consecutive: a column apart is a position apart
+        causal &= (q - k < kind.window)[None, :, :]
+    if kind.chunk is not None:
+        pos = prompt_position_ids(attention_mask)
+        key_chunk = torch.zeros(n, kv_len, dtype=torch.int64, device=device)
+        key_chunk[:, :t] = pos // kind.chunk
+        causal &= key_chunk[:, None, :] == (pos // kind.chunk)[:, :, None]
+    allowed = causal | (k == q)[None, :, :]
     zero = torch.zeros((), dtype=dtype, device=device)
     neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
     return torch.where(allowed, zero, neg)[:, None, :, :]
@@ -94,11 +115,25 @@ def prompt_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return ((mask.cumsum(-1) - 1) * mask).clamp_(min=0)
 
 
+def layer_masks(model: PreTrainedModel, build: Callable[[AttentionKind], torch.Tensor]
+                ) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The ``attention_mask`` a forward takes: one 4D mask, or one per layer type (models with sliding or
+    chunked layers among full ones take a dict), each built once by ``build``."""
+    kinds = attention_kinds(model.config)
+    if None in kinds:
+        return build(kinds[None])
+    built: dict[AttentionKind, torch.Tensor] = {}
+    for kind in kinds.values():
+        if kind not in built:
+            built[kind] = build(kind)
+    return {name: built[kind] for name, kind in kinds.items()}
+
+
 def _forward(
     model: PreTrainedModel,
     cache: PagedKVCache,
     input_ids: torch.Tensor,
-    mask4d: torch.Tensor,
+    mask4d: torch.Tensor | dict[str, torch.Tensor],
     position_ids: torch.Tensor,
     cache_position: torch.Tensor,
 ) -> torch.Tensor:
@@ -172,7 +207,8 @@ def prefill(
     real = attention_mask.bool()
     target.write_slots = target.token_slots(prompt_position_ids(attention_mask), keep=real).flatten()
     target.fresh, target.kv_len = True, t
-    mask4d = build_prefill_mask(attention_mask, t, _model_dtype(model))
+    dtype = _model_dtype(model)
+    mask4d = layer_masks(model, lambda kind: build_prefill_mask(attention_mask, t, dtype, kind))
     logits = _forward(model, target, input_ids, mask4d, prompt_position_ids(attention_mask),
                       torch.arange(t, device=device))
     if rows is None:
@@ -220,7 +256,8 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
     cache.read_slots = cache.span_slots()
     span = cache.span_tokens()
     cache.fresh, cache.kv_len = False, span
-    mask4d = build_decode_mask(write_pos, span, _model_dtype(model))
+    dtype = _model_dtype(model)
+    mask4d = layer_masks(model, lambda kind: build_decode_mask(write_pos, span, dtype, kind))
     try:
         logits = _forward(model, cache, tokens[:, None], mask4d, cache.position[:, None], write_pos[:1])
     finally:  # the indices are this forward's temporaries: nothing outlives a captured step but its outputs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from rollout_helpers import (
@@ -315,23 +317,25 @@ def test_a_class_level_kernel_patch_recaptures_and_its_graphs_go_when_it_is_undo
     assert rollout.graph_stats.invalidations == 2 and rollout.last_stats["graph_replays"] > 0
 
 
-def test_a_sliding_window_set_after_the_cache_exists_is_refused_as_for_a_new_rollout():
-    """The cache attends over every slot; the window is checked when it is allocated, and again on every call,
-    since a rollout keeps its cache across calls (before, it decoded with full attention, silently)."""
+def test_a_sliding_window_set_after_the_graphs_exist_is_masked_from_the_next_call_on():
+    """The masks follow the config at every call, and a changed config field recaptures the graphs (the
+    fingerprint covers it): the window set on a rollout that already decoded without one gives what a new
+    rollout gives (before the paged cache masked windows, it was refused)."""
     model = build_model("tiny-mistral", seed=3)
     request = left_padded_prompts([4, 6], seed=10)
-    sampling = SamplingConfig(max_new_tokens=5, temperature=0.0)
+    sampling = SamplingConfig(max_new_tokens=9, temperature=0.0)
+    config = RolloutConfig(use_graph_capture=True, pad_token_id=0, eos_token_id=10_000)
     for graphs in (True, False):
-        rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=graphs, pad_token_id=0,
-                                                                  eos_token_id=10_000))
+        rollout = HybridEngineRollout(model, config=dataclasses.replace(config, use_graph_capture=graphs))
         expected = rollout.generate(request, sampling)
         model.config.sliding_window = 4
         try:
-            with pytest.raises(ValueError, match=r"sliding-window attention \(window 4\)"):
-                rollout.generate(request, sampling)
+            windowed = rollout.generate(request, sampling)
+            assert_batches_identical(windowed, HybridEngineRollout(model, config=config).generate(request, sampling))
+            assert not torch.equal(windowed.input_ids, expected.input_ids)  # the window changed the tokens
         finally:
             model.config.sliding_window = None
-        assert_batches_identical(rollout.generate(request, sampling), expected)  # usable once it is gone
+        assert_batches_identical(rollout.generate(request, sampling), expected)
 
 
 @pytest.mark.parametrize("capacity", [None, 160], ids=["growing-cache", "cache_capacity"])
