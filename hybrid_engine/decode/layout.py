@@ -1,16 +1,21 @@
-"""What a decoder config's layers cache per token, and how long a sequence the paged cache reproduces exactly.
+"""What a decoder config's layers cache and mask, and how long a sequence the paged cache reproduces exactly.
 
-The paged cache holds full-attention K/V: every layer attends over every
-cached token of its row, with positions applied once, when a token is
-written. A config is read, never probed by running it, for what would make
-that silently wrong: a layer that attends over a window or a chunk
-(``sliding_window``, GPT-Neo's ``window_size`` local layers, Llama 4's
-``attention_chunk_size``), or RoPE scaling that switches factors past a length
-(``longrope`` past ``original_max_position_embeddings``, where transformers
-recomputes the history). Up to that length full attention gives the same
-result, so it is a limit on the sequence a row may reach, not a refusal of the
-model. Layouts the cache cannot hold at all (state-space or linear-attention
-layers, ALiBi) are refused in one sentence that names what is missing.
+The paged cache holds each layer's K/V (or, for MLA, the latent transformers
+caches) with positions applied once, when a token is written, and a key's
+logical index in its row is its position. Read from the config, never by
+running the model:
+
+* what each layer caches per token (:func:`layer_specs`);
+* how each kind of layer masks its keys (:func:`attention_kinds`): sliding
+  windows and Llama 4's chunks become masks, one per layer kind, built on the
+  device at every step, so they are captured like any other mask;
+* what no mask can carry (:func:`exact_length`): GPT-Neo's local layers window
+  from the key count the cache returns, and ``longrope`` switches factors past
+  ``original_max_position_embeddings`` (transformers then recomputes the
+  history). Up to that length the result is exact, so it bounds the sequence a
+  row may reach instead of refusing the model;
+* layouts the cache cannot hold (state-space and linear-attention layers,
+  ALiBi), refused in one sentence that names what is missing (:func:`layout_refusal`).
 """
 
 from __future__ import annotations
