@@ -208,3 +208,22 @@ def test_sliding_and_chunked_layers_are_masked_as_transformers_masks_them_with_g
                           min_new_tokens=30, pad_token_id=0, eos_token_id=-1)
     assert torch.equal(out, want)
     assert engine.graph_stats.last_refusal_reason is None and engine.graph_stats.replays > 0
+
+
+@pytest.mark.parametrize("model_type,fields,where", [
+    ("falcon", dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                    new_decoder_architecture=False, alibi=False, bos_token_id=1, eos_token_id=2),
+     r"transformers/models/falcon/modeling_falcon\.py:\d+ in _split_heads: `return fused_qkv"),
+    ("gpt_neo", dict(LIMITED["gpt_neo"][0], window_size=64),
+     r"transformers/models/gpt_neo/modeling_gpt_neo\.py:\d+ in _attn: `mask_value = torch\.tensor\(mask_value"),
+])
+def test_a_capture_the_models_own_code_refuses_names_its_file_and_line(model_type, fields, where):
+    """The warning said only 'creating a tensor from host data ...', with no hint of which code did it."""
+    model = tiny(model_type, **fields)
+    ids, mask = prompts()
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,
+                                                              eos_token_id=10**6))
+    with pytest.warns(GraphRefusedWarning, match=where):
+        batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=4, temperature=0.0))
+    assert torch.equal(batch.input_ids, hf_greedy(model, ids, mask, 4))
+    assert "host data" in rollout.graph_stats.last_refusal_reason

@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 import warnings
 import weakref
@@ -97,6 +98,34 @@ from hybrid_engine.model_access import model_device
 from hybrid_engine.user_warnings import user_stacklevel
 
 __all__ = ["DecodeGraphRunner", "EXACT_PROMPT_ROWS", "MAX_CAPTURE_FAILURES", "PREFILL_TOKEN_BUDGET"]
+
+
+def failing_line(exc: BaseException) -> str:
+    """`` at <file>:<line> in <function>: <code>``: the innermost frame of ``exc`` in the model's own code (not
+    torch's, not ours, not the standard library's), so that a capture refused for a host read names the line
+    of modeling code that read the host; ``""`` when there is none."""
+    import sysconfig
+    import traceback
+
+    paths = sysconfig.get_paths()
+    packages = sorted({paths["purelib"], paths["platlib"]}, key=len, reverse=True)
+    ours = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(torch.__file__)))
+
+    def installed(path: str) -> str | None:  # the site-packages folder ``path`` lies in
+        return next((root for root in packages if path.startswith(root + os.sep)), None)
+
+    def the_models(path: str) -> bool:
+        return not path.startswith(ours) and (installed(path) is not None or not path.startswith(paths["stdlib"]))
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if the_models(os.path.abspath(f.filename))]
+    if not frames:
+        return ""
+    f = frames[-1]
+    path = os.path.abspath(f.filename)
+    root = installed(path)
+    path = os.path.relpath(path, root) if root else path
+    code = f" `{f.line.strip()}`" if f.line else ""
+    return f" at {path}:{f.lineno} in {f.name}:{code}"
 
 
 #: Capture failures after which a runner stops trying graphs.
@@ -547,8 +576,8 @@ class DecodeGraphRunner:
         except Exception as exc:  # any backend's capture error: fall back, never crash the call
             logger.debug("Capture of %s failed", key, exc_info=True)  # the whole traceback, for a diagnosis
             self._failures += 1
-            reason = (f"Graph capture failed ({type(exc).__name__}: {exc}); this call continues eagerly with "
-                      "the same tokens. Counted in fallbacks.")
+            reason = (f"Graph capture failed ({type(exc).__name__}: {exc}){failing_line(exc)}; this call "
+                      "continues eagerly with the same tokens. Counted in fallbacks.")
             if self._failures >= MAX_CAPTURE_FAILURES:
                 self._disabled = (f"Graphs were disabled for this engine after {self._failures} capture "
                                   "failures; decode runs eagerly.")
