@@ -9,6 +9,7 @@ handed to transformers by ``engine.generate``; within it the tokens equal transf
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -227,3 +228,42 @@ def test_a_capture_the_models_own_code_refuses_names_its_file_and_line(model_typ
         batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=4, temperature=0.0))
     assert torch.equal(batch.input_ids, hf_greedy(model, ids, mask, 4))
     assert "host data" in rollout.graph_stats.last_refusal_reason
+
+
+MATRIX = {**{k: WINDOWED[k] for k in ("mistral", "gemma2", "gpt_oss", "llama4_text")},
+          "deepseek_v3": dict(MLA, **MOE), "minicpm3": MLA,
+          "falcon": dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                         new_decoder_architecture=False, alibi=False, bos_token_id=1, eos_token_id=2)}
+
+
+@pytest.mark.parametrize("model_type", sorted(MATRIX))
+def test_sampled_logprobs_match_the_training_forward_and_a_trained_model_decodes_graph_equal_to_eager(model_type):
+    """Rollout logprobs against a teacher-forced training forward past the window (a 1e-3 drift fails), then
+    one optimizer step and a rollout again: graph tokens equal eager tokens on the new weights."""
+    model = tiny(model_type, **MATRIX[model_type])
+    ids, mask = prompts(2, 10)
+    ids[1, :2], mask[1, :2] = 0, 0
+    request = RolloutRequest(ids, mask)
+    sampling = SamplingConfig(max_new_tokens=16, temperature=1.0, seed=4, n_samples_per_prompt=2)
+    engine, *_ = initialize(model=model, config={"optimizer": {"type": "SGD", "params": {"lr": 0.5}}})
+    config = RolloutConfig(use_graph_capture=True, pad_token_id=0, eos_token_id=10**6)
+    rollout = HybridEngineRollout(engine, config=config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphRefusedWarning)
+        batch = rollout.generate(request, sampling)
+    inputs = batch.training_inputs()
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits.float()
+    forward = torch.log_softmax(logits[:, :-1], -1).gather(-1, inputs["input_ids"][:, 1:, None])[..., 0]
+    drift = forward[batch.response_mask[:, 1:]] - batch.response_logprobs[batch.response_logprobs != 0]
+    assert float(drift.abs().max()) < 1e-4
+    engine.train()
+    engine.backward(engine(**inputs).loss)
+    engine.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphRefusedWarning)
+        graphed = rollout.generate(request, sampling)
+        eager = HybridEngineRollout(engine, config=dataclasses.replace(config, use_graph_capture=False)).generate(
+            request, sampling)
+    assert torch.equal(graphed.input_ids, eager.input_ids)
+    assert not torch.equal(graphed.response_logprobs, batch.response_logprobs)  # the step changed the model
