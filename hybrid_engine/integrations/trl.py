@@ -187,6 +187,27 @@ def _check_prompts(prompts: Any) -> bool:
     return chat
 
 
+def _refuse_trainer_generation(trainer: Any) -> None:
+    """Settings under which TRL would generate beside this rollout function, refused at the first call.
+
+    With ``tools`` or ``environment_factory``, TRL runs its tool loop on our output and generates the later
+    turns with its own generation, which returns no logprobs (TRL then fails adding ``[0.0] * n + None``).
+    ``use_vllm=True`` would start a second engine and sync its weights every step, for nothing."""
+    args = getattr(trainer, "args", None)
+    if getattr(args, "use_vllm", False):
+        raise ValueError("rollout_func: GRPOConfig(use_vllm=True) next to hybrid-engine's rollout function would "
+                         "start a vLLM engine that generates nothing and syncs weights every step; set "
+                         "use_vllm=False")
+    for name, given in (("tools", getattr(trainer, "_standalone_tools", None) or getattr(trainer, "tools", None)),
+                        ("environment_factory", getattr(trainer, "environment_factories", None))):
+        if given:
+            raise ValueError(
+                f"rollout_func: GRPOTrainer({name}=...) next to hybrid-engine's rollout function makes TRL run its "
+                "tool loop with its own generation, which gives the later turns no logprobs; multi-turn tool use "
+                f"inside the engine is not built yet: drop {name}, or train with TRL's own generation"
+            )
+
+
 def _fold(prompts: Sequence[Any]) -> tuple[list[Any], int]:
     """Fold runs of identical consecutive prompts: (distinct prompts, samples per prompt).
 
@@ -391,6 +412,7 @@ class HybridEngineRolloutFunc:
     # ----------------------------------------------------------------- call
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list]:
         chat = _check_prompts(prompts)
+        _refuse_trainer_generation(trainer)
         policy = _policy_model(trainer)
         model = self._generation_model(policy, trainer)
         processing_class = getattr(trainer, "processing_class", None)

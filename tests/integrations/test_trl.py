@@ -374,6 +374,26 @@ def test_bad_calls_name_the_problem(prompts, trainer_kw, exc, match):
         fn(prompts, _trainer(**trainer_kw))
 
 
+@pytest.mark.parametrize("setting,match", [
+    (dict(args_kw={"use_vllm": True}), r"use_vllm=True\) .* set use_vllm=False"),
+    (dict(tools=[len]), r"GRPOTrainer\(tools=\.\.\.\) .* no logprobs"),
+    (dict(environment_factories={None: object}), r"GRPOTrainer\(environment_factory=\.\.\.\)"),
+])
+def test_settings_under_which_trl_would_generate_itself_are_refused_at_the_first_call(setting, match):
+    """With tools, TRL ran its own tool loop on our output and failed on `[0.0] * n + None` (its own generation
+    returns no logprobs); use_vllm started a second engine. A stand-in trainer with the attributes GRPOTrainer
+    sets (the real one refuses tools without a tool-calling chat template, and use_vllm without vLLM)."""
+    trainer = _trainer(**setting.get("args_kw", {}))
+    for name in ("tools", "environment_factories"):
+        if name in setting:
+            setattr(trainer, name, setting[name])
+    fn = make_rollout_func()
+    with pytest.raises(ValueError, match=match):
+        fn(["the cat"], trainer)
+    assert fn.rollout is None  # refused before any work
+    assert len(fn(["the cat"], _trainer())["completion_ids"]) == 1  # and usable afterwards
+
+
 def test_not_a_trainer_or_not_a_transformers_model():
     fn = make_rollout_func()
     with pytest.raises(TypeError, match="GRPOTrainer"):
