@@ -52,8 +52,8 @@ import numbers
 
 import torch
 
-__all__ = ["MIN_TEMPERATURE", "SAMPLING_STREAM", "SamplingKnobs", "counter_uniform", "logprobs_of", "sample_tokens",
-           "sampling_mode", "validate_sampling"]
+__all__ = ["LOGPROB_MODES", "MIN_TEMPERATURE", "SAMPLING_STREAM", "SamplingKnobs", "counter_uniform", "logprobs_of",
+           "sample_tokens", "sampling_mode", "validate_logprobs", "validate_sampling"]
 
 #: The smallest positive temperature (as vLLM's sampling epsilon): below it, scaled logits overflow float32.
 MIN_TEMPERATURE = 1e-5
@@ -181,22 +181,38 @@ class SamplingKnobs:
         self.inv_temperature = torch.ones((), dtype=torch.float32, device=device)
         self.top_p = torch.ones((), dtype=torch.float32, device=device)
         self.top_k = torch.zeros((), dtype=torch.int64, device=device)
+        #: Report logprobs under the full softmax at the temperature instead of the filtered distribution.
+        self.full = torch.zeros((), dtype=torch.bool, device=device)
 
-    def set(self, temperature: float, top_p: float, top_k: int) -> None:
+    def set(self, temperature: float, top_p: float, top_k: int, logprobs: str = "sampling") -> None:
         validate_sampling(temperature, top_p, top_k)
+        validate_logprobs(logprobs)
         self.inv_temperature.fill_(1.0 / temperature if temperature > 0 else 1.0)
         self.top_p.fill_(top_p)
         self.top_k.fill_(max(top_k, 0))
+        self.full.fill_(logprobs == "full")
+
+
+#: What a reported logprob is under: the distribution sampled from (after top-k / top-p, renormalised), or the
+#: full softmax at the temperature (what a training forward's ``log_softmax(logits / T)`` gives).
+LOGPROB_MODES = ("sampling", "full")
+
+
+def validate_logprobs(logprobs: object) -> None:
+    if logprobs not in LOGPROB_MODES:
+        raise ValueError(f"logprobs must be one of {LOGPROB_MODES}, got {logprobs!r}")
 
 
 def _filtered_sorted_logprobs(
     logits: torch.Tensor, temperature: float, top_p: float, top_k: int, knobs: SamplingKnobs | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sampling distribution over the last dim, in descending order.
 
-    Returns ``(sorted_logprobs, sort_index)``: log-probabilities after
+    Returns ``(sorted_logprobs, sort_index, full)``: log-probabilities after
     temperature, top-k and top-p (removed entries are ``-inf``, the rest are
-    renormalised), and the vocabulary index of each sorted position. Requires
+    renormalised), the vocabulary index of each sorted position, and the
+    log-probabilities at the temperature before any filter (the same tensor as
+    the first when no filter runs). Requires
     ``temperature > 0``. Shapes are static and no value is read on the host.
     The Python knobs choose the filters (:func:`sampling_mode`); ``knobs``, when
     given, supplies their values (the float32 values the Python ones round to).
@@ -210,6 +226,7 @@ def _filtered_sorted_logprobs(
     sorted_logits, sort_index = torch.sort(scaled, dim=-1, descending=True, stable=True)
     vocab = sorted_logits.shape[-1]
     neg_inf = float("-inf")
+    full = torch.log_softmax(sorted_logits, dim=-1) if top_k_on or top_p_on else None
     if top_k_on and (knobs is not None or top_k < vocab):
         position = torch.arange(vocab, device=logits.device)
         sorted_logits = sorted_logits.masked_fill(position >= k, neg_inf)
@@ -220,7 +237,7 @@ def _filtered_sorted_logprobs(
         drop = mass_before >= p
         drop[..., 0] = False  # the top token is always kept
         logprobs = torch.log_softmax(logprobs.masked_fill(drop, neg_inf), dim=-1)
-    return logprobs, sort_index
+    return logprobs, sort_index, logprobs if full is None else full
 
 
 def sample_tokens(
@@ -233,6 +250,7 @@ def sample_tokens(
     request_index: torch.Tensor | int,
     token_index: torch.Tensor | int,
     knobs: SamplingKnobs | None = None,
+    logprobs: str = "sampling",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` ``[B, V]``; capture-safe.
 
@@ -245,15 +263,18 @@ def sample_tokens(
     the filtering rules and what the returned log-probability means. With
     ``knobs`` the filters read their values from those device tensors (see
     :func:`_filtered_sorted_logprobs`): pass knobs set to the same values.
+    ``logprobs="full"`` (or ``knobs.full``) reports each token's logprob under
+    the full softmax at the temperature instead; the tokens are the same.
     """
     validate_sampling(temperature, top_p, top_k)
+    validate_logprobs(logprobs)
     if logits.dim() != 2:
         raise ValueError(f"sample_tokens: logits must be [B, V], got shape {tuple(logits.shape)}")
     if temperature == 0:
         tokens = torch.argmax(logits, dim=-1)
         logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         return tokens, logprobs
-    sorted_lp, sort_index = _filtered_sorted_logprobs(logits, temperature, top_p, top_k, knobs)
+    sorted_lp, sort_index, full_lp = _filtered_sorted_logprobs(logits, temperature, top_p, top_k, knobs)
     u = counter_uniform(seed, request_index, token_index, SAMPLING_STREAM)
     u = u.expand(logits.shape[0]).unsqueeze(-1)
     cdf = torch.cumsum(sorted_lp.exp(), dim=-1)
@@ -265,8 +286,14 @@ def sample_tokens(
     # than an index of -1 (on a GPU a device-side assert that leaves the context unusable).
     pos = torch.minimum(pos, (kept - 1).clamp(min=0))
     tokens = sort_index.gather(-1, pos).squeeze(-1)
-    logprobs = sorted_lp.gather(-1, pos).squeeze(-1)
-    return tokens, logprobs
+    chosen = sorted_lp.gather(-1, pos).squeeze(-1)
+    if full_lp is not sorted_lp:  # a filter ran: the two distributions differ
+        full_chosen = full_lp.gather(-1, pos).squeeze(-1)
+        if knobs is not None:  # a device flag, so one captured graph serves both modes
+            chosen = torch.where(knobs.full, full_chosen, chosen)
+        elif logprobs == "full":
+            chosen = full_chosen
+    return tokens, chosen
 
 
 def logprobs_of(
@@ -276,8 +303,10 @@ def logprobs_of(
     temperature: float,
     top_p: float = 1.0,
     top_k: int = -1,
+    logprobs: str = "sampling",
 ) -> torch.Tensor:
-    """Log-probability of ``tokens`` ``[...]`` under the sampling distribution of ``logits`` ``[..., V]``.
+    """Log-probability of ``tokens`` ``[...]`` under the sampling distribution of ``logits`` ``[..., V]``
+    (``logprobs="full"``: under the full softmax at the temperature, as a rollout with that mode reports).
 
     Uses the same filtering as :func:`sample_tokens`, so a trainer can recompute
     rollout log-probabilities from a full-sequence forward; a token that the
@@ -285,9 +314,11 @@ def logprobs_of(
     ``log_softmax(logits)`` value. Returns float32 with the shape of ``tokens``.
     """
     validate_sampling(temperature, top_p, top_k)
+    validate_logprobs(logprobs)
     index = tokens.long().unsqueeze(-1)
     if temperature == 0:
         return torch.log_softmax(logits.float(), dim=-1).gather(-1, index).squeeze(-1)
-    sorted_lp, sort_index = _filtered_sorted_logprobs(logits, temperature, top_p, top_k)
-    logprobs = torch.empty_like(sorted_lp).scatter_(-1, sort_index, sorted_lp)
-    return logprobs.gather(-1, index).squeeze(-1)
+    sorted_lp, sort_index, full_lp = _filtered_sorted_logprobs(logits, temperature, top_p, top_k)
+    chosen = full_lp if logprobs == "full" else sorted_lp
+    unsorted = torch.empty_like(chosen).scatter_(-1, sort_index, chosen)
+    return unsorted.gather(-1, index).squeeze(-1)

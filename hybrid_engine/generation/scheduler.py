@@ -385,8 +385,10 @@ def run_schedule(
     staged: bool,
     sync_interval: int,
     counters: Counters,
+    logprobs: str = "sampling",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generate every request on ``runner.slots``; return device ``(tokens, logprobs)`` ``[R, width]``.
+    """Generate every request on ``runner.slots``; return device ``(tokens, logprobs)`` ``[R, width]``, the
+    logprobs under the sampled distribution or the full softmax at the temperature (``logprobs``).
 
     Lengths go to ``counters.lengths``. ``staged`` prefills prompts ahead through
     :meth:`DecodeGraphRunner.prefill_prompts` and admits each round through
@@ -399,7 +401,7 @@ def run_schedule(
     staging = _Staging(runner.stage.rows, shared_prefill, requests) if staged else None
     # Every slot starts free, whatever an interrupted earlier call left live.
     state.release(torch.arange(state.rows, device=device))
-    state.knobs.set(*sampling_key)  # the values the graphs of this sampling mode read
+    state.knobs.set(*sampling_key, logprobs=logprobs)  # the values the graphs of this sampling mode read
     num_requests = len(requests)
     out_tokens = torch.zeros(num_requests, width, dtype=torch.int64, device=device)
     out_logprobs = torch.zeros(num_requests, width, dtype=torch.float32, device=device)

@@ -72,7 +72,7 @@ from hybrid_engine.training.deepspeed import destroy_deepspeed_engine
 __all__ = ["HybridEngineRolloutFunc", "destroy_trainer_deepspeed", "make_rollout_func", "rollout_seed"]
 
 #: Keyword overrides :func:`make_rollout_func` accepts (``max_new_tokens`` is an alias of ``max_completion_length``).
-SAMPLING_KEYS = ("max_completion_length", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+SAMPLING_KEYS = ("max_completion_length", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
 #: Overrides that must equal the trainer's own value, and why: TRL's loss reads them too.
 _TRAINER_READS = {
     "temperature": "TRL's loss divides the logits by it to score the completions, so sampling at another "
@@ -115,7 +115,7 @@ def _check_overrides(sampling: dict[str, Any]) -> dict[str, Any]:
     seed = out.get("seed")
     if seed is not None and not is_int(seed):
         raise TypeError(f"make_rollout_func: seed must be an int, got {type(seed).__name__} ({seed!r})")
-    probe = {k: out[k] for k in ("temperature", "top_p", "top_k") if k in out}
+    probe = {k: out[k] for k in ("temperature", "top_p", "top_k", "logprobs") if k in out}
     if "max_completion_length" in out:
         probe["max_new_tokens"] = out["max_completion_length"]
     try:
@@ -368,6 +368,7 @@ class HybridEngineRolloutFunc:
                 top_k=-1 if top_k is None else top_k,
                 n_samples_per_prompt=n,
                 seed=seed,
+                logprobs=o.get("logprobs", "sampling"),
             )
         except (TypeError, ValueError) as exc:
             raise type(exc)(
@@ -462,8 +463,10 @@ def make_rollout_func(config: RolloutConfig | None = None, *, zero3_gathered_inf
     ``config`` is the rollout's :class:`~hybrid_engine.RolloutConfig` (``None``:
     graph capture on, everything else default; its pad/EOS ids default to the
     tokenizer's and TRL's). ``sampling`` overrides what ``trainer.args`` says:
-    ``top_p``, ``top_k``, and ``seed`` (the base seed, mixed with the global
-    step as the trainer's seed would be); ``max_completion_length`` (alias
+    ``top_p``, ``top_k``, ``seed`` (the base seed, mixed with the global
+    step as the trainer's seed would be) and ``logprobs`` (``"full"``: under
+    the full softmax at the temperature, as TRL's own loss scores tokens, instead
+    of renormalised over top-k / top-p); ``max_completion_length`` (alias
     ``max_new_tokens``) and ``temperature`` are accepted only equal to the
     trainer's, because TRL's loss reads them too.
 

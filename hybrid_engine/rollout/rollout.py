@@ -283,7 +283,7 @@ class HybridEngineRollout:
                 runner, requests, prompt_ids, prompt_mask, sampling.sampling_key, rank_seed(sampling.seed),
                 width=max_new, max_active=max_active, continuous=cfg.continuous_batching,
                 shared_prefill=cfg.use_shared_prefill, staged=True,
-                sync_interval=cfg.sync_interval, counters=counters,
+                sync_interval=cfg.sync_interval, counters=counters, logprobs=sampling.logprobs,
             )
             responses, logprobs, lengths = gather_responses(out_tokens, counters.lengths, pad_id, out_logprobs)
             batch = self._assemble(prompt_ids, prompt_mask, responses, logprobs, lengths, n)

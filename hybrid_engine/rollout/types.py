@@ -15,7 +15,7 @@ import torch
 
 from hybrid_engine.config.schema import MAX_CACHE_TOKENS
 from hybrid_engine.decode.kv_pool import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
-from hybrid_engine.decode.sampling import validate_sampling
+from hybrid_engine.decode.sampling import LOGPROB_MODES, validate_sampling
 from hybrid_engine.generation.token_ids import MAX_TOKEN_ID
 
 __all__ = ["DEFAULT_MAX_BATCH_SIZE", "MAX_CACHE_TOKENS", "MAX_SLOTS", "RolloutBatch", "RolloutConfig", "RolloutRequest",
@@ -147,9 +147,15 @@ class SamplingConfig:
     top_k: int = -1
     n_samples_per_prompt: int = 1
     seed: int = 0
+    #: ``"sampling"``: each logprob under the distribution sampled from (after top-k / top-p, renormalised);
+    #: ``"full"``: under the full softmax at the temperature, as a training forward's ``log_softmax(logits / T)``.
+    logprobs: str = "sampling"
 
     def __post_init__(self) -> None:
         owner = "SamplingConfig"
+        if self.logprobs not in LOGPROB_MODES:
+            raise ValueError(f'{owner}: logprobs must be "sampling" (under the distribution sampled from) or "full" '
+                             f"(under the full softmax at the temperature), got {self.logprobs!r}")
         _check_int(owner, "max_new_tokens", self.max_new_tokens, minimum=1)
         _check_int(owner, "n_samples_per_prompt", self.n_samples_per_prompt, minimum=1)
         _check_int(owner, "seed", self.seed, minimum=-(1 << 63))

@@ -240,6 +240,16 @@ def test_sampling_from_args_and_overrides():
     assert (s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.seed) == (4, 0.7, 1, 0.5, rollout_seed(7, 0, 0, "train"))
     assert out["completion_ids"][0] == out["completion_ids"][1] == out["completion_ids"][2]  # top_k=1
     assert len(out["completion_ids"][0]) == 4
+    assert s.logprobs == "sampling"
+    full = make_rollout_func(top_k=3, logprobs="full")
+    out_full = full([PROMPTS[0]] * 2, _trainer(max_completion_length=4))
+    plain = make_rollout_func(top_k=3)
+    out_plain = plain([PROMPTS[0]] * 2, _trainer(max_completion_length=4))
+    assert full.last_sampling.logprobs == "full" and out_full["completion_ids"] == out_plain["completion_ids"]
+    # under top-k the default renormalises over the kept tokens: higher than the full softmax's
+    assert all(a > b for a, b in zip(out_plain["logprobs"][0], out_full["logprobs"][0]))
+    with pytest.raises(ValueError, match="invalid sampling override .*logprobs"):
+        make_rollout_func(logprobs="raw")
 
 
 @pytest.mark.parametrize("override,args,match", [
