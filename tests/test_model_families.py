@@ -69,6 +69,21 @@ def rollout_tokens(model, ids, mask, new: int, graphs: bool, capacity: int | Non
     return batch.input_ids
 
 
+def assert_decodes_as_transformers(model, ids, mask, new: int, max_out_tokens: int) -> torch.Tensor:
+    """Greedy rollouts (graphs off and on) and ``engine.generate`` with graphs replayed equal transformers'
+    ``generate``; returns its tokens."""
+    want = hf_greedy(model, ids, mask, new)
+    for graphs in (False, True):
+        assert torch.equal(rollout_tokens(model, ids, mask, new, graphs), want)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True,
+                                                                   "max_out_tokens": max_out_tokens}})
+    out = engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                          min_new_tokens=new, pad_token_id=0, eos_token_id=-1)
+    assert torch.equal(out, want)
+    assert engine.graph_stats.last_refusal_reason is None and engine.graph_stats.replays > 0
+    return want
+
+
 @pytest.mark.parametrize("model_type", sorted(LIMITED))
 def test_a_window_chunk_or_rope_switch_is_read_from_the_config_that_sets_it(model_type):
     fields, why, tokens = LIMITED[model_type]
@@ -162,14 +177,7 @@ def test_multi_head_latent_attention_runs_on_the_pool_with_graphs_and_matches_tr
     specs = layer_specs(model.config)
     assert specs in ([LayerSpec(1, 16, 4)] * 2, [LayerSpec(4, 12, 6)] * 2)  # latent, or per-head K and V
     ids, mask = prompts()
-    want = hf_greedy(model, ids, mask, 12)
-    for graphs in (False, True):
-        assert torch.equal(rollout_tokens(model, ids, mask, 12, graphs), want)
-    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True,
-                                                                   "max_out_tokens": 32}})
-    out = engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
-                          min_new_tokens=12, pad_token_id=0, eos_token_id=-1)
-    assert torch.equal(out, want) and engine.graph_stats.replays > 0
+    assert_decodes_as_transformers(model, ids, mask, 12, max_out_tokens=32)
 
 
 WIN = dict(SMALL, num_hidden_layers=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -196,19 +204,11 @@ def test_sliding_and_chunked_layers_are_masked_as_transformers_masks_them_with_g
     assert exact_length(model.config) is None
     ids, mask = prompts(3, 12)
     ids[1, :3], mask[1, :3] = 0, 0
-    want = hf_greedy(model, ids, mask, 30)
+    want = assert_decodes_as_transformers(model, ids, mask, 30, max_out_tokens=64)
     wide = {k: 256 for k in ("sliding_window", "attention_chunk_size") if k in fields}  # the same weights
     with torch.no_grad():  # the window changes the logits over these sequences
         drift = model(want).logits - tiny(model_type, **{**fields, **wide})(want).logits
     assert float(drift.abs().max()) > 1e-3
-    for graphs in (False, True):
-        assert torch.equal(rollout_tokens(model, ids, mask, 30, graphs), want)
-    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True,
-                                                                   "max_out_tokens": 64}})
-    out = engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30,
-                          min_new_tokens=30, pad_token_id=0, eos_token_id=-1)
-    assert torch.equal(out, want)
-    assert engine.graph_stats.last_refusal_reason is None and engine.graph_stats.replays > 0
 
 
 @pytest.mark.parametrize("model_type,fields,where", [
