@@ -11,9 +11,8 @@ and tokens on CPU.
 Under ZeRO 1-3 DeepSpeed's own ``save_checkpoint``/``load_checkpoint`` do the
 work (every rank must call them), and each rank's torch RNG states go in a file
 of its own in the tag directory
-(:func:`~hybrid_engine.training.deepspeed.rng_file`): at ZeRO 1/2 DeepSpeed
-writes ``client_state`` from rank 0 only, so carried there every rank would
-resume rank 0's streams. At stage 0 the layout is DeepSpeed's too (:func:`save`).
+(:meth:`~hybrid_engine.training.deepspeed.DeepSpeedTraining.save_checkpoint`
+says why). At stage 0 the layout is DeepSpeed's too (:func:`save`).
 
 Nothing is unpickled in full unless the caller says so: the engine's own state
 is tensors and plain Python values, loaded with ``torch.load(weights_only=True)``,
