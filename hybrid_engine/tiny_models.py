@@ -97,7 +97,7 @@ def _tiny_config(arch: str) -> PretrainedConfig:
     if arch == "qwen3":
         return Qwen3Config(head_dim=32, **llama_like)
     if arch == "mistral":
-        # No sliding window: the static cache masks full causal attention only.
+        # No sliding window: the paged cache masks full causal attention only.
         return MistralConfig(sliding_window=None, **llama_like)
     raise AssertionError(arch)
 

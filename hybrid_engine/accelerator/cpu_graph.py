@@ -2,170 +2,33 @@
 
 CPU has no native graphs, yet every graph path of this package must run (and
 fail) in CPU CI exactly as it would on a GPU: this emulation is the only "GPU"
-CI has. Capture therefore records the aten-level operations issued inside it,
-and replay re-issues them without running any Python model code. Each rule
-below models one CUDA-graph rule:
+CI has. Capture therefore records the aten-level operations issued inside it
+(:class:`_Recorder`, a dispatch mode, with :class:`_HostSyncGuard` for host
+reads the dispatcher never sees), and replay re-issues them without running
+any Python model code.
 
-* Host values (Python ints, shapes, counters read in Python) are frozen into
-  the recording, as a CUDA graph freezes kernel launch parameters.
-* Capture runs nothing on the device, so it must not change pre-existing
-  tensors: storages that captured work mutates are snapshotted on first write
-  and restored when the capture ends. The first real execution is the first
-  replay.
-* A refused operation (any :class:`GraphCaptureError` below) invalidates the
-  capture even when the body catches the error, as CUDA's
-  ``cudaErrorStreamCaptureInvalidated``: the capture then fails at its end,
-  naming the first refusal.
-* Capture does not advance the default generator (CUDA records draws at
-  offsets of its own): its state is restored at capture end. Each replay draws
-  fresh numbers from it. Seeding it inside capture fails the capture (CUDA's
-  generator asserts it is not capturing): the accelerator's ``manual_seed``
-  raises at once, and capture end compares the generator's seed with the one
-  it began with, before restoring it, which catches ``torch.manual_seed`` with
-  another seed and ``torch.seed()``. Not caught: re-seeding with the same seed,
-  and ``torch.get_rng_state``/``set_rng_state`` of a state with the same seed
-  (CUDA refuses those too). ``accelerator.empty_cache()`` is refused as well
-  (CUDA's allocator asserts no capture is underway).
-* Tensors allocated inside capture hold garbage until the first replay (CUDA
-  only reserves their memory). Every static output (a tensor allocated inside
-  capture and still referenced when it ends) is poisoned at capture end: NaN
-  for floating point, the most extreme value for integers, ``True`` for bool.
-  Code that reads an output before replaying sees garbage on CPU too. So does
-  a pre-existing tensor that an ``out=`` op resized inside capture (CUDA gives
-  it a block of the graph's pool).
-* Pre-existing tensors are read *by storage*, as a GPU graph reads by address:
-  an in-place update (``param.add_``) is seen by the next replay, but a tensor
-  whose storage was swapped (``param.data = ...``) keeps being read from the
-  old storage, so stale-weight bugs show up on CPU as they would on a GPU.
-* Metadata changed in place on a pre-existing tensor inside capture (``t_``,
-  ``unsqueeze_``, ``transpose_``, ``as_strided_``, ``set_``, assigning
-  ``.data``: ops tagged ``inplace_view``) raises: on a device it changes host
-  metadata once, at capture, which a recording of ops cannot reproduce.
-* A device graph holds no reference to what it uses: once nothing but graphs
-  holds a storage a graph uses, that memory is free on a device, and a replay
-  would use whatever was allocated there next. Replay then raises
-  :class:`GraphReplayError` (a stale address), where CUDA would silently read
-  garbage. Only storages something outside the graphs held when capture ended
-  are checked; the rest (scalars the dispatcher wrapped) are the graph's own.
-  Holding a storage means holding a tensor on it: a bare ``UntypedStorage``
-  object, or a NumPy array behind a dropped ``from_numpy`` tensor, does not
-  count (refused where CUDA might still work). A storage whose memory moved
-  (``Tensor.resize_`` growing a graph input) is a stale address too.
-* Static outputs are updated in place by every replay. A graph captured under
-  ``torch.inference_mode`` replays under it, wherever it is replayed (CUDA
-  replays kernels whatever the grad mode). A static output whose storage
-  changed since capture (``out.data = ...``, ``out.set_(...)``, ``resize_``
-  growing it) makes the replay raise :class:`GraphReplayError`: CUDA keeps
-  writing the captured address, so the rebound tensor would silently stop
-  seeing the results. So does one whose view of its storage changed
-  (``out.resize_(2, 2)``, ``out.t_()``): CUDA writes the captured layout,
-  which copying into the new view would not reproduce.
-* Host synchronisations and data-dependent shapes (``.item()``, ``bool(t)``,
-  ``.tolist()``, ``.numpy()``, ``.cpu()``, ``nonzero``, boolean-mask indexing,
-  ``repeat_interleave`` with tensor repeats and no ``output_size``), in every
-  overload (``out=`` too), raise :class:`GraphCaptureError` while capturing
-  (CUDA: "operation not permitted when stream is capturing"). ``x[mask] = 3``
-  stays legal: CUDA turns it into ``masked_fill_`` with a host scalar.
-* Host data materialised inside capture (``torch.tensor``, ``torch.as_tensor``,
-  ``torch.from_numpy``, ``Tensor.new_tensor``, a Python list as an index) raises
-  too: on a device it is a host-to-device copy, which capture cannot record.
-  Device work with a Python or NumPy scalar (``x * 2 + 5``, ``torch.full``,
-  ``x[0] = 1``) stays legal.
-* Host reads the dispatcher never sees raise too: printing or formatting a
-  tensor, ``numpy.asarray``, ``__dlpack__``, ``Tensor.to("cpu")`` and
-  ``Tensor.type("torch.FloatTensor")`` (device-to-host copies on a device;
-  ``x.to(torch.device)`` and ``x.type(torch.float64)`` stay legal, as the
-  emulation's device is the CPU), and the ops whose CUDA kernels read a value
-  on the host (``allclose``; ``multinomial`` without replacement or for one
-  sample; ``histc`` without a range; ``torch.linalg`` error checks, and
-  ``svd``, ``eigh``, ``eig``, ``eigvals`` and ``lstsq``, which check inside;
-  ``masked_fill``/``index_fill`` with a tensor value, ``linspace``/``logspace``
-  with a tensor start or end, ``normal`` with a tensor std, ``segment_reduce``
-  with ``lengths`` and ``unsafe=False``, all of which call ``.item()`` inside
-  the one op; ``isin`` without ``assume_unique`` and with as many test elements
-  as its sorting path needs, which calls ``torch.unique``).
-  So do an explicit ``torch.Generator`` other than the default one (a device
-  graph freezes an unregistered one; the default one is registered), and
-  ``synchronize()`` and ``query()`` of a stream or of an event (the CPU
-  accelerator's ``Event()``; recording one stays legal, and as the CPU has no
-  device clock, ``Event(enable_timing=True)`` is ``None``).
-* ``F.one_hot`` given ``num_classes`` runs as on CUDA (a scatter, no host
-  check of the class values, whose bounds a replay still checks); without
-  ``num_classes`` it reads the maximum on the host, and raises.
-* nn fast paths: the nested-tensor ops of the ``nn.TransformerEncoder`` fast
-  path with a padding mask (``_nested_tensor_from_mask``, its left-aligned
-  check, ``_nested_from_padded``) read the mask on the host, and raise. The
-  emulation's own torch-function mode would make
-  ``torch.overrides.has_torch_function`` true, sending ``nn.Transformer*`` and
-  ``nn.MultiheadAttention`` down their slow path during capture only: while a
-  thread captures, ``torch.overrides.has_torch_function`` (the attribute, read
-  by those checks at call time) answers as without the emulation.
-* ``torch._assert_async`` is recorded: a replay whose condition fails raises,
-  as a device-side assert does.
-* Empty-family allocations (``torch.empty``, ``empty_like``, ...) inside a
-  graph are filled with garbage at every replay: on a device that block holds
-  whatever the last replay or another graph left there.
-* Capture is per thread, as CUDA's ``thread_local`` capture mode, which every
-  backend path requests: another thread's work on other streams neither breaks
-  a capture nor is recorded into it. Not modelled: capture runs ops for real, so
-  another thread sees capture-time writes to pre-existing tensors until capture
-  end, and the restore at capture end undoes that thread's own writes to those
-  storages (and its draws from the default generator); another thread that
-  seeds the default generator fails the capture.
-* Capture belongs to the stream, not the thread (CUDA records whatever is
-  issued on a capturing stream, from any thread), and PyTorch's rule is one
-  capture at a time per process. So a capture ties its :class:`CPUStream` to
-  the thread that began it, and the emulation refuses, as CUDA would break or
-  corrupt the capture: beginning a capture on a stream that is capturing, or
-  that another thread has current (its work would be recorded); another thread
-  making the capturing stream current (its work would be recorded, and never
-  run) or calling ``wait_stream``, ``synchronize()`` or ``query()`` on it, or
-  recording or waiting on an event there (cudaErrorStreamCaptureIsolation);
-  the default stream waiting on a capturing stream; and a device-wide
-  ``synchronize()`` or ``empty_cache()`` from any thread while any capture is
-  under way. A refusal from another thread also invalidates the capture it
-  touched, which then fails at its end. The accelerators take
-  :func:`~hybrid_engine.accelerator.base.graph_capture_lock` around capture
-  (the runner around warm-up and capture too) and make device-wide calls wait
-  for it, so only code that bypasses the lock meets these refusals.
-* Not modelled either: host reads through a storage (``t.untyped_storage()``
-  and its ``cpu()``, ``tolist()``), which never reach the dispatcher or a
-  torch-function mode.
-* Streams: CUDA refuses to capture on the default stream, and work issued on
-  the default stream while a capture is running breaks the capture. There is
-  a per-thread current :class:`CPUStream` (initially the default one); capture
-  refuses to begin while the default stream is current, and ops issued on it
-  during a capture raise. Not modelled: a side stream that never joined the
-  capture (no ``wait_stream`` on the capturing one) is recorded as if it had;
-  CUDA runs its work once, outside the graph, and fails capture end for a fork
-  that never rejoins.
-* Memory pools: graphs captured with the same pool handle share one
-  :class:`CPUGraphPool`. A pool owns the static outputs of its graphs plus one
-  workspace for intermediates, sized to the largest peak of any one graph
-  (graphs in a pool replay one at a time, so they share it, as on CUDA). All
-  accounting happens at capture time; replay pays nothing for it. A graph's
-  ``pool()`` raises until it has been captured (CUDA: "without a preceding
-  successful capture"): take a handle first (:class:`CPUGraphPool`, the
-  accelerator's ``graph_pool_handle()``) to learn a failed capture's pool.
-* A capture that fails (refused, invalidated, or its body raised) leaves its
-  pool *recording*, as CUDA's ``capture_end`` throws before it ends allocating
-  to the pool when ``cudaStreamEndCapture`` fails, and only a capture that
-  ended releases its pool: CUDA's caching allocator then believes a capture is
-  under way for the rest of the process. (A body that raised without breaking
-  the capture ends it cleanly on CUDA; the emulation is stricter.) While any pool records,
-  ``empty_cache()`` raises, a capture into that pool is refused ("already
-  recording"), and the failed capture's bytes stay counted in the pool, until
-  :func:`end_allocating_to_pool` and :func:`release_graph_pool` (CUDA's
-  ``_cuda_endAllocateToPool`` and ``_cuda_releasePool``) undo it; the
-  accelerators' ``capture_to_graph`` does both when a capture fails. A pool
-  whose every graph is gone (reset or collected) after it was used is freed:
-  capturing into it again is refused, as CUDA's allocator asserts on a pool
-  whose use count fell to zero; take a new handle.
-* Sharing a pool is safe on CUDA only when graphs replay in capture order: a
-  graph captured later may have been given blocks an earlier graph used for
-  intermediates, so replaying the earlier graph overwrites the later graph's
-  static outputs. Replaying a graph therefore fills the static outputs of every
-  graph captured after it into the same pool with garbage, until those replay.
+The invariant: what a CUDA graph would refuse, the emulation refuses, and what
+a CUDA graph would silently get wrong (stale addresses, uninitialised memory,
+rebound outputs) it makes fail or read as garbage. Each rule models one
+CUDA-graph rule and is documented where it is enforced:
+
+* what capture freezes (host values, generator state) and undoes (writes to
+  pre-existing tensors): :func:`capture_cpu_graph`;
+* static outputs, reads by storage, stale addresses: :class:`CPUGraph` and
+  :meth:`CPUGraph.replay`, which raises :class:`GraphReplayError`;
+* host synchronisations, data-dependent shapes, host-to-device copies and
+  in-place metadata changes raise :class:`GraphCaptureError`
+  (:meth:`_Recorder._check_permitted`, :class:`_HostSyncGuard`); any refusal
+  invalidates the capture even when the body catches it (:func:`_refused`);
+* streams, threads and one capture at a time per process: the streams section
+  and :class:`CPUStream`;
+* memory pools, and the recording pool a failed capture leaves:
+  :class:`CPUGraphPool`.
+
+No state lives on a device: a graph holds its recorded steps, weak references
+to its static outputs, and the pre-existing tensors it reads by storage. The
+places where CUDA refuses and the emulation does not are listed in
+docs/accelerators.md ("The CPU graph emulation").
 """
 
 from __future__ import annotations
@@ -345,8 +208,18 @@ def is_cpu_graph_capturing() -> bool:
 
 
 # ------------------------------------------------------------------- streams
-# Captures under way in any thread, by capture stream: capture belongs to the stream (CUDA records what any thread
-# issues on it), so the other threads' stream calls are checked against this.
+# Capture belongs to the stream, not the thread (CUDA records whatever is issued on a capturing stream, from any
+# thread), and PyTorch's rule is one capture at a time per process. So a capture ties its CPUStream to the thread
+# that began it, and the emulation refuses, as CUDA would break or corrupt the capture: beginning a capture on a
+# stream that is capturing, or that another thread has current; another thread making the capturing stream
+# current, or calling wait_stream, synchronize() or query() on it, or recording or waiting on an event there
+# (cudaErrorStreamCaptureIsolation); the default stream waiting on a capturing stream; and a device-wide
+# synchronize() or empty_cache() from any thread while any capture is under way. A refusal from another thread
+# also invalidates the capture it touched. The accelerators take graph_capture_lock() around capture (the runner
+# around warm-up and capture too) and make device-wide calls wait for it, so only code that bypasses the lock
+# meets these refusals.
+#
+# Captures under way in any thread, by capture stream: the other threads' stream calls are checked against this.
 _captures_lock = threading.RLock()
 _captures: dict[CPUStream, _Recorder] = {}
 
@@ -464,7 +337,11 @@ class CPUStream(_HostWaits):
 
     It exists so that stream discipline (capture on a side stream, never on the
     default one; a capturing stream belongs to the thread capturing on it) is
-    exercised in CPU CI as it is on CUDA.
+    exercised in CPU CI as it is on CUDA. CUDA refuses to capture on the
+    default stream, and work issued on the default stream during a capture
+    breaks it: each thread has a current stream (initially the default one,
+    :func:`cpu_stream` selects another), capture refuses to begin while the
+    default stream is current, and ops issued on it during a capture raise.
     """
 
     __slots__ = ("_current_in", "is_default", "__weakref__")
@@ -568,10 +445,29 @@ _allocating_pools: set[CPUGraphPool] = set()
 class CPUGraphPool:
     """An emulated graph memory pool, shared by every graph captured into it.
 
-    Bytes are accounted at capture time: the static outputs of each graph, plus
-    one workspace sized to the largest intermediate peak among its graphs, plus
-    what each failed capture into it allocated until that capture is released.
-    A fresh ``CPUGraphPool()`` is a handle, as ``torch.cuda.graph_pool_handle()``.
+    Bytes are accounted at capture time (replay pays nothing for it): the
+    static outputs of each graph, plus one workspace sized to the largest
+    intermediate peak among its graphs (graphs in a pool replay one at a time,
+    so they share it, as on CUDA), plus what each failed capture into it
+    allocated until that capture is released. A fresh ``CPUGraphPool()`` is a
+    handle, as ``torch.cuda.graph_pool_handle()``: take one to learn a failed
+    capture's pool (:meth:`CPUGraph.pool` raises until a capture succeeds).
+
+    A capture that fails (refused, invalidated, or its body raised) leaves its
+    pool *recording*, as CUDA's ``capture_end`` throws before it ends
+    allocating to the pool when ``cudaStreamEndCapture`` fails, and only a
+    capture that ended releases its pool: CUDA's caching allocator then
+    believes a capture is under way for the rest of the process. (A body that
+    raised without breaking the capture ends it cleanly on CUDA; the emulation
+    is stricter.) :func:`end_allocating_to_pool` and :func:`release_graph_pool`
+    undo it; the accelerators' ``capture_to_graph`` does both when a capture
+    fails.
+
+    Sharing a pool is safe on CUDA only when graphs replay in capture order: a
+    graph captured later may have been given blocks an earlier graph used for
+    intermediates. Replaying a graph therefore fills the static outputs of
+    every graph captured after it into the same pool with garbage, until those
+    replay (:meth:`_clobber_after`).
     """
 
     def __init__(self) -> None:
@@ -877,6 +773,27 @@ class _Recorder(TorchDispatchMode):
 
     # -- capture-time safety --------------------------------------------------
     def _check_permitted(self, func, args, kwargs) -> None:
+        """Raise :class:`GraphCaptureError` for an op a device graph cannot record.
+
+        * Host synchronisations and data-dependent shapes (``.item()``,
+          ``bool(t)``, ``nonzero``, boolean-mask indexing, ``repeat_interleave``
+          with tensor repeats and no ``output_size``), in every overload
+          (``out=`` too); CUDA: "operation not permitted when stream is
+          capturing". ``x[mask] = 3`` stays legal (:meth:`_is_masked_fill`).
+        * Ops whose CUDA kernel reads a value on the host inside the one op
+          (:data:`_FORBIDDEN_OPS`, ``multinomial``, ``histc``,
+          :func:`_hidden_host_read`).
+        * Host data materialised inside capture (``torch.tensor``,
+          ``torch.as_tensor``, ``torch.from_numpy``, ``Tensor.new_tensor``, a
+          Python list as an index): on a device a host-to-device copy. Device
+          work with a Python or NumPy scalar (``x * 2 + 5``, ``torch.full``,
+          ``x[0] = 1``) stays legal.
+        * An explicit ``torch.Generator`` other than the default one, and any op
+          issued on the default stream.
+        * Metadata changed in place on a pre-existing tensor (``t_``,
+          ``unsqueeze_``, ``transpose_``, ``as_strided_``, ``set_``: ops tagged
+          ``inplace_view``; :class:`_HostSyncGuard` catches assigning ``.data``).
+        """
         packet = func.overloadpacket
         what = _FORBIDDEN_OPS.get(packet)
         if what is not None:
@@ -1017,7 +934,14 @@ def _one_hot_as_on_a_device(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 
 class _HostSyncGuard(TorchFunctionMode):
-    """Rejects Python-level host reads that never reach the aten dispatcher."""
+    """Rejects Python-level host reads that never reach the aten dispatcher.
+
+    Printing or formatting a tensor, ``.tolist()``, ``.numpy()``, ``.cpu()``,
+    ``numpy.asarray``, ``__dlpack__``, ``Tensor.to("cpu")`` and
+    ``Tensor.type("torch.FloatTensor")`` (device-to-host copies on a device),
+    and assigning ``.data`` on a pre-existing tensor, raise. It also runs
+    ``F.one_hot`` as on CUDA (:func:`_one_hot_as_on_a_device`) and marks
+    ``tensor[idx] = <scalar>`` for :meth:`_Recorder._is_masked_fill`."""
 
     def __init__(self, rec: _Recorder) -> None:
         super().__init__()
@@ -1047,7 +971,20 @@ class _HostSyncGuard(TorchFunctionMode):
 
 
 class CPUGraph:
-    """A recorded sequence of aten ops, replayable without Python model code."""
+    """A recorded sequence of aten ops, replayable without Python model code.
+
+    * Tensors allocated inside capture hold garbage until the first replay
+      (CUDA only reserves their memory). Every static output (a tensor
+      allocated inside capture and still referenced when it ends) is poisoned
+      at capture end: NaN for floating point, the most extreme value for
+      integers, ``True`` for bool. So is a pre-existing tensor that an ``out=``
+      op resized inside capture (CUDA gives it a block of the graph's pool).
+    * Pre-existing tensors are read *by storage*, as a GPU graph reads by
+      address: an in-place update (``param.add_``) is seen by the next replay,
+      but a tensor whose storage was swapped (``param.data = ...``) keeps being
+      read from the old storage, so stale-weight bugs show up on CPU as they
+      would on a GPU.
+    """
 
     def __init__(self) -> None:
         self._steps: list[_Step] | None = None
@@ -1158,6 +1095,25 @@ class CPUGraph:
                 yield static
 
     def replay(self) -> None:
+        """Re-issue the recorded ops and update every static output in place.
+
+        A graph captured under ``torch.inference_mode`` replays under it,
+        wherever it is replayed (CUDA replays kernels whatever the grad mode).
+        Raises :class:`GraphReplayError` where CUDA would silently go wrong:
+
+        * A stale address. A device graph holds no reference to what it uses:
+          once nothing but graphs holds a storage a graph uses, that memory is
+          free on a device, and a replay would use whatever was allocated there
+          next. Only storages something outside the graphs held when capture
+          ended are checked (:func:`_storage_guards`). A storage whose memory
+          moved (``Tensor.resize_`` growing a graph input) is stale too.
+        * A rebound static output: its storage changed since capture
+          (``out.data = ...``, ``out.set_(...)``, ``resize_`` growing it), so the
+          rebound tensor would stop seeing the results CUDA keeps writing to the
+          captured address; or its view of its storage changed
+          (``out.resize_(2, 2)``, ``out.t_()``), and CUDA writes the captured
+          layout, which copying into the new view would not reproduce.
+        """
         steps = self._steps
         if steps is None:
             raise RuntimeError("CPUGraph.replay(): the graph has not been captured")
@@ -1264,7 +1220,11 @@ _graph_refs_lock = threading.RLock()
 
 
 def _storage_guards(readers: list[tuple[torch.Tensor, str]]) -> list[_StorageGuard]:
-    """One guard per storage the graph reads that something outside the graphs held at capture end."""
+    """One guard per storage the graph reads that something outside the graphs held at capture end.
+
+    The rest (scalars the dispatcher wrapped) are the graph's own. Holding a storage means holding a tensor on
+    it: a bare ``UntypedStorage`` object, or a NumPy array behind a dropped ``from_numpy`` tensor, does not count
+    (refused where CUDA might still work)."""
     found: dict[int, list[Any]] = {}
     for alias, reader in readers:
         storage = alias.untyped_storage()  # materialises the Python object: counted in _PY_STORAGE_REFS
@@ -1348,7 +1308,24 @@ def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iter
     there), nor one that is capturing or that another thread has current; it
     belongs to this thread until the capture ends. ``pool`` shares a
     :class:`CPUGraphPool` with earlier graphs (``None``: the graph's own). A
-    capture that fails leaves its pool recording (see the module docstring).
+    capture that fails leaves its pool recording (see :class:`CPUGraphPool`).
+
+    * Host values (Python ints, shapes, counters read in Python) are frozen
+      into the recording, as a CUDA graph freezes kernel launch parameters.
+    * Capture runs nothing on the device, so it must not change pre-existing
+      tensors: ops run for real (so Python can keep going), storages they
+      mutate are snapshotted on first write and restored at capture end. The
+      first real execution is the first replay.
+    * Capture does not advance the default generator (CUDA records draws at
+      offsets of its own): its state is restored at capture end, and each
+      replay draws fresh numbers from it. Seeding it inside capture fails the
+      capture (CUDA's generator asserts it is not capturing): the
+      accelerator's ``manual_seed`` raises at once, and capture end compares
+      the generator's seed with the one it began with, before restoring it,
+      which catches ``torch.manual_seed`` with another seed and ``torch.seed()``.
+    * Capture is per thread, as CUDA's ``thread_local`` capture mode, which
+      every backend path requests: another thread's work on other streams
+      neither breaks a capture nor is recorded into it.
     """
     if is_cpu_graph_capturing():
         raise _refused("nested graph capture is not permitted")

@@ -2,7 +2,7 @@
 
 Graphs are captured by the accelerator of the model's device, not by the
 process-wide one: a CPU model on a host with a GPU must never get CUDA graphs
-wrapped around CPU work. Capture-sensitive code (the static cache, the decode
+wrapped around CPU work. Capture-sensitive code (the paged KV cache, the decode
 step) asks :func:`is_capturing`, which covers every accelerator handed out here.
 """
 

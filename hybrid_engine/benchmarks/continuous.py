@@ -1,68 +1,14 @@
 """``hybrid-engine bench continuous``: continuous rollouts, eager vs graph reuse, and continuous vs static batching.
 
-Part 1 (the reference's methodology): batch 1, a 32-token prompt, 32 new tokens,
-greedy, continuous batching. Eager and graph rollouts each make two warm-up
-calls, on prompts drawn with seeds 1234 and 1235, then five measured calls
-(interleaved eager/graph). The graph rollout's first call, which captures, is
-reported separately; its second call, on the other prompt, must reuse that
-capture (0 new captures) and both must be token-identical to eager.
-
-Part 2 (a mixed-length workload): many requests of different prompt lengths
-whose responses end at different lengths (per-request budgets), served with
-``max_batch_size`` slots. Continuous batching refills a slot as soon as its
-request ends; static batching runs each group of ``max_batch_size`` requests
-until its longest one ends. Both run with graphs on, after two warm-up calls
-each (a bucket is warmed up on its first step and captured on its next, so a
-bucket the first call visits once is captured by the second), then
-``--mixed-repeats`` interleaved calls (median); throughput is real response
-tokens over wall time. The modes' tokens are compared; they agree exactly on
-the CPU emulation, while on a GPU in fp16 a request decoded in other batch
-shapes may round differently (other GEMM kernels), so there the comparison is
-informational. Eager against graph at the same shapes (part 1, ``bench
-parity``, ``bench decode``) is the exact check.
+Three parts, each described where it runs: part 1 (:func:`_part1`, the
+reference's methodology) times batch-1 rollouts eager against graph reuse;
+part 2 (:func:`_part2`) serves a mixed-length workload with continuous and
+with static batching; part 3 (:func:`_long_tail`) does the same for the
+long-tailed workload of the issue, whose wall-time ratio has a target
+(:data:`WALL_TARGET`).
 
 Every part fails the run (exit 1, after the report) when a graph side fell
 back to eager, which would otherwise read as a ~1.0x figure.
-
-Part 3 (the long-tailed workload of the issue): 8 slots (``--longtail-slots``);
-one request in eight wants 48 tokens, the rest 3 to 6 (seeded). The long one
-is the first request of every group of 8 (``i % 8 == 0``), so each group of
-8 that static batching runs together holds exactly one of them. EOS is
-unreachable, so the budgets alone decide the lengths, and both modes run with
-graphs on, two warm-up calls each (as in part 2), then ``--longtail-repeats``
-interleaved calls (median). Reported per mode: wall time, decode steps,
-prefill forwards (batches of prompts prefilled ahead), admission rounds,
-host syncs, graph captures and tokens/s;
-then the step ratio, the wall-time ratio (the issue's target: at least 2.5x)
-and the per-request token agreement between the modes.
-
-Why 64 requests: the prefill samples each request's first token, so a
-request with budget b needs b - 1 decode steps.
-
-* static: 64 / 8 = 8 groups, each runs until its 48-token request ends:
-  8 x 47 = 376 decode steps, whatever the short budgets are.
-* continuous: the work is 8 x 47 + 56 x 3.5 (mean of 2..5) = 572 slot-steps,
-  71.5 steps if 8 slots were always full. They are not: every long request
-  keeps its slot for 47 steps, so the long ones pile up (6 or 7 of the 8
-  slots before the last one's turn) and the short requests ahead of it drain
-  through the one or two slots left. The last long request (index 56) is
-  admitted near step 54 when every free slot is refilled at once, then needs
-  47 steps: about 101 decode steps. Prompts are prefilled ahead, 8 at a
-  time (8 prefill forwards in either mode), and a round only loads staged
-  prompts into slots (about a quarter of a decode step); the scheduler still holds
-  a free slot back for a step or two to batch rounds: 105 steps in 19 rounds
-  (see :func:`hybrid_engine.generation.scheduler.run_schedule`).
-* 376 / 101 = 3.72, the issue's "about 3.7x" (3.7 to 3.9 over short-budget
-  seeds); 376 / 105 = 3.58 as scheduled. Fewer requests give less (48: 3.6 to 3.9, 32: ~3.2, 16: ~1.9, since the
-  last long request's 47 steps dominate), more give more (80: ~4.1, 128: ~4.5;
-  in the limit 8 x 47 / 71.5 = 5.3 per group).
-
-The wall-time ratio is the step ratio less what continuous batching pays in
-more admission rounds and host syncs (both reported). On CPU the default
-long-tail model is ``tiny-gpt2`` (``--longtail-model auto``), so the default
-run stays short: a gpt2-shaped step costs tens of ms here and the two modes
-together run ~500 decode steps per measured pair; on an accelerator ``auto``
-is the main ``--model``/``--model-path``. The report names the model used.
 """
 
 from __future__ import annotations
@@ -86,7 +32,7 @@ from hybrid_engine.benchmarks.paths import (
 DEFAULT_MODEL = "gpt2"
 PROMPT_SEEDS = (1234, 1235)
 WARMUP_CALLS = C.WARMUP_CALLS
-LONG_TAIL_REQUESTS = 64  # static needs ~3.7x the decode steps of continuous here (module docstring)
+LONG_TAIL_REQUESTS = 64  # static needs ~3.7x the decode steps of continuous here (see _long_tail)
 LONG_TAIL_CPU_MODEL = "tiny-gpt2"
 MODES = ("continuous", "static")
 WALL_TARGET = 2.5  # the issue's target for the long-tail wall-time ratio (a benchmark figure, never a test)
@@ -134,6 +80,13 @@ def _captures(rollout: Any) -> int:
 
 
 def _part1(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Part 1 (the reference's methodology): batch 1, a 32-token prompt, 32 new tokens,
+    greedy, continuous batching. Eager and graph rollouts each make two warm-up
+    calls, on prompts drawn with seeds 1234 and 1235, then five measured calls
+    (interleaved eager/graph). The graph rollout's first call, which captures, is
+    reported separately; its second call, on the other prompt, must reuse that
+    capture (0 new captures) and both must be token-identical to eager.
+    """
     m_e = C.build_bench_model(args, dtype, device, seed=args.seed)
     m_g = C.build_bench_model(args, dtype, device, seed=args.seed)
     pad, _ = C.special_ids(m_e)
@@ -198,6 +151,20 @@ def _part1(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -
 
 
 def _part2(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Part 2 (a mixed-length workload): many requests of different prompt lengths
+    whose responses end at different lengths (per-request budgets), served with
+    ``max_batch_size`` slots. Continuous batching refills a slot as soon as its
+    request ends; static batching runs each group of ``max_batch_size`` requests
+    until its longest one ends. Both run with graphs on, after two warm-up calls
+    each (a bucket is warmed up on its first step and captured on its next, so a
+    bucket the first call visits once is captured by the second), then
+    ``--mixed-repeats`` interleaved calls (median); throughput is real response
+    tokens over wall time. The modes' tokens are compared; they agree exactly on
+    the CPU emulation, while on a GPU in fp16 a request decoded in other batch
+    shapes may round differently (other GEMM kernels), so there the comparison is
+    informational. Eager against graph at the same shapes (part 1, ``bench
+    parity``, ``bench decode``) is the exact check.
+    """
     R = args.mixed_requests
     model = C.build_bench_model(args, dtype, device, seed=args.seed)
     pad, _ = C.special_ids(model)
@@ -304,6 +271,46 @@ def _check_long_tail_args(args: argparse.Namespace, device: torch.device) -> Non
 
 
 def _long_tail(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Part 3 (the long-tailed workload of the issue): 8 slots (``--longtail-slots``);
+    one request in eight wants 48 tokens, the rest 3 to 6 (seeded). The long one
+    is the first request of every group of 8 (``i % 8 == 0``), so each group of
+    8 that static batching runs together holds exactly one of them. EOS is
+    unreachable, so the budgets alone decide the lengths, and both modes run with
+    graphs on, two warm-up calls each (as in part 2), then ``--longtail-repeats``
+    interleaved calls (median). Reported per mode: wall time, decode steps,
+    prefill forwards (batches of prompts prefilled ahead), admission rounds,
+    host syncs, graph captures and tokens/s;
+    then the step ratio, the wall-time ratio (the issue's target: at least 2.5x)
+    and the per-request token agreement between the modes.
+
+    Why 64 requests: the prefill samples each request's first token, so a
+    request with budget b needs b - 1 decode steps.
+
+    * static: 64 / 8 = 8 groups, each runs until its 48-token request ends:
+      8 x 47 = 376 decode steps, whatever the short budgets are.
+    * continuous: the work is 8 x 47 + 56 x 3.5 (mean of 2..5) = 572 slot-steps,
+      71.5 steps if 8 slots were always full. They are not: every long request
+      keeps its slot for 47 steps, so the long ones pile up (6 or 7 of the 8
+      slots before the last one's turn) and the short requests ahead of it drain
+      through the one or two slots left. The last long request (index 56) is
+      admitted near step 54 when every free slot is refilled at once, then needs
+      47 steps: about 101 decode steps. Prompts are prefilled ahead, 8 at a
+      time (8 prefill forwards in either mode), and a round only loads staged
+      prompts into slots (about a quarter of a decode step); the scheduler still holds
+      a free slot back for a step or two to batch rounds: 105 steps in 19 rounds
+      (see :func:`hybrid_engine.generation.scheduler.run_schedule`).
+    * 376 / 101 = 3.72, the issue's "about 3.7x" (3.7 to 3.9 over short-budget
+      seeds); 376 / 105 = 3.58 as scheduled. Fewer requests give less (48: 3.6 to
+      3.9, 32: ~3.2, 16: ~1.9, since the last long request's 47 steps dominate),
+      more give more (80: ~4.1, 128: ~4.5; in the limit 8 x 47 / 71.5 = 5.3 per group).
+
+    The wall-time ratio is the step ratio less what continuous batching pays in
+    more admission rounds and host syncs (both reported). On CPU the default
+    long-tail model is ``tiny-gpt2`` (``--longtail-model auto``), so the default
+    run stays short: a gpt2-shaped step costs tens of ms here and the two modes
+    together run ~500 decode steps per measured pair; on an accelerator ``auto``
+    is the main ``--model``/``--model-path``. The report names the model used.
+    """
     R, slots, repeats = args.longtail_requests, args.longtail_slots, max(1, args.longtail_repeats)
     margs, why = _long_tail_model(args, device)
     prev_threads = torch.get_num_threads()

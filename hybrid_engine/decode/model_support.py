@@ -60,7 +60,7 @@ def check_model_supported(model: torch.nn.Module) -> None:
     if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
         raise ValueError(
             f"{type(model).__name__}: attn_implementation={impl!r} cannot take the explicit 4D additive attention "
-            f"mask the static cache needs (per-row lengths); load the model with attn_implementation in "
+            f"mask the paged KV cache needs (per-row lengths); load the model with attn_implementation in "
             f"{SUPPORTED_ATTN_IMPLEMENTATIONS}"
         )
     _forward_signature(model)  # TypeError when the forward takes no cache

@@ -7,12 +7,12 @@ an internal secondary stream, and NPU graph capture rejects that at
 ``capture_end`` (CANN error 107025), so a decode step that uses them can never
 be captured. The graph-mode variant, ``torch_npu.npu_fusion_attention_v3``
 (torch_npu 2.6 on), keeps its work on the capturing stream; its documentation
-promises graph capture (aclgraph) for the ``"BNSD"`` layout, the one the static
-cache stores. This module registers it with transformers as ``"npu_graph"``;
-:class:`~hybrid_engine.graphs.runner.DecodeGraphRunner` switches ``sdpa`` models
-to it for the steps it warms up and captures on an NPU (see
-:func:`~hybrid_engine.graphs.policy.graph_attention`). ``eager`` attention is
-plain matmul and softmax, which captures as it is, so it is never switched.
+promises graph capture (aclgraph) for the ``"BNSD"`` layout, the one the
+decode cache hands attention. This module registers it with transformers as
+``"npu_graph"``; :class:`~hybrid_engine.graphs.runner.DecodeGraphRunner`
+switches ``sdpa`` models to it for the steps it warms up and captures on an NPU
+(see :func:`~hybrid_engine.graphs.policy.graph_attention`). ``eager`` attention
+is plain matmul and softmax, which captures as it is, so it is never switched.
 
 What a capture freezes here: the shapes (batch, heads, query and key lengths),
 ``head_num``, the scale and the layout string are host values baked into the
@@ -20,33 +20,6 @@ kernel launch. The mask and every tensor are device data, so one graph serves
 every decode position: nothing in :func:`npu_graph_attention_forward` reads a
 device value on the host, and it keeps no state between calls (no table keyed
 by layer or call count), so two models, or two engines, can share it.
-
-Conventions and choices:
-
-* Masks. torch_npu's ``atten_mask`` is boolean with True (1) meaning *masked
-  out*. transformers hands attention functions either a boolean mask with True
-  meaning *attend* (built by :func:`npu_graph_mask`, registered for
-  ``"npu_graph"``), or an additive float mask (0 = attend, very negative =
-  masked), which is what :mod:`hybrid_engine.decode.step` passes in prefill and
-  in every decode step over the static cache. A float mask is read as binary:
-  any negative value masks the key (torch_npu cannot express a soft bias).
-  Without a mask, ``is_causal`` (as ``sdpa`` reads it) masks keys after the
-  query, aligned top-left as in ``scaled_dot_product_attention``.
-* Query rows with no key to attend (left-pad positions in a padded prefill)
-  would be 0/0 inside a fused kernel, and a NaN there reaches real tokens in
-  the next layer through ``0 * NaN``. Such rows are given every key instead;
-  their output is discarded by construction (they are padding).
-* Layout ``"BNSD"``: query ``[B, heads, Sq, D]`` as transformers hands it
-  (made contiguous: one token per row in decode), K/V ``[B, kv_heads, S, D]``
-  straight from the static cache, with no copy. GQA
-  (``num_key_value_heads < num_attention_heads``) is native: v3 takes fewer
-  K/V heads than query heads when they divide them. (The reference change this
-  project follows captured v3 in ``"BSH"``, which needs a transposed copy of the
-  whole cache in every step of every layer; not verified on an NPU here.)
-* The softmax scale is always passed: torch_npu's default is 1.0, not
-  ``1/sqrt(head_dim)``.
-* Return value: ``(attn_output [B, S, heads, D], None)``, as transformers'
-  ``sdpa_attention_forward`` returns it.
 
 ``torch_npu`` is imported only when the attention runs, so importing
 ``hybrid_engine`` never needs it; registration happens on import.
@@ -91,6 +64,20 @@ def npu_masked_out(attention_mask: torch.Tensor | None, q_len: int, kv_len: int,
     ``attention_mask``: transformers' boolean (True = attend) or additive float
     (negative = masked) 4D mask, or ``None`` (then ``is_causal`` decides). Pure
     device work: capture-safe.
+
+    * transformers hands attention functions either a boolean mask with True
+      meaning *attend* (built by :func:`npu_graph_mask`, registered for
+      ``"npu_graph"``), or an additive float mask (0 = attend, very negative =
+      masked), which is what :mod:`hybrid_engine.decode.step` passes in prefill
+      and in every decode step over the paged cache. A float mask is read as
+      binary: any negative value masks the key (torch_npu cannot express a
+      soft bias).
+    * Without a mask, ``is_causal`` (as ``sdpa`` reads it) masks keys after the
+      query, aligned top-left as in ``scaled_dot_product_attention``.
+    * Query rows with no key to attend (left-pad positions in a padded prefill)
+      would be 0/0 inside a fused kernel, and a NaN there reaches real tokens in
+      the next layer through ``0 * NaN``. Such rows are given every key instead;
+      their output is discarded by construction (they are padding).
     """
     if attention_mask is None:
         if not (is_causal and q_len > 1):
@@ -117,8 +104,18 @@ def npu_graph_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [B, H, Sq, D]``, ``key``/``value [B, Hkv, Skv, D]``.
 
-    Returns ``(attn_output [B, Sq, H, Dv], None)`` computed by
-    ``torch_npu.npu_fusion_attention_v3`` in the BNSD layout (see the module docstring).
+    Returns ``(attn_output [B, Sq, H, Dv], None)``, as transformers' ``sdpa_attention_forward`` returns it,
+    computed by ``torch_npu.npu_fusion_attention_v3`` in the ``"BNSD"`` layout (masks: :func:`npu_masked_out`).
+
+    * Layout: the query as transformers hands it (made contiguous: one token per
+      row in decode), K/V as the decode cache returns them, with no copy here.
+      GQA (``num_key_value_heads < num_attention_heads``) is native: v3 takes
+      fewer K/V heads than query heads when they divide them. (The reference
+      change this project follows captured v3 in ``"BSH"``, which needs a
+      transposed copy of the whole cache in every step of every layer; not
+      verified on an NPU here.)
+    * The softmax scale is always passed: torch_npu's default is 1.0, not
+      ``1/sqrt(head_dim)``.
     """
     for unsupported in ("softcap", "position_bias", "s_aux", "sinks"):
         if kwargs.get(unsupported) is not None:

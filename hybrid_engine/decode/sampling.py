@@ -27,22 +27,8 @@ temperature at every step recaptures nothing. Everything else is
 static-shape tensor work: a stable descending sort, masks built from positions
 and cumulative sums, and an inverse-CDF pick by counting -- no ``.item()``,
 ``nonzero``, boolean-mask indexing or ``torch.multinomial``.
-
-Filtering order (shared by :func:`sample_tokens` and :func:`logprobs_of`
-through :func:`_filtered_sorted_logprobs`, so the two cannot diverge):
-temperature scaling, then top-k, then top-p on the top-k-renormalised
-distribution (keep the smallest prefix, in descending-probability order, whose
-cumulative probability reaches ``top_p``; the top token is always kept), then
-renormalisation. Ties between equal logits are broken by vocabulary index (the
-lower index ranks first) because the sort is stable.
-
-Log-probabilities:
-
-* sampling (``temperature > 0``): the log-probability under the distribution
-  actually sampled from, i.e. ``softmax(logits / T)`` restricted by top-k/top-p
-  and renormalised;
-* greedy (``temperature == 0``): the log-probability under ``softmax(logits)``
-  (temperature 1, no filtering), which is what a trainer's forward computes.
+:func:`sample_tokens` and :func:`logprobs_of` share one filter
+(:func:`_filtered_sorted_logprobs`), so the two cannot diverge.
 """
 
 from __future__ import annotations
@@ -208,6 +194,13 @@ def _filtered_sorted_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sampling distribution over the last dim, in descending order.
 
+    Filtering order: temperature scaling, then top-k, then top-p on the
+    top-k-renormalised distribution (keep the smallest prefix, in
+    descending-probability order, whose cumulative probability reaches
+    ``top_p``; the top token is always kept), then renormalisation. Ties
+    between equal logits are broken by vocabulary index (the lower index ranks
+    first) because the sort is stable.
+
     Returns ``(sorted_logprobs, sort_index, full)``: log-probabilities after
     temperature, top-k and top-p (removed entries are ``-inf``, the rest are
     renormalised), the vocabulary index of each sorted position, and the
@@ -258,13 +251,17 @@ def sample_tokens(
     uniform ``counter_uniform(seed, request_index, token_index)[b]`` (stream
     :data:`SAMPLING_STREAM`) and an inverse-CDF pick over the filtered
     distribution, so its token depends only on its own logits and counters.
-    ``temperature == 0`` is greedy: ``argmax`` (lowest index on ties) with the
-    log-probability under ``softmax(logits)``. See the module docstring for
-    the filtering rules and what the returned log-probability means. With
+    ``temperature == 0`` is greedy: ``argmax`` (lowest index on ties). With
     ``knobs`` the filters read their values from those device tensors (see
-    :func:`_filtered_sorted_logprobs`): pass knobs set to the same values.
-    ``logprobs="full"`` (or ``knobs.full``) reports each token's logprob under
-    the full softmax at the temperature instead; the tokens are the same.
+    :func:`_filtered_sorted_logprobs` for the filtering rules): pass knobs set
+    to the same values.
+
+    The returned log-probability, when sampling (``temperature > 0``), is the
+    one under the distribution actually sampled from, i.e. ``softmax(logits /
+    T)`` restricted by top-k/top-p and renormalised; ``logprobs="full"`` (or
+    ``knobs.full``) reports it under the full ``softmax(logits / T)`` instead,
+    with the same tokens. When greedy, it is the one under ``softmax(logits)``
+    (temperature 1, no filtering), which is what a trainer's forward computes.
     """
     validate_sampling(temperature, top_p, top_k)
     validate_logprobs(logprobs)

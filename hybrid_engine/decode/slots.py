@@ -92,7 +92,7 @@ def choose_tokens(
 
 
 class DecodeSlots:
-    """Device state for ``rows`` decode slots sharing one static cache (see the module docstring)."""
+    """Device state for ``rows`` decode slots sharing one paged KV cache (see the module docstring)."""
 
     def __init__(
         self,

@@ -3,23 +3,10 @@
 Continuous batching admits requests many times per call, a few at a time. If
 every round prefilled its own prompts, each round would pay a whole forward's
 fixed cost, and the scheduler would have to hold free slots idle to batch
-rounds. So a rollout separates the two:
-
-* :func:`prefill_staged` prefills the distinct prompts of the next requests of
-  the queue into pages of the runner's pool (the host gives each prompt its
-  pages and writes them into the stage's block table) and keeps each one's
-  last-position logits (float32). Each prompt is prefilled once per call,
-  however many rounds its samples are admitted in. Prompt rows are bounded by
-  a token budget (:data:`~hybrid_engine.graphs.runner.PREFILL_TOKEN_BUDGET`),
-  as vLLM bounds a step's prefill tokens: a captured prefill keeps its
-  activations in the graph pool for good.
-* :func:`admission_round` admits a round of requests whose prompts are staged:
-  each slot's block table row becomes its prompt's full pages, shared by every
-  sample of the prompt, and its own copy of the partly filled last page
-  (copy-on-write: the sample writes its response there; a prompt's last sample
-  takes the page itself, and copying a page onto itself is a no-op). Its first
-  token is picked from its prompt's logits with the decode step's sampler
-  (token 0 of its counters), and the slot is started.
+rounds. So a rollout separates the two: :func:`prefill_staged` prefills the
+distinct prompts of the next requests, each once per call however many rounds
+its samples are admitted in, and :func:`admission_round` admits a round of
+requests whose prompts are staged, sharing their full pages.
 
 What a capture freezes: the number of prompt rows (exact up to
 :data:`~hybrid_engine.graphs.runner.EXACT_PROMPT_ROWS`, then the decode
@@ -27,9 +14,7 @@ buckets) and the staged width for a prefill; the number of request rows (decode
 buckets) and the sampling mode for a round. Everything per batch or round is
 device data in the stage: the prompts (right-aligned), their block tables, and
 one ``meta`` row per request (:data:`META`, then its slot's block table row).
-Prompt rows past a batch's prompts keep stale prompts no request reads;
-request rows past a round's requests repeat the last request, so their writes
-are identical duplicates. Eager and graph runs use the same staged shapes, so
+Eager and graph runs use the same staged shapes (:class:`PromptStage`), so
 their tokens are identical.
 
 ``engine.generate`` admits its batch once per call, at its exact width (as
@@ -96,7 +81,9 @@ class PromptStage:
     logits) and ``requests`` request rows of ``meta``, each followed by a block
     table row of ``max_pages`` (the slots'). A batch of ``p`` prompts goes into
     the smallest prompt bucket holding it, a round of ``r`` requests into the
-    smallest request bucket (see the module docstring for the padding).
+    smallest request bucket. Prompt rows past a batch's prompts keep stale
+    prompts no request reads; request rows past a round's requests repeat the
+    last request, so their writes are identical duplicates.
     """
 
     def __init__(self, model: PreTrainedModel, rows: int, width: int, *, pool: KVPool, requests: int,
@@ -170,16 +157,25 @@ class PromptStage:
 
 
 def prefill_staged(model: PreTrainedModel, staged: StagedPrompts) -> None:
-    """Prefill a staged batch into its prompts' pages and keep each prompt's last logits (captured for rollouts)."""
+    """Prefill a staged batch into its prompts' pages and keep each prompt's last logits (captured for rollouts).
+
+    The batch is the distinct prompts of the next requests of the queue; the host has given each prompt its
+    pages and written them into the stage's block table (:meth:`PromptStage.stage_prompts`). The logits kept are
+    the last position's, in float32. Prompt rows are bounded by a token budget
+    (:data:`~hybrid_engine.graphs.runner.PREFILL_TOKEN_BUDGET`), as vLLM bounds a step's prefill tokens: a
+    captured prefill keeps its activations in the graph pool for good."""
     staged.logits.copy_(prefill(model, staged.cache, staged.ids, staged.mask, checked=True))
 
 
 def admission_round(slots: DecodeSlots, staged: StagedRequests, sampling_key: tuple[float, float, int]) -> None:
     """One admission round of staged prompts, entirely in device tensors (captured for rollouts).
 
-    Point each request's slot at its pages (shared prompt pages and its own last
-    page, copied), pick its first token from its prompt's logits with the decode
-    step's sampler, and start it.
+    Each slot's block table row becomes its prompt's full pages, shared by every
+    sample of the prompt, and its own copy of the partly filled last page
+    (copy-on-write: the sample writes its response there; a prompt's last sample
+    takes the page itself, and copying a page onto itself is a no-op). Its first
+    token is picked from its prompt's logits with the decode step's sampler
+    (token 0 of its counters), and the slot is started.
     """
     meta = staged.meta
     slot, row, request_index, budget, min_tokens, seed, length, copy_src, copy_dst = meta[:, : len(META)].t()

@@ -6,7 +6,7 @@ Paths, decided once per call before any decode step:
   ``return_dict_in_generate``, logits processors, repetition penalty, a
   ``generation_config`` other than the model's own, ``inputs_embeds``,
   right-padded prompts by the passed or the inferred mask, a model that cannot
-  use the static cache), and any field of the model's ``generation_config``
+  use the paged KV cache), and any field of the model's ``generation_config``
   outside :data:`_FAST_PATH_FIELDS` set away from transformers' default (so a
   newer transformers' field is delegated, not ignored), go to transformers'
   ``model.generate``, eagerly; the reason is recorded in
@@ -402,7 +402,7 @@ class GenerateFrontEnd:
         try:
             check_model_supported(self.model)
         except (TypeError, ValueError) as exc:
-            return f"The model cannot use the static KV cache ({exc}); delegated to transformers' generate."
+            return f"The model cannot use the paged KV cache ({exc}); delegated to transformers' generate."
         limit, capacity = exact_length(self.model.config), self.config.hybrid_engine.max_out_tokens
         if limit is not None and limit.tokens < capacity:
             return (f"The model's {limit.why} makes the paged cache exact only up to {limit.tokens} tokens, less "
@@ -460,7 +460,7 @@ class GenerateFrontEnd:
         effective = mask if mask is not None else self._inferred_mask(input_ids, kwargs)
         self._check_search_counts(input_ids, effective, kwargs)
         reason = self._unsupported(kwargs, effective)
-        if reason is not None:  # transformers checks the lengths of what it runs; the static cache is not used
+        if reason is not None:  # transformers checks the lengths of what it runs; the paged cache is not used
             self.runner.note_refusal(reason, warn=self.config.hybrid_engine.enable_graph_capture)
             if mask is not None:
                 kwargs["attention_mask"] = mask

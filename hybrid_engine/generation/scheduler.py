@@ -19,37 +19,14 @@ last looked), hence on the tokens the row holds, and reads the device
   EOS (a reachable EOS id, past its ``min_tokens``);
 * when the page pool cannot give the live rows their next step's pages.
 
-The host's own small tensors (new page-table entries, admission rows, slot
-indices) go the other way from pinned memory, ``non_blocking``, queued in
-stream order (:mod:`hybrid_engine.accelerator.host_copy`); where an
-accelerator has no pinned memory each such copy waits for the queue and is
-counted in ``host_syncs`` too.
+Host-built index tensors go the other way without a sync where the
+accelerator has pinned memory (:func:`_index`). Pages, preemption and resuming
+are :func:`run_schedule`'s; harvest and compaction are :func:`_harvest`'s and
+:func:`_compact`'s; admission rounds are :func:`_admission_round`'s.
 
-Pages (:mod:`hybrid_engine.generation.pages`): before a run of steps every live
-row is given the pages those steps reach (fewer steps when the pool is short);
-harvested rows give theirs back. When not even one step fits, the rows that
-finished are harvested, then the most recently admitted request is preempted:
-its tokens so far go to the result rows, its pages are freed, and it is
-requeued at the front, to resume by prefilling its prompt plus the tokens it
-had (eagerly) and going on from its next token with the same sampler
-counters: it never errors and never loses a request. Admission waits for
-pages, a round admitting only the requests that fit.
-
-A harvest copies finished slots' output rows into device result tensors (no
-host transfer) and frees the slots. When the live rows fit a smaller bucket,
-rows above it move into free slots below it (their table rows, no K/V), so
-finished rows stop costing compute.
-
-Continuous batching admits waiting requests into the lowest free slots in
-rounds; a round costs about ``ADMISSION_COST`` decode steps, so free slots are
-held back until idling them would cost more (:func:`_steps_to_admission`).
-Rollouts prefill prompts ahead, in batches of the distinct prompts of the next
-requests (:mod:`hybrid_engine.decode.staging`), and a round points slots at
-them; with shared prefill each prompt is prefilled once per call and its
-samples share its full pages. ``engine.generate`` admits its batch eagerly, at
-its exact width. A request's first token comes from the prefill logits through
-the decode step's sampler and counters, so where it runs (slot, round, bucket,
-span, resumed or not) does not change what it samples.
+A request's first token comes from the prefill logits through the decode
+step's sampler and counters, so where it runs (slot, round, bucket, span,
+resumed or not) does not change what it samples.
 """
 
 from __future__ import annotations
@@ -115,12 +92,19 @@ class Counters:
 
 
 def _index(values: list[Any], device: torch.device, counters: Counters) -> torch.Tensor:
+    """The host's own small tensors (new page-table entries, admission rows, slot indices) go to the device from
+    pinned memory, ``non_blocking``, queued in stream order (:mod:`hybrid_engine.accelerator.host_copy`); where an
+    accelerator has no pinned memory each such copy waits for the queue and is counted in ``host_syncs``."""
     return device_tensor(values, device, counters=counters)
 
 
 class _Staging:
     """Which prompts of a call sit in the runner's prompt stage, at which rows, and how many samples still
-    read each."""
+    read each.
+
+    Rollouts prefill prompts ahead, in batches of the distinct prompts of the next requests
+    (:mod:`hybrid_engine.decode.staging`), and a round points slots at them; with shared prefill each prompt is
+    prefilled once per call and its samples share its full pages."""
 
     def __init__(self, rows: int, shared_prefill: bool, requests: Iterable[RequestSpec]) -> None:
         self.rows = rows
@@ -181,6 +165,10 @@ def _admission_round(
 ) -> int:
     """Start ``reqs`` in ``slots`` (one admission round), prefilling what they need; returns how many started.
 
+    Continuous batching admits waiting requests into the lowest free slots in
+    rounds; a round costs about ``ADMISSION_COST`` decode steps, so free slots
+    are held back until idling them would cost more (:func:`_steps_to_admission`).
+
     The round stops at the first request the pool has no pages for; it and the
     ones after it are not started (the caller puts them back). ``staging``: the
     round reads prompts staged ahead, prefilling the next batch when a
@@ -234,7 +222,8 @@ def _admission_round(
 def _unstaged_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int], reqs: list[RequestSpec],
                     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling_key: tuple[float, float, int],
                     seed: int, counters: Counters) -> int:
-    """``engine.generate``'s admission: the requests that get pages are prefilled together, eagerly."""
+    """``engine.generate``'s admission: the requests that get pages are prefilled together, eagerly, at the
+    batch's exact width."""
     state = runner.slots
     taken: list[list[int]] = []
     for slot, req in zip(slots, reqs):
@@ -287,7 +276,10 @@ def _resume(runner: DecodeGraphRunner, plan: PagePlan, slot: int, req: RequestSp
 
 def _compact(state: DecodeSlots, plan: PagePlan, active: dict[int, RequestSpec], left: dict[int, int],
              free: list[int], order: list[int], target: int, counters: Counters) -> list[int]:
-    """Move live rows at slots >= ``target`` into free slots below it; return the new free list."""
+    """Move live rows at slots >= ``target`` into free slots below it; return the new free list.
+
+    Run when the live rows fit a smaller bucket: the rows move with their table rows, no K/V, so finished rows
+    stop costing compute."""
     movers = sorted(s for s in active if s >= target)
     holes = sorted(s for s in free if s < target)[: len(movers)]
     device = state.device
@@ -394,6 +386,16 @@ def run_schedule(
     :meth:`DecodeGraphRunner.prefill_prompts` and admits each round through
     :meth:`DecodeGraphRunner.admission_round` (graph replay where allowed);
     otherwise requests are prefilled eagerly at their own width, as transformers does.
+
+    Pages (:mod:`hybrid_engine.generation.pages`): before a run of steps every
+    live row is given the pages those steps reach (fewer steps when the pool is
+    short); harvested rows give theirs back. When not even one step fits, the
+    rows that finished are harvested, then the most recently admitted request
+    is preempted: its tokens so far go to the result rows, its pages are freed,
+    and it is requeued at the front, to resume by prefilling its prompt plus
+    the tokens it had (eagerly) and going on from its next token with the same
+    sampler counters: it never errors and never loses a request. Admission
+    waits for pages, a round admitting only the requests that fit.
     """
     state = runner.slots
     device = state.device
@@ -523,7 +525,9 @@ def _harvest(state: DecodeSlots, plan: PagePlan, done: list[int], active: dict[i
              left: dict[int, int], order: list[int], out_tokens: torch.Tensor, out_logprobs: torch.Tensor,
              width: int, counters: Counters, generated: list[int] | None) -> None:
     """Copy ``done`` slots' output rows into the result rows and free the slots and their pages; ``generated``
-    (the host's read of ``token_index``) records their lengths (``None``: preempted, not finished)."""
+    (the host's read of ``token_index``) records their lengths (``None``: preempted, not finished).
+
+    The result rows are device tensors: a harvest makes no host transfer."""
     device = state.device
     done_slots = _index(done, device, counters)
     rows = _index([active[s].request_index for s in done], device, counters)

@@ -19,11 +19,7 @@ disagree with eager decoding without any error:
 * the module tree and each module's plain attributes: a submodule swapped or
   its ``forward`` patched on the instance or its class, a norm's ``eps``, a tensor
   attribute that is neither a parameter nor a buffer re-assigned, and
-  the state of an adapter layer (PEFT's LoRA layers: its forward branches on
-  whether the adapter is merged, active or disabled and bakes its scaling in
-  as a constant, so an in-place ``merge_adapter()``, with no re-allocation,
-  would otherwise replay the unmerged branch on merged weights and count the
-  adapter twice; :func:`adapter_fingerprint` names that part).
+  the state of an adapter layer (:func:`adapter_fingerprint`).
 
 :func:`graph_fingerprint` covers them all; the runner compares it before each
 call's replays and recaptures when it changed. A module-level function patched
@@ -31,11 +27,8 @@ after a capture (``modeling_llama.apply_rotary_pos_emb = ...``) is out of its
 sight: call ``invalidate_graphs()`` on the engine or rollout after such a patch.
 
 Hooks are captured like any other device work, never suspended, so graph
-output always equals eager output with the same hooks. A hook that cannot be
-captured (it reads a value on the host) fails the capture; while capturing,
-:func:`attributed_hooks` turns that failure into a :class:`HookCaptureError`
-naming the module, so the runner can refuse graphs with a reason the user can
-act on instead of a bare capture error.
+output always equals eager output with the same hooks; one that cannot be
+captured is named (:mod:`hybrid_engine.graphs.hooks`).
 """
 
 from __future__ import annotations
@@ -80,7 +73,11 @@ def _host_value(value: Any) -> Any:
 
 
 def adapter_fingerprint(model: torch.nn.Module) -> tuple:
-    """Merged/active/disabled adapters and scaling of every adapter layer: changes on an in-place merge or switch."""
+    """Merged/active/disabled adapters and scaling of every adapter layer: changes on an in-place merge or switch.
+
+    PEFT's LoRA layers branch on whether the adapter is merged, active or disabled and bake its scaling in as a
+    constant, so an in-place ``merge_adapter()``, with no re-allocation, would otherwise replay the unmerged branch
+    on merged weights and count the adapter twice."""
     return tuple(
         (name, *(_host_value(getattr(m, attr, None)) for attr in ADAPTER_STATE))
         for name, m in model.named_modules()

@@ -100,6 +100,9 @@ def _attributed(hook: Callable[..., Any], where: str, kind: str, handle_id: int)
 def attributed_hooks(model: torch.nn.Module) -> Iterator[None]:
     """While the block runs, an exception raised inside a forward hook becomes a :class:`HookCaptureError`.
 
+    It names the module, so the runner can refuse graphs with a reason the user
+    can act on instead of a bare capture error.
+
     The hooks still run (they are captured); each one is wrapped in place, under
     its own handle id, so keyword/always-call flags keep applying, and restored
     on exit.

@@ -44,7 +44,7 @@ from hybrid_engine.model_access import is_zero3_partitioned
 
 __all__ = ["CAPTURABLE_ATTENTION", "GraphRefusedWarning", "NPU_SWITCHED_ATTENTION", "ZERO3_REFUSAL", "graph_attention", "graph_capture_requested", "refusal_reason", "validate_graph_capture_support"]
 
-#: Attention implementations whose decode kernels capture and honour the static cache's 4D mask.
+#: Attention implementations whose decode kernels capture and honour the decode cache's 4D mask.
 CAPTURABLE_ATTENTION = ("eager", "sdpa", NPU_GRAPH_ATTENTION)
 
 #: Model attention implementations whose graphed steps run with ``"npu_graph"`` on an NPU (transformers'

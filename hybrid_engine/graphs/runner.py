@@ -1,23 +1,12 @@
-"""DecodeGraphRunner: capture one decode step per (batch bucket, sampling mode), replay it at every position.
+"""DecodeGraphRunner: capture one decode step per (batch bucket, page span, sampling mode), replay it at every position.
 
 Both generation paths run on this one runner: ``engine.generate``
 (:mod:`hybrid_engine.generation.generate`) and ``HybridEngineRollout``
 (:mod:`hybrid_engine.rollout.rollout`), through the slot scheduler
-(:mod:`hybrid_engine.generation.scheduler`). The runner owns:
-
-* the buffers: one :class:`~hybrid_engine.decode.slots.DecodeSlots` allocated
-  at the largest bucket a call needs (it only grows, as gpt-fast's caches do);
-  bucket ``n`` runs on its ``[:n]`` head, at the same addresses;
-* the graphs, keyed by :class:`GraphKey` ``(bucket, sampling mode)`` for
-  decode steps, :class:`PrefillKey` for prompts prefilled ahead into the
-  admission stage and :class:`AdmissionKey` for admission rounds from it
-  (:mod:`hybrid_engine.decode.staging`: continuous batching admits often, and an
-  eager forward costs several replayed steps), all captured into one shared
-  memory pool on the accelerator's side stream;
-* the policy: :meth:`refusal` is the whole answer to "may graphs run now"
-  (:mod:`hybrid_engine.graphs.policy` plus what was learnt at run time);
-* one warm-up (the first run of a key is eager, on the graph stream; the next
-  one captures), one capture-failure policy, one :class:`GraphStats`.
+(:mod:`hybrid_engine.generation.scheduler`). It owns the device state the
+graphs read and write (the decode slots, the admission stage, the K/V page
+pool), the graphs, the policy (:meth:`DecodeGraphRunner.refusal` is the whole
+answer to "may graphs run now") and one :class:`GraphStats`.
 
 Graph-safety invariants kept here:
 
@@ -25,31 +14,17 @@ Graph-safety invariants kept here:
   weights' addresses, the registered hooks and the attention implementation
   (:func:`~hybrid_engine.graphs.fingerprint.graph_fingerprint`). A change drops
   every graph, and the call recaptures.
-* One capture at a time per process, on a stream of the runner's own: each
-  warm-up and capture holds :func:`~hybrid_engine.accelerator.base.graph_capture_lock`
-  (CUDA capture belongs to a stream, not a thread, so another thread's work on
-  a shared stream would be recorded into the graph, or break it), and runs on
-  the runner's graph stream for the model's device.
-* Captures go into a pool handle the runner holds
-  (:meth:`~hybrid_engine.accelerator.base.Accelerator.graph_pool_handle`): a
-  capture that fails has its pool ended and released by the accelerator (on
-  CUDA a failed capture otherwise leaves the caching allocator "recording" for
-  the rest of the process), and the next capture starts a fresh handle. A
-  refusal known in advance (a hook set that any runner of the same model
-  could not capture) keeps the step off the capture altogether.
+* One capture at a time per process, on a stream of the runner's own, into a
+  pool handle the runner holds (:meth:`DecodeGraphRunner._capture`).
 * Capture applies none of its work (CUDA semantics), so a capture that fails
   leaves the device state as it was, and the runner puts back the host state
-  the captured Python advanced before it failed (the caches' counters,
-  :meth:`~hybrid_engine.decode.kv_cache.StaticKVCache.host_state`; the attention
-  switch below): the step then runs eagerly from where it started, as does the
-  rest of the call, and the output is the same. After
-  :data:`MAX_CAPTURE_FAILURES` failures graphs are off for this runner.
+  the captured Python advanced before it failed
+  (:meth:`DecodeGraphRunner._host_state`): the step then runs eagerly from
+  where it started, as does the rest of the call, and the output is the same.
+  After :data:`MAX_CAPTURE_FAILURES` failures graphs are off for this runner.
 * Replay runs no Python, so the kernels a graph replays are those its capture
-  ran. Where the backend needs other attention kernels to capture
-  (:func:`~hybrid_engine.graphs.policy.graph_attention`: ``"npu_graph"`` on an
-  Ascend NPU), the warm-up and the capture run with them, and the model's
-  ``_attn_implementation`` is put back right after, so eager steps keep the
-  model's choice and the fingerprint, taken outside the switch, stays stable.
+  ran (:meth:`DecodeGraphRunner._graph_attention` where the backend needs
+  other attention kernels to capture).
 * Hooks are captured, never dropped. A hook that cannot be captured makes the
   runner refuse graphs while that hook set is registered, naming the module.
 * The buffers and graphs outlive the call that made them, so calls run under
@@ -155,6 +130,19 @@ class DecodeGraphRunner:
 
     ``config`` (an engine's) adds its gates to the policy. ``buckets`` fixes the
     batch buckets (``None``: :func:`default_graph_buckets`, unbounded).
+
+    * The buffers: one :class:`~hybrid_engine.decode.slots.DecodeSlots`
+      allocated at the largest bucket a call needs (it only grows, as
+      gpt-fast's caches do); bucket ``n`` runs on its ``[:n]`` head, at the
+      same addresses.
+    * The graphs, keyed by :class:`GraphKey` for decode steps,
+      :class:`PrefillKey` for prompts prefilled ahead into the admission stage
+      and :class:`AdmissionKey` for admission rounds from it
+      (:mod:`hybrid_engine.decode.staging`: continuous batching admits often,
+      and an eager forward costs several replayed steps), all captured into
+      one shared memory pool on the runner's graph stream.
+    * One warm-up per key (its first run is eager, on the graph stream; the
+      next one captures), one capture-failure policy.
     """
 
     def __init__(self, model: PreTrainedModel, *, config: EngineConfig | None = None,
@@ -537,7 +525,16 @@ class DecodeGraphRunner:
         s.eager_steps += decode
 
     def _capture(self, key: RunKey, run: Callable[[], None]) -> Any | None:
-        """Capture ``run`` for ``key`` (its work is not applied: the caller replays); ``None`` if it failed."""
+        """Capture ``run`` for ``key`` (its work is not applied: the caller replays); ``None`` if it failed.
+
+        Holds :func:`~hybrid_engine.accelerator.base.graph_capture_lock`, as each warm-up does: CUDA capture
+        belongs to a stream, not a thread, so another thread's work on a shared stream would be recorded into the
+        graph, or break it; and it runs on the runner's graph stream for the model's device. Captures go into a
+        pool handle the runner holds (:meth:`~hybrid_engine.accelerator.base.Accelerator.graph_pool_handle`): a
+        capture that fails has its pool ended and released by the accelerator (on CUDA a failed capture otherwise
+        leaves the caching allocator "recording" for the rest of the process), and the next capture starts a
+        fresh handle. A refusal known in advance (a hook set that any runner of the same model could not capture)
+        keeps the step off the capture altogether."""
         with graph_capture_lock(), self.accelerator.on_device(self.slots.device):
             return self._capture_on_device(key, run)
 
@@ -601,7 +598,12 @@ class DecodeGraphRunner:
 
     @contextlib.contextmanager
     def _graph_attention(self) -> Iterator[None]:
-        """Run the block with the attention implementation graphed steps need (the model's own is put back)."""
+        """Run the block with the attention implementation graphed steps need (the model's own is put back).
+
+        Where the backend needs other attention kernels to capture (:func:`graph_attention`: ``"npu_graph"`` on an
+        Ascend NPU), the warm-up and the capture run with them, and the model's ``_attn_implementation`` is put
+        back right after, so eager steps keep the model's choice and the fingerprint, taken outside the switch,
+        stays stable."""
         impl = self._graph_attn
         config = getattr(self.model, "config", None)
         if impl is None or config is None or config._attn_implementation == impl:
@@ -616,7 +618,8 @@ class DecodeGraphRunner:
                 cfg._attn_implementation = value
 
     def _host_state(self) -> list[tuple[Any, Any]]:
-        """Host-side counters a captured step or admission advances: those of the slots' and stage's caches."""
+        """Host-side counters a captured step or admission advances: those of the slots' and stage's caches
+        (:meth:`~hybrid_engine.decode.kv_cache.PagedKVCache.host_state`)."""
         caches = [b.cache for b in (self.slots, self.stage) if b is not None]
         return [(c, c.host_state()) for c in caches]
 

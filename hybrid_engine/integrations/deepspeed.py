@@ -7,49 +7,20 @@ engine through one ABC, ``RolloutEngine.generate(RolloutRequest, SamplingConfig)
 is that ABC implemented on :class:`hybrid_engine.rollout.HybridEngineRollout`, so a
 DeepSpeed training loop that builds this engine instead of DeepSpeed's gets captured
 decode graphs (greedy and sampled), continuous batching and shared prefill, and
-nothing else in the loop changes: it takes and returns DeepSpeed's own dataclasses, and :class:`ResponseTokenBatch.from_rollout
-<deepspeed.runtime.rollout.opsd.ResponseTokenBatch>` consumes its batches.
+nothing else in the loop changes: it takes and returns DeepSpeed's own dataclasses,
+and :class:`ResponseTokenBatch.from_rollout <deepspeed.runtime.rollout.opsd.ResponseTokenBatch>`
+consumes its batches. Every mapping of DeepSpeed's types onto ours keeps DeepSpeed's
+meaning (:func:`to_hybrid_request`, :func:`to_hybrid_sampling`,
+:func:`to_deepspeed_batch`, :meth:`DeepSpeedRolloutEngine._call_seed`).
+
+Graph safety: the rollout reads the training weights in place, so
+``sync_weights`` copies nothing; the captured graphs replay an in-place
+optimizer step's new values, and weights that were re-allocated drop them
+(:meth:`DeepSpeedRolloutEngine.sync_weights`).
 
 Importing this module imports DeepSpeed (``hybrid_engine`` itself never does);
 without it the import fails with an ``ImportError`` naming the extra to install,
 ``pip install hybrid-engine[deepspeed]``.
-
-How DeepSpeed's types map onto ours (every mapping keeps DeepSpeed's meaning):
-
-* ``RolloutRequest``: the same left-padded ``prompt_ids``/``prompt_attention_mask``;
-  ours validates them (left padding, 0/1 mask, a real token per row) before any work.
-* ``SamplingConfig``: ``temperature <= 0`` is greedy (then ``top_p``/``top_k`` are
-  ignored, as in DeepSpeed, and normalised so every greedy call shares one graph);
-  ``top_k <= 0`` disables top-k; sample ``j`` of prompt ``i`` is row ``i * n + j``
-  (DeepSpeed's ``repeat_interleave`` order); ``continuous_batch_size`` bounds the
-  concurrently decoding rows of that call (``None``: the rollout's own
-  ``RolloutConfig.max_batch_size``). Unlike DeepSpeed's engine, continuous batching
-  here also samples and takes ``n_samples_per_prompt > 1``; it never changes the tokens.
-* ``RolloutBatch``: ``input_ids`` is the prompt exactly as given (left padding
-  kept) followed by the responses, right-padded with the pad id to the longest
-  response; ``attention_mask`` is the prompt mask then 1 on every generated token
-  (the first EOS included) and 0 after; ``response_start_idx`` is the padded
-  prompt width ``T_p`` for every row, an int64 ``[B']`` tensor on the batch's
-  device. The log-probabilities DeepSpeed's batch has no field for stay on
-  :attr:`DeepSpeedRolloutEngine.last_rollout` (our :class:`~hybrid_engine.rollout.RolloutBatch`).
-* Seeds: DeepSpeed's ``SamplingConfig`` has none. A call samples with, in order,
-  ``generate(..., seed=...)``, else the adapter's ``seed`` plus the number of calls
-  made before (a reproducible run, fresh samples each step), else a seed drawn from
-  torch's default generator (so ``torch.manual_seed`` makes a run reproducible, as
-  it does for DeepSpeed's ``model.generate`` path). The seed used is ``last_seed``.
-
-``sync_weights(step)``: the rollout reads the training weights in place, so
-nothing is copied. It compares :func:`~hybrid_engine.graphs.fingerprint.weight_fingerprint`
-(each parameter's and buffer's address, dtype, shape, device) with the one taken
-at the previous sync or generate. Unchanged (an optimizer step updates in place):
-a no-op, and the captured graphs replay with the new values. Changed (a
-``load_state_dict(assign=True)``, ``.to(dtype)``, ``param.data = ...``, a LoRA
-merge): the weights were re-allocated and every captured graph still reads the old
-storage, so it drops them at once (``runner.invalidate()``, which also frees their
-memory pool before the next training step) and the next ``generate`` captures
-afresh. That is not an error: the runner makes the same check before every replay,
-so a rollout that is never synced is still correct; ``sync_weights`` makes the
-change visible (``weight_reallocations``, ``last_sync_reallocated``, an INFO log).
 """
 
 from __future__ import annotations
@@ -111,7 +82,9 @@ def _type_name(obj: object) -> str:
 
 # ------------------------------------------------------------------ conversions
 def to_hybrid_request(request: DSRolloutRequest) -> RolloutRequest:
-    """DeepSpeed's ``RolloutRequest`` as ours (same tensors; validated: left-padded, 0/1 mask, int ids)."""
+    """DeepSpeed's ``RolloutRequest`` as ours: the same left-padded ``prompt_ids``/``prompt_attention_mask``.
+
+    Ours validates them (left padding, 0/1 mask, int ids, a real token per row) before any work."""
     if not isinstance(request, DSRolloutRequest):
         hint = (
             "; this is hybrid_engine's own RolloutRequest: pass it to HybridEngineRollout.generate, or build "
@@ -125,12 +98,17 @@ def to_hybrid_request(request: DSRolloutRequest) -> RolloutRequest:
 
 
 def to_hybrid_sampling(sampling: DSSamplingConfig, seed: int = 0) -> tuple[SamplingConfig, int | None]:
-    """DeepSpeed's ``SamplingConfig`` as ``(ours, continuous_batch_size)``; see the module docstring.
+    """DeepSpeed's ``SamplingConfig`` as ``(ours, continuous_batch_size)``.
 
     ``temperature <= 0`` becomes greedy (``top_p=1``, ``top_k=-1``: the knobs DeepSpeed
-    ignores then), ``top_k <= 0`` becomes ``-1`` (disabled). Values ours rejects
-    (``top_p`` outside ``(0, 1]``, a non-integer ``top_k``, ``max_new_tokens < 1``...)
-    raise its ``ValueError``/``TypeError``, naming the field.
+    ignores then, normalised so every greedy call shares one graph), ``top_k <= 0``
+    becomes ``-1`` (disabled). Sample ``j`` of prompt ``i`` is row ``i * n + j``
+    (DeepSpeed's ``repeat_interleave`` order). ``continuous_batch_size`` bounds the
+    concurrently decoding rows of that call (``None``: the rollout's own
+    ``RolloutConfig.max_batch_size``). Unlike DeepSpeed's engine, continuous batching
+    here also samples and takes ``n_samples_per_prompt > 1``; it never changes the
+    tokens. Values ours rejects (``top_p`` outside ``(0, 1]``, a non-integer ``top_k``,
+    ``max_new_tokens < 1``...) raise its ``ValueError``/``TypeError``, naming the field.
     """
     if not isinstance(sampling, DSSamplingConfig):
         hint = (
@@ -166,7 +144,13 @@ def to_hybrid_sampling(sampling: DSSamplingConfig, seed: int = 0) -> tuple[Sampl
 
 
 def to_deepspeed_batch(batch: RolloutBatch) -> DSRolloutBatch:
-    """Our ``RolloutBatch`` as DeepSpeed's: the same ``input_ids``/``attention_mask``, ``response_start_idx`` a tensor."""
+    """Our ``RolloutBatch`` as DeepSpeed's: the same ``input_ids``/``attention_mask``, ``response_start_idx`` a tensor.
+
+    ``input_ids`` is the prompt exactly as given (left padding kept) followed by the responses, right-padded with
+    the pad id to the longest response; ``attention_mask`` is the prompt mask then 1 on every generated token (the
+    first EOS included) and 0 after; ``response_start_idx`` is the padded prompt width ``T_p`` for every row, an
+    int64 ``[B']`` tensor on the batch's device. The log-probabilities DeepSpeed's batch has no field for stay on
+    :attr:`DeepSpeedRolloutEngine.last_rollout` (our :class:`~hybrid_engine.rollout.RolloutBatch`)."""
     if not isinstance(batch, RolloutBatch):
         raise TypeError(f"batch must be a hybrid_engine.rollout.RolloutBatch, got {_type_name(batch)}")
     ids = batch.input_ids
@@ -209,7 +193,7 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
     ``enable_profiling`` and ``use_shared_prefill`` carry over; DeepSpeed's cache
     layout knobs (``align_decode_fronts``, ``enable_cache_trimming``,
     ``continuous_cache_capacity``) have no counterpart here (the cache is sized
-    per call) and are ignored. ``seed``: see the module docstring.
+    per call) and are ignored. ``seed``: see :meth:`_call_seed`.
 
     A ``continuous_batch_size`` is applied by giving the wrapped rollout a copy of
     its config for that call (same runner, same graphs); the adapter serialises its
@@ -260,8 +244,12 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
 
     # ---------------------------------------------------------------- generate
     def _call_seed(self, seed: int | None, sampling: SamplingConfig) -> int:
-        """This call's seed (``sampling`` already validated): given, counted from ``self.seed``, or drawn from
-        torch's generator, so ``torch.manual_seed`` makes a run reproducible."""
+        """This call's seed (``sampling`` already validated); DeepSpeed's ``SamplingConfig`` has none.
+
+        In order: ``generate(..., seed=...)``, else the adapter's ``seed`` plus the number of calls made before
+        (a reproducible run, fresh samples each step), else a seed drawn from torch's default generator (so
+        ``torch.manual_seed`` makes a run reproducible, as it does for DeepSpeed's ``model.generate`` path). The
+        seed used is ``last_seed``."""
         if seed is not None:
             return int(seed)
         if self.seed is not None:  # wraps around within int64, so every later call has a valid seed too
@@ -275,8 +263,8 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
         """Generate ``sampling.n_samples_per_prompt`` responses per prompt; DeepSpeed's types in and out.
 
         Everything is validated before any work, with the field named; the batch
-        layout is described in the module docstring. ``seed`` (optional) fixes this
-        call's samples.
+        layout is :func:`to_deepspeed_batch`'s. ``seed`` (optional) fixes this
+        call's samples (:meth:`_call_seed`).
         """
         where = "DeepSpeedRolloutEngine.generate"
         with self._lock:  # the seed counter and the per-call config belong to one call at a time
@@ -315,9 +303,18 @@ class DeepSpeedRolloutEngine(DSRolloutEngine):
     def sync_weights(self, step: int) -> None:
         """No copy (the weights are shared); drop the graphs if the weights were re-allocated since the last call.
 
-        See the module docstring: an in-place optimizer step changes nothing here;
-        a re-allocation invalidates every captured graph now, and the next
-        ``generate`` captures again.
+        It compares :func:`~hybrid_engine.graphs.fingerprint.weight_fingerprint`
+        (each parameter's and buffer's address, dtype, shape, device) with the one
+        taken at the previous sync or generate. Unchanged (an optimizer step updates
+        in place): a no-op, and the captured graphs replay with the new values.
+        Changed (a ``load_state_dict(assign=True)``, ``.to(dtype)``, ``param.data =
+        ...``, a LoRA merge): the weights were re-allocated and every captured graph
+        still reads the old storage, so it drops them at once
+        (``runner.invalidate()``, which also frees their memory pool before the next
+        training step) and the next ``generate`` captures afresh. That is not an
+        error: the runner makes the same check before every replay, so a rollout
+        that is never synced is still correct; ``sync_weights`` makes the change
+        visible (``weight_reallocations``, ``last_sync_reallocated``, an INFO log).
         """
         if not is_int(step):
             raise TypeError(f"DeepSpeedRolloutEngine.sync_weights: step must be an int, got {step!r}")

@@ -8,45 +8,21 @@ transformers model with its LoRA layers injected).
 
 Why nothing is copied or synced: the rollout holds the very module the trainer
 optimises. Its decode graphs read every weight by address, and the optimizer
-updates weights in place, so the graphs are captured once (one per batch bucket
-and sampling mode, plus the admission rounds) and replayed at every later
-training step, and each replay sees the weights of that step. Whatever would
-make a replay disagree with an eager forward (a re-allocated weight, an added
-hook, a merged or switched LoRA adapter) changes the graph fingerprint
-(:mod:`hybrid_engine.graphs.fingerprint`) and the runner recaptures before replaying.
+updates weights in place, so the graphs are captured once (one per batch
+bucket, page span and sampling mode, plus the admission rounds) and replayed at
+every later training step, and each replay sees the weights of that step.
+Whatever would make a replay disagree with an eager forward (a re-allocated
+weight, an added hook, a merged or switched LoRA adapter) changes the graph
+fingerprint (:mod:`hybrid_engine.graphs.fingerprint`) and the runner recaptures
+before replaying.
 
-What lives on the device: the model, and the rollout's decode slots (a KV cache
-of the padded prompt width plus ``max_completion_length`` at the largest batch
-bucket) with its graphs and their pool; they stay allocated across calls.
+What lives on the device: the model, and the rollout's decode slots and K/V
+page pool with its graphs and their pool; they stay allocated across calls.
 Prompts cross host to device once per call, and tokens and log-probabilities
-come back once per call, as the lists TRL wants.
-
-Under DeepSpeed ZeRO-3 (accelerate's DeepSpeed plugin, or ``GRPOConfig(deepspeed=...)``)
-each parameter is a shard outside a gather, so there is nothing fixed to
-capture. By default each call gathers the parameters once (a collective: every
-process generates at the same point of a TRL step), decodes eagerly on them and
-warns once that graphs are refused. With ``zero3_gathered_inference_copy=True``
-the function keeps an unpartitioned copy of the model
-(:class:`~hybrid_engine.distributed.inference_copy.InferenceCopy`, no DeepSpeed hooks),
-refreshed in place at each call by one gather, and decodes on the copy with
-graphs captured once, as above; the cost is one full copy of the weights per
-process. A PEFT model's copy carries the same adapters.
-
-Per call: TRL passes this process's prompts, each repeated ``num_generations``
-times in a row (its ``RepeatSampler``). Each run of identical prompts is folded
-into one prompt sampled ``n`` times (``n`` = ``num_generations`` on one process;
-in general the greatest common divisor of the run lengths), so every group
-shares one prefill. Prompts are tokenized with ``trainer.processing_class`` as
-TRL tokenizes them (plain text with the tokenizer's special tokens, e.g. a BOS;
-conversational prompts through its chat template, which writes its own) and
-left-padded. The seed mixes the trainer's seed, its global step, the process
-index, the train/eval mode and the number of earlier calls at that step (TRL
-generates several times per step under gradient accumulation, and once per
-evaluation batch), so every call and every process samples anew and a rerun of
-the same steps samples the same tokens. The result is TRL's dict:
-``prompt_ids``, ``completion_ids`` (EOS included) and ``logprobs`` (of each
-sampled token under the sampling distribution), one unpadded list per
-completion, in TRL's order.
+come back once per call, as the lists TRL wants. Under DeepSpeed ZeRO-3 there
+is nothing fixed to capture unless the function keeps a gathered copy
+(:meth:`HybridEngineRolloutFunc._generation_model`). What one call does:
+:meth:`HybridEngineRolloutFunc.__call__`.
 """
 
 from __future__ import annotations
@@ -264,7 +240,19 @@ class HybridEngineRolloutFunc:
 
     # ---------------------------------------------------------------- setup
     def _generation_model(self, model: PreTrainedModel, trainer: Any) -> PreTrainedModel:
-        """What to generate with: the trainer's model, or under ZeRO-3 with the copy on, the refreshed copy."""
+        """What to generate with: the trainer's model, or under ZeRO-3 with the copy on, the refreshed copy.
+
+        Under DeepSpeed ZeRO-3 (accelerate's DeepSpeed plugin, or ``GRPOConfig(deepspeed=...)``)
+        each parameter is a shard outside a gather, so there is nothing fixed to
+        capture. By default each call gathers the parameters once (a collective: every
+        process generates at the same point of a TRL step), decodes eagerly on them and
+        warns once that graphs are refused. With ``zero3_gathered_inference_copy=True``
+        the function keeps an unpartitioned copy of the model
+        (:class:`~hybrid_engine.distributed.inference_copy.InferenceCopy`, no DeepSpeed hooks),
+        refreshed in place at each call by one gather, and decodes on the copy with
+        graphs captured once (see the module docstring); the cost is one full copy of the weights per
+        process. A PEFT model's copy carries the same adapters.
+        """
         if not is_zero3_partitioned(model):
             if self.zero3_gathered_inference_copy and not self._warned_no_zero3:
                 self._warned_no_zero3 = True
@@ -412,6 +400,24 @@ class HybridEngineRolloutFunc:
 
     # ----------------------------------------------------------------- call
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list]:
+        """One TRL generation call.
+
+        TRL passes this process's prompts, each repeated ``num_generations``
+        times in a row (its ``RepeatSampler``). Each run of identical prompts is folded
+        into one prompt sampled ``n`` times (``n`` = ``num_generations`` on one process;
+        in general the greatest common divisor of the run lengths), so every group
+        shares one prefill. Prompts are tokenized with ``trainer.processing_class`` as
+        TRL tokenizes them (plain text with the tokenizer's special tokens, e.g. a BOS;
+        conversational prompts through its chat template, which writes its own) and
+        left-padded. The seed mixes the trainer's seed, its global step, the process
+        index, the train/eval mode and the number of earlier calls at that step (TRL
+        generates several times per step under gradient accumulation, and once per
+        evaluation batch), so every call and every process samples anew and a rerun of
+        the same steps samples the same tokens. The result is TRL's dict:
+        ``prompt_ids``, ``completion_ids`` (EOS included) and ``logprobs`` (of each
+        sampled token under the sampling distribution), one unpadded list per
+        completion, in TRL's order.
+        """
         chat = _check_prompts(prompts)
         _refuse_trainer_generation(trainer)
         policy = _policy_model(trainer)
@@ -473,7 +479,7 @@ def make_rollout_func(config: RolloutConfig | None = None, *, zero3_gathered_inf
     Under DeepSpeed ZeRO-3, rollouts gather the parameters at each call and
     decode eagerly; ``zero3_gathered_inference_copy=True`` decodes with graphs on
     an unpartitioned copy refreshed at each call (one full copy of the weights
-    per process, PEFT adapters included). See the module docstring.
+    per process, PEFT adapters included). See :meth:`HybridEngineRolloutFunc._generation_model`.
 
     Use: ``GRPOTrainer(model, reward_funcs, args=..., train_dataset=...,
     processing_class=tokenizer, rollout_func=make_rollout_func())``.

@@ -2,15 +2,15 @@
 
 The rollout owns one :class:`~hybrid_engine.graphs.runner.DecodeGraphRunner`
 and keeps it (slots, cache and captured graphs) across ``generate`` calls, so a
-decode step is captured once per (batch bucket, sampling mode) and replayed
-for every later step of every later call, also after optimizer steps (in-place
-updates are read through the same addresses). Scheduling (continuous or static
+decode step is captured once per (batch bucket, page span, sampling mode) and
+replayed for every later step of every later call, also after optimizer steps
+(in-place updates are read through the same addresses). Scheduling (continuous or static
 batching, shared prefill, compaction) is :mod:`hybrid_engine.generation.scheduler`.
 
 Every refusal is raised before any work: invalid inputs (in the value types),
 missing pad/EOS ids, a cache capacity below prompt + ``max_new_tokens``,
 prompts beyond the model's position limit, attention implementations that
-cannot take the static cache's 4D mask (``flash_attention_2``), and models
+cannot take the decode cache's 4D mask (``flash_attention_2``), and models
 whose forward does not accept an external cache. Where graphs are unsafe (see
 :mod:`hybrid_engine.graphs.policy`; a rollout built on a ``HybridEngine``
 honours its engine's config gates) or a capture fails, one warning is given and
@@ -53,7 +53,7 @@ __all__ = ["HybridEngineRollout", "UnsupportedModelError"]
 
 
 class UnsupportedModelError(ValueError, TypeError):
-    """The model cannot run on the static cache (raised before any work)."""
+    """The model cannot run on the paged KV cache (raised before any work)."""
 
 
 def _unwrap_model(engine: Any) -> PreTrainedModel:

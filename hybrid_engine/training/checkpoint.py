@@ -1,15 +1,5 @@
 """Engine checkpoints: everything a resumed run needs to continue bit for bit.
 
-Under ZeRO 1-3 DeepSpeed's own ``save_checkpoint``/``load_checkpoint`` do the
-work (every rank must call them), and each rank's torch RNG states go in a file
-of its own in the tag directory (``hybrid_engine_rng_rank<R>.pt``): at ZeRO 1/2
-DeepSpeed writes ``client_state`` from rank 0 only, so carried there every rank
-would resume rank 0's streams. At stage 0 the layout is DeepSpeed's too:
-``save_dir/<tag>/hybrid_engine_states.pt`` and a ``save_dir/latest`` file
-naming the last tag. One file holds the model and optimizer state dicts, the
-fp32 master weights (bf16/fp16), the fp16 loss scaler, the LR scheduler, the
-step counters, torch's RNG states and the caller's ``client_state``.
-
 Why the RNG states: a sampled ``engine.generate`` draws its seed from torch's
 global generator, and dropout in the training forward draws from it too. A
 resumed run that restored only the weights would sample other rollouts and
@@ -18,30 +8,21 @@ uninterrupted one. With them restored it continues the same streams: a fresh
 process that loads a checkpoint and keeps going produces bit-identical weights
 and tokens on CPU.
 
-Nothing is unpickled in full unless the caller says so. The engine's own state
-is tensors and plain Python values, loaded with ``torch.load(weights_only=True)``.
-``client_state`` is pickled on its own into the file (so the engine's state
-always loads safely) and read back with ``weights_only=True`` too when it is
-plain data: dicts, lists, tuples, numbers, strings, tensors (and whatever the
-caller allowed with ``torch.serialization.add_safe_globals``). Anything else
-(numpy values, dataclasses, your own classes) saves as with DeepSpeed, but loading it needs
-``trust_client_state=True``: the full unpickler can run code, so the load is
-refused, saying so, without it. A checkpoint saved with plain or no
-``client_state`` is never unpickled in full, even with the opt-in.
+Under ZeRO 1-3 DeepSpeed's own ``save_checkpoint``/``load_checkpoint`` do the
+work (every rank must call them), and each rank's torch RNG states go in a file
+of its own in the tag directory
+(:meth:`~hybrid_engine.training.deepspeed.DeepSpeedTraining.save_checkpoint`
+says why). At stage 0 the layout is DeepSpeed's too (:func:`save`).
 
-What is on disk is checked before anything is loaded
-(:mod:`hybrid_engine.training.checkpoint_files`): ``latest`` is written
-atomically and validated as ``tag=`` is, a sha256 manifest is verified file by
-file, and a save killed half-way leaves its directory marked incomplete and
-``latest`` on the previous checkpoint. At ZeRO 1-3 the same holds for
-DeepSpeed's files and ours, but DeepSpeed unpickles its own files in full
+Nothing is unpickled in full unless the caller says so: the engine's own state
+is tensors and plain Python values, loaded with ``torch.load(weights_only=True)``,
+and ``client_state`` is pickled on its own (:func:`_pack_client_state`). What
+is on disk is checked before anything is loaded
+(:mod:`hybrid_engine.training.checkpoint_files`), and a checkpoint that does not
+fit this engine is refused before anything changes (:func:`_check_loadable`,
+:func:`_check_optimizer`). At ZeRO 1-3 the same checks hold for DeepSpeed's
+files and ours, but DeepSpeed unpickles its own files in full
 (``weights_only=False``): load only ZeRO checkpoints you trust.
-
-The optimizer's class name is saved too: loading into an engine with another
-optimizer (or other param groups) is a ``ValueError`` that changes nothing, not a
-``KeyError`` at the next ``step()``. Checkpoints of formats 2 (client_state
-inline, no optimizer class) and 3 (no manifest, no client_state encoding) still
-load; format 4 is always saved with a manifest.
 """
 
 from __future__ import annotations
@@ -129,7 +110,14 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 def _pack_client_state(client_state: dict[str, Any] | None) -> tuple[torch.Tensor | None, str | None]:
     """``client_state`` pickled on its own, as bytes in a uint8 tensor, and how it loads back: ``"plain"``
     (with ``weights_only=True``) or ``"pickle"`` (only with ``trust_client_state=True``); ``(None, None)`` if
-    empty."""
+    empty.
+
+    Pickled apart from the engine's state, so that state always loads safely. Plain data is dicts, lists,
+    tuples, numbers, strings, tensors (and whatever the caller allowed with
+    ``torch.serialization.add_safe_globals``). Anything else (numpy values, dataclasses, your own classes) saves
+    as with DeepSpeed, but loading it needs ``trust_client_state=True``: the full unpickler can run code, so the
+    load is refused, saying so, without it. A checkpoint saved with plain or no ``client_state`` is never
+    unpickled in full, even with the opt-in."""
     if not client_state:
         return None, None
     buffer = io.BytesIO()
@@ -184,7 +172,10 @@ def _unpack_client_state(state: dict[str, Any], path: Path, trust: bool) -> dict
 
 
 def _check_optimizer(state: dict[str, Any], optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """Raise before anything is loaded if ``state``'s optimizer state cannot be loaded into ``optimizer``."""
+    """Raise before anything is loaded if ``state``'s optimizer state cannot be loaded into ``optimizer``.
+
+    The optimizer's class name is saved for this: another optimizer (or other param groups) is a ``ValueError``
+    that changes nothing, not a ``KeyError`` at the next ``step()``."""
     mine, saved = type(optimizer).__name__, state.get("optimizer_class")  # None in format 2
     fix = ("build the engine with the same optimizer, or pass load_optimizer_states=False to load the rest "
            "and start the optimizer afresh")
@@ -246,6 +237,13 @@ def _deepspeed_files(directory: Path) -> list[str]:
 
 def save(engine: CheckpointedEngine, save_dir: Any, tag: str | None, client_state: dict[str, Any] | None,
          save_latest: bool, exclude_frozen_parameters: bool = False) -> bool:
+    """``engine.save_checkpoint``: at stage 0, ``save_dir/<tag>/hybrid_engine_states.pt`` and a
+    ``save_dir/latest`` file naming the last tag, as DeepSpeed lays them out.
+
+    The one file holds the model and optimizer state dicts, the fp32 master weights (bf16/fp16), the fp16 loss
+    scaler, the LR scheduler, the step counters, torch's RNG states and the caller's ``client_state``. Format 4
+    is always saved with a manifest; formats 2 and 3 (:data:`READABLE_FORMATS`) still load. Under ZeRO 1-3 the
+    training backend saves."""
     root = _directory(save_dir, "save_checkpoint: save_dir")
     check_tag(tag, "save_checkpoint: tag")
     if client_state is not None and not isinstance(client_state, dict):

@@ -25,15 +25,9 @@ What this means for graphs:
   (:mod:`hybrid_engine.distributed.inference_copy`), and graphs are allowed.
 
 Checkpoints are DeepSpeed's files plus ours (each rank's RNG states), under the
-same rules as at stage 0 (:mod:`hybrid_engine.training.checkpoint_files`): the
-tag directory is marked incomplete, written, given a manifest of every file's
-sha256, and only then named in ``latest`` (which we write, atomically; DeepSpeed's
-own is not). A load verifies every file, and this rank's RNG file, before
-DeepSpeed reads one, so a corrupt file refuses the load on every rank alike
-instead of failing after weights and counters were loaded. The ranks split the
-hashing and agree on the verdict (one all-gather), so no rank goes on into
-DeepSpeed's collective load while another refuses. DeepSpeed unpickles its own
-files in full (``weights_only=False``).
+same rules as at stage 0 (:mod:`hybrid_engine.training.checkpoint_files`;
+:meth:`DeepSpeedTraining.save_checkpoint`, :meth:`DeepSpeedTraining.load_checkpoint`).
+DeepSpeed unpickles its own files in full (``weights_only=False``).
 """
 
 from __future__ import annotations
@@ -198,7 +192,10 @@ class DeepSpeedTraining:
                         save_latest: bool, rng: dict[str, Any], exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's ``save_checkpoint``, plus this rank's RNG states in ``<tag>/`` :func:`rng_file` (at ZeRO
         1/2 DeepSpeed writes ``client_state`` from rank 0 only, so every rank would load rank 0's streams), then
-        the manifest and ``latest`` (see the module docstring). Every rank must call it."""
+        the manifest and ``latest``. Every rank must call it.
+
+        The tag directory is marked incomplete, written, given a manifest of every file's sha256, and only then
+        named in ``latest`` (which we write, atomically; DeepSpeed's own is not)."""
         root, directory = Path(save_dir), Path(save_dir) / tag
         if rank() == 0:
             begin_save(root, directory)
@@ -225,7 +222,11 @@ class DeepSpeedTraining:
     def load_checkpoint(self, load_dir: Path, tag: str, **options: Any
                         ) -> tuple[str | None, dict[str, Any] | None, dict[str, Any] | None]:
         """DeepSpeed's ``load_checkpoint`` of ``load_dir/tag``, after every rank verified its share of the files
-        and its own RNG file and all agreed; returns ``(path, client_state, this rank's rng states or None)``."""
+        and its own RNG file and all agreed; returns ``(path, client_state, this rank's rng states or None)``.
+
+        Verifying before DeepSpeed reads a file makes a corrupt file refuse the load on every rank alike instead
+        of failing after weights and counters were loaded. The ranks split the hashing and agree on the verdict
+        (one all-gather), so no rank goes on into DeepSpeed's collective load while another refuses."""
         directory = Path(load_dir) / tag
         has_manifest, problems = verify(directory, _share())
         own = directory / rng_file()
