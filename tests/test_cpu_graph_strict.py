@@ -981,3 +981,57 @@ def test_synchronize_and_empty_cache_wait_for_a_capture_under_the_capture_lock(a
     acc.empty_cache()
     t.join(10)
     assert order == ["capture ends", "captured", "synchronized"]
+
+
+# ------------------------------------------------------------ side streams in a capture
+def test_work_on_a_side_stream_that_never_joined_the_capture_is_refused(acc):
+    """CUDA runs such work once, outside the graph: a replay would not run it. It was recorded as if it joined."""
+    x = torch.ones(3)
+    side = acc.Stream()
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="has not joined the capture"), torch.no_grad(), \
+            acc.capture_to_graph(g):
+        y = x + 1
+        with acc.stream(side):
+            y * 2
+    assert not g.is_captured
+
+
+@pytest.mark.parametrize("join", ["wait_stream", "event"])
+def test_a_fork_that_rejoins_is_captured_and_replays_its_side_stream_work(acc, join):
+    x = torch.ones(3)
+    side = acc.Stream()
+    g = acc.create_graph()
+    with torch.no_grad(), acc.capture_to_graph(g):
+        capturing = acc.current_stream()
+        y = x + 1
+        if join == "wait_stream":
+            side.wait_stream(capturing)
+        else:
+            forked = acc.Event()
+            forked.record(capturing)
+            forked.wait(side)
+        with acc.stream(side):
+            z = y * 3
+        if join == "wait_stream":
+            capturing.wait_stream(side)
+        else:
+            done = acc.Event()
+            done.record(side)
+            done.wait(capturing)
+        out = z + y
+    x.fill_(2.0)
+    g.replay()
+    assert out.tolist() == [12.0, 12.0, 12.0]  # (2 + 1) * 3 + (2 + 1)
+
+
+def test_a_fork_that_never_rejoins_fails_capture_end(acc):
+    x = torch.ones(3)
+    side = acc.Stream()
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="never rejoined.*cudaErrorStreamCaptureUnjoined"), torch.no_grad(), \
+            acc.capture_to_graph(g):
+        side.wait_stream(acc.current_stream())
+        with acc.stream(side):
+            x * 2
+    assert not g.is_captured

@@ -342,6 +342,9 @@ class CPUStream(_HostWaits):
     breaks it: each thread has a current stream (initially the default one,
     :func:`cpu_stream` selects another), capture refuses to begin while the
     default stream is current, and ops issued on it during a capture raise.
+    Another stream takes part in a capture only once forked from it
+    (:meth:`wait_stream` on a stream in the capture, or an event recorded
+    there), and must rejoin before capture end, as CUDA requires.
     """
 
     __slots__ = ("_current_in", "is_default", "__weakref__")
@@ -362,6 +365,9 @@ class CPUStream(_HostWaits):
                 "the default stream waiting on a capturing stream (default.wait_stream(capturing)) is not permitted: "
                 "on CUDA it joins the default stream to the capture, which CUDA refuses; wait after capture ends"
             )
+        mine = getattr(_state, "recorder", None)
+        if mine is not None:
+            mine.follow(self, stream)
 
     def __repr__(self) -> str:
         return f"<CPUStream {'default' if self.is_default else hex(id(self))}>"
@@ -372,19 +378,27 @@ class CPUEvent(_HostWaits):
     inside the graph on CUDA); waiting on it from the host (``synchronize()``, ``query()``) is refused while
     capturing, as for :class:`CPUStream`. Outside capture, CPU work has always completed."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("_recorded_on", "__weakref__")
     _kind = "event"
+
+    def __init__(self) -> None:
+        self._recorded_on: CPUStream | None = None  # the stream of its last record()
 
     def record(self, stream: CPUStream | None = None) -> None:
         if stream is not None and not isinstance(stream, CPUStream):
             raise TypeError(f"record: expected a CPUStream, got {type(stream).__name__}")
         _check_stream(stream, "event.record(stream)")
+        self._recorded_on = stream if stream is not None else current_cpu_stream()
 
     def wait(self, stream: CPUStream | None = None) -> None:
-        """Make ``stream`` (the current one by default) wait for this event (a no-op: CPU work is ordered)."""
+        """Make ``stream`` (the current one by default) wait for this event (a no-op: CPU work is ordered);
+        during a capture, a fork from or a join into it, as ``stream.wait_stream`` of the recording stream."""
         if stream is not None and not isinstance(stream, CPUStream):
             raise TypeError(f"wait: expected a CPUStream, got {type(stream).__name__}")
         _check_stream(stream, "event.wait(stream)")
+        mine = getattr(_state, "recorder", None)
+        if mine is not None and self._recorded_on is not None:
+            mine.follow(stream if stream is not None else current_cpu_stream(), self._recorded_on)
 
     def __repr__(self) -> str:
         return f"<CPUEvent {hex(id(self))}>"
@@ -725,6 +739,23 @@ class _Recorder(TorchDispatchMode):
         self.inference = False  # an op ran under torch.inference_mode
         self.thread = threading.current_thread()  # the thread that owns the capture
         self.stream: CPUStream = current_cpu_stream()  # the stream captured on
+        # Side streams forked from the capture (they waited on it), and whether they did work since the capture
+        # stream last waited on them: CUDA fails capture end for a fork that never rejoins.
+        self.joined: dict[CPUStream, bool] = {}
+
+    def in_capture(self, stream: CPUStream) -> bool:
+        """Whether ``stream`` takes part in this capture: the capture stream or a side stream forked from it."""
+        return stream is self.stream or stream in self.joined
+
+    def follow(self, waiter: CPUStream, waited: CPUStream) -> None:
+        """``waiter`` now waits on ``waited``: a fork joins the capture, and the capture stream rejoins a fork."""
+        if not self.in_capture(waited) or waiter.is_default:
+            return
+        if waiter is self.stream:
+            if waited in self.joined:
+                self.joined[waited] = False  # rejoined: its work so far is ordered before the capture's
+        else:
+            self.joined.setdefault(waiter, False)
 
     # -- argument templates -------------------------------------------------
     def _leaf(self, value: Any) -> tuple[bool, Any]:
@@ -817,11 +848,20 @@ class _Recorder(TorchDispatchMode):
                 "freezes that generator's state unless it is registered with the graph; use the default "
                 "generator, or counter-based sampling"
             )
-        if current_cpu_stream() is _DEFAULT_STREAM:
+        current = current_cpu_stream()
+        if current is _DEFAULT_STREAM:
             raise _refused(
                 f"{func} was issued on the default stream while a graph is capturing: CUDA forbids work on "
                 "the default stream during capture (it would synchronise with the capturing stream)"
             )
+        if current is not self.stream:
+            if current not in self.joined:
+                raise _refused(
+                    f"{func} was issued on {current!r}, which has not joined the capture on {self.stream!r}: CUDA "
+                    "runs that work once, now, outside the graph, and a replay would not. Fork the side stream "
+                    "from the capture first (side.wait_stream(capturing), or an event recorded on it)"
+                )
+            self.joined[current] = True  # work to rejoin before capture end
         if func in _LIFT_OPS and not (self.scalar_setitem and args[0].dim() == 0):
             # ``x[i] = 3`` lifts a 0-dim CPU scalar; on a device that is a fill, not a host copy.
             raise _refused(
@@ -1397,6 +1437,13 @@ def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iter
                 "torch.seed(), torch.default_generator.manual_seed or set_state): CUDA refuses to seed its "
                 "generator while a capture is running. Seed before capture; the graph draws fresh numbers from the "
                 "default generator at every replay."
+            )
+        unjoined = [stream for stream, pending in rec.joined.items() if pending]
+        if unjoined:
+            raise GraphCaptureError(
+                f"side stream(s) {unjoined} forked from the capture did work that never rejoined it (the capture "
+                "stream never waited on them afterwards): CUDA fails capture end (cudaErrorStreamCaptureUnjoined). "
+                "End the fork with capturing.wait_stream(side) before the capture ends"
             )
         graph._finalize(rec, pool)
         finalized = True
