@@ -13,8 +13,9 @@ once here and only ever updated in place:
   out while ``token_index < min_tokens``, a device comparison), the
   ``finished`` flag, and the output rows ``out_tokens``/``out_logprobs``
   ``[S, width]`` that the step scatters into at ``token_index``;
-* the EOS ids and mask, the pad id and the sampling knobs' values, all written
-  before a call.
+* the EOS ids and mask, the stop sequences (matched against each row's last
+  tokens in the step, so stopping needs no host read), the pad id and the
+  sampling knobs' values, all written before a call.
 
 Everything is allocated for the largest batch bucket ``S``; bucket ``n`` is
 :meth:`DecodeSlots.head`, the ``[:n]`` view of every tensor at the same
@@ -46,6 +47,9 @@ __all__ = ["DecodeSlots", "choose_tokens", "logits_width", "vocab_sizes"]
 
 #: EOS ids a slot table holds at least (more when a model declares more).
 MIN_EOS_SLOTS = 8
+#: Stop token sequences one call may set, and their longest length: a fixed table, so graphs keep one shape.
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 16
 
 # Per-row tensors, all ``[S, ...]``: a bucket views ``[:n]`` of each, a move copies rows of each.
 _ROW_TENSORS = ("tokens", "token_index", "seed", "request_index", "budget", "min_tokens", "finished",
@@ -124,6 +128,9 @@ class DecodeSlots:
         self.num_eos_slots = max(MIN_EOS_SLOTS, num_eos)
         self.eos_ids = torch.full((self.num_eos_slots,), -1, **i64)
         self.eos_mask = torch.zeros(logits_width(model), dtype=torch.bool, device=device)
+        # Right-aligned, -1 before a shorter sequence's first token (it matches anything); all -1: unused.
+        self.stop_ids = torch.full((MAX_STOP_SEQUENCES, MAX_STOP_LENGTH), -1, **i64)
+        self.has_stop_sequences = False
         #: The token fed to rows that are not live (what they emit is never read): the pad id where the
         #: embedding has it, else 0, since configs may carry any int there (old Llama ones: -1).
         self.pad_id = torch.zeros((), **i64)
@@ -174,7 +181,8 @@ class DecodeSlots:
     def memory_bytes(self) -> int:
         """Bytes of the block tables and every per-slot tensor (the pool is the runner's)."""
         extra = sum(getattr(self, name).nbytes for name in _ROW_TENSORS)
-        return int(self.cache.memory_bytes()) + extra + self.eos_ids.nbytes + self.eos_mask.nbytes
+        return int(self.cache.memory_bytes()) + extra + self.eos_ids.nbytes + self.eos_mask.nbytes \
+            + self.stop_ids.nbytes
 
     def set_special_ids(self, pad_id: int, eos_ids: tuple[int, ...]) -> None:
         """Pad and EOS ids for the next call (outside capture). EOS ids outside the vocabulary (negative
@@ -191,8 +199,28 @@ class DecodeSlots:
         if reachable:
             self.eos_mask.index_fill_(0, device_tensor(reachable, self.device), True)
 
+    def set_stop_sequences(self, sequences: tuple[tuple[int, ...], ...]) -> None:
+        """Stop token sequences for the next call (outside capture): a row stops once its last tokens are one of
+        them (they stay in its response, as an EOS does)."""
+        if len(sequences) > MAX_STOP_SEQUENCES or any(not 1 <= len(q) <= MAX_STOP_LENGTH for q in sequences):
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences of 1 to {MAX_STOP_LENGTH} tokens each")
+        rows = [[-1] * (MAX_STOP_LENGTH - len(q)) + list(q) for q in sequences]
+        rows += [[-1] * MAX_STOP_LENGTH] * (MAX_STOP_SEQUENCES - len(rows))
+        self.stop_ids.copy_(device_tensor(rows, self.device))
+        self.has_stop_sequences = bool(sequences)
+
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens[:, None] == self.eos_ids[None, :]).any(dim=-1)
+
+    def ends_in_a_stop_sequence(self, out_tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """``[B]`` bool: whether row ``b`` of ``out_tokens`` ends, at column ``last[b]``, in a stop sequence.
+        Device ops only (captured with the step)."""
+        offsets = torch.arange(1 - MAX_STOP_LENGTH, 1, device=out_tokens.device)
+        columns = last[:, None] + offsets[None, :]  # [B, L], the row's last L columns
+        tail = out_tokens.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, -2)  # -2 matches no id
+        wild = self.stop_ids < 0  # [S, L]
+        hit = wild[None] | (tail[:, None, :] == self.stop_ids[None])  # [B, S, L]
+        return (hit.all(dim=-1) & ~wild.all(dim=-1)[None]).any(dim=-1)
 
     # ------------------------------------------------------------------ step
     def step(self, model: PreTrainedModel, sampling_key: tuple[float, float, int]) -> None:
@@ -210,7 +238,9 @@ class DecodeSlots:
         self.out_logprobs.scatter_(1, column, torch.where(live[:, None], logprobs[:, None].float(), old_lp))
         self.tokens.copy_(torch.where(live, new_tokens, self.pad_id))
         self.token_index.add_(live.to(torch.int64))
-        done = live & (self.is_eos(new_tokens) | (self.token_index >= self.budget))
+        # A stop sequence ends a row only past min_tokens, as an EOS can.
+        stopped = self.ends_in_a_stop_sequence(self.out_tokens, column[:, 0]) & (self.token_index > self.min_tokens)
+        done = live & (self.is_eos(new_tokens) | stopped | (self.token_index >= self.budget))
         self.finished.logical_or_(done)
 
     # ------------------------------------------------------------- admission
@@ -238,7 +268,9 @@ class DecodeSlots:
         self.request_index.index_copy_(0, slots, request_index)
         self.budget.index_copy_(0, slots, budget)
         self.min_tokens.index_copy_(0, slots, min_tokens)
-        done = self.is_eos(first_tokens) | (budget <= 1)
+        stopped = self.ends_in_a_stop_sequence(self.out_tokens.index_select(0, slots), torch.zeros_like(slots)) \
+            & (min_tokens < 1)
+        done = self.is_eos(first_tokens) | stopped | (budget <= 1)
         self.finished.index_copy_(0, slots, done)
 
     def resume(self, slot: int, out_tokens: torch.Tensor, out_logprobs: torch.Tensor, generated: int, *,

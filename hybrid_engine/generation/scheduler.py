@@ -295,8 +295,9 @@ def _compact(state: DecodeSlots, plan: PagePlan, active: dict[int, RequestSpec],
 
 
 def _may_stop_early(state: DecodeSlots, requests: Iterable[RequestSpec]) -> bool:
-    """Whether a row may stop on EOS before its budget: then the host must look, and rows end unevenly."""
-    return state.eos_reachable and any(r.min_tokens < r.budget for r in requests)
+    """Whether a row may stop on EOS or a stop sequence before its budget: then the host must look, and rows
+    end unevenly."""
+    return (state.eos_reachable or state.has_stop_sequences) and any(r.min_tokens < r.budget for r in requests)
 
 def _steps_to_admission(room: int, waiting: int, left: dict[int, int], max_active: int, cost: float,
                         cap: int | None) -> int:

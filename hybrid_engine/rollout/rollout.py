@@ -231,6 +231,9 @@ class HybridEngineRollout:
         vocab = getattr(model.config, "vocab_size", None)
         if isinstance(vocab, int) and int(request.prompt_ids.max()) >= vocab:
             raise ValueError(f"generate: prompt_ids hold ids >= the model's vocab_size {vocab}")
+        if isinstance(vocab, int) and any(i >= vocab for q in sampling.stop_token_ids for i in q):
+            raise ValueError(f"generate: SamplingConfig.stop_token_ids hold ids >= the model's vocab_size {vocab}; "
+                             "such a sequence could never be generated")
         # Prompts are staged for prefill at their padded width, rounded up to a power of two (see
         # hybrid_engine.decode.staging): the cache holds that plus the responses, within a configured capacity.
         prompt_width = width_bucket(request.prompt_ids.shape[1])
@@ -277,6 +280,7 @@ class HybridEngineRollout:
                                    graphs=cfg.use_graph_capture, budget=budget, prompt_width=prompt_width)
             counters = Counters(timer=PhaseTimer(runner.accelerator, state.device))
             state.set_special_ids(pad_id, eos_ids)
+            state.set_stop_sequences(sampling.stop_token_ids)
             prompt_ids = request.prompt_ids.to(state.device)
             prompt_mask = request.prompt_attention_mask.to(state.device)
             out_tokens, out_logprobs = run_schedule(

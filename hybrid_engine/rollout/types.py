@@ -16,6 +16,7 @@ import torch
 from hybrid_engine.config.schema import MAX_CACHE_TOKENS
 from hybrid_engine.decode.kv_pool import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE
 from hybrid_engine.decode.sampling import LOGPROB_MODES, validate_sampling
+from hybrid_engine.decode.slots import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES
 from hybrid_engine.generation.token_ids import MAX_TOKEN_ID
 
 __all__ = ["DEFAULT_MAX_BATCH_SIZE", "MAX_CACHE_TOKENS", "MAX_SLOTS", "RolloutBatch", "RolloutConfig", "RolloutRequest",
@@ -133,6 +134,24 @@ class RolloutConfig:
                 )
 
 
+def _stop_sequences(owner: str, value: object) -> tuple[tuple[int, ...], ...]:
+    fix = (f"pass a list of token-id lists, e.g. stop_token_ids=[[13, 198]], at most {MAX_STOP_SEQUENCES} of 1 to "
+           f"{MAX_STOP_LENGTH} ids each")
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{owner}: stop_token_ids must be a list of token-id lists, got {value!r}; {fix}")
+    out = []
+    for seq in value:
+        if isinstance(seq, (str, bytes)) or not isinstance(seq, (list, tuple)) or not seq \
+                or not all(is_int(i) and i >= 0 for i in seq):
+            raise TypeError(f"{owner}: each stop_token_ids entry must be a non-empty list of token ids >= 0, got "
+                            f"{seq!r}; {fix}")
+        out.append(tuple(int(i) for i in seq))
+    if len(out) > MAX_STOP_SEQUENCES or any(len(q) > MAX_STOP_LENGTH for q in out):
+        raise ValueError(f"{owner}: stop_token_ids has {len(out)} sequences of up to "
+                         f"{max(map(len, out), default=0)} ids; {fix}")
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """What to sample. ``temperature=0`` is greedy; ``top_k`` -1 or 0 and ``top_p=1`` disable those filters.
@@ -150,6 +169,9 @@ class SamplingConfig:
     #: ``"sampling"``: each logprob under the distribution sampled from (after top-k / top-p, renormalised);
     #: ``"full"``: under the full softmax at the temperature, as a training forward's ``log_softmax(logits / T)``.
     logprobs: str = "sampling"
+    #: Token sequences that end a response once it ends in one of them (kept in it, as an EOS is), matched on
+    #: the device at every step; at most 16 sequences of 1 to 16 tokens.
+    stop_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         owner = "SamplingConfig"
@@ -165,6 +187,7 @@ class SamplingConfig:
             validate_sampling(self.temperature, self.top_p, self.top_k)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{owner}: {exc}") from None
+        object.__setattr__(self, "stop_token_ids", _stop_sequences(owner, self.stop_token_ids))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "top_k", int(self.top_k))
