@@ -20,6 +20,8 @@ running the model:
 
 from __future__ import annotations
 
+import functools
+import importlib
 from typing import Any, NamedTuple
 
 from transformers import PretrainedConfig
@@ -95,26 +97,26 @@ def cache_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
 
 
 def layer_specs(config: PretrainedConfig) -> list[LayerSpec]:
-    """What each layer of ``config``'s decoder caches per token. Multi-head latent attention (DeepSeek-V2/V3,
-    MiniCPM3, ...: ``kv_lora_rank``) caches keys of ``qk_nope_head_dim + qk_rope_head_dim`` and values of
-    ``v_head_dim`` per head, as transformers' modeling code writes them."""
+    """What each layer of ``config``'s decoder caches per token, as transformers' modeling code writes it.
+    Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, ...: ``kv_lora_rank``) writes its compressed latent
+    and rotated key part, one head each, where the modeling code expands K/V after the cache; otherwise keys of
+    ``qk_nope_head_dim + qk_rope_head_dim`` and values of ``v_head_dim`` per head."""
     num_layers, heads, head_dim = cache_geometry(config)
     text = _text_config(config)
     if getattr(text, "kv_lora_rank", None) and getattr(text, "qk_nope_head_dim", None) is not None:
-        if _caches_latent(text):  # the compressed latent and the rotated key part, one head each
+        if _caches_latent(str(getattr(text, "model_type", ""))):
             return [LayerSpec(1, int(text.kv_lora_rank), int(text.qk_rope_head_dim))] * num_layers
         key_dim = int(text.qk_nope_head_dim) + int(text.qk_rope_head_dim)
         return [LayerSpec(heads, key_dim, int(text.v_head_dim))] * num_layers
     return [LayerSpec(heads, head_dim, head_dim)] * num_layers
 
 
-def _caches_latent(config: Any) -> bool:
-    """Whether the installed transformers' modeling code for ``config`` caches MLA's compressed latent (its
+@functools.cache
+def _caches_latent(model_type: str) -> bool:
+    """Whether the installed transformers' modeling code for ``model_type`` caches MLA's compressed latent (its
     attention expands K/V after the cache, ``expand_kv``) rather than per-head K and V. A layout guessed wrong
     is refused by the cache's shape check at the first write, never run."""
-    import importlib
-
-    model_type = str(getattr(config, "model_type", "")).replace("-", "_")
+    model_type = model_type.replace("-", "_")
     try:
         module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     except ImportError:
