@@ -39,7 +39,7 @@ import numbers
 import torch
 
 __all__ = ["LOGPROB_MODES", "MIN_TEMPERATURE", "SAMPLING_STREAM", "SamplingKnobs", "counter_uniform", "logprobs_of",
-           "sample_tokens", "sampling_mode", "validate_logprobs", "validate_sampling"]
+           "sample_tokens", "sample_tokens_and_top", "sampling_mode", "validate_logprobs", "validate_sampling"]
 
 #: The smallest positive temperature (as vLLM's sampling epsilon): below it, scaled logits overflow float32.
 MIN_TEMPERATURE = 1e-5
@@ -245,9 +245,31 @@ def sample_tokens(
     knobs: SamplingKnobs | None = None,
     logprobs: str = "sampling",
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`sample_tokens_and_top`, without the ranked alternatives."""
+    tokens, chosen, _, _ = sample_tokens_and_top(
+        logits, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, request_index=request_index,
+        token_index=token_index, knobs=knobs, logprobs=logprobs, top=0)
+    return tokens, chosen
+
+
+def sample_tokens_and_top(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    seed: torch.Tensor | int,
+    request_index: torch.Tensor | int,
+    token_index: torch.Tensor | int,
+    knobs: SamplingKnobs | None = None,
+    logprobs: str = "sampling",
+    top: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` ``[B, V]``; capture-safe.
 
-    Returns ``(tokens [B] int64, logprobs [B] float32)``. Row ``b`` uses the
+    Returns ``(tokens [B] int64, logprobs [B] float32, top_ids [B, top] int64,
+    top_logprobs [B, top] float32)``: the ``top`` most likely ids of each row's
+    distribution (the one its logprob is under), best first. Row ``b`` uses the
     uniform ``counter_uniform(seed, request_index, token_index)[b]`` (stream
     :data:`SAMPLING_STREAM`) and an inverse-CDF pick over the filtered
     distribution, so its token depends only on its own logits and counters.
@@ -269,8 +291,12 @@ def sample_tokens(
         raise ValueError(f"sample_tokens: logits must be [B, V], got shape {tuple(logits.shape)}")
     if temperature == 0:
         tokens = torch.argmax(logits, dim=-1)
-        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        return tokens, logprobs
+        every = torch.log_softmax(logits.float(), dim=-1)
+        chosen = every.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        if top == 0:
+            return tokens, chosen, tokens.new_empty(tokens.shape[0], 0), chosen.new_empty(tokens.shape[0], 0)
+        ranked, ids = torch.sort(every, dim=-1, descending=True, stable=True)  # ties: the lower id first
+        return tokens, chosen, ids[:, :top], ranked[:, :top]
     sorted_lp, sort_index, full_lp = _filtered_sorted_logprobs(logits, temperature, top_p, top_k, knobs)
     u = counter_uniform(seed, request_index, token_index, SAMPLING_STREAM)
     u = u.expand(logits.shape[0]).unsqueeze(-1)
@@ -283,14 +309,16 @@ def sample_tokens(
     # than an index of -1 (on a GPU a device-side assert that leaves the context unusable).
     pos = torch.minimum(pos, (kept - 1).clamp(min=0))
     tokens = sort_index.gather(-1, pos).squeeze(-1)
+    ranked = sorted_lp[:, :top]
     chosen = sorted_lp.gather(-1, pos).squeeze(-1)
     if full_lp is not sorted_lp:  # a filter ran: the two distributions differ
         full_chosen = full_lp.gather(-1, pos).squeeze(-1)
         if knobs is not None:  # a device flag, so one captured graph serves both modes
             chosen = torch.where(knobs.full, full_chosen, chosen)
+            ranked = torch.where(knobs.full, full_lp[:, :top], ranked)
         elif logprobs == "full":
-            chosen = full_chosen
-    return tokens, chosen
+            chosen, ranked = full_chosen, full_lp[:, :top]
+    return tokens, chosen, sort_index[:, :top], ranked
 
 
 def logprobs_of(

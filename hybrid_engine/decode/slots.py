@@ -40,7 +40,7 @@ from transformers import PreTrainedModel
 from hybrid_engine.accelerator.host_copy import device_tensor
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import KVPool
-from hybrid_engine.decode.sampling import SamplingKnobs, sample_tokens
+from hybrid_engine.decode.sampling import SamplingKnobs, sample_tokens_and_top
 from hybrid_engine.decode.step import decode_one_token
 
 __all__ = ["DecodeSlots", "choose_tokens", "logits_width", "vocab_sizes"]
@@ -53,7 +53,7 @@ MAX_STOP_LENGTH = 16
 
 # Per-row tensors, all ``[S, ...]``: a bucket views ``[:n]`` of each, a move copies rows of each.
 _ROW_TENSORS = ("tokens", "token_index", "seed", "request_index", "budget", "min_tokens", "finished",
-                "out_tokens", "out_logprobs")
+                "out_tokens", "out_logprobs", "out_top_ids", "out_top_logprobs")
 
 
 def logits_width(model: PreTrainedModel) -> int:
@@ -81,8 +81,10 @@ def choose_tokens(
     request_index: torch.Tensor,
     token_index: torch.Tensor | int,
     knobs: SamplingKnobs,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens [B], logprobs [B])`` from ``logits [B, V]``; EOS is masked out on rows where ``suppress_eos``.
+    top: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(tokens [B], logprobs [B], top_ids [B, top], top_logprobs [B, top])`` from ``logits [B, V]``; EOS is
+    masked out on rows where ``suppress_eos``.
 
     Capture-safe: every per-row input is a device tensor, and so are the knob
     values (``knobs``, set to ``sampling_key`` before the call; the key only
@@ -91,8 +93,8 @@ def choose_tokens(
     """
     temperature, top_p, top_k = sampling_key
     logits = logits.masked_fill(suppress_eos[:, None] & eos_mask, float("-inf"))
-    return sample_tokens(logits, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                         request_index=request_index, token_index=token_index, knobs=knobs)
+    return sample_tokens_and_top(logits, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                 request_index=request_index, token_index=token_index, knobs=knobs, top=top)
 
 
 class DecodeSlots:
@@ -107,6 +109,7 @@ class DecodeSlots:
         *,
         num_eos: int,
         pool: KVPool,
+        top_logprobs: int = 0,
     ) -> None:
         self.rows = rows
         self.capacity = capacity
@@ -125,6 +128,11 @@ class DecodeSlots:
         self.finished = torch.ones(rows, dtype=torch.bool, device=device)
         self.out_tokens = torch.zeros(rows, width, **i64)
         self.out_logprobs = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        #: The ``top_logprobs`` most likely ids of each position's distribution and their logprobs (``[S, width,
+        #: 0]`` when none are asked for: the step then ranks nothing).
+        self.top_logprobs = top_logprobs
+        self.out_top_ids = torch.zeros(rows, width, top_logprobs, **i64)
+        self.out_top_logprobs = torch.zeros(rows, width, top_logprobs, dtype=torch.float32, device=device)
         self.num_eos_slots = max(MIN_EOS_SLOTS, num_eos)
         self.eos_ids = torch.full((self.num_eos_slots,), -1, **i64)
         self.eos_mask = torch.zeros(logits_width(model), dtype=torch.bool, device=device)
@@ -154,11 +162,12 @@ class DecodeSlots:
         return self.cache.pool
 
     def fits(self, rows: int, capacity: int, width: int, num_eos: int, pool: KVPool,
-             vocab: tuple[int, int]) -> bool:
+             vocab: tuple[int, int], top_logprobs: int = 0) -> bool:
         """Whether a call needing these sizes can run on these slots as they are (``vocab``:
         :func:`vocab_sizes`, which ``resize_token_embeddings`` changes)."""
         return (self.rows >= rows and self.capacity >= capacity and self.width >= width
-                and self.num_eos_slots >= num_eos and self.pool is pool and self.vocab == vocab)
+                and self.num_eos_slots >= num_eos and self.pool is pool and self.vocab == vocab
+                and self.top_logprobs >= top_logprobs)
 
     def head(self, n: int) -> DecodeSlots:
         """The first ``n`` slots, as slots sharing these tensors (what the graph of bucket ``n`` runs on)."""
@@ -227,15 +236,22 @@ class DecodeSlots:
         """One decode step for every slot, entirely in device tensors (this is what gets captured)."""
         live = ~self.finished
         logits = decode_one_token(model, self.cache, self.tokens, live)
-        new_tokens, logprobs = choose_tokens(
+        new_tokens, logprobs, top_ids, top_lp = choose_tokens(
             logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
             seed=self.seed, request_index=self.request_index, token_index=self.token_index, knobs=self.knobs,
+            top=self.top_logprobs,
         )
         column = self.token_index.clamp(max=self.width - 1)[:, None]
         old_tok = self.out_tokens.gather(1, column)
         old_lp = self.out_logprobs.gather(1, column)
         self.out_tokens.scatter_(1, column, torch.where(live[:, None], new_tokens[:, None], old_tok))
         self.out_logprobs.scatter_(1, column, torch.where(live[:, None], logprobs[:, None].float(), old_lp))
+        if self.top_logprobs:
+            at = column[:, :, None].expand(-1, 1, self.top_logprobs)
+            kept = live[:, None, None]
+            self.out_top_ids.scatter_(1, at, torch.where(kept, top_ids[:, None], self.out_top_ids.gather(1, at)))
+            self.out_top_logprobs.scatter_(
+                1, at, torch.where(kept, top_lp[:, None].float(), self.out_top_logprobs.gather(1, at)))
         self.tokens.copy_(torch.where(live, new_tokens, self.pad_id))
         self.token_index.add_(live.to(torch.int64))
         # A stop sequence ends a row only past min_tokens, as an EOS can.
@@ -254,14 +270,19 @@ class DecodeSlots:
         request_index: torch.Tensor,
         budget: torch.Tensor,
         min_tokens: torch.Tensor,
+        first_top: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """Start freshly prefilled requests in ``slots``; their first token came from the prefill logits.
+        """Start freshly prefilled requests in ``slots``; their first token came from the prefill logits (and
+        ``first_top``, its ranked alternatives, when the slots keep them).
 
         Every argument is a per-request device tensor (capture-safe). Output columns past
         a request's length keep stale values: harvests read only up to it.
         """
         self.out_tokens[:, 0].index_copy_(0, slots, first_tokens)
         self.out_logprobs[:, 0].index_copy_(0, slots, first_logprobs.float())
+        if self.top_logprobs and first_top is not None:
+            self.out_top_ids[:, 0].index_copy_(0, slots, first_top[0])
+            self.out_top_logprobs[:, 0].index_copy_(0, slots, first_top[1].float())
         self.tokens.index_copy_(0, slots, first_tokens)
         self.token_index.index_fill_(0, slots, 1)
         self.seed.index_copy_(0, slots, seed)
@@ -274,13 +295,18 @@ class DecodeSlots:
         self.finished.index_copy_(0, slots, done)
 
     def resume(self, slot: int, out_tokens: torch.Tensor, out_logprobs: torch.Tensor, generated: int, *,
-               seed: int, request_index: int, budget: int, min_tokens: int) -> None:
+               seed: int, request_index: int, budget: int, min_tokens: int,
+               out_top: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Go on with a preempted request in ``slot``, whose prompt and first ``generated - 1`` tokens were just
         prefilled: its output row gets back the tokens and logprobs it had (``out_tokens``/``out_logprobs``, its
         result row), and its last token is fed next, at token index ``generated``. Eager (resumes are rare)."""
         width = out_tokens.shape[0]
         self.out_tokens[slot, :width].copy_(out_tokens)
         self.out_logprobs[slot, :width].copy_(out_logprobs)
+        if self.top_logprobs and out_top is not None:
+            k = out_top[0].shape[-1]
+            self.out_top_ids[slot, :width, :k].copy_(out_top[0])
+            self.out_top_logprobs[slot, :width, :k].copy_(out_top[1])
         self.tokens[slot] = out_tokens[generated - 1]
         for name, value in (("token_index", generated), ("seed", seed), ("request_index", request_index),
                             ("budget", budget), ("min_tokens", min_tokens)):

@@ -495,11 +495,11 @@ class GenerateFrontEnd:
         requests = [RequestSpec(request_index=b, prompt_index=b, budget=plan.new_tokens, rng_index=b,
                                 prompt_len=lengths[b], min_tokens=plan.min_new_tokens) for b in range(batch)]
         counters = Counters(timer=PhaseTimer(runner.accelerator, slots.device))
-        out_tokens, _ = run_schedule(
+        out_tokens = run_schedule(
             runner, requests, ids, plan.attention_mask, plan.sampling, seed,
             width=plan.new_tokens, max_active=batch, continuous=False, shared_prefill=False, staged=False,
             sync_interval=SYNC_INTERVAL, counters=counters,
-        )
+        ).tokens
         runner.note_call_pages(counters.kv_pages_peak, counters.preemptions)
         responses, _, _ = gather_responses(out_tokens, counters.lengths, pad)
         return torch.cat([ids, responses], dim=1)

@@ -35,7 +35,7 @@ import itertools
 from collections import Counter, deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -89,6 +89,16 @@ class Counters:
     bucket_steps: dict[int, int] = field(default_factory=dict)
     span_steps: dict[int, int] = field(default_factory=dict)
     lengths: dict[int, int] = field(default_factory=dict)
+
+
+class Results(NamedTuple):
+    """A call's result rows on the device, one per request: tokens and logprobs ``[R, width]``, and the ranked
+    alternatives ``[R, width, top]`` (``top`` 0 unless asked for)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
 
 
 def _index(values: list[Any], device: torch.device, counters: Counters) -> torch.Tensor:
@@ -156,7 +166,7 @@ def _admission_round(
     queue: deque[RequestSpec],
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
-    results: tuple[torch.Tensor, torch.Tensor],
+    results: Results,
     sampling_key: tuple[float, float, int],
     seed: int,
     *,
@@ -251,7 +261,7 @@ def _unstaged_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int],
 
 
 def _resume(runner: DecodeGraphRunner, plan: PagePlan, slot: int, req: RequestSpec, prompt_ids: torch.Tensor,
-            prompt_mask: torch.Tensor, results: tuple[torch.Tensor, torch.Tensor], seed: int,
+            prompt_mask: torch.Tensor, results: Results, seed: int,
             counters: Counters) -> bool:
     """Resume a preempted request in ``slot``: prefill its prompt and all its tokens but the last (eagerly), and
     go on from the last with its own counters. ``False`` (nothing taken) when the pool has no pages for it."""
@@ -261,14 +271,15 @@ def _resume(runner: DecodeGraphRunner, plan: PagePlan, slot: int, req: RequestSp
         return False
     state = runner.slots
     device = state.device
-    out_tokens, out_logprobs = results
+    out_tokens, out_logprobs, top_ids, top_lp = results
     state.cache.block_table[slot].copy_(_index(pages + [NULL_PAGE] * (state.cache.max_pages - len(pages)), device, counters))
     history = out_tokens[req.request_index, : generated - 1]
     ids = torch.cat([prompt_ids[req.prompt_index], history])[None]
     mask = torch.cat([prompt_mask[req.prompt_index], torch.ones_like(history)])[None]
     prefill(runner.model, state.cache, ids, mask, rows=_index([slot], device, counters), checked=True)
     state.resume(slot, out_tokens[req.request_index], out_logprobs[req.request_index], generated, seed=seed,
-                 request_index=req.rng_index, budget=req.budget, min_tokens=req.min_tokens)
+                 request_index=req.rng_index, budget=req.budget, min_tokens=req.min_tokens,
+                 out_top=(top_ids[req.request_index], top_lp[req.request_index]))
     counters.prefill_forwards += 1
     counters.prefill_rows += 1
     return True
@@ -379,9 +390,11 @@ def run_schedule(
     sync_interval: int,
     counters: Counters,
     logprobs: str = "sampling",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generate every request on ``runner.slots``; return device ``(tokens, logprobs)`` ``[R, width]``, the
-    logprobs under the sampled distribution or the full softmax at the temperature (``logprobs``).
+    top_logprobs: int = 0,
+) -> Results:
+    """Generate every request on ``runner.slots``; return its device :class:`Results`, the logprobs under the
+    sampled distribution or the full softmax at the temperature (``logprobs``), with the ``top_logprobs`` best
+    alternatives of each position (the slots must keep at least that many).
 
     Lengths go to ``counters.lengths``. ``staged`` prefills prompts ahead through
     :meth:`DecodeGraphRunner.prefill_prompts` and admits each round through
@@ -406,8 +419,10 @@ def run_schedule(
     state.release(torch.arange(state.rows, device=device))
     state.knobs.set(*sampling_key, logprobs=logprobs)  # the values the graphs of this sampling mode read
     num_requests = len(requests)
-    out_tokens = torch.zeros(num_requests, width, dtype=torch.int64, device=device)
-    out_logprobs = torch.zeros(num_requests, width, dtype=torch.float32, device=device)
+    results = Results(torch.zeros(num_requests, width, dtype=torch.int64, device=device),
+                      torch.zeros(num_requests, width, dtype=torch.float32, device=device),
+                      torch.zeros(num_requests, width, top_logprobs, dtype=torch.int64, device=device),
+                      torch.zeros(num_requests, width, top_logprobs, dtype=torch.float32, device=device))
     queue = deque(requests)
     free = list(range(max_active))
     active: dict[int, RequestSpec] = {}  # slot -> request
@@ -436,7 +451,7 @@ def run_schedule(
                 reqs = [queue.popleft() for _ in range(room)]
                 with counters.timer.phase("prefill"):
                     started = _admission_round(runner, plan, slots, reqs, queue, prompt_ids, prompt_mask,
-                                               (out_tokens, out_logprobs), sampling_key, seed, staging=staging,
+                                               results, sampling_key, seed, staging=staging,
                                                counters=counters)
                 queue.extendleft(reversed(reqs[started:]))  # no pages for them yet: first in line
                 free = sorted(free + slots[started:])
@@ -497,7 +512,7 @@ def run_schedule(
                 held = {s: r.prompt_len + generated[s] - 1 for s, r in active.items()}
                 counters.kv_pages_held_peak = max(counters.kv_pages_held_peak, plan.held_pages(held))
             if done:
-                _harvest(state, plan, done, active, left, order, out_tokens, out_logprobs, width, counters,
+                _harvest(state, plan, done, active, left, order, results, width, counters,
                          generated)
                 free = sorted(free + done)
                 starved = blocked = False
@@ -507,7 +522,7 @@ def run_schedule(
             elif starved:
                 victim = order[-1]
                 req = active[victim]
-                _harvest(state, plan, [victim], active, left, order, out_tokens, out_logprobs, width, counters,
+                _harvest(state, plan, [victim], active, left, order, results, width, counters,
                          None)
                 queue.appendleft(RequestSpec(req.request_index, req.prompt_index, req.budget, req.rng_index,
                                              req.prompt_len, req.min_tokens, resume_from=generated[victim]))
@@ -519,11 +534,11 @@ def run_schedule(
     finally:
         counters.kv_pages_peak = plan.ledger.peak
         plan.close()
-    return out_tokens, out_logprobs
+    return results
 
 
 def _harvest(state: DecodeSlots, plan: PagePlan, done: list[int], active: dict[int, RequestSpec],
-             left: dict[int, int], order: list[int], out_tokens: torch.Tensor, out_logprobs: torch.Tensor,
+             left: dict[int, int], order: list[int], results: Results,
              width: int, counters: Counters, generated: list[int] | None) -> None:
     """Copy ``done`` slots' output rows into the result rows and free the slots and their pages; ``generated``
     (the host's read of ``token_index``) records their lengths (``None``: preempted, not finished).
@@ -533,8 +548,13 @@ def _harvest(state: DecodeSlots, plan: PagePlan, done: list[int], active: dict[i
     done_slots = _index(done, device, counters)
     rows = _index([active[s].request_index for s in done], device, counters)
     # Only the columns kept are gathered (the slots' output rows span the whole cache).
-    out_tokens.index_copy_(0, rows, state.out_tokens[:, :width].index_select(0, done_slots))
-    out_logprobs.index_copy_(0, rows, state.out_logprobs[:, :width].index_select(0, done_slots))
+    results.tokens.index_copy_(0, rows, state.out_tokens[:, :width].index_select(0, done_slots))
+    results.logprobs.index_copy_(0, rows, state.out_logprobs[:, :width].index_select(0, done_slots))
+    top = results.top_ids.shape[-1]
+    if top:
+        results.top_ids.index_copy_(0, rows, state.out_top_ids[:, :width, :top].index_select(0, done_slots))
+        results.top_logprobs.index_copy_(0, rows,
+                                         state.out_top_logprobs[:, :width, :top].index_select(0, done_slots))
     for slot in done:
         if generated is not None:
             counters.lengths[active[slot].request_index] = generated[slot]

@@ -220,7 +220,7 @@ class DecodeGraphRunner:
 
     # ------------------------------------------------------------- lifecycle
     def prepare(self, *, rows: int, capacity: int, num_eos: int, graphs: bool, budget: KVBudget | None = None,
-                prompt_width: int | None = None) -> DecodeSlots:
+                prompt_width: int | None = None, top_logprobs: int = 0) -> DecodeSlots:
         """Start a call: a page pool, slots for ``rows`` concurrent rows, graphs checked against what they froze.
 
         The pool holds what ``budget`` says (:func:`~hybrid_engine.decode.kv_pool.pool_pages`;
@@ -261,6 +261,7 @@ class DecodeGraphRunner:
         if same_kind:
             need, capacity = max(need, slots.rows), max(capacity, slots.capacity)
             num_eos = max(num_eos, slots.num_eos_slots)
+            top_logprobs = max(top_logprobs, slots.top_logprobs)
         stage_width = max(prompt_width or 0, self.stage.width if self.stage is not None else 0)
         page_bytes = sum(s.heads * (s.key_dim + s.value_dim) for s in specs) * dtype.itemsize * budget.page_size
         pages, fixed = pool_pages(budget, page_bytes=page_bytes, slots=need, capacity=capacity,
@@ -269,10 +270,11 @@ class DecodeGraphRunner:
         self._prepare_pool(specs, pages + 1, budget.page_size, fixed, device, dtype)
         pool = self.kv_pool
         slots = self.slots
-        if slots is None or not slots.fits(need, capacity, capacity, num_eos, pool, vocab):
+        if slots is None or not slots.fits(need, capacity, capacity, num_eos, pool, vocab, top_logprobs):
             self.invalidate()
             self.slots = slots = None  # free the old buffers before allocating the new ones
-            self.slots = slots = DecodeSlots(model, need, capacity, capacity, num_eos=num_eos, pool=pool)
+            self.slots = slots = DecodeSlots(model, need, capacity, capacity, num_eos=num_eos, pool=pool,
+                                             top_logprobs=top_logprobs)
         # Checked on allocation too: the config may have changed since.
         if limit is not None and limit.tokens < slots.capacity:
             raise ValueError(

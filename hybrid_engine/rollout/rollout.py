@@ -231,6 +231,9 @@ class HybridEngineRollout:
         vocab = getattr(model.config, "vocab_size", None)
         if isinstance(vocab, int) and int(request.prompt_ids.max()) >= vocab:
             raise ValueError(f"generate: prompt_ids hold ids >= the model's vocab_size {vocab}")
+        if isinstance(vocab, int) and sampling.top_logprobs > vocab:
+            raise ValueError(f"generate: SamplingConfig.top_logprobs={sampling.top_logprobs} is more than the "
+                             f"model's vocab_size {vocab}; ask for at most {vocab}")
         if isinstance(vocab, int) and any(i >= vocab for q in sampling.stop_token_ids for i in q):
             raise ValueError(f"generate: SamplingConfig.stop_token_ids hold ids >= the model's vocab_size {vocab}; "
                              "such a sequence could never be generated")
@@ -277,20 +280,28 @@ class HybridEngineRollout:
             budget = KVBudget(cfg.kv_page_size, cfg.kv_cache_tokens, cfg.kv_cache_bytes, "RolloutConfig.kv_cache",
                               longest, max_new)
             state = runner.prepare(rows=max_active, capacity=capacity, num_eos=len(eos_ids),
-                                   graphs=cfg.use_graph_capture, budget=budget, prompt_width=prompt_width)
+                                   graphs=cfg.use_graph_capture, budget=budget, prompt_width=prompt_width,
+                                   top_logprobs=sampling.top_logprobs)
             counters = Counters(timer=PhaseTimer(runner.accelerator, state.device))
             state.set_special_ids(pad_id, eos_ids)
             state.set_stop_sequences(sampling.stop_token_ids)
             prompt_ids = request.prompt_ids.to(state.device)
             prompt_mask = request.prompt_attention_mask.to(state.device)
-            out_tokens, out_logprobs = run_schedule(
+            results = run_schedule(
                 runner, requests, prompt_ids, prompt_mask, sampling.sampling_key, rank_seed(sampling.seed),
                 width=max_new, max_active=max_active, continuous=cfg.continuous_batching,
                 shared_prefill=cfg.use_shared_prefill, staged=True,
                 sync_interval=cfg.sync_interval, counters=counters, logprobs=sampling.logprobs,
+                top_logprobs=sampling.top_logprobs,
             )
-            responses, logprobs, lengths = gather_responses(out_tokens, counters.lengths, pad_id, out_logprobs)
+            responses, logprobs, lengths = gather_responses(results.tokens, counters.lengths, pad_id,
+                                                            results.logprobs)
             batch = self._assemble(prompt_ids, prompt_mask, responses, logprobs, lengths, n)
+            if sampling.top_logprobs:
+                real = batch.response_mask[:, batch.response_start_idx:, None]
+                width = responses.shape[1]
+                batch.top_logprob_ids = results.top_ids[:, :width].masked_fill(~real, -1)
+                batch.top_logprobs = results.top_logprobs[:, :width].masked_fill(~real, 0.0)
         with runner.accelerator.on_device(state.device):  # the model's device, not the current one
             runner.accelerator.synchronize()
         total_s = time.perf_counter() - t_start

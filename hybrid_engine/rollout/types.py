@@ -19,6 +19,9 @@ from hybrid_engine.decode.sampling import LOGPROB_MODES, validate_sampling
 from hybrid_engine.decode.slots import MAX_STOP_LENGTH, MAX_STOP_SEQUENCES
 from hybrid_engine.generation.token_ids import MAX_TOKEN_ID
 
+#: The most ranked alternatives a rollout reports per position.
+MAX_TOP_LOGPROBS = 64
+
 __all__ = ["DEFAULT_MAX_BATCH_SIZE", "MAX_CACHE_TOKENS", "MAX_SLOTS", "RolloutBatch", "RolloutConfig", "RolloutRequest",
            "SamplingConfig"]
 
@@ -169,6 +172,9 @@ class SamplingConfig:
     #: ``"sampling"``: each logprob under the distribution sampled from (after top-k / top-p, renormalised);
     #: ``"full"``: under the full softmax at the temperature, as a training forward's ``log_softmax(logits / T)``.
     logprobs: str = "sampling"
+    #: The k most likely ids and their logprobs at every response position, for distillation
+    #: (``RolloutBatch.top_logprob_ids`` / ``top_logprobs``); 0: none. At most 64.
+    top_logprobs: int = 0
     #: Token sequences that end a response once it ends in one of them (kept in it, as an EOS is), matched on
     #: the device at every step; at most 16 sequences of 1 to 16 tokens.
     stop_token_ids: tuple[tuple[int, ...], ...] = ()
@@ -187,6 +193,7 @@ class SamplingConfig:
             validate_sampling(self.temperature, self.top_p, self.top_k)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{owner}: {exc}") from None
+        _check_int(owner, "top_logprobs", self.top_logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS)
         object.__setattr__(self, "stop_token_ids", _stop_sequences(owner, self.stop_token_ids))
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
@@ -316,6 +323,10 @@ class RolloutBatch:
     response_logprobs: torch.Tensor
     response_lengths: torch.Tensor
     prompt_index: torch.Tensor
+    #: With ``SamplingConfig(top_logprobs=k)``: ``[R, L, k]`` the k most likely ids at each response position,
+    #: best first, and their logprobs, under the distribution ``response_logprobs`` is under (-1 / 0 on padding).
+    top_logprob_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
     @property
     def responses(self) -> torch.Tensor:
