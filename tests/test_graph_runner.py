@@ -60,7 +60,7 @@ def stage_round(model, slots, stage, plan, ids, mask, requests):
     for slot, prompt, rng in requests:
         pages = plan.admit(slot, (prompt,), last=pending[prompt] == 1)
         pending[prompt] -= 1
-        meta.append([slot, prompt, rng, 5, 0, 7, lengths[prompt], pages.src, pages.dst] + pages.table)
+        meta.append([slot, prompt, rng, 5, 0, 7, lengths[prompt], pages.src, pages.dst, 0] + pages.table)
     return stage.stage_prompts(ids, mask, tables, ids.shape[0], 8), meta
 
 

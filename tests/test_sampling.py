@@ -290,12 +290,13 @@ def test_one_capture_per_sampling_mode_reads_the_knob_values_of_every_replay():
     static_logits = torch.randn(b, v, generator=g)
     knobs = SamplingKnobs(torch.device("cpu"))
     knobs.set(*KNOB_VALUES[0])
+    rows = torch.zeros(b, dtype=torch.int64)  # every row reads setting 0 of the knob table
     acc = CPUAccelerator()
     graph = acc.create_graph()
     t, p, k = KNOB_VALUES[0]
     with torch.no_grad(), acc.capture_to_graph(graph):
         out_tokens, out_lp = sample_tokens(static_logits, temperature=t, top_p=p, top_k=k, seed=seed,
-                                           request_index=req, token_index=tidx, knobs=knobs)
+                                           request_index=req, token_index=tidx, knobs=knobs.for_rows(rows))
     logits = torch.randn(b, v, generator=g) * 3
     static_logits.copy_(logits)
     seen = set()

@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["LOGPROB_MODES", "MIN_TEMPERATURE", "SAMPLING_STREAM", "SamplingKnobs", "counter_uniform", "logprobs_of",
-           "sample_tokens", "sample_tokens_and_top", "sampling_mode", "validate_logprobs", "validate_sampling"]
+__all__ = ["LOGPROB_MODES", "MAX_SETTINGS", "MIN_TEMPERATURE", "RowKnobs", "SAMPLING_STREAM", "SamplingKnobs", "counter_uniform", "logprobs_of",
+           "sample_tokens", "sample_tokens_and_top", "sampling_mode", "union_mode", "validate_logprobs", "validate_sampling"]
 
 #: The smallest positive temperature (as vLLM's sampling epsilon): below it, scaled logits overflow float32.
 MIN_TEMPERATURE = 1e-5
@@ -159,24 +160,75 @@ def sampling_mode(temperature: float, top_p: float, top_k: int) -> tuple[bool, b
     return (True, top_k > 0, top_p < 1)
 
 
+#: Distinct (temperature, top-p, top-k) settings one call may mix across its requests.
+MAX_SETTINGS = 64
+
+
+def union_mode(settings: list[tuple[float, float, int]]) -> tuple[float, float, int]:
+    """A sampling key whose :func:`sampling_mode` runs every filter some of ``settings`` needs: the key of the
+    one graph a call mixing them replays. A greedy setting among sampled ones is a top-1 pick, so top-k runs."""
+    sampled = any(t > 0 for t, _, _ in settings)
+    if not sampled:
+        return (0.0, 1.0, -1)
+    top_k_on = any(k > 0 for _, _, k in settings) or any(t == 0 for t, _, _ in settings)
+    top_p_on = any(t > 0 and p < 1 for t, p, _ in settings)
+    return (1.0, 0.5 if top_p_on else 1.0, 1 if top_k_on else -1)
+
+
+class RowKnobs(NamedTuple):
+    """One row's knob values (``[B, 1]``; ``full`` ``[B]``), gathered from :class:`SamplingKnobs`' table."""
+
+    inv_temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    full: torch.Tensor
+
+
 class SamplingKnobs:
-    """Temperature, top-p and top-k as 0-dim device tensors, written in place before a call (never during
-    capture), so that a graph captured for one :func:`sampling_mode` reads the values of every call."""
+    """Temperature, top-p and top-k of each of a call's distinct settings, as a device table written in place
+    before the call (never during capture): a graph captured for one :func:`sampling_mode` reads, per row, the
+    values of its request's setting (:meth:`for_rows`), in every call. A filter a setting does not use gets a
+    value that makes it a no-op where the mode runs it (top-k at the vocabulary, top-p past 1)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.inv_temperature = torch.ones((), dtype=torch.float32, device=device)
-        self.top_p = torch.ones((), dtype=torch.float32, device=device)
-        self.top_k = torch.zeros((), dtype=torch.int64, device=device)
+        self.inv_temperature = torch.ones(MAX_SETTINGS, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(MAX_SETTINGS, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(MAX_SETTINGS, dtype=torch.int64, device=device)
         #: Report logprobs under the full softmax at the temperature instead of the filtered distribution.
-        self.full = torch.zeros((), dtype=torch.bool, device=device)
+        self.full = torch.zeros(MAX_SETTINGS, dtype=torch.bool, device=device)
 
     def set(self, temperature: float, top_p: float, top_k: int, logprobs: str = "sampling") -> None:
-        validate_sampling(temperature, top_p, top_k)
+        """One setting for every request of the call (index 0)."""
+        self.set_table([(temperature, top_p, top_k)], logprobs)
+
+    def set_table(self, settings: list[tuple[float, float, int]], logprobs: str = "sampling") -> None:
+        """The call's settings, request knob index ``i`` for ``settings[i]``, as the graph of
+        ``union_mode(settings)`` runs them."""
+        if not 1 <= len(settings) <= MAX_SETTINGS:
+            raise ValueError(f"a call mixes 1 to {MAX_SETTINGS} sampling settings, got {len(settings)}")
         validate_logprobs(logprobs)
-        self.inv_temperature.fill_(1.0 / temperature if temperature > 0 else 1.0)
-        self.top_p.fill_(top_p)
-        self.top_k.fill_(max(top_k, 0))
-        self.full.fill_(logprobs == "full")
+        mode = sampling_mode(*union_mode(settings))
+        values = []
+        for temperature, top_p, top_k in settings:
+            validate_sampling(temperature, top_p, top_k)
+            if temperature == 0 and mode[0]:  # greedy among sampled rows: the top-1 pick, logprob at T=1
+                values.append((1.0, 2.0, 1, True))
+                continue
+            values.append((1.0 / temperature if temperature > 0 else 1.0,
+                           top_p if top_p < 1 else 2.0,  # past 1: top-p keeps everything
+                           top_k if top_k > 0 else 2**62,  # past the vocabulary: top-k keeps everything
+                           logprobs == "full"))
+        values += [values[-1]] * (MAX_SETTINGS - len(values))
+        inv_t, p, k, full = zip(*values)
+        self.inv_temperature.copy_(torch.tensor(inv_t, dtype=torch.float32))
+        self.top_p.copy_(torch.tensor(p, dtype=torch.float32))
+        self.top_k.copy_(torch.tensor(k, dtype=torch.int64))
+        self.full.copy_(torch.tensor(full, dtype=torch.bool))
+
+    def for_rows(self, index: torch.Tensor) -> RowKnobs:
+        """The values of setting ``index[b]`` for row ``b`` (device gathers: capture-safe)."""
+        return RowKnobs(self.inv_temperature[index][:, None], self.top_p[index][:, None],
+                        self.top_k[index][:, None], self.full[index])
 
 
 #: What a reported logprob is under: the distribution sampled from (after top-k / top-p, renormalised), or the
@@ -190,7 +242,7 @@ def validate_logprobs(logprobs: object) -> None:
 
 
 def _filtered_sorted_logprobs(
-    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, knobs: SamplingKnobs | None = None,
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, knobs: RowKnobs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sampling distribution over the last dim, in descending order.
 
@@ -229,7 +281,9 @@ def _filtered_sorted_logprobs(
         mass_before = torch.cumsum(probs, dim=-1) - probs  # exclusive prefix sum
         drop = mass_before >= p
         drop[..., 0] = False  # the top token is always kept
-        logprobs = torch.log_softmax(logprobs.masked_fill(drop, neg_inf), dim=-1)
+        renormalised = torch.log_softmax(logprobs.masked_fill(drop, neg_inf), dim=-1)
+        # A row whose own setting has no top-p (a knob past 1) keeps its bits, as in a call of its own.
+        logprobs = torch.where(p > 1, logprobs, renormalised) if knobs is not None else renormalised
     return logprobs, sort_index, logprobs if full is None else full
 
 
@@ -242,7 +296,7 @@ def sample_tokens(
     seed: torch.Tensor | int,
     request_index: torch.Tensor | int,
     token_index: torch.Tensor | int,
-    knobs: SamplingKnobs | None = None,
+    knobs: RowKnobs | None = None,
     logprobs: str = "sampling",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`sample_tokens_and_top`, without the ranked alternatives."""
@@ -261,7 +315,7 @@ def sample_tokens_and_top(
     seed: torch.Tensor | int,
     request_index: torch.Tensor | int,
     token_index: torch.Tensor | int,
-    knobs: SamplingKnobs | None = None,
+    knobs: RowKnobs | None = None,
     logprobs: str = "sampling",
     top: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -315,7 +369,7 @@ def sample_tokens_and_top(
         full_chosen = full_lp.gather(-1, pos).squeeze(-1)
         if knobs is not None:  # a device flag, so one captured graph serves both modes
             chosen = torch.where(knobs.full, full_chosen, chosen)
-            ranked = torch.where(knobs.full, full_lp[:, :top], ranked)
+            ranked = torch.where(knobs.full[:, None], full_lp[:, :top], ranked)
         elif logprobs == "full":
             chosen, ranked = full_chosen, full_lp[:, :top]
     return tokens, chosen, sort_index[:, :top], ranked

@@ -40,7 +40,7 @@ from transformers import PreTrainedModel
 from hybrid_engine.accelerator.host_copy import device_tensor
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import KVPool
-from hybrid_engine.decode.sampling import SamplingKnobs, sample_tokens_and_top
+from hybrid_engine.decode.sampling import RowKnobs, SamplingKnobs, sample_tokens_and_top
 from hybrid_engine.decode.step import decode_one_token
 
 __all__ = ["DecodeSlots", "choose_tokens", "logits_width", "vocab_sizes"]
@@ -52,7 +52,7 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 16
 
 # Per-row tensors, all ``[S, ...]``: a bucket views ``[:n]`` of each, a move copies rows of each.
-_ROW_TENSORS = ("tokens", "token_index", "seed", "request_index", "budget", "min_tokens", "finished",
+_ROW_TENSORS = ("tokens", "token_index", "seed", "request_index", "budget", "min_tokens", "knob", "finished",
                 "out_tokens", "out_logprobs", "out_top_ids", "out_top_logprobs")
 
 
@@ -80,7 +80,7 @@ def choose_tokens(
     seed: torch.Tensor | int,
     request_index: torch.Tensor,
     token_index: torch.Tensor | int,
-    knobs: SamplingKnobs,
+    knobs: RowKnobs,
     top: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(tokens [B], logprobs [B], top_ids [B, top], top_logprobs [B, top])`` from ``logits [B, V]``; EOS is
@@ -125,6 +125,7 @@ class DecodeSlots:
         self.request_index = torch.zeros(rows, **i64)
         self.budget = torch.ones(rows, **i64)
         self.min_tokens = torch.zeros(rows, **i64)
+        self.knob = torch.zeros(rows, **i64)  # the index of the request's setting in ``knobs``
         self.finished = torch.ones(rows, dtype=torch.bool, device=device)
         self.out_tokens = torch.zeros(rows, width, **i64)
         self.out_logprobs = torch.zeros(rows, width, dtype=torch.float32, device=device)
@@ -238,8 +239,8 @@ class DecodeSlots:
         logits = decode_one_token(model, self.cache, self.tokens, live)
         new_tokens, logprobs, top_ids, top_lp = choose_tokens(
             logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
-            seed=self.seed, request_index=self.request_index, token_index=self.token_index, knobs=self.knobs,
-            top=self.top_logprobs,
+            seed=self.seed, request_index=self.request_index, token_index=self.token_index,
+            knobs=self.knobs.for_rows(self.knob), top=self.top_logprobs,
         )
         column = self.token_index.clamp(max=self.width - 1)[:, None]
         old_tok = self.out_tokens.gather(1, column)
@@ -271,6 +272,7 @@ class DecodeSlots:
         budget: torch.Tensor,
         min_tokens: torch.Tensor,
         first_top: tuple[torch.Tensor, torch.Tensor] | None = None,
+        knob: torch.Tensor | None = None,
     ) -> None:
         """Start freshly prefilled requests in ``slots``; their first token came from the prefill logits (and
         ``first_top``, its ranked alternatives, when the slots keep them).
@@ -289,6 +291,10 @@ class DecodeSlots:
         self.request_index.index_copy_(0, slots, request_index)
         self.budget.index_copy_(0, slots, budget)
         self.min_tokens.index_copy_(0, slots, min_tokens)
+        if knob is not None:
+            self.knob.index_copy_(0, slots, knob)
+        else:
+            self.knob.index_fill_(0, slots, 0)
         stopped = self.ends_in_a_stop_sequence(self.out_tokens.index_select(0, slots), torch.zeros_like(slots)) \
             & (min_tokens < 1)
         done = self.is_eos(first_tokens) | stopped | (budget <= 1)
@@ -296,7 +302,7 @@ class DecodeSlots:
 
     def resume(self, slot: int, out_tokens: torch.Tensor, out_logprobs: torch.Tensor, generated: int, *,
                seed: int, request_index: int, budget: int, min_tokens: int,
-               out_top: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+               out_top: tuple[torch.Tensor, torch.Tensor] | None = None, knob: int = 0) -> None:
         """Go on with a preempted request in ``slot``, whose prompt and first ``generated - 1`` tokens were just
         prefilled: its output row gets back the tokens and logprobs it had (``out_tokens``/``out_logprobs``, its
         result row), and its last token is fed next, at token index ``generated``. Eager (resumes are rare)."""
@@ -309,7 +315,7 @@ class DecodeSlots:
             self.out_top_logprobs[slot, :width, :k].copy_(out_top[1])
         self.tokens[slot] = out_tokens[generated - 1]
         for name, value in (("token_index", generated), ("seed", seed), ("request_index", request_index),
-                            ("budget", budget), ("min_tokens", min_tokens)):
+                            ("budget", budget), ("min_tokens", min_tokens), ("knob", knob)):
             getattr(self, name)[slot] = value
         self.finished[slot] = False
 

@@ -31,6 +31,7 @@ resumed or not) does not change what it samples.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter, deque
 from collections.abc import Hashable, Iterable
@@ -67,6 +68,7 @@ class RequestSpec:
     prompt_len: int  # real prompt tokens
     min_tokens: int = 0  # EOS is suppressed before this many tokens
     resume_from: int = 0  # tokens it had generated when it was preempted (0: not preempted)
+    knob: int = 0  # the index of its sampling setting in the call's table (SamplingKnobs.set_table)
 
 
 @dataclass
@@ -223,7 +225,7 @@ def _admission_round(
         counters.kv_row_copies += unit in staging.used
         staging.used.add(unit)
         part.append([slot, staging.row_of[unit], req.rng_index, req.budget, req.min_tokens, seed, req.prompt_len,
-                     pages.src, pages.dst] + pages.table)
+                     pages.src, pages.dst, req.knob] + pages.table)
         started += 1
     run_part()
     return started
@@ -255,8 +257,9 @@ def _unstaged_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int],
                      rows=rows, checked=True)
     meta = _index([[r.rng_index for r in reqs[:n]], [r.budget for r in reqs[:n]], [r.min_tokens for r in reqs[:n]]],
                   device, counters)
+    knob = _index([r.knob for r in reqs[:n]], device, counters)
     start_from_logits(state, logits, rows, torch.arange(n, device=device), meta[0], meta[1], meta[2],
-                      torch.full((n,), seed, dtype=torch.int64, device=device), sampling_key)
+                      torch.full((n,), seed, dtype=torch.int64, device=device), sampling_key, knob)
     return n
 
 
@@ -279,7 +282,7 @@ def _resume(runner: DecodeGraphRunner, plan: PagePlan, slot: int, req: RequestSp
     prefill(runner.model, state.cache, ids, mask, rows=_index([slot], device, counters), checked=True)
     state.resume(slot, out_tokens[req.request_index], out_logprobs[req.request_index], generated, seed=seed,
                  request_index=req.rng_index, budget=req.budget, min_tokens=req.min_tokens,
-                 out_top=(top_ids[req.request_index], top_lp[req.request_index]))
+                 out_top=(top_ids[req.request_index], top_lp[req.request_index]), knob=req.knob)
     counters.prefill_forwards += 1
     counters.prefill_rows += 1
     return True
@@ -391,6 +394,7 @@ def run_schedule(
     counters: Counters,
     logprobs: str = "sampling",
     top_logprobs: int = 0,
+    settings: list[tuple[float, float, int]] | None = None,
 ) -> Results:
     """Generate every request on ``runner.slots``; return its device :class:`Results`, the logprobs under the
     sampled distribution or the full softmax at the temperature (``logprobs``), with the ``top_logprobs`` best
@@ -417,7 +421,8 @@ def run_schedule(
     staging = _Staging(runner.stage.rows, shared_prefill, requests) if staged else None
     # Every slot starts free, whatever an interrupted earlier call left live.
     state.release(torch.arange(state.rows, device=device))
-    state.knobs.set(*sampling_key, logprobs=logprobs)  # the values the graphs of this sampling mode read
+    # The values the graphs of this sampling mode read; several settings: sampling_key is their union_mode.
+    state.knobs.set_table(settings or [sampling_key], logprobs=logprobs)
     num_requests = len(requests)
     results = Results(torch.zeros(num_requests, width, dtype=torch.int64, device=device),
                       torch.zeros(num_requests, width, dtype=torch.float32, device=device),
@@ -524,8 +529,7 @@ def run_schedule(
                 req = active[victim]
                 _harvest(state, plan, [victim], active, left, order, results, width, counters,
                          None)
-                queue.appendleft(RequestSpec(req.request_index, req.prompt_index, req.budget, req.rng_index,
-                                             req.prompt_len, req.min_tokens, resume_from=generated[victim]))
+                queue.appendleft(dataclasses.replace(req, resume_from=generated[victim]))
                 free = sorted(free + [victim])
                 counters.preemptions += 1
                 # No admission (the preempted request first) until a row finishes: resuming it at once would

@@ -31,6 +31,7 @@ from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.decode.kv_pool import KVBudget
 from hybrid_engine.decode.layout import exact_length
 from hybrid_engine.decode.model_support import check_model_supported, max_positions
+from hybrid_engine.decode.sampling import MAX_SETTINGS, union_mode
 from hybrid_engine.decode.staging import staged_width_within, width_bucket
 from hybrid_engine.distributed.ranks import rank_seed
 from hybrid_engine.distributed.zero3 import gathered_for_inference
@@ -263,9 +264,17 @@ class HybridEngineRollout:
                 f"generate: RolloutRequest.request_ids up to {max(uids)} with n_samples_per_prompt={n} overflow "
                 f"int64 sampler counters (request_id * n + sample); keep request_ids below {2**63 // n}"
             )
+        # Per-prompt sampling: the call's distinct settings go into the knob table, one graph of their union mode.
+        settings = request.settings(sampling)
+        distinct = list(dict.fromkeys(settings))
+        if len(distinct) > MAX_SETTINGS:
+            raise ValueError(f"generate: the request mixes {len(distinct)} distinct (temperature, top_p, top_k) "
+                             f"settings, more than {MAX_SETTINGS}; split it into several calls")
+        sampling_key = distinct[0] if len(distinct) == 1 else union_mode(distinct)
+        knob_of = [distinct.index(s) for s in settings]
         requests = [
             RequestSpec(request_index=i * n + j, prompt_index=i, budget=min(budgets[i], max_new),
-                        rng_index=uids[i] * n + j, prompt_len=prompt_lengths[i])
+                        rng_index=uids[i] * n + j, prompt_len=prompt_lengths[i], knob=knob_of[i])
             for i in range(num_prompts)
             for j in range(n)
         ]
@@ -288,11 +297,11 @@ class HybridEngineRollout:
             prompt_ids = request.prompt_ids.to(state.device)
             prompt_mask = request.prompt_attention_mask.to(state.device)
             results = run_schedule(
-                runner, requests, prompt_ids, prompt_mask, sampling.sampling_key, rank_seed(sampling.seed),
+                runner, requests, prompt_ids, prompt_mask, sampling_key, rank_seed(sampling.seed),
                 width=max_new, max_active=max_active, continuous=cfg.continuous_batching,
                 shared_prefill=cfg.use_shared_prefill, staged=True,
                 sync_interval=cfg.sync_interval, counters=counters, logprobs=sampling.logprobs,
-                top_logprobs=sampling.top_logprobs,
+                top_logprobs=sampling.top_logprobs, settings=distinct,
             )
             responses, logprobs, lengths = gather_responses(results.tokens, counters.lengths, pad_id,
                                                             results.logprobs)

@@ -226,6 +226,11 @@ class RolloutRequest:
     prompt_attention_mask: torch.Tensor | None = None
     max_new_tokens: list[int] | None = field(default=None)
     request_ids: list[int] | None = field(default=None)
+    #: Per-prompt sampling (lists of ``B``; ``None`` entries or lists take the SamplingConfig's value). A call
+    #: mixing settings replays one graph, of the filters any of them needs; at most 64 distinct settings.
+    temperature: list[float | None] | None = field(default=None)
+    top_p: list[float | None] | None = field(default=None)
+    top_k: list[int | None] | None = field(default=None)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -298,6 +303,31 @@ class RolloutRequest:
             if len(set(uids)) != len(uids):
                 raise ValueError(f"{owner}: request_ids must be distinct (each prompt needs its own random stream)")
             self.request_ids = [int(u) for u in uids]
+        for name in ("temperature", "top_p", "top_k"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if isinstance(values, torch.Tensor):
+                values = values.tolist()
+            if not isinstance(values, (list, tuple)) or len(values) != ids.shape[0]:
+                raise ValueError(f"{owner}: {name} must be a list of {ids.shape[0]} values (one per prompt, None for "
+                                 "the SamplingConfig's) or None")
+            setattr(self, name, list(values))
+
+    def settings(self, sampling: SamplingConfig) -> list[tuple[float, float, int]]:
+        """Each prompt's (temperature, top-p, top-k): its own values where given, else ``sampling``'s; checked."""
+        out = []
+        for i in range(self.prompt_ids.shape[0]):
+            t, p, k = (sampling.temperature if self.temperature is None or self.temperature[i] is None
+                       else self.temperature[i],
+                       sampling.top_p if self.top_p is None or self.top_p[i] is None else self.top_p[i],
+                       sampling.top_k if self.top_k is None or self.top_k[i] is None else self.top_k[i])
+            try:
+                validate_sampling(t, p, k)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"RolloutRequest: prompt {i}'s sampling: {exc}") from None
+            out.append((float(t), float(p), int(k)))
+        return out
 
     @property
     def prompt_lengths(self) -> list[int]:

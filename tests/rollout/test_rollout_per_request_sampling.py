@@ -1,0 +1,59 @@
+"""Per-prompt temperature, top-p and top-k (``RolloutRequest(temperature=[...], top_p=[...], top_k=[...])``): one
+call mixing them replays one graph of the filters any of them needs, and each prompt samples what it samples in
+a call of its own (issue 31, part 3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_helpers import left_padded_prompts
+
+from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
+from hybrid_engine.tiny_models import build_model
+
+#: (temperature, top_p, top_k) per prompt: greedy, greedy, top-k, top-p, top-k and top-p, plain sampling
+SETTINGS = [(0.0, 1.0, -1), (0.0, 1.0, -1), (0.8, 1.0, 5), (1.0, 0.9, -1), (0.7, 0.8, 12), (1.2, 1.0, -1)]
+
+
+def rollout(model, graphs: bool) -> HybridEngineRollout:
+    return HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=graphs, pad_token_id=0,
+                                                           eos_token_id=10_000, max_batch_size=8))
+
+
+def one_prompt(request: RolloutRequest, i: int) -> RolloutRequest:
+    return RolloutRequest(request.prompt_ids[i:i + 1], request.prompt_attention_mask[i:i + 1], request_ids=[i])
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_a_mixed_call_gives_each_prompt_what_a_call_of_its_own_gives(graphs):
+    model = build_model("tiny-llama", seed=2)
+    base = left_padded_prompts([5, 7, 4, 6, 5, 7], seed=8)
+    t, p, k = (list(x) for x in zip(*SETTINGS))
+    request = RolloutRequest(base.prompt_ids, base.prompt_attention_mask, request_ids=list(range(6)),
+                             temperature=t, top_p=p, top_k=k)
+    sampling = SamplingConfig(max_new_tokens=10, seed=4, n_samples_per_prompt=2)
+    r = rollout(model, graphs)
+    mixed = r.generate(request, sampling)
+    if graphs:
+        assert r.last_stats["graph_replays"] > 0 and r.last_stats["fallbacks"] == 0
+    for i, (temperature, top_p, top_k) in enumerate(SETTINGS):
+        alone = rollout(model, graphs=False).generate(one_prompt(base, i), SamplingConfig(
+            max_new_tokens=10, seed=4, n_samples_per_prompt=2, temperature=temperature, top_p=top_p, top_k=top_k))
+        rows = slice(2 * i, 2 * i + 2)
+        assert torch.equal(mixed.responses[rows, :alone.responses.shape[1]], alone.responses), SETTINGS[i]
+        torch.testing.assert_close(mixed.response_logprobs[rows, :alone.responses.shape[1]],
+                                   alone.response_logprobs, rtol=0, atol=1e-5)
+    if graphs:
+        assert torch.equal(mixed.input_ids, rollout(model, graphs=False).generate(request, sampling).input_ids)
+
+
+def test_bad_per_prompt_values_are_refused_by_name():
+    model = build_model("tiny-gpt2", seed=1)
+    base = left_padded_prompts([3, 4], seed=1)
+    with pytest.raises(ValueError, match="RolloutRequest: temperature must be a list of 2 values"):
+        RolloutRequest(base.prompt_ids, base.prompt_attention_mask, temperature=[1.0])
+    bad = RolloutRequest(base.prompt_ids, base.prompt_attention_mask, top_p=[0.0, None])
+    with pytest.raises(ValueError, match="RolloutRequest: prompt 0's sampling: .*top_p"):
+        rollout(model, graphs=True).generate(bad, SamplingConfig(max_new_tokens=2, temperature=1.0))
+    ok = RolloutRequest(base.prompt_ids, base.prompt_attention_mask, temperature=[None, 0.0])
+    assert rollout(model, graphs=True).generate(ok, SamplingConfig(max_new_tokens=2)).responses.shape == (2, 2)
