@@ -40,7 +40,7 @@ from transformers import PreTrainedModel
 from hybrid_engine.accelerator.host_copy import device_tensor
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import KVPool
-from hybrid_engine.decode.sampling import RowKnobs, SamplingKnobs, sample_tokens_and_top
+from hybrid_engine.decode.sampling import MAX_SETTINGS, RowKnobs, SamplingKnobs, sample_tokens_and_top
 from hybrid_engine.decode.step import decode_one_token
 
 __all__ = ["DecodeSlots", "choose_tokens", "logits_width", "vocab_sizes"]
@@ -138,7 +138,8 @@ class DecodeSlots:
         self.eos_ids = torch.full((self.num_eos_slots,), -1, **i64)
         self.eos_mask = torch.zeros(logits_width(model), dtype=torch.bool, device=device)
         # Right-aligned, -1 before a shorter sequence's first token (it matches anything); all -1: unused.
-        self.stop_ids = torch.full((MAX_STOP_SEQUENCES, MAX_STOP_LENGTH), -1, **i64)
+        # One set per sampling setting of the call (a row's ``knob`` picks both).
+        self.stop_ids = torch.full((MAX_SETTINGS, MAX_STOP_SEQUENCES, MAX_STOP_LENGTH), -1, **i64)
         self.has_stop_sequences = False
         #: The token fed to rows that are not live (what they emit is never read): the pad id where the
         #: embedding has it, else 0, since configs may carry any int there (old Llama ones: -1).
@@ -209,28 +210,34 @@ class DecodeSlots:
         if reachable:
             self.eos_mask.index_fill_(0, device_tensor(reachable, self.device), True)
 
-    def set_stop_sequences(self, sequences: tuple[tuple[int, ...], ...]) -> None:
-        """Stop token sequences for the next call (outside capture): a row stops once its last tokens are one of
-        them (they stay in its response, as an EOS does)."""
-        if len(sequences) > MAX_STOP_SEQUENCES or any(not 1 <= len(q) <= MAX_STOP_LENGTH for q in sequences):
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences of 1 to {MAX_STOP_LENGTH} tokens each")
-        rows = [[-1] * (MAX_STOP_LENGTH - len(q)) + list(q) for q in sequences]
-        rows += [[-1] * MAX_STOP_LENGTH] * (MAX_STOP_SEQUENCES - len(rows))
-        self.stop_ids.copy_(device_tensor(rows, self.device))
-        self.has_stop_sequences = bool(sequences)
+    def set_stop_sequences(self, sets: list[tuple[tuple[int, ...], ...]]) -> None:
+        """Stop token sequences for the next call (outside capture), one set per sampling setting (``knob``): a
+        row stops once its last tokens are one of its set's (they stay in its response, as an EOS does)."""
+        if not 1 <= len(sets) <= MAX_SETTINGS:
+            raise ValueError(f"1 to {MAX_SETTINGS} stop sets, got {len(sets)}")
+        table = []
+        for sequences in sets:
+            if len(sequences) > MAX_STOP_SEQUENCES or any(not 1 <= len(q) <= MAX_STOP_LENGTH for q in sequences):
+                raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences of 1 to {MAX_STOP_LENGTH} tokens each")
+            rows = [[-1] * (MAX_STOP_LENGTH - len(q)) + list(q) for q in sequences]
+            table.append(rows + [[-1] * MAX_STOP_LENGTH] * (MAX_STOP_SEQUENCES - len(rows)))
+        table += [table[-1]] * (MAX_SETTINGS - len(table))
+        self.stop_ids.copy_(device_tensor(table, self.device))
+        self.has_stop_sequences = any(sets)
 
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens[:, None] == self.eos_ids[None, :]).any(dim=-1)
 
-    def ends_in_a_stop_sequence(self, out_tokens: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        """``[B]`` bool: whether row ``b`` of ``out_tokens`` ends, at column ``last[b]``, in a stop sequence.
-        Device ops only (captured with the step)."""
+    def ends_in_a_stop_sequence(self, out_tokens: torch.Tensor, last: torch.Tensor, knob: torch.Tensor) -> torch.Tensor:
+        """``[B]`` bool: whether row ``b`` of ``out_tokens`` ends, at column ``last[b]``, in a sequence of stop set
+        ``knob[b]``. Device ops only (captured with the step)."""
         offsets = torch.arange(1 - MAX_STOP_LENGTH, 1, device=out_tokens.device)
         columns = last[:, None] + offsets[None, :]  # [B, L], the row's last L columns
         tail = out_tokens.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, -2)  # -2 matches no id
-        wild = self.stop_ids < 0  # [S, L]
-        hit = wild[None] | (tail[:, None, :] == self.stop_ids[None])  # [B, S, L]
-        return (hit.all(dim=-1) & ~wild.all(dim=-1)[None]).any(dim=-1)
+        stops = self.stop_ids[knob]  # [B, S, L]
+        wild = stops < 0
+        hit = wild | (tail[:, None, :] == stops)
+        return (hit.all(dim=-1) & ~wild.all(dim=-1)).any(dim=-1)
 
     # ------------------------------------------------------------------ step
     def step(self, model: PreTrainedModel, sampling_key: tuple[float, float, int]) -> None:
@@ -256,7 +263,8 @@ class DecodeSlots:
         self.tokens.copy_(torch.where(live, new_tokens, self.pad_id))
         self.token_index.add_(live.to(torch.int64))
         # A stop sequence ends a row only past min_tokens, as an EOS can.
-        stopped = self.ends_in_a_stop_sequence(self.out_tokens, column[:, 0]) & (self.token_index > self.min_tokens)
+        stopped = self.ends_in_a_stop_sequence(self.out_tokens, column[:, 0], self.knob) \
+            & (self.token_index > self.min_tokens)
         done = live & (self.is_eos(new_tokens) | stopped | (self.token_index >= self.budget))
         self.finished.logical_or_(done)
 
@@ -295,8 +303,8 @@ class DecodeSlots:
             self.knob.index_copy_(0, slots, knob)
         else:
             self.knob.index_fill_(0, slots, 0)
-        stopped = self.ends_in_a_stop_sequence(self.out_tokens.index_select(0, slots), torch.zeros_like(slots)) \
-            & (min_tokens < 1)
+        stopped = self.ends_in_a_stop_sequence(self.out_tokens.index_select(0, slots), torch.zeros_like(slots),
+                                               self.knob.index_select(0, slots)) & (min_tokens < 1)
         done = self.is_eos(first_tokens) | stopped | (budget <= 1)
         self.finished.index_copy_(0, slots, done)
 

@@ -491,7 +491,7 @@ class GenerateFrontEnd:
             runner.note_refusal(GRAPHS_OFF, warn=False)
         pad = plan.pad if plan.pad is not None else 0
         slots.set_special_ids(pad, tuple(plan.eos))
-        slots.set_stop_sequences(())  # transformers' stop_strings are handed to transformers
+        slots.set_stop_sequences([()])  # transformers' stop_strings are handed to transformers
         requests = [RequestSpec(request_index=b, prompt_index=b, budget=plan.new_tokens, rng_index=b,
                                 prompt_len=lengths[b], min_tokens=plan.min_new_tokens) for b in range(batch)]
         counters = Counters(timer=PhaseTimer(runner.accelerator, slots.device))

@@ -264,13 +264,18 @@ class HybridEngineRollout:
                 f"generate: RolloutRequest.request_ids up to {max(uids)} with n_samples_per_prompt={n} overflow "
                 f"int64 sampler counters (request_id * n + sample); keep request_ids below {2**63 // n}"
             )
-        # Per-prompt sampling: the call's distinct settings go into the knob table, one graph of their union mode.
+        # Per-prompt sampling: the call's distinct settings (and stop sets) go into the knob table, one graph of
+        # their union mode.
         settings = request.settings(sampling)
         distinct = list(dict.fromkeys(settings))
+        if isinstance(vocab, int) and any(i >= vocab for *_, stops in distinct for q in stops for i in q):
+            raise ValueError(f"generate: the stop_token_ids hold ids >= the model's vocab_size {vocab}; such a "
+                             "sequence could never be generated")
         if len(distinct) > MAX_SETTINGS:
-            raise ValueError(f"generate: the request mixes {len(distinct)} distinct (temperature, top_p, top_k) "
+            raise ValueError(f"generate: the request mixes {len(distinct)} distinct (temperature, top_p, top_k, stops) "
                              f"settings, more than {MAX_SETTINGS}; split it into several calls")
-        sampling_key = distinct[0] if len(distinct) == 1 else union_mode(distinct)
+        knob_values = [s[:3] for s in distinct]
+        sampling_key = knob_values[0] if len(distinct) == 1 else union_mode(knob_values)
         knob_of = [distinct.index(s) for s in settings]
         requests = [
             RequestSpec(request_index=i * n + j, prompt_index=i, budget=min(budgets[i], max_new),
@@ -293,7 +298,7 @@ class HybridEngineRollout:
                                    top_logprobs=sampling.top_logprobs)
             counters = Counters(timer=PhaseTimer(runner.accelerator, state.device))
             state.set_special_ids(pad_id, eos_ids)
-            state.set_stop_sequences(sampling.stop_token_ids)
+            state.set_stop_sequences([s[3] for s in distinct])
             prompt_ids = request.prompt_ids.to(state.device)
             prompt_mask = request.prompt_attention_mask.to(state.device)
             results = run_schedule(
@@ -301,7 +306,7 @@ class HybridEngineRollout:
                 width=max_new, max_active=max_active, continuous=cfg.continuous_batching,
                 shared_prefill=cfg.use_shared_prefill, staged=True,
                 sync_interval=cfg.sync_interval, counters=counters, logprobs=sampling.logprobs,
-                top_logprobs=sampling.top_logprobs, settings=distinct,
+                top_logprobs=sampling.top_logprobs, settings=knob_values,
             )
             responses, logprobs, lengths = gather_responses(results.tokens, counters.lengths, pad_id,
                                                             results.logprobs)

@@ -231,6 +231,7 @@ class RolloutRequest:
     temperature: list[float | None] | None = field(default=None)
     top_p: list[float | None] | None = field(default=None)
     top_k: list[int | None] | None = field(default=None)
+    stop_token_ids: list[list[list[int]] | None] | None = field(default=None)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -303,7 +304,7 @@ class RolloutRequest:
             if len(set(uids)) != len(uids):
                 raise ValueError(f"{owner}: request_ids must be distinct (each prompt needs its own random stream)")
             self.request_ids = [int(u) for u in uids]
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "stop_token_ids"):
             values = getattr(self, name)
             if values is None:
                 continue
@@ -313,9 +314,13 @@ class RolloutRequest:
                 raise ValueError(f"{owner}: {name} must be a list of {ids.shape[0]} values (one per prompt, None for "
                                  "the SamplingConfig's) or None")
             setattr(self, name, list(values))
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = [None if v is None else _stop_sequences(f"{owner}: prompt {i}'s", v)
+                                   for i, v in enumerate(self.stop_token_ids)]
 
-    def settings(self, sampling: SamplingConfig) -> list[tuple[float, float, int]]:
-        """Each prompt's (temperature, top-p, top-k): its own values where given, else ``sampling``'s; checked."""
+    def settings(self, sampling: SamplingConfig) -> list[tuple[float, float, int, tuple[tuple[int, ...], ...]]]:
+        """Each prompt's (temperature, top-p, top-k, stop sequences): its own values where given, else
+        ``sampling``'s; checked."""
         out = []
         for i in range(self.prompt_ids.shape[0]):
             t, p, k = (sampling.temperature if self.temperature is None or self.temperature[i] is None
@@ -326,7 +331,9 @@ class RolloutRequest:
                 validate_sampling(t, p, k)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"RolloutRequest: prompt {i}'s sampling: {exc}") from None
-            out.append((float(t), float(p), int(k)))
+            stops = (sampling.stop_token_ids if self.stop_token_ids is None or self.stop_token_ids[i] is None
+                     else self.stop_token_ids[i])
+            out.append((float(t), float(p), int(k), stops))
         return out
 
     @property

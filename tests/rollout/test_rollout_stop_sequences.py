@@ -78,3 +78,26 @@ def test_a_stop_id_outside_the_vocabulary_is_refused_and_the_rollout_stays_usabl
     with pytest.raises(ValueError, match="stop_token_ids hold ids >= the model's vocab_size"):
         rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=3, stop_token_ids=[[10**6]]))
     assert rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=3)).responses.shape[1] == 3
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_each_prompt_stops_on_its_own_sequences(graphs):
+    """RolloutRequest(stop_token_ids=[...]) per prompt (None: the SamplingConfig's), mixed with per-prompt
+    sampling in one call: each row is cut where its own stops say."""
+    model = build_model("tiny-llama", seed=3)
+    ids, mask = left_padded_prompts(4, 6, seed=7)
+    plain = SamplingConfig(max_new_tokens=20, temperature=1.0, seed=9)
+    full = responses(rollout_of(model, graphs=False).generate(RolloutRequest(ids, mask), plain))
+    own = [[list(full[0][3:5])], None, [[full[2][6]], list(full[2][1:4])], None]
+    default = ((full[3][8],),)
+    request = RolloutRequest(ids, mask, stop_token_ids=own, temperature=[None, None, None, 1.0])
+    got = rollout_of(model, graphs).generate(request, dataclasses.replace(plain, stop_token_ids=default))
+    want = [cut(r, tuple(map(tuple, own[i])) if own[i] is not None else default) for i, r in enumerate(full)]
+    assert responses(got) == want and want != full
+    with pytest.raises(TypeError, match="RolloutRequest: prompt 1's: each stop_token_ids entry"):
+        RolloutRequest(ids, mask, stop_token_ids=[None, [[]], None, None])
+
+
+def rollout_of(model, graphs: bool) -> HybridEngineRollout:
+    return HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=graphs, pad_token_id=0,
+                                                           eos_token_id=10_000, max_batch_size=4))
