@@ -69,6 +69,10 @@ class RequestSpec:
     min_tokens: int = 0  # EOS is suppressed before this many tokens
     resume_from: int = 0  # tokens it had generated when it was preempted (0: not preempted)
     knob: int = 0  # the index of its sampling setting in the call's table (SamplingKnobs.set_table)
+    seed: int | None = None  # its own sampler seed (None: the call's)
+
+    def seed_or(self, call_seed: int) -> int:
+        return call_seed if self.seed is None else self.seed
 
 
 @dataclass
@@ -224,7 +228,8 @@ def _admission_round(
         staging.pending[unit] -= 1
         counters.kv_row_copies += unit in staging.used
         staging.used.add(unit)
-        part.append([slot, staging.row_of[unit], req.rng_index, req.budget, req.min_tokens, seed, req.prompt_len,
+        part.append([slot, staging.row_of[unit], req.rng_index, req.budget, req.min_tokens, req.seed_or(seed),
+                     req.prompt_len,
                      pages.src, pages.dst, req.knob] + pages.table)
         started += 1
     run_part()
@@ -259,7 +264,7 @@ def _unstaged_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int],
                   device, counters)
     knob = _index([r.knob for r in reqs[:n]], device, counters)
     start_from_logits(state, logits, rows, torch.arange(n, device=device), meta[0], meta[1], meta[2],
-                      torch.full((n,), seed, dtype=torch.int64, device=device), sampling_key, knob)
+                      _index([r.seed_or(seed) for r in reqs[:n]], device, counters), sampling_key, knob)
     return n
 
 
@@ -280,7 +285,8 @@ def _resume(runner: DecodeGraphRunner, plan: PagePlan, slot: int, req: RequestSp
     ids = torch.cat([prompt_ids[req.prompt_index], history])[None]
     mask = torch.cat([prompt_mask[req.prompt_index], torch.ones_like(history)])[None]
     prefill(runner.model, state.cache, ids, mask, rows=_index([slot], device, counters), checked=True)
-    state.resume(slot, out_tokens[req.request_index], out_logprobs[req.request_index], generated, seed=seed,
+    state.resume(slot, out_tokens[req.request_index], out_logprobs[req.request_index], generated,
+                 seed=req.seed_or(seed),
                  request_index=req.rng_index, budget=req.budget, min_tokens=req.min_tokens,
                  out_top=(top_ids[req.request_index], top_lp[req.request_index]), knob=req.knob)
     counters.prefill_forwards += 1

@@ -279,7 +279,8 @@ class HybridEngineRollout:
         knob_of = [distinct.index(s) for s in settings]
         requests = [
             RequestSpec(request_index=i * n + j, prompt_index=i, budget=min(budgets[i], max_new),
-                        rng_index=uids[i] * n + j, prompt_len=prompt_lengths[i], knob=knob_of[i])
+                        rng_index=uids[i] * n + j, prompt_len=prompt_lengths[i], knob=knob_of[i],
+                        seed=None if request.seed is None or request.seed[i] is None else rank_seed(request.seed[i]))
             for i in range(num_prompts)
             for j in range(n)
         ]

@@ -226,12 +226,14 @@ class RolloutRequest:
     prompt_attention_mask: torch.Tensor | None = None
     max_new_tokens: list[int] | None = field(default=None)
     request_ids: list[int] | None = field(default=None)
-    #: Per-prompt sampling (lists of ``B``; ``None`` entries or lists take the SamplingConfig's value). A call
-    #: mixing settings replays one graph, of the filters any of them needs; at most 64 distinct settings.
+    #: Per-prompt sampling (lists of ``B``; ``None`` entries or lists take the SamplingConfig's value): knobs,
+    #: stop sequences and seed. A call mixing settings replays one graph, of the filters any of them needs; at
+    #: most 64 distinct (temperature, top_p, top_k, stops) settings.
     temperature: list[float | None] | None = field(default=None)
     top_p: list[float | None] | None = field(default=None)
     top_k: list[int | None] | None = field(default=None)
     stop_token_ids: list[list[list[int]] | None] | None = field(default=None)
+    seed: list[int | None] | None = field(default=None)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -304,7 +306,7 @@ class RolloutRequest:
             if len(set(uids)) != len(uids):
                 raise ValueError(f"{owner}: request_ids must be distinct (each prompt needs its own random stream)")
             self.request_ids = [int(u) for u in uids]
-        for name in ("temperature", "top_p", "top_k", "stop_token_ids"):
+        for name in ("temperature", "top_p", "top_k", "stop_token_ids", "seed"):
             values = getattr(self, name)
             if values is None:
                 continue
@@ -314,6 +316,11 @@ class RolloutRequest:
                 raise ValueError(f"{owner}: {name} must be a list of {ids.shape[0]} values (one per prompt, None for "
                                  "the SamplingConfig's) or None")
             setattr(self, name, list(values))
+        for s in self.seed or ():
+            if s is not None:
+                _check_int(owner, "seed", s, minimum=-(1 << 63))
+                if s >= 1 << 63:
+                    raise ValueError(f"{owner}: seed must fit in int64, got {s!r}")
         if self.stop_token_ids is not None:
             self.stop_token_ids = [None if v is None else _stop_sequences(f"{owner}: prompt {i}'s", v)
                                    for i, v in enumerate(self.stop_token_ids)]

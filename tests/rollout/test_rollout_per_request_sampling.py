@@ -57,3 +57,24 @@ def test_bad_per_prompt_values_are_refused_by_name():
         rollout(model, graphs=True).generate(bad, SamplingConfig(max_new_tokens=2, temperature=1.0))
     ok = RolloutRequest(base.prompt_ids, base.prompt_attention_mask, temperature=[None, 0.0])
     assert rollout(model, graphs=True).generate(ok, SamplingConfig(max_new_tokens=2)).responses.shape == (2, 2)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_a_prompt_with_its_own_seed_samples_what_a_call_with_that_seed_samples(graphs):
+    model = build_model("tiny-llama", seed=2)
+    base = left_padded_prompts([5, 7, 4], seed=8)
+    seeds = [11, None, 12]
+    request = RolloutRequest(base.prompt_ids, base.prompt_attention_mask, request_ids=[0, 1, 2], seed=seeds)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, seed=4, n_samples_per_prompt=2)
+    mixed = rollout(model, graphs).generate(request, sampling)
+    for i, seed in enumerate(seeds):
+        alone = rollout(model, graphs=False).generate(
+            one_prompt(base, i), SamplingConfig(max_new_tokens=8, temperature=1.0, n_samples_per_prompt=2,
+                                                seed=4 if seed is None else seed))
+        assert torch.equal(mixed.responses[2 * i:2 * i + 2], alone.responses)
+    other = rollout(model, graphs).generate(RolloutRequest(base.prompt_ids, base.prompt_attention_mask,
+                                                           request_ids=[0, 1, 2], seed=[13, None, 12]), sampling)
+    assert not torch.equal(other.responses[:2], mixed.responses[:2])  # its seed decides its tokens
+    assert torch.equal(other.responses[2:], mixed.responses[2:])
+    with pytest.raises(TypeError, match="RolloutRequest: seed must be an int"):
+        RolloutRequest(base.prompt_ids, base.prompt_attention_mask, seed=[1.5, None, None])
