@@ -297,15 +297,7 @@ class GenerateFrontEnd:
         if min_new is not None and _count("min_new_tokens", min_new) < 0:
             raise ValueError(f"generate(): min_new_tokens must be >= 0, got {min_new}")
         batch, width = input_ids.shape
-        max_new = kwargs.get("max_new_tokens")  # transformers' precedence, as _lengths resolves it
-        if max_new is None:
-            if gen.max_new_tokens is not None:
-                max_new = gen.max_new_tokens
-            elif kwargs.get("max_length") is not None:
-                max_new = kwargs["max_length"] - width
-            else:
-                max_new = _default_max_new_tokens(self.model.config, gen, width)
-        max_new = _count("max_new_tokens", max_new)
+        max_new = _count("max_new_tokens", self._max_new_tokens(width, kwargs))
         if max_new <= 0:
             return  # refused with the fast path's message, or transformers'
         limit = max_positions(self.model.config)
@@ -324,18 +316,22 @@ class GenerateFrontEnd:
                 f"would be more than {MAX_BATCH_ELEMENTS} tokens in one call; lower num_beams or "
                 "num_return_sequences, or split the batch")
 
+    def _max_new_tokens(self, width: int, kwargs: dict[str, Any]) -> Any:
+        """The call's new-token count as transformers resolves it, unchecked: max_new_tokens (the call's, then
+        the generation config's) over max_length."""
+        gen = self.model.generation_config
+        if kwargs.get("max_new_tokens") is not None:
+            return kwargs["max_new_tokens"]
+        if gen.max_new_tokens is not None:
+            return gen.max_new_tokens
+        if kwargs.get("max_length") is not None:
+            return kwargs["max_length"] - width
+        return _default_max_new_tokens(self.model.config, gen, width)
+
     def _lengths(self, input_ids: torch.Tensor, mask: torch.Tensor | None, kwargs: dict[str, Any]) -> tuple[int, int]:
         gen = self.model.generation_config
         width = input_ids.shape[1]
-        # transformers' precedence: max_new_tokens (the call's, then the generation config's) over max_length.
-        max_new = kwargs.get("max_new_tokens")
-        if max_new is None:
-            if gen.max_new_tokens is not None:
-                max_new = gen.max_new_tokens
-            elif kwargs.get("max_length") is not None:
-                max_new = kwargs["max_length"] - width
-            else:
-                max_new = _default_max_new_tokens(self.model.config, gen, width)
+        max_new = self._max_new_tokens(width, kwargs)
         min_new = kwargs.get("min_new_tokens")
         if min_new is None:
             min_new = gen.min_new_tokens or 0
