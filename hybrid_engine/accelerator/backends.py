@@ -122,6 +122,18 @@ def _end_failed_capture(end: Callable[[], Any]) -> None:
         pass
 
 
+@contextlib.contextmanager
+def _between_begin_and_end(graph: Any) -> Iterator[None]:
+    """The body of a capture the caller has begun: ``graph.capture_end()`` after it, or, when it raises,
+    :func:`_end_failed_capture` and the body's exception."""
+    try:
+        yield
+    except BaseException:
+        _end_failed_capture(graph.capture_end)
+        raise
+    graph.capture_end()
+
+
 _said_at_capture: set[str] = set()
 
 
@@ -162,12 +174,8 @@ def _probe_accelerator_graph(backend_name: str, synchronize: Callable[[], Any]) 
         synchronize()  # as torch.cuda.graph does: no pending work may leak into the capture
         with _flag_capturing():
             _begin_quietly(graph, backend_name)
-            try:
+            with _between_begin_and_end(graph):
                 yield
-            except BaseException:
-                _end_failed_capture(graph.capture_end)
-                raise
-            graph.capture_end()
 
     return GraphAPI(
         name="torch.accelerator.Graph",
@@ -203,12 +211,8 @@ def _probe_module_graph(module: Any, module_label: str) -> GraphAPI | None:
                 # ``stream`` is current (the accelerator made it so): capture_begin captures on it. No device
                 # synchronize and no empty_cache per capture, which torch.cuda.graph's __enter__ would add.
                 graph.capture_begin(**({"pool": pool} if pool is not None else {}), **mode)
-                try:
+                with _between_begin_and_end(graph):
                     yield
-                except BaseException:
-                    _end_failed_capture(graph.capture_end)
-                    raise
-                graph.capture_end()
                 return
             # No streams to make current (the context's own side stream then applies), or a class without
             # capture_begin/capture_end: the backend's capture context.
