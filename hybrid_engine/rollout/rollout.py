@@ -238,6 +238,10 @@ class HybridEngineRollout:
         if isinstance(vocab, int) and any(i >= vocab for q in sampling.stop_token_ids for i in q):
             raise ValueError(f"generate: SamplingConfig.stop_token_ids hold ids >= the model's vocab_size {vocab}; "
                              "such a sequence could never be generated")
+        for i, stops in enumerate(request.stop_token_ids or ()):
+            if isinstance(vocab, int) and stops is not None and any(t >= vocab for q in stops for t in q):
+                raise ValueError(f"generate: RolloutRequest.stop_token_ids (prompt {i}) hold ids >= the model's "
+                                 f"vocab_size {vocab}; such a sequence could never be generated")
         # Prompts are staged for prefill at their padded width, rounded up to a power of two (see
         # hybrid_engine.decode.staging): the cache holds that plus the responses, within a configured capacity.
         prompt_width = width_bucket(request.prompt_ids.shape[1])
@@ -268,9 +272,6 @@ class HybridEngineRollout:
         # their union mode.
         settings = request.settings(sampling)
         distinct = list(dict.fromkeys(settings))
-        if isinstance(vocab, int) and any(i >= vocab for *_, stops in distinct for q in stops for i in q):
-            raise ValueError(f"generate: the stop_token_ids hold ids >= the model's vocab_size {vocab}; such a "
-                             "sequence could never be generated")
         if len(distinct) > MAX_SETTINGS:
             raise ValueError(f"generate: the request mixes {len(distinct)} distinct (temperature, top_p, top_k, stops) "
                              f"settings, more than {MAX_SETTINGS}; split it into several calls")
