@@ -39,6 +39,8 @@ from typing import NamedTuple
 
 import torch
 
+from hybrid_engine.accelerator.host_copy import device_tensor
+
 __all__ = ["LOGPROB_MODES", "MAX_SETTINGS", "MIN_TEMPERATURE", "RowKnobs", "SAMPLING_STREAM", "SamplingKnobs", "counter_uniform", "logprobs_of",
            "sample_tokens", "sample_tokens_and_top", "sampling_mode", "union_mode", "validate_logprobs", "validate_sampling"]
 
@@ -220,10 +222,11 @@ class SamplingKnobs:
                            logprobs == "full"))
         values += [values[-1]] * (MAX_SETTINGS - len(values))
         inv_t, p, k, full = zip(*values)
-        self.inv_temperature.copy_(torch.tensor(inv_t, dtype=torch.float32))
-        self.top_p.copy_(torch.tensor(p, dtype=torch.float32))
-        self.top_k.copy_(torch.tensor(k, dtype=torch.int64))
-        self.full.copy_(torch.tensor(full, dtype=torch.bool))
+        device = self.top_k.device
+        self.inv_temperature.copy_(device_tensor(inv_t, device, torch.float32))
+        self.top_p.copy_(device_tensor(p, device, torch.float32))
+        self.top_k.copy_(device_tensor(k, device))
+        self.full.copy_(device_tensor(full, device, torch.bool))
 
     def for_rows(self, index: torch.Tensor) -> RowKnobs:
         """The values of setting ``index[b]`` for row ``b`` (device gathers: capture-safe)."""

@@ -279,8 +279,8 @@ class DecodeSlots:
         request_index: torch.Tensor,
         budget: torch.Tensor,
         min_tokens: torch.Tensor,
+        knob: torch.Tensor,
         first_top: tuple[torch.Tensor, torch.Tensor] | None = None,
-        knob: torch.Tensor | None = None,
     ) -> None:
         """Start freshly prefilled requests in ``slots``; their first token came from the prefill logits (and
         ``first_top``, its ranked alternatives, when the slots keep them).
@@ -299,12 +299,9 @@ class DecodeSlots:
         self.request_index.index_copy_(0, slots, request_index)
         self.budget.index_copy_(0, slots, budget)
         self.min_tokens.index_copy_(0, slots, min_tokens)
-        if knob is not None:
-            self.knob.index_copy_(0, slots, knob)
-        else:
-            self.knob.index_fill_(0, slots, 0)
+        self.knob.index_copy_(0, slots, knob)
         stopped = self.ends_in_a_stop_sequence(self.out_tokens.index_select(0, slots), torch.zeros_like(slots),
-                                               self.knob.index_select(0, slots)) & (min_tokens < 1)
+                                               knob) & (min_tokens < 1)
         done = self.is_eos(first_tokens) | stopped | (budget <= 1)
         self.finished.index_copy_(0, slots, done)
 

@@ -189,15 +189,14 @@ def admission_round(slots: DecodeSlots, staged: StagedRequests, sampling_key: tu
 
 def start_from_logits(slots: DecodeSlots, logits: torch.Tensor, slot: torch.Tensor, source: torch.Tensor,
                       request_index: torch.Tensor, budget: torch.Tensor, min_tokens: torch.Tensor,
-                      seed: torch.Tensor, sampling_key: tuple[float, float, int],
-                      knob: torch.Tensor | None = None) -> None:
+                      seed: torch.Tensor, sampling_key: tuple[float, float, int], knob: torch.Tensor) -> None:
     """Start requests whose prompts are already in their slots (per-request device tensors): each one's first
     token is picked from its source row of the prefill ``logits`` with the decode step's sampler (token 0 of
     its counters). Capture-safe."""
     tokens, logprobs, top_ids, top_lp = choose_tokens(
         logits.index_select(0, source), sampling_key, eos_mask=slots.eos_mask, suppress_eos=min_tokens > 0,
         seed=seed, request_index=request_index, token_index=0,
-        knobs=slots.knobs.for_rows(knob if knob is not None else torch.zeros_like(slot)), top=slots.top_logprobs,
+        knobs=slots.knobs.for_rows(knob), top=slots.top_logprobs,
     )
     slots.start(slot, tokens, logprobs, seed=seed, request_index=request_index, budget=budget,
                 min_tokens=min_tokens, first_top=(top_ids, top_lp), knob=knob)

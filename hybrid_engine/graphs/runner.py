@@ -38,7 +38,9 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sysconfig
 import time
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -79,9 +81,6 @@ def failing_line(exc: BaseException) -> str:
     """`` at <file>:<line> in <function>: <code>``: the innermost frame of ``exc`` in the model's own code (not
     torch's, not ours, not the standard library's), so that a capture refused for a host read names the line
     of modeling code that read the host; ``""`` when there is none."""
-    import sysconfig
-    import traceback
-
     paths = sysconfig.get_paths()
     packages = sorted({paths["purelib"], paths["platlib"]}, key=len, reverse=True)
     ours = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(torch.__file__)))
