@@ -77,6 +77,8 @@ def test_a_stop_id_outside_the_vocabulary_is_refused_and_the_rollout_stays_usabl
     rollout = HybridEngineRollout(model, config=RolloutConfig(pad_token_id=0, eos_token_id=10_000))
     with pytest.raises(ValueError, match="stop_token_ids hold ids >= the model's vocab_size"):
         rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=3, stop_token_ids=[[10**6]]))
+    with pytest.raises(ValueError, match=r"RolloutRequest.stop_token_ids \(prompt 1\) hold ids >= the model's"):
+        rollout.generate(RolloutRequest(ids, mask, stop_token_ids=[None, [[10**6]]]), SamplingConfig(max_new_tokens=3))
     assert rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=3)).responses.shape[1] == 3
 
 
