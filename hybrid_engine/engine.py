@@ -44,6 +44,7 @@ from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.distributed.inference_copy import InferenceCopy
 from hybrid_engine.distributed.world import rank, world_size
 from hybrid_engine.distributed.zero3 import gathered_for_inference
+from hybrid_engine.exact.mode import exact_forward
 from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_generation, exclusive_generation
 from hybrid_engine.generation.generate import GenerateFrontEnd
 from hybrid_engine.graphs.stats import GraphStats
@@ -179,8 +180,11 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The training forward of ``module`` (through DeepSpeed's engine under ZeRO). Waits for a generation
-        running in another thread on this model (:mod:`hybrid_engine.generation.call_context`)."""
+        running in another thread on this model (:mod:`hybrid_engine.generation.call_context`). With
+        ``hybrid_engine.exact_logprobs``, it runs as :func:`~hybrid_engine.exact.exact_forward`."""
         with exclusive_generation(self.inference_module, "HybridEngine.forward"):
+            if self.config.hybrid_engine.exact_logprobs:
+                return exact_forward(self.inference_module, *args, forward=self.training_backend.forward, **kwargs)
             return self.training_backend.forward(*args, **kwargs)
 
     def train(self, mode: bool = True) -> HybridEngine:

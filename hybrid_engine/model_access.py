@@ -9,9 +9,13 @@ both devices named, keeps the engine usable and the error actionable.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 
-__all__ = ["ADAPTER_STATE", "check_device", "decode_model", "is_zero3_partitioned", "model_device"]
+__all__ = ["ADAPTER_STATE", "attention_implementation", "check_device", "decode_model", "is_zero3_partitioned", "model_device"]
 
 
 # Host-side attributes of a PEFT tuner layer (found by duck typing: no peft import) that its forward branches on
@@ -56,3 +60,29 @@ def check_device(what: str, tensor: torch.Tensor, model: torch.nn.Module) -> Non
 def is_zero3_partitioned(module: torch.nn.Module) -> bool:
     """Whether ``module``'s parameters are ZeRO-3 partitioned (DeepSpeed tags each with ``ds_id``)."""
     return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def _attn_implementations(config: Any) -> list[tuple[Any, Any]]:
+    """``(config, _attn_implementation)`` for ``config`` and its sub-configs (setting it recurses into them)."""
+    out = [(config, config._attn_implementation)]
+    for name in getattr(config, "sub_configs", None) or ():
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            out.extend(_attn_implementations(sub))
+    return out
+
+
+@contextlib.contextmanager
+def attention_implementation(config: Any, impl: str | None) -> Iterator[None]:
+    """Run the block with ``config._attn_implementation = impl`` (``None``: unchanged); the config's own value,
+    and its sub-configs', are put back after."""
+    if impl is None or config is None or config._attn_implementation == impl:
+        yield
+        return
+    saved = _attn_implementations(config)
+    config._attn_implementation = impl
+    try:
+        yield
+    finally:
+        for cfg, value in saved:
+            cfg._attn_implementation = value

@@ -457,6 +457,9 @@ class HybridEngineConfig(BaseModel):
     kv_page_size: StrictInt = Field(default=DEFAULT_PAGE_SIZE, ge=1, le=MAX_PAGE_SIZE)
     kv_cache_tokens: StrictInt | None = Field(default=None, gt=0)
     kv_cache_bytes: StrictInt | None = Field(default=None, gt=0)
+    #: Batch-invariant kernels in ``engine(...)``, ``engine.generate`` and the rollouts on this engine: a rollout's
+    #: logprob is then bit-for-bit the training forward's, in any batch (:mod:`hybrid_engine.exact`).
+    exact_logprobs: StrictBool = False
 
     @model_validator(mode="before")
     @classmethod

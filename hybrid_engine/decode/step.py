@@ -34,6 +34,8 @@ from transformers import PreTrainedModel
 from hybrid_engine.accelerator import is_capturing
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.layout import FULL, AttentionKind, attention_kinds
+from hybrid_engine.exact.mode import EXACT_ATTENTION
+from hybrid_engine.exact.rows import pack_order, pack_rows
 
 __all__ = ["build_decode_mask", "build_prefill_mask", "decode_one_token", "layer_masks", "prefill",
            "prompt_position_ids"]
@@ -136,7 +138,9 @@ def _forward(
     mask4d: torch.Tensor | dict[str, torch.Tensor],
     position_ids: torch.Tensor,
     cache_position: torch.Tensor,
+    last: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """The logits of each row's last column, or of column ``last[row]`` (all columns are then computed)."""
     cache_kw, takes_cache_position, takes_logits_to_keep = _forward_signature(model)
     kwargs: dict[str, Any] = {
         "input_ids": input_ids,
@@ -147,7 +151,7 @@ def _forward(
     }
     if takes_cache_position:
         kwargs["cache_position"] = cache_position
-    if takes_logits_to_keep:
+    if takes_logits_to_keep and last is None:
         kwargs["logits_to_keep"] = 1
     cache.answer_on_device = True  # eager steps answer length queries as captured ones do: no host read
     try:
@@ -155,7 +159,9 @@ def _forward(
     finally:
         cache.answer_on_device = False
     logits = out[0] if isinstance(out, tuple) else out.logits  # a tuple under config.return_dict=False
-    return logits[:, -1]
+    if last is None:
+        return logits[:, -1]
+    return logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1)
 
 
 def _check_tokens(cache: PagedKVCache, tokens: torch.Tensor) -> None:
@@ -200,6 +206,11 @@ def prefill(
             raise ValueError(f"prefill: {n} prompts but {rows.numel()} rows")
         table = cache.block_table.index_select(0, rows)
     lengths = attention_mask.to(torch.int64).sum(-1)
+    last = None
+    if getattr(model.config, "_attn_implementation", None) == EXACT_ATTENTION:
+        # Exact attention counts key blocks from column 0: each row's tokens go first, as in a decode step.
+        input_ids, attention_mask = pack_rows(pack_order(attention_mask), input_ids, attention_mask)
+        last = lengths - 1
     # The forward runs on a view of the target rows whose lengths read 0: the prompt is all there is.
     target = PagedKVCache.__new__(PagedKVCache)
     target._setup(cache.pool, table, torch.zeros_like(lengths), torch.zeros_like(lengths), cache.capacity,
@@ -210,7 +221,7 @@ def prefill(
     dtype = _model_dtype(model)
     mask4d = layer_masks(model, lambda kind: build_prefill_mask(attention_mask, t, dtype, kind))
     logits = _forward(model, target, input_ids, mask4d, prompt_position_ids(attention_mask),
-                      torch.arange(t, device=device))
+                      torch.arange(t, device=device), last)
     if rows is None:
         cache.write_pos[:n].copy_(lengths)
         cache.position[:n].copy_(lengths)

@@ -50,6 +50,7 @@ from hybrid_engine.decode.layout import exact_length
 from hybrid_engine.decode.model_support import check_model_supported, max_positions
 from hybrid_engine.decode.sampling import validate_sampling
 from hybrid_engine.distributed.ranks import rank_seed
+from hybrid_engine.exact.mode import exact_kernels
 from hybrid_engine.generation.scheduler import Counters, RequestSpec, gather_responses, run_schedule
 from hybrid_engine.generation.timing import PhaseTimer
 from hybrid_engine.generation.token_ids import token_id, token_ids
@@ -482,20 +483,21 @@ class GenerateFrontEnd:
         lengths = plan.attention_mask.sum(-1).tolist()
         budget = KVBudget(he.kv_page_size, he.kv_cache_tokens, he.kv_cache_bytes, "hybrid_engine.kv_cache",
                           max(lengths), plan.new_tokens)
-        slots = runner.prepare(rows=batch, capacity=capacity, num_eos=len(plan.eos), graphs=enabled, budget=budget)
-        if not enabled:
-            runner.note_refusal(GRAPHS_OFF, warn=False)
-        pad = plan.pad if plan.pad is not None else 0
-        slots.set_special_ids(pad, tuple(plan.eos))
-        slots.set_stop_sequences([()])  # transformers' stop_strings are handed to transformers
-        requests = [RequestSpec(request_index=b, prompt_index=b, budget=plan.new_tokens, rng_index=b,
-                                prompt_len=lengths[b], min_tokens=plan.min_new_tokens) for b in range(batch)]
-        counters = Counters(timer=PhaseTimer(runner.accelerator, slots.device))
-        out_tokens = run_schedule(
-            runner, requests, ids, plan.attention_mask, plan.sampling, seed,
-            width=plan.new_tokens, max_active=batch, continuous=False, shared_prefill=False, staged=False,
-            sync_interval=SYNC_INTERVAL, counters=counters,
-        ).tokens
+        with exact_kernels(self.model, he.exact_logprobs):  # before prepare: graphs are keyed by the mode
+            slots = runner.prepare(rows=batch, capacity=capacity, num_eos=len(plan.eos), graphs=enabled, budget=budget)
+            if not enabled:
+                runner.note_refusal(GRAPHS_OFF, warn=False)
+            pad = plan.pad if plan.pad is not None else 0
+            slots.set_special_ids(pad, tuple(plan.eos))
+            slots.set_stop_sequences([()])  # transformers' stop_strings are handed to transformers
+            requests = [RequestSpec(request_index=b, prompt_index=b, budget=plan.new_tokens, rng_index=b,
+                                    prompt_len=lengths[b], min_tokens=plan.min_new_tokens) for b in range(batch)]
+            counters = Counters(timer=PhaseTimer(runner.accelerator, slots.device))
+            out_tokens = run_schedule(
+                runner, requests, ids, plan.attention_mask, plan.sampling, seed,
+                width=plan.new_tokens, max_active=batch, continuous=False, shared_prefill=False, staged=False,
+                sync_interval=SYNC_INTERVAL, counters=counters,
+            ).tokens
         runner.note_call_pages(counters.kv_pages_peak, counters.preemptions)
         responses, _, _ = gather_responses(out_tokens, counters.lengths, pad)
         return torch.cat([ids, responses], dim=1)

@@ -40,12 +40,13 @@ import torch
 from hybrid_engine.config.loading import ConfigSource, load_config
 from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.decode.npu_attention import NPU_GRAPH_ATTENTION, npu_graph_available
+from hybrid_engine.exact.mode import EXACT_ATTENTION
 from hybrid_engine.model_access import is_zero3_partitioned
 
 __all__ = ["CAPTURABLE_ATTENTION", "GraphRefusedWarning", "NPU_SWITCHED_ATTENTION", "ZERO3_REFUSAL", "graph_attention", "graph_capture_requested", "refusal_reason", "validate_graph_capture_support"]
 
 #: Attention implementations whose decode kernels capture and honour the decode cache's 4D mask.
-CAPTURABLE_ATTENTION = ("eager", "sdpa", NPU_GRAPH_ATTENTION)
+CAPTURABLE_ATTENTION = ("eager", "sdpa", NPU_GRAPH_ATTENTION, EXACT_ATTENTION)
 
 #: Model attention implementations whose graphed steps run with ``"npu_graph"`` on an NPU (transformers'
 #: ``eager`` attention is matmul and softmax, which NPU capture records as it is).

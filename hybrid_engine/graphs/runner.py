@@ -71,7 +71,7 @@ from hybrid_engine.graphs.hooks import HookCaptureError, attributed_hooks, hook_
 from hybrid_engine.graphs.keys import AdmissionKey, GraphKey, PrefillKey, RunKey, default_graph_buckets
 from hybrid_engine.graphs.policy import GraphRefusedWarning, graph_attention, refusal_reason
 from hybrid_engine.graphs.stats import GraphStats
-from hybrid_engine.model_access import model_device
+from hybrid_engine.model_access import attention_implementation, model_device
 from hybrid_engine.user_warnings import user_stacklevel
 
 __all__ = ["DecodeGraphRunner", "EXACT_PROMPT_ROWS", "MAX_CAPTURE_FAILURES", "PREFILL_TOKEN_BUDGET"]
@@ -605,18 +605,8 @@ class DecodeGraphRunner:
         Ascend NPU), the warm-up and the capture run with them, and the model's ``_attn_implementation`` is put
         back right after, so eager steps keep the model's choice and the fingerprint, taken outside the switch,
         stays stable."""
-        impl = self._graph_attn
-        config = getattr(self.model, "config", None)
-        if impl is None or config is None or config._attn_implementation == impl:
+        with attention_implementation(getattr(self.model, "config", None), self._graph_attn):
             yield
-            return
-        saved = _attn_implementations(config)
-        config._attn_implementation = impl
-        try:
-            yield
-        finally:
-            for cfg, value in saved:
-                cfg._attn_implementation = value
 
     def _host_state(self) -> list[tuple[Any, Any]]:
         """Host-side counters a captured step or admission advances: those of the slots' and stage's caches
@@ -699,12 +689,3 @@ def _uncached_autocast(device: torch.device) -> Iterator[None]:
     with torch.autocast(kind, dtype=torch.get_autocast_dtype(kind), cache_enabled=False):
         yield
 
-
-def _attn_implementations(config: Any) -> list[tuple[Any, Any]]:
-    """``(config, _attn_implementation)`` for ``config`` and its sub-configs (setting it recurses into them)."""
-    out = [(config, config._attn_implementation)]
-    for name in getattr(config, "sub_configs", None) or ():
-        sub = getattr(config, name, None)
-        if sub is not None and hasattr(sub, "_attn_implementation"):
-            out.extend(_attn_implementations(sub))
-    return out

@@ -35,6 +35,7 @@ from hybrid_engine.decode.sampling import MAX_SETTINGS, union_mode
 from hybrid_engine.decode.staging import staged_width_within, width_bucket
 from hybrid_engine.distributed.ranks import rank_seed
 from hybrid_engine.distributed.zero3 import gathered_for_inference
+from hybrid_engine.exact.mode import exact_kernels
 from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_generation, exclusive_generation
 from hybrid_engine.generation.scheduler import Counters, RequestSpec, gather_responses, run_schedule
 from hybrid_engine.generation.timing import PhaseTimer
@@ -99,6 +100,9 @@ class HybridEngineRollout:
         self.last_stats: dict[str, Any] = {}
         self.total_graph_captures = 0
         engine_config = getattr(engine, "config", None)
+        engine_exact = isinstance(engine_config, EngineConfig) and engine_config.hybrid_engine.exact_logprobs
+        #: Whether calls run the exact mode's batch-invariant kernels (:mod:`hybrid_engine.exact`).
+        self.exact_logprobs = engine_exact if config.exact_logprobs is None else config.exact_logprobs
         self.runner = DecodeGraphRunner(
             self.model,
             config=engine_config if isinstance(engine_config, EngineConfig) else None,
@@ -154,7 +158,7 @@ class HybridEngineRollout:
 
     @contextlib.contextmanager
     def _inference_mode(self) -> Iterator[None]:
-        with eval_for_generation(self.model), decode_grad_mode():
+        with eval_for_generation(self.model), decode_grad_mode(), exact_kernels(self.model, self.exact_logprobs):
             yield
 
     # ------------------------------------------------------------- generate

@@ -79,6 +79,12 @@ class RolloutConfig:
     configured pool runs dry, running requests are preempted and resumed later
     with the same tokens. ``cache_capacity`` stays the longest sequence a row may
     reach; it no longer sizes the memory.
+
+    ``exact_logprobs=True`` runs batch-invariant kernels (:mod:`hybrid_engine.exact`): a
+    response token's logprob is then bit-for-bit what the engine's training forward in
+    that mode (``hybrid_engine.exact_logprobs``, or :func:`hybrid_engine.exact_forward`)
+    computes, whatever the batch, slot, bucket or admission round; ``None`` follows the
+    engine's ``hybrid_engine.exact_logprobs`` (off for a bare model).
     """
 
     use_graph_capture: bool = False
@@ -94,9 +100,12 @@ class RolloutConfig:
     kv_page_size: int = DEFAULT_PAGE_SIZE
     kv_cache_tokens: int | None = None
     kv_cache_bytes: int | None = None
+    exact_logprobs: bool | None = None
 
     def __post_init__(self) -> None:
         owner = "RolloutConfig"
+        if self.exact_logprobs is not None:
+            _check_bool(owner, "exact_logprobs", self.exact_logprobs)
         for name in ("use_graph_capture", "continuous_batching", "use_shared_prefill", "enable_profiling"):
             _check_bool(owner, name, getattr(self, name))
         slots_hint = (f" (2**16): every slot of the largest bucket a call uses gets a KV row of cache_capacity "

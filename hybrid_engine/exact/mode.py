@@ -1,0 +1,103 @@
+"""The exact mode: the training forward and the decode steps run the same batch-invariant kernels.
+
+Why: a rollout's logprob for a token is bit-for-bit the training forward's
+only if both sides compute every contraction with the same reduction order,
+whatever the batch. :func:`exact_kernels` makes that so for the block it
+wraps, and for nothing else:
+
+* a ``TorchFunctionMode`` sends ``F.linear`` and ``torch.addmm`` (GPT-2's
+  ``Conv1D``) to :mod:`hybrid_engine.exact.kernels`; autograd flows through
+  them, so the training step's gradients are the usual ones;
+* the model's ``_attn_implementation`` is switched to :data:`EXACT_ATTENTION`
+  (registered with transformers' attention and mask interfaces on import): the
+  fixed-block online softmax, with transformers' additive float masks.
+
+Norms, softmax and ``log_softmax`` reduce within a row already. Graphs
+captured under the mode record its kernels (the attention implementation is
+part of a graph's fingerprint, so a graph of one mode never replays in the
+other).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from hybrid_engine.exact.kernels import block_attention, exact_addmm, exact_linear
+from hybrid_engine.exact.rows import packed_forward
+from hybrid_engine.model_access import attention_implementation, decode_model
+
+__all__ = ["EXACT_ATTENTION", "exact_forward", "exact_kernels", "register"]
+
+#: The attention implementation name the exact mode registers with transformers.
+EXACT_ATTENTION = "hybrid_exact"
+
+
+class _ExactOps(TorchFunctionMode):
+    """Routes the row-mixing matmuls of a forward to their batch-invariant versions."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return exact_linear(*args, **kwargs)
+        if func is torch.addmm and "out" not in kwargs and args[1].dim() == 2:
+            return exact_addmm(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def exact_kernels(model: torch.nn.Module | None, enabled: bool = True) -> Iterator[None]:
+    """Run the block with batch-invariant matmuls and ``model``'s attention switched to :data:`EXACT_ATTENTION`
+    (``enabled=False``: as it is)."""
+    if not enabled:
+        yield
+        return
+    with attention_implementation(getattr(model, "config", None), EXACT_ATTENTION), _ExactOps():
+        yield
+
+
+def exact_forward(model: torch.nn.Module, *args: Any, forward: Callable[..., Any] | None = None,
+                  **kwargs: Any) -> Any:
+    """``model(*args, **kwargs)`` as the exact mode's training forward: batch-invariant kernels, rows packed so a
+    token's column is its position (:func:`~hybrid_engine.exact.rows.packed_forward`), ``logits`` returned in
+    the caller's columns. Gradients flow. ``forward`` runs instead of ``model`` (the engine passes its training
+    backend's). A rollout with ``exact_logprobs`` reports, for each response token, exactly
+    ``logprobs_of(exact_forward(model, ...).logits, ...)`` at that token."""
+    inner = decode_model(model)
+    if args:  # positional order differs between models (GPT-2 takes past_key_values second): bind by name
+        signature = inspect.signature(inner.forward)
+        named: dict[str, Any] = {}
+        for name, value in signature.bind_partial(*args, **kwargs).arguments.items():
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(value)
+            else:
+                named[name] = value
+        kwargs = named
+    with exact_kernels(inner):
+        return packed_forward(forward if forward is not None else model, **kwargs)
+
+
+def _exact_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' eager (additive float) mask, which :func:`~hybrid_engine.exact.kernels.block_attention`
+    reads; passed through unchanged (the arguments differ between transformers 4.57 and 5.x)."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    return AttentionMaskInterface._global_mapping["eager"](*args, **kwargs)
+
+
+def register() -> None:
+    """Register :data:`EXACT_ATTENTION` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(EXACT_ATTENTION, block_attention)
+    AttentionMaskInterface.register(EXACT_ATTENTION, _exact_mask)
+
+
+register()
