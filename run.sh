@@ -47,6 +47,6 @@ case "$cmd" in
   test-transformers-4.57)
     exec "$py" -m pytest -q tests/test_kv_cache.py tests/test_model_step.py tests/test_engine_generate.py \
       tests/test_engine_graphs.py tests/test_engine_training.py tests/test_inference_copy.py tests/test_graph_runner.py \
-      tests/rollout "$@" ;;
+      tests/test_exact_kernels.py tests/rollout "$@" ;;
   *) exec "$py" -m hybrid_engine "$cmd" "$@" ;;
 esac

@@ -44,7 +44,7 @@ from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.distributed.inference_copy import InferenceCopy
 from hybrid_engine.distributed.world import rank, world_size
 from hybrid_engine.distributed.zero3 import gathered_for_inference
-from hybrid_engine.exact.mode import exact_forward
+from hybrid_engine.exact.mode import check_exact_support, exact_forward
 from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_generation, exclusive_generation
 from hybrid_engine.generation.generate import GenerateFrontEnd
 from hybrid_engine.graphs.stats import GraphStats
@@ -76,6 +76,8 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         self._inference_copy = (InferenceCopy(decode_model(model)) if config.zero_optimization.stage == 3
                                 and config.hybrid_engine.zero3_gathered_inference_copy else None)
         self._front_end = GenerateFrontEnd(self.inference_module, config)
+        if config.hybrid_engine.exact_logprobs:
+            check_exact_support(self.inference_module)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "module" and "module" in self.__dict__.get("_modules", {}):

@@ -31,12 +31,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_ROWS", "KEY_BLOCK", "block_attention", "exact_addmm", "exact_linear", "fixed_bmm"]
+__all__ = ["CHUNK_ROWS", "KEY_BLOCK", "attention_calls", "block_attention", "exact_addmm", "exact_linear",
+           "fixed_bmm"]
 
 #: Rows per matmul chunk: every contraction runs at ``[CHUNK_ROWS, K] x [K, N]``.
 CHUNK_ROWS = 16
 #: Keys per attention block (the online softmax combines blocks from key 0 on).
 KEY_BLOCK = 64
+
+
+_calls = 0
+
+
+def attention_calls() -> int:
+    """How many times :func:`block_attention` has run (host counter: a model whose attention bypasses
+    transformers' attention interface never reaches it, and the exact mode refuses it)."""
+    return _calls
 
 
 def fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -102,6 +112,8 @@ def block_attention(
 
     Returns ``(out [B, Lq, H, Dv], None)``. Computed in float32 and cast back to the query's dtype.
     """
+    global _calls
+    _calls += 1
     if dropout:
         raise ValueError(f"exact_logprobs: attention dropout ({dropout}) makes logprobs random; set the model's "
                          "attention dropout to 0 or turn exact_logprobs off")

@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from hybrid_engine.exact.kernels import block_attention, exact_addmm, exact_linear
+from hybrid_engine.exact.kernels import attention_calls, block_attention, exact_addmm, exact_linear
 from hybrid_engine.exact.rows import packed_forward
 from hybrid_engine.model_access import attention_implementation, decode_model
 
-__all__ = ["EXACT_ATTENTION", "exact_forward", "exact_kernels", "register"]
+__all__ = ["EXACT_ATTENTION", "check_exact_support", "exact_forward", "exact_kernels", "register"]
 
 #: The attention implementation name the exact mode registers with transformers.
 EXACT_ATTENTION = "hybrid_exact"
@@ -79,8 +79,41 @@ def exact_forward(model: torch.nn.Module, *args: Any, forward: Callable[..., Any
             else:
                 named[name] = value
         kwargs = named
+    keep = kwargs.pop("logits_to_keep", 0)  # of the caller's columns, not the packed ones
+    kwargs.setdefault("use_cache", False)  # a cache of packed rows would not be the caller's
+    before = attention_calls()
     with exact_kernels(inner):
-        return packed_forward(forward if forward is not None else model, **kwargs)
+        out = packed_forward(forward if forward is not None else model, **kwargs)
+    if attention_calls() == before:
+        raise ValueError(_bypassed(inner))
+    if isinstance(keep, int) and keep > 0:
+        out.logits = out.logits[:, -keep:]
+    elif isinstance(keep, torch.Tensor):
+        out.logits = out.logits[:, keep]
+    return out
+
+
+def check_exact_support(model: torch.nn.Module) -> None:
+    """Refuse, with a ``ValueError`` that names the model type, a model whose attention does not go through
+    transformers' attention interface (the exact kernels would not run there); one one-token forward."""
+    inner = decode_model(model)
+    before = attention_calls()
+    device = next(inner.parameters()).device
+    training = inner.training
+    inner.eval()  # no dropout in the probe
+    try:
+        with torch.no_grad(), exact_kernels(inner):
+            inner(input_ids=torch.zeros(1, 1, dtype=torch.int64, device=device), use_cache=False)
+    finally:
+        inner.train(training)
+    if attention_calls() == before:
+        raise ValueError(_bypassed(inner))
+
+
+def _bypassed(model: torch.nn.Module) -> str:
+    kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    return (f"exact_logprobs: {kind}'s attention does not run through transformers' attention interface, so the "
+            "exact kernels cannot replace it; turn exact_logprobs off for this model")
 
 
 def _exact_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

@@ -35,7 +35,7 @@ from hybrid_engine.decode.sampling import MAX_SETTINGS, union_mode
 from hybrid_engine.decode.staging import staged_width_within, width_bucket
 from hybrid_engine.distributed.ranks import rank_seed
 from hybrid_engine.distributed.zero3 import gathered_for_inference
-from hybrid_engine.exact.mode import exact_kernels
+from hybrid_engine.exact.mode import check_exact_support, exact_kernels
 from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_generation, exclusive_generation
 from hybrid_engine.generation.scheduler import Counters, RequestSpec, gather_responses, run_schedule
 from hybrid_engine.generation.timing import PhaseTimer
@@ -103,6 +103,8 @@ class HybridEngineRollout:
         engine_exact = isinstance(engine_config, EngineConfig) and engine_config.hybrid_engine.exact_logprobs
         #: Whether calls run the exact mode's batch-invariant kernels (:mod:`hybrid_engine.exact`).
         self.exact_logprobs = engine_exact if config.exact_logprobs is None else config.exact_logprobs
+        if self.exact_logprobs:
+            check_exact_support(self.model)
         self.runner = DecodeGraphRunner(
             self.model,
             config=engine_config if isinstance(engine_config, EngineConfig) else None,

@@ -1,0 +1,178 @@
+"""The exact mode's kernels (issue 32): each row's result independent of the call's other rows and keys, and still
+the right numbers (close to the default kernels), with gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybrid_engine import exact_forward
+from hybrid_engine.exact import (
+    CHUNK_ROWS,
+    KEY_BLOCK,
+    block_attention,
+    exact_kernels,
+    exact_linear,
+    fixed_bmm,
+    pack_order,
+    pack_rows,
+    unpack,
+)
+from hybrid_engine.exact.mode import check_exact_support
+from hybrid_engine.tiny_models import build_model
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(64, 192), (256, 1024)])
+def test_a_rows_linear_output_is_the_same_bits_whatever_the_other_rows(shape, dtype):
+    g = torch.Generator().manual_seed(0)
+    fan_in, fan_out = shape
+    weight = torch.randn(fan_out, fan_in, generator=g).to(dtype)
+    rows = torch.randn(70, fan_in, generator=g).to(dtype)
+    alone = exact_linear(rows[:1], weight)[0]
+    for count in (1, 2, 3, 7, 8, 16, 17, 64, 70):
+        for at in {0, count // 2, count - 1}:
+            batch = rows[1:count].clone()
+            batch = torch.cat([batch[:at], rows[:1], batch[at:]])
+            assert torch.equal(exact_linear(batch, weight)[at], alone), (count, at)
+    assert torch.allclose(alone.float(), F.linear(rows[:1], weight)[0].float(), rtol=2e-2, atol=2e-2)
+
+
+def test_fixed_bmm_pads_to_whole_chunks_and_returns_only_the_rows_asked_for():
+    a = torch.randn(3, CHUNK_ROWS + 5, 8)
+    b = torch.randn(3, 8, 4)
+    out = fixed_bmm(a, b)
+    assert out.shape == (3, CHUNK_ROWS + 5, 4)
+    assert torch.allclose(out, a @ b, atol=1e-5)
+
+
+def test_exact_linear_has_the_usual_gradients():
+    x = torch.randn(5, 7, 32, requires_grad=True)
+    w = torch.randn(24, 32, requires_grad=True)
+    b = torch.randn(24, requires_grad=True)
+    exact_linear(x, w, b).square().sum().backward()
+    grads = [t.grad.clone() for t in (x, w, b)]
+    for t in (x, w, b):
+        t.grad = None
+    F.linear(x, w, b).square().sum().backward()
+    for got, t in zip(grads, (x, w, b)):
+        assert torch.allclose(got, t.grad, rtol=1e-4, atol=1e-4)
+
+
+def _reference_attention(q, k, v, allowed):
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+
+
+def test_block_attention_is_softmax_attention_with_gqa_and_padding():
+    g = torch.Generator().manual_seed(1)
+    b, h, hk, t, d = 2, 4, 2, 2 * KEY_BLOCK + 9, 16
+    q = torch.randn(b, h, t, d, generator=g)
+    k = torch.randn(b, hk, t, d, generator=g)
+    v = torch.randn(b, hk, t, d, generator=g)
+    causal = torch.ones(t, t).tril().bool()
+    additive = torch.zeros(b, 1, t, t).masked_fill(~causal, torch.finfo(torch.float32).min)
+    out, _ = block_attention(torch.nn.Module(), q, k, v, additive)
+    want = _reference_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal)
+    assert out.shape == (b, t, h, d)
+    assert torch.allclose(out.transpose(1, 2), want, atol=1e-5)
+
+
+def test_keys_past_a_query_in_whole_masked_blocks_change_no_bit():
+    """What makes decode (keys up to the query) and training (the whole sequence, masked) agree."""
+    g = torch.Generator().manual_seed(2)
+    d, seen = 16, KEY_BLOCK + 3
+    q = torch.randn(1, 2, 1, d, generator=g)
+    k = torch.randn(1, 2, 4 * KEY_BLOCK, d, generator=g)
+    v = torch.randn(1, 2, 4 * KEY_BLOCK, d, generator=g)
+    neg = torch.finfo(torch.float32).min
+    short = torch.zeros(1, 1, 1, seen)
+    long = torch.full((1, 1, 1, 4 * KEY_BLOCK), neg)
+    long[..., :seen] = 0
+    a, _ = block_attention(torch.nn.Module(), q, k[:, :, :seen], v[:, :, :seen], short)
+    garbage_k, garbage_v = k.clone(), v.clone()
+    garbage_k[:, :, seen:] *= 1000
+    garbage_v[:, :, seen:] = 7.0
+    b, _ = block_attention(torch.nn.Module(), q, garbage_k, garbage_v, long)
+    assert torch.equal(a, b)
+
+
+def test_block_attention_refuses_dropout_and_sinks_by_name():
+    q = k = v = torch.zeros(1, 1, 1, 4)
+    with pytest.raises(ValueError, match="dropout"):
+        block_attention(torch.nn.Module(), q, k, v, None, dropout=0.1)
+    with pytest.raises(ValueError, match="s_aux"):
+        block_attention(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(1))
+
+
+def test_packing_moves_real_tokens_first_and_unpack_puts_them_back():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 1, 1, 0, 1]])
+    ids = torch.arange(15).view(3, 5)
+    order = pack_order(mask)
+    packed_ids, packed_mask = pack_rows(order, ids, mask)
+    assert packed_ids.tolist() == [[2, 3, 4, 0, 1], [5, 6, 7, 8, 9], [11, 12, 14, 10, 13]]
+    assert packed_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
+    assert torch.equal(unpack(order, packed_ids.unsqueeze(-1).float()).squeeze(-1).long(), ids)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gpt2", "tiny-opt", "tiny-qwen3"])
+def test_a_sequences_logits_do_not_depend_on_its_batch_or_padding(arch, dtype):
+    model = build_model(arch, seed=3).to(dtype).eval()
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(4, 384, (n,), generator=g) for n in (37, 5, 90, 12)]
+
+    def logits(rows, width):
+        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(rows):
+            ids[i, width - len(s):] = s
+            mask[i, width - len(s):] = 1
+        with torch.no_grad():
+            out = exact_forward(model, input_ids=ids, attention_mask=mask).logits
+        return [out[i, width - len(s):] for i, s in enumerate(rows)]
+
+    alone = [logits([s], len(s))[0] for s in seqs]
+    for width in (90, 133):
+        for got, want in zip(logits(seqs, width), alone):
+            assert torch.equal(got, want)
+    with torch.no_grad():
+        plain = model(input_ids=seqs[0][None]).logits[0]
+    assert torch.allclose(alone[0].float(), plain.float(), atol=5e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_exact_forward_keeps_the_callers_last_columns_and_passes_labels():
+    model = build_model("tiny-llama", seed=3).eval()
+    ids = torch.randint(4, 384, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 4] = -100  # row 0's first token: its left neighbour is a pad there and nothing once packed
+    labels[1, 0] = -100
+    with torch.no_grad():
+        full = exact_forward(model, input_ids=ids, attention_mask=mask, labels=labels)
+        last = exact_forward(model, input_ids=ids, attention_mask=mask, logits_to_keep=3)
+        plain = model(input_ids=ids, attention_mask=mask, labels=labels,
+                      position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    assert torch.equal(last.logits, full.logits[:, -3:])
+    assert torch.allclose(full.loss, plain.loss, atol=1e-5)
+
+
+def test_the_exact_switch_is_undone_after_the_block():
+    model = build_model("tiny-llama")
+    before = model.config._attn_implementation
+    with exact_kernels(model):
+        assert model.config._attn_implementation == "hybrid_exact"
+    assert model.config._attn_implementation == before
+    assert F.linear(torch.ones(1, 2), torch.ones(3, 2)).shape == (1, 3)
+
+
+def test_a_model_whose_attention_bypasses_the_interface_is_refused_by_name():
+    model = build_model("tiny-llama")
+    for layer in model.model.layers:  # attention computed elsewhere: the exact kernels never run
+        layer.self_attn.forward = lambda hidden_states, *a, **k: (torch.zeros_like(hidden_states), None)
+    with pytest.raises(ValueError, match="llama's attention does not run through"):
+        check_exact_support(model)
