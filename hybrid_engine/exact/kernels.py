@@ -11,12 +11,13 @@ Here every contraction is a ``bmm`` of one fixed shape per operand shape:
   row's dot products are then computed by the same kernel at the same shape
   whatever else is in the call;
 * :func:`exact_linear` is ``F.linear`` (and GPT-2's ``addmm``) through it;
-* :func:`block_attention` is an online softmax over fixed blocks of
-  :data:`KEY_BLOCK` keys, counted from key 0. A block in which every key is
-  masked is an exact no-op (its scale factor is exactly 1, its terms exactly
-  0), so a decode step that sees keys past its query, masked, and a training
-  forward that sees the rest of the sequence, masked, reduce the same blocks
-  in the same order. Keys must be laid out by position from column 0 (the
+* :func:`block_attention` is softmax attention over fixed blocks of
+  :data:`KEY_BLOCK` keys, counted from key 0: the max over the keys a query
+  sees (exact in any order), one weighted sum per block, and the blocks
+  added in order. A block in which every key is masked adds exact zeros, so
+  a decode step that sees keys past its query, masked, and a training
+  forward that sees the rest of the sequence, masked, sum the same blocks in
+  the same order. Keys must be laid out by position from column 0 (the
   decode cache is; :mod:`hybrid_engine.exact.rows` packs training rows so).
 
 Nothing here reads the device on the host or depends on data for a shape, so
@@ -26,10 +27,10 @@ shapes, frozen like every shape.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["CHUNK_ROWS", "KEY_BLOCK", "attention_calls", "block_attention", "exact_addmm", "exact_linear",
            "fixed_bmm"]
@@ -127,33 +128,30 @@ def block_attention(
         key = key.repeat_interleave(h // hk, dim=1)
         value = value.repeat_interleave(h // hk, dim=1)
     scale = float(scaling) if scaling is not None else d ** -0.5
-    allowed = _allowed(attention_mask, b, lq, lk, query.device).expand(b, h, lq, lk)
-    q = (query.float() * scale).reshape(b * h, lq, d)
-    blocks = math.ceil(lk / KEY_BLOCK)
+    blocks = -(-lk // KEY_BLOCK)
     pad = blocks * KEY_BLOCK - lk
-    k = key.float()
-    v = torch.cat([value.float(), value.new_ones(b, h, lk, 1, dtype=torch.float32)], dim=-1)  # last column: sum p
-    if pad:
-        k = torch.cat([k, k.new_zeros(b, h, pad, d)], dim=2)
-        v = torch.cat([v, v.new_zeros(b, h, pad, dv + 1)], dim=2)
-        allowed = torch.cat([allowed, allowed.new_zeros(b, h, lq, pad)], dim=-1)
-    k = k.reshape(b * h, blocks * KEY_BLOCK, d)
-    v = v.reshape(b * h, blocks * KEY_BLOCK, dv + 1)
-    allowed = allowed.reshape(b * h, lq, blocks * KEY_BLOCK)
-    neg_inf = torch.full((), float("-inf"), device=query.device)
-    running_max = torch.full((b * h, lq, 1), float("-inf"), device=query.device)
-    acc = torch.zeros(b * h, lq, dv + 1, device=query.device)
-    for j in range(blocks):
-        cols = slice(j * KEY_BLOCK, (j + 1) * KEY_BLOCK)
-        scores = fixed_bmm(q, k[:, cols].transpose(1, 2).contiguous())
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores = torch.where(allowed[:, :, cols], scores, neg_inf)
-        new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
-        base = torch.where(new_max == neg_inf, torch.zeros_like(new_max), new_max)  # no key yet: exp(-inf) = 0
-        weights = torch.exp(scores - base)
-        acc = acc * torch.exp(running_max - base) + fixed_bmm(weights, v[:, cols].contiguous())
-        running_max = new_max
+    g = b * h
+    allowed = _allowed(attention_mask, b, lq, lk, query.device).expand(b, h, lq, lk).reshape(g, lq, lk)
+    # Keys (and values with a column of ones, whose product sums the weights) as [G * blocks, KEY_BLOCK, D]:
+    # one bmm per kind over every (row, head, block), each of the same shape whatever lk is.
+    k = F.pad(key.float().reshape(g, lk, d), (0, 0, 0, pad)).view(g * blocks, KEY_BLOCK, d)
+    v = F.pad(value.float().reshape(g, lk, dv), (0, 1, 0, pad), value=1.0)
+    v = v.view(g * blocks, KEY_BLOCK, dv + 1)
+    q = (query.float() * scale).reshape(g, 1, lq, d).expand(g, blocks, lq, d).reshape(g * blocks, lq, d)
+    scores = fixed_bmm(q, k.transpose(1, 2))  # [G * blocks, lq, KEY_BLOCK]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(g, blocks, lq, KEY_BLOCK).transpose(1, 2).reshape(g, lq, blocks * KEY_BLOCK)
+    allowed = F.pad(allowed, (0, pad), value=False)
+    scores = torch.where(allowed, scores, torch.full((), float("-inf"), device=query.device))
+    # The max over the keys a query sees is the same set of numbers in decode and in training (max is exact).
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - torch.where(top == float("-inf"), torch.zeros_like(top), top))
+    weights = weights.view(g, lq, blocks, KEY_BLOCK).transpose(1, 2).reshape(g * blocks, lq, KEY_BLOCK)
+    partial = fixed_bmm(weights, v).view(g, blocks, lq, dv + 1)
+    acc = partial[:, 0]
+    for j in range(1, blocks):  # blocks in order, one add each: a block past the query adds exact zeros
+        acc = acc + partial[:, j]
     out = acc[..., :dv] / acc[..., dv:]
     out = torch.nan_to_num(out, nan=0.0)  # a query with no key at all (padding) gives 0/0
     return out.view(b, h, lq, dv).transpose(1, 2).to(query.dtype).contiguous(), None
