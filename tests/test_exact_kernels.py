@@ -67,12 +67,13 @@ def _reference_attention(q, k, v, allowed):
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
 
 
-def test_block_attention_is_softmax_attention_with_gqa_and_padding():
+@pytest.mark.parametrize("t", [2 * KEY_BLOCK + 9, 2 * KEY_BLOCK])
+def test_block_attention_is_softmax_attention_with_gqa_and_padding(t):
     g = torch.Generator().manual_seed(1)
-    b, h, hk, t, d = 2, 4, 2, 2 * KEY_BLOCK + 9, 16
-    q = torch.randn(b, h, t, d, generator=g)
-    k = torch.randn(b, hk, t, d, generator=g)
-    v = torch.randn(b, hk, t, d, generator=g)
+    b, h, hk, d = 2, 4, 2, 16
+    q = torch.randn(b, t, h, d, generator=g).transpose(1, 2)  # strided, as transformers hands them over
+    k = torch.randn(b, t, hk, d, generator=g).transpose(1, 2)
+    v = torch.randn(b, t, hk, d, generator=g).transpose(1, 2)
     causal = torch.ones(t, t).tril().bool()
     additive = torch.zeros(b, 1, t, t).masked_fill(~causal, torch.finfo(torch.float32).min)
     out, _ = block_attention(torch.nn.Module(), q, k, v, additive)
@@ -176,3 +177,20 @@ def test_a_model_whose_attention_bypasses_the_interface_is_refused_by_name():
         layer.self_attn.forward = lambda hidden_states, *a, **k: (torch.zeros_like(hidden_states), None)
     with pytest.raises(ValueError, match="llama's attention does not run through"):
         check_exact_support(model)
+
+
+def test_block_attention_has_the_usual_gradients():
+    g = torch.Generator().manual_seed(5)
+    b, h, hk, t, d = 2, 4, 2, KEY_BLOCK + 5, 8
+    q, k, v = (torch.randn(b, n, t, d, generator=g, requires_grad=True) for n in (h, hk, hk))
+    causal = torch.ones(t, t).tril().bool()
+    additive = torch.zeros(1, 1, t, t).masked_fill(~causal, torch.finfo(torch.float32).min)
+    out, _ = block_attention(torch.nn.Module(), q, k, v, additive)
+    out.square().sum().backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    want = _reference_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal)
+    want.transpose(1, 2).square().sum().backward()
+    for got, x in zip(grads, (q, k, v)):
+        assert torch.allclose(got, x.grad, atol=1e-4)

@@ -4,8 +4,8 @@ For each dtype in ``--dtypes`` and each mode (default kernels, then
 ``hybrid_engine.exact_logprobs``), one engine with the same seeded weights:
 
 * rollout time: ``HybridEngineRollout.generate`` with graphs (median of
-  ``--repeats`` calls after one that captures), prompts of mixed lengths and
-  ``--samples`` samples each;
+  ``--repeats`` calls after one that captures, the two modes' calls
+  interleaved), prompts of mixed lengths and ``--samples`` samples each;
 * train-step time: forward over the rollout's training inputs, a GRPO-style
   policy loss, backward and step (median; learning rate 0, so every step sees
   the same weights and the same rollout stays on-policy);
@@ -39,26 +39,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=4, help="samples per prompt (default 4)")
     p.add_argument("--prompt-len", type=int, default=24, help="longest prompt, shorter ones left-padded (default 24)")
     p.add_argument("--new-tokens", type=int, default=48, help="new tokens per sample (default 48)")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per phase (default 3)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per phase and mode (default 5)")
 
 
-def _rollout(engine, ids, mask, args, eos: int):
+def _setup(args, dtype: torch.dtype, mode: str, device: torch.device) -> dict[str, Any]:
+    """One mode's engine, rollout and request, warmed up: the rollout has captured its graphs."""
+    from hybrid_engine import initialize
     from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 
-    pad, _ = C.special_ids(engine.module)
+    model = C.build_bench_model(args, dtype, device, seed=args.seed)
+    pad, _ = C.special_ids(model)
+    config = engine_config(graphs=True, max_out_tokens=args.prompt_len + args.new_tokens,
+                           batch_size=args.prompts * args.samples, dtype=dtype, lr=0.0)
+    config["hybrid_engine"]["exact_logprobs"] = mode == "exact"
+    engine, *_ = initialize(model=model, config=config)
+    ids, mask = C.random_prompts(args.prompts, args.prompt_len, int(model.config.vocab_size), seed=args.seed + 5,
+                                 device=device, avoid=(pad,), min_length=max(1, args.prompt_len // 3))
     rollout = HybridEngineRollout(engine, config=RolloutConfig(use_graph_capture=True, pad_token_id=pad,
-                                                               eos_token_id=eos))
-    request = RolloutRequest(ids, mask)
-    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, seed=args.seed,
-                              n_samples_per_prompt=args.samples)
-    batch = rollout.generate(request, sampling)  # captures
-    times = []
-    for _ in range(args.repeats):
-        with C.timer(times):
-            batch = rollout.generate(request, sampling)
-    return batch, C.median(times) / 1e3, C.graph_side_problem("rollout", {
-        "replays": rollout.last_stats.get("graph_replays"), "fallbacks": rollout.graph_stats.fallbacks,
-        "refusal": rollout.graph_stats.last_refusal_reason})
+                                                               eos_token_id=unreachable_eos(model)))
+    run = {"mode": mode, "engine": engine, "rollout": rollout, "request": RolloutRequest(ids, mask),
+           "sampling": SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, seed=args.seed,
+                                      n_samples_per_prompt=args.samples),
+           "rollout_ms": [], "train_ms": []}
+    engine.eval()
+    run["batch"] = rollout.generate(run["request"], run["sampling"])  # captures
+    return run
 
 
 def _logprobs(engine, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -83,43 +88,52 @@ def _outside(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((ratio < 0.9) | (ratio > 1.1)).double().mean()) if ratio.numel() else 0.0
 
 
-def _measure(args, dtype: torch.dtype, mode: str, device: torch.device) -> dict[str, Any]:
-    from hybrid_engine import initialize
-
-    model = C.build_bench_model(args, dtype, device, seed=args.seed)
-    eos = unreachable_eos(model)
-    pad, _ = C.special_ids(model)
-    config = engine_config(graphs=True, max_out_tokens=args.prompt_len + args.new_tokens,
-                           batch_size=args.prompts * args.samples, dtype=dtype, lr=0.0)
-    config["hybrid_engine"]["exact_logprobs"] = mode == "exact"
-    engine, *_ = initialize(model=model, config=config)
-    ids, mask = C.random_prompts(args.prompts, args.prompt_len, int(model.config.vocab_size), seed=args.seed + 5,
-                                 device=device, avoid=(pad,), min_length=max(1, args.prompt_len // 3))
-    engine.eval()
-    batch, rollout_s, problem = _rollout(engine, ids, mask, args, eos)
+def _drift(run: dict[str, Any]) -> dict[str, Any]:
+    """Rollout vs training forward, and each row's forward alone vs in the batch, before any update."""
+    engine, batch = run["engine"], run["batch"]
     inputs = batch.training_inputs()
     start = batch.response_start_idx
     real = batch.response_mask[:, start:]
+    engine.eval()
     with torch.no_grad():
         together = _logprobs(engine, inputs)[:, start - 1:]
         alone = torch.cat([_logprobs(engine, {k: v[i:i + 1] for k, v in inputs.items()})[:, start - 1:]
                            for i in range(inputs["input_ids"].shape[0])])
     rollout_lp = batch.response_logprobs
-    engine.train()
-    _train_step(engine, batch, args.samples)  # warm-up
-    times = []
+    return {"tokens": int(real.sum()),
+            "max_rollout_vs_train": float((rollout_lp - together)[real].abs().max()),
+            "rollout_vs_train_outside": _outside(rollout_lp[real], together[real]),
+            "max_batch1_vs_batch": float((alone - together)[real].abs().max()),
+            "batch1_vs_batch_outside": _outside(alone[real], together[real])}
+
+
+def _timed(args, runs: list[dict[str, Any]]) -> None:
+    """The modes' calls interleaved (default, exact, default, ...), so drift in the machine hits both alike."""
     for _ in range(args.repeats):
-        with C.timer(times):
-            _train_step(engine, batch, args.samples)
-    return {
-        "dtype": C.dtype_name(dtype), "mode": mode, "rollout_s": rollout_s, "train_step_s": C.median(times) / 1e3,
-        "tokens": int(real.sum()),
-        "max_rollout_vs_train": float((rollout_lp - together)[real].abs().max()),
-        "rollout_vs_train_outside": _outside(rollout_lp[real], together[real]),
-        "max_batch1_vs_batch": float((alone - together)[real].abs().max()),
-        "batch1_vs_batch_outside": _outside(alone[real], together[real]),
-        "graph_problem": problem,
-    }
+        for run in runs:
+            run["engine"].eval()
+            with C.timer(run["rollout_ms"]):
+                run["batch"] = run["rollout"].generate(run["request"], run["sampling"])
+    for run in runs:
+        run["engine"].train()
+        _train_step(run["engine"], run["batch"], args.samples)  # warm-up
+    for _ in range(args.repeats):
+        for run in runs:
+            with C.timer(run["train_ms"]):
+                _train_step(run["engine"], run["batch"], args.samples)
+
+
+def _measure(args, dtype: torch.dtype, device: torch.device) -> list[dict[str, Any]]:
+    runs = [_setup(args, dtype, mode, device) for mode in MODES]
+    rows = [{"dtype": C.dtype_name(dtype), "mode": run["mode"], **_drift(run)} for run in runs]
+    _timed(args, runs)
+    for row, run in zip(rows, runs):
+        rollout = run["rollout"]
+        row.update(rollout_s=C.median(run["rollout_ms"]) / 1e3, train_step_s=C.median(run["train_ms"]) / 1e3,
+                   graph_problem=C.graph_side_problem(f"{row['dtype']} {row['mode']} rollout", {
+                       "replays": rollout.last_stats.get("graph_replays"), "fallbacks": rollout.graph_stats.fallbacks,
+                       "refusal": rollout.graph_stats.last_refusal_reason}))
+    return rows
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -127,10 +141,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtypes = [C.parse_dtype(d.strip(), device.type) for d in args.dtypes.split(",") if d.strip()]
     rows = []
     for dtype in dtypes:
-        for mode in MODES:
-            rows.append(_measure(args, dtype, mode, device))
-            r = rows[-1]
-            print(f"  {r['dtype']:5s} {mode:7s} rollout {r['rollout_s'] * 1e3:8.1f} ms  train step "
+        for r in _measure(args, dtype, device):
+            rows.append(r)
+            print(f"  {r['dtype']:5s} {r['mode']:7s} rollout {r['rollout_s'] * 1e3:8.1f} ms  train step "
                   f"{r['train_step_s'] * 1e3:7.1f} ms  max|rollout-train| {r['max_rollout_vs_train']:.2e}",
                   flush=True)
     cost = {}

@@ -37,8 +37,10 @@ __all__ = ["CHUNK_ROWS", "KEY_BLOCK", "attention_calls", "block_attention", "exa
 
 #: Rows per matmul chunk: every contraction runs at ``[CHUNK_ROWS, K] x [K, N]``.
 CHUNK_ROWS = 16
+#: Query rows per attention product chunk (a decode step has one query per row: a small chunk wastes less).
+ATTENTION_ROWS = 4
 #: Keys per attention block (the online softmax combines blocks from key 0 on).
-KEY_BLOCK = 64
+KEY_BLOCK = 32
 
 
 _calls = 0
@@ -50,44 +52,58 @@ def attention_calls() -> int:
     return _calls
 
 
-def fixed_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a [G, M, K] @ b [G, K, N]`` (``b`` may be ``[K, N]``, shared), as chunks of :data:`CHUNK_ROWS` rows.
+def fixed_bmm(a: torch.Tensor, b: torch.Tensor, rows: int = CHUNK_ROWS) -> torch.Tensor:
+    """``a [G, M, K] @ b [G, K, N]`` (``b`` may be ``[K, N]``, shared), as chunks of ``rows`` rows.
 
     Each chunk of ``a`` is multiplied in one ``bmm`` of fixed shape, so row ``i``
     of the result depends only on row ``i`` of ``a`` and on ``b``."""
-    shared = b.dim() == 2
     g, m, k = a.shape
     n = b.shape[-1]
-    pad = (-m) % CHUNK_ROWS
+    pad = (-m) % rows
     if pad:
-        a = torch.cat([a, a.new_zeros(g, pad, k)], dim=1)
-    chunks = a.shape[1] // CHUNK_ROWS
-    a = a.reshape(g * chunks, CHUNK_ROWS, k)
-    if shared:
-        b = b.unsqueeze(0).expand(g * chunks, k, n)
-    else:
-        b = b.unsqueeze(1).expand(g, chunks, k, n).reshape(g * chunks, k, n)
-    return torch.bmm(a, b).view(g, chunks * CHUNK_ROWS, n)[:, :m]
+        a = F.pad(a, (0, 0, 0, pad))
+    chunks = (m + pad) // rows
+    if b.dim() == 2:  # one weight for every chunk: a stride-0 batch of it, no copy
+        out = torch.bmm(a.reshape(g * chunks, rows, k), b.expand(g * chunks, k, n)).view(g, chunks * rows, n)
+    elif chunks == 1:
+        out = torch.bmm(a, b)
+    else:  # each chunk against the same b (a batch of b per chunk would copy it that many times)
+        out = torch.cat([torch.bmm(part, b) for part in a.split(rows, dim=1)], dim=1)
+    return out[:, :m] if pad else out
+
+
+class _Linear(torch.autograd.Function):
+    """``x @ w`` with the row-invariant forward; the backward is the usual matmuls (gradients need no
+    invariance, and a batch of per-chunk weight gradients would cost a copy of the weight per chunk)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # x [M, K], w [K, N]
+        ctx.save_for_backward(x, w)
+        return fixed_bmm(x.unsqueeze(0), w)[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, w = ctx.saved_tensors
+        return (grad @ w.t() if ctx.needs_input_grad[0] else None,
+                x.t() @ grad if ctx.needs_input_grad[1] else None)
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` whose every output row depends only on its input row (see :func:`fixed_bmm`)."""
-    lead = x.shape[:-1]
-    flat = x.reshape(1, -1, x.shape[-1])
-    out = fixed_bmm(flat, weight.t()).reshape(*lead, weight.shape[0])
+    out = _Linear.apply(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
 def exact_addmm(bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, beta: Any = 1,
                 alpha: Any = 1) -> torch.Tensor:
     """``torch.addmm(bias, x [M, K], weight [K, N])`` (GPT-2's ``Conv1D``), row-invariant."""
-    out = fixed_bmm(x.unsqueeze(0), weight)[0]
+    out = _Linear.apply(x, weight)
     if alpha != 1:
         out = out * alpha
     return out + (bias if beta == 1 else bias * beta)
 
 
-def _allowed(attention_mask: torch.Tensor | None, b: int, lq: int, lk: int, device: torch.device) -> torch.Tensor:
+def _allowed(attention_mask: torch.Tensor | None, lq: int, lk: int, device: torch.device) -> torch.Tensor:
     """Boolean ``[B or 1, H or 1, Lq, Lk]``: which keys each query may see (causal when no mask is given)."""
     if attention_mask is None:
         q = torch.arange(lq, device=device)[:, None] + (lk - lq)
@@ -122,36 +138,82 @@ def block_attention(
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"exact_logprobs: attention with `{unsupported}` is not supported; turn "
                              "exact_logprobs off for this model")
-    b, h, lq, d = query.shape
-    hk, lk, dv = key.shape[1], key.shape[2], value.shape[-1]
-    if h != hk:
-        key = key.repeat_interleave(h // hk, dim=1)
-        value = value.repeat_interleave(h // hk, dim=1)
-    scale = float(scaling) if scaling is not None else d ** -0.5
-    blocks = -(-lk // KEY_BLOCK)
-    pad = blocks * KEY_BLOCK - lk
-    g = b * h
-    allowed = _allowed(attention_mask, b, lq, lk, query.device).expand(b, h, lq, lk).reshape(g, lq, lk)
-    # Keys (and values with a column of ones, whose product sums the weights) as [G * blocks, KEY_BLOCK, D]:
-    # one bmm per kind over every (row, head, block), each of the same shape whatever lk is.
-    k = F.pad(key.float().reshape(g, lk, d), (0, 0, 0, pad)).view(g * blocks, KEY_BLOCK, d)
-    v = F.pad(value.float().reshape(g, lk, dv), (0, 1, 0, pad), value=1.0)
-    v = v.view(g * blocks, KEY_BLOCK, dv + 1)
-    q = (query.float() * scale).reshape(g, 1, lq, d).expand(g, blocks, lq, d).reshape(g * blocks, lq, d)
-    scores = fixed_bmm(q, k.transpose(1, 2))  # [G * blocks, lq, KEY_BLOCK]
+    allowed = _allowed(attention_mask, query.shape[2], key.shape[2], query.device)  # [B|1, H|1, lq, lk]
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    out = _Attention.apply(query, key, value, allowed, scale, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+class _Attention(torch.autograd.Function):
+    """The fixed-block forward; the backward recomputes plain softmax attention and differentiates it
+    (gradients need no invariance)."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor,
+                scale: float, softcap: float | None) -> torch.Tensor:
+        ctx.save_for_backward(query, key, value, allowed)
+        ctx.scale, ctx.softcap = scale, softcap
+        return _block_attention(query, key, value, allowed, scale, softcap)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        query, key, value, allowed = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((query, key, value), ctx.needs_input_grad)]
+        with torch.enable_grad():
+            out = _plain_attention(*inputs, allowed, ctx.scale, ctx.softcap)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
+
+
+def _plain_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor,
+                     scale: float, softcap: float | None) -> torch.Tensor:
+    """Softmax attention as eager kernels compute it (the backward's reference): ``[B, H, lq, Dv]``."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    scores = (query.float() @ key.float().transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(g, blocks, lq, KEY_BLOCK).transpose(1, 2).reshape(g, lq, blocks * KEY_BLOCK)
-    allowed = F.pad(allowed, (0, pad), value=False)
-    scores = torch.where(allowed, scores, torch.full((), float("-inf"), device=query.device))
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    return (weights @ value.float()).to(query.dtype)
+
+
+def _block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor,
+                     scale: float, softcap: float | None) -> torch.Tensor:
+    """See :func:`block_attention`; ``[B, H, lq, Dv]``."""
+    b, h, lq, d = query.shape
+    hk, lk, dv = key.shape[1], key.shape[2], value.shape[-1]
+    if allowed.shape[1] != 1 and h != hk:  # a mask per head: each head its own row group
+        key, value = key.repeat_interleave(h // hk, dim=1), value.repeat_interleave(h // hk, dim=1)
+        hk = h
+    group = h // hk  # query heads per K/V head: their queries share that head's keys, as rows of one product
+    blocks = -(-lk // KEY_BLOCK)
+    pad = blocks * KEY_BLOCK - lk
+    g = b * hk
+    k, v = key.float(), value.float()
+    if pad:
+        k = F.pad(k, (0, 0, 0, pad))
+        allowed = F.pad(allowed, (0, pad), value=False)
+    # Values get a column of ones: their product with the weights is the weights' sum, in the same kernel.
+    v = F.pad(v, (0, 1, 0, pad), value=1.0)
+    q = (query.float() * scale).reshape(g, 1, group * lq, d).expand(g, blocks, group * lq, d)
+    scores = fixed_bmm(q.reshape(g * blocks, group * lq, d), k.reshape(g * blocks, KEY_BLOCK, d).transpose(1, 2),
+                       ATTENTION_ROWS).view(b, hk, blocks, group, lq, KEY_BLOCK)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    # [B|1, hk|1, blocks, 1, lq, KEY_BLOCK], against the scores' [B, hk, blocks, group, lq, KEY_BLOCK]
+    allowed = allowed.unflatten(-1, (blocks, KEY_BLOCK)).movedim(3, 2).unsqueeze(3)
+    # masked_fill keeps the scores' contiguous layout, so exp below runs its vectorised kernel in decode and
+    # training alike (a strided tensor would take the scalar one, whose last bits may differ).
+    scores = scores.masked_fill(~allowed, float("-inf"))
     # The max over the keys a query sees is the same set of numbers in decode and in training (max is exact).
-    top = scores.amax(dim=-1, keepdim=True)
+    top = scores.amax(dim=(2, 5), keepdim=True)
     weights = torch.exp(scores - torch.where(top == float("-inf"), torch.zeros_like(top), top))
-    weights = weights.view(g, lq, blocks, KEY_BLOCK).transpose(1, 2).reshape(g * blocks, lq, KEY_BLOCK)
-    partial = fixed_bmm(weights, v).view(g, blocks, lq, dv + 1)
+    partial = fixed_bmm(weights.reshape(g * blocks, group * lq, KEY_BLOCK), v.reshape(g * blocks, KEY_BLOCK, dv + 1),
+                        ATTENTION_ROWS).view(g, blocks, group * lq, dv + 1)
     acc = partial[:, 0]
     for j in range(1, blocks):  # blocks in order, one add each: a block past the query adds exact zeros
         acc = acc + partial[:, j]
     out = acc[..., :dv] / acc[..., dv:]
     out = torch.nan_to_num(out, nan=0.0)  # a query with no key at all (padding) gives 0/0
-    return out.view(b, h, lq, dv).transpose(1, 2).to(query.dtype).contiguous(), None
+    return out.view(b, h, lq, dv).to(query.dtype)
