@@ -52,3 +52,16 @@ def left_padded_prompts(batch: int, width: int, seed: int = 0, vocab: int = 384)
         ids[b, :pads] = 0
         mask[b, :pads] = 0
     return ids, mask
+
+
+def exact_mode_unavailable() -> str | None:
+    """Why this machine's matmul kernels cannot run the exact mode (no row-invariant chunk size), or ``None``.
+    A property of the CPU and its BLAS, asked before the exact-mode tests run (they skip with this reason)."""
+    from hybrid_engine.exact.chunks import NoInvariantChunk, chunk_rows
+
+    try:
+        chunk_rows(torch.float32)
+        chunk_rows(torch.bfloat16)
+    except NoInvariantChunk as exc:
+        return str(exc)
+    return None

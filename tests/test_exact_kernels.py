@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import exact_mode_unavailable
 
 from hybrid_engine import exact_forward
 from hybrid_engine.exact import (
-    CHUNK_ROWS,
     KEY_BLOCK,
     block_attention,
     exact_kernels,
@@ -19,10 +19,18 @@ from hybrid_engine.exact import (
     pack_rows,
     unpack,
 )
+from hybrid_engine.exact.chunks import (
+    ATTENTION_CHOICES,
+    LINEAR_CHOICES,
+    NoInvariantChunk,
+    _invariant,
+    chunk_rows,
+)
 from hybrid_engine.exact.mode import check_exact_support
 from hybrid_engine.tiny_models import build_model
 
 DTYPES = [torch.float32, torch.bfloat16]
+pytestmark = pytest.mark.skipif(exact_mode_unavailable() is not None, reason=str(exact_mode_unavailable()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -41,12 +49,38 @@ def test_a_rows_linear_output_is_the_same_bits_whatever_the_other_rows(shape, dt
     assert torch.allclose(alone.float(), F.linear(rows[:1], weight)[0].float(), rtol=2e-2, atol=2e-2)
 
 
-def test_fixed_bmm_pads_to_whole_chunks_and_returns_only_the_rows_asked_for():
-    a = torch.randn(3, CHUNK_ROWS + 5, 8)
-    b = torch.randn(3, 8, 4)
-    out = fixed_bmm(a, b)
-    assert out.shape == (3, CHUNK_ROWS + 5, 4)
+@pytest.mark.parametrize("shared", [False, True])
+def test_fixed_bmm_pads_to_whole_chunks_and_returns_only_the_rows_asked_for(shared):
+    a = torch.randn(3, 16 + 5, 8)
+    b = torch.randn(8, 4) if shared else torch.randn(3, 8, 4)
+    out = fixed_bmm(a, b, 16)
+    assert out.shape == (3, 16 + 5, 4)
     assert torch.allclose(out, a @ b, atol=1e-5)
+
+
+def test_the_chunk_sizes_are_the_smallest_invariant_candidates():
+    rows = chunk_rows(torch.float32)
+    assert rows.linear in LINEAR_CHOICES and rows.attention in ATTENTION_CHOICES
+    assert _invariant(rows.attention, ((16, 17),), torch.float32, shared=False)
+
+
+def test_a_machine_whose_bmm_depends_on_the_batch_is_refused_by_the_probe(monkeypatch):
+    """Labelled stub at the hardware boundary: a BLAS whose bits depend on the batch size."""
+    real_bmm = torch.bmm
+
+    def batch_dependent(a, b):
+        out = real_bmm(a, b)
+        return out + out.shape[0] * 1e-6  # another batch size, other low bits
+
+    chunk_rows.cache_clear()
+    monkeypatch.setattr(torch, "bmm", batch_dependent)
+    try:
+        with pytest.raises(NoInvariantChunk, match="exact_logprobs: this machine's matmul kernels"):
+            check_exact_support(build_model("tiny-llama"))
+    finally:
+        monkeypatch.setattr(torch, "bmm", real_bmm)
+        chunk_rows.cache_clear()
+    assert chunk_rows(torch.float32).linear in LINEAR_CHOICES
 
 
 def test_exact_linear_has_the_usual_gradients():

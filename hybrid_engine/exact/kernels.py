@@ -6,8 +6,8 @@ row 300 of a training batch comes out different in the last bits; attention
 that reduces over "all keys of this call" does the same with the key count.
 Here every contraction is a ``bmm`` of one fixed shape per operand shape:
 
-* :func:`fixed_bmm` cuts the rows of ``a`` into chunks of :data:`CHUNK_ROWS`
-  (padding the last with zeros) and multiplies all chunks in one ``bmm``; a
+* :func:`fixed_bmm` cuts the rows of ``a`` into chunks of a fixed size
+  (:func:`~hybrid_engine.exact.chunks.chunk_rows`, padding the last with zeros) and multiplies all chunks in one ``bmm``; a
   row's dot products are then computed by the same kernel at the same shape
   whatever else is in the call;
 * :func:`exact_linear` is ``F.linear`` (and GPT-2's ``addmm``) through it;
@@ -32,13 +32,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CHUNK_ROWS", "KEY_BLOCK", "attention_calls", "block_attention", "exact_addmm", "exact_linear",
+from hybrid_engine.exact.chunks import chunk_rows
+
+__all__ = ["KEY_BLOCK", "attention_calls", "block_attention", "exact_addmm", "exact_linear",
            "fixed_bmm"]
 
-#: Rows per matmul chunk: every contraction runs at ``[CHUNK_ROWS, K] x [K, N]``.
-CHUNK_ROWS = 16
-#: Query rows per attention product chunk (a decode step has one query per row: a small chunk wastes less).
-ATTENTION_ROWS = 4
 #: Keys per attention block (the online softmax combines blocks from key 0 on).
 KEY_BLOCK = 32
 
@@ -52,7 +50,7 @@ def attention_calls() -> int:
     return _calls
 
 
-def fixed_bmm(a: torch.Tensor, b: torch.Tensor, rows: int = CHUNK_ROWS) -> torch.Tensor:
+def fixed_bmm(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
     """``a [G, M, K] @ b [G, K, N]`` (``b`` may be ``[K, N]``, shared), as chunks of ``rows`` rows.
 
     Each chunk of ``a`` is multiplied in one ``bmm`` of fixed shape, so row ``i``
@@ -79,7 +77,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # x [M, K], w [K, N]
         ctx.save_for_backward(x, w)
-        return fixed_bmm(x.unsqueeze(0), w)[0]
+        return fixed_bmm(x.unsqueeze(0), w, chunk_rows(x.dtype).linear)[0]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -187,6 +185,7 @@ def _block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         key, value = key.repeat_interleave(h // hk, dim=1), value.repeat_interleave(h // hk, dim=1)
         hk = h
     group = h // hk  # query heads per K/V head: their queries share that head's keys, as rows of one product
+    rows = chunk_rows().attention
     blocks = -(-lk // KEY_BLOCK)
     pad = blocks * KEY_BLOCK - lk
     g = b * hk
@@ -198,7 +197,7 @@ def _block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     v = F.pad(v, (0, 1, 0, pad), value=1.0)
     q = (query.float() * scale).reshape(g, 1, group * lq, d).expand(g, blocks, group * lq, d)
     scores = fixed_bmm(q.reshape(g * blocks, group * lq, d), k.reshape(g * blocks, KEY_BLOCK, d).transpose(1, 2),
-                       ATTENTION_ROWS).view(b, hk, blocks, group, lq, KEY_BLOCK)
+                       rows).view(b, hk, blocks, group, lq, KEY_BLOCK)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     # [B|1, hk|1, blocks, 1, lq, KEY_BLOCK], against the scores' [B, hk, blocks, group, lq, KEY_BLOCK]
@@ -210,7 +209,7 @@ def _block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     top = scores.amax(dim=(2, 5), keepdim=True)
     weights = torch.exp(scores - torch.where(top == float("-inf"), torch.zeros_like(top), top))
     partial = fixed_bmm(weights.reshape(g * blocks, group * lq, KEY_BLOCK), v.reshape(g * blocks, KEY_BLOCK, dv + 1),
-                        ATTENTION_ROWS).view(g, blocks, group * lq, dv + 1)
+                        rows).view(g, blocks, group * lq, dv + 1)
     acc = partial[:, 0]
     for j in range(1, blocks):  # blocks in order, one add each: a block past the query adds exact zeros
         acc = acc + partial[:, j]

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from hybrid_engine.exact.chunks import chunk_rows
 from hybrid_engine.exact.kernels import attention_calls, block_attention, exact_addmm, exact_linear
 from hybrid_engine.exact.rows import packed_forward
 from hybrid_engine.model_access import attention_implementation, decode_model
@@ -58,6 +59,7 @@ def exact_kernels(model: torch.nn.Module | None, enabled: bool = True) -> Iterat
     if not enabled:
         yield
         return
+    _probe_chunks(model)  # before the block: the probe reads results, which no capture may
     with attention_implementation(getattr(model, "config", None), EXACT_ATTENTION), _ExactOps():
         yield
 
@@ -97,6 +99,7 @@ def check_exact_support(model: torch.nn.Module) -> None:
     """Refuse, with a ``ValueError`` that names the model type, a model whose attention does not go through
     transformers' attention interface (the exact kernels would not run there); one one-token forward."""
     inner = decode_model(model)
+    _probe_chunks(inner)  # raises NoInvariantChunk (a ValueError) where this machine has no invariant chunk
     before = attention_calls()
     device = next(inner.parameters()).device
     training = inner.training
@@ -114,6 +117,12 @@ def _bypassed(model: torch.nn.Module) -> str:
     kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     return (f"exact_logprobs: {kind}'s attention does not run through transformers' attention interface, so the "
             "exact kernels cannot replace it; turn exact_logprobs off for this model")
+
+
+def _probe_chunks(model: torch.nn.Module | None) -> None:
+    param = next(model.parameters(), None) if model is not None else None
+    chunk_rows(param.dtype if param is not None and param.is_floating_point() else torch.float32)
+    chunk_rows()
 
 
 def _exact_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import exact_mode_unavailable
 from rollout_helpers import NO_EOS
 
 from hybrid_engine import exact_forward, initialize, logprobs_of
@@ -15,6 +16,7 @@ from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutReq
 from hybrid_engine.tiny_models import build_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+pytestmark = pytest.mark.skipif(exact_mode_unavailable() is not None, reason=str(exact_mode_unavailable()))
 
 
 def exact_engine(arch: str, dtype: torch.dtype, lr: float = 0.0):

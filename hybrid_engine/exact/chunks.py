@@ -1,0 +1,77 @@
+"""How many rows each fixed-shape product takes: the smallest chunk at which this machine's ``bmm`` is row-invariant.
+
+Why a probe: BLAS libraries pick kernels by shape and CPU (MKL on this
+project's AMD machines gives other bits for a 1- or 2-row product with an odd
+column count once the batch grows, and is invariant from 4 rows on). A chunk
+that looked invariant here could differ on another CPU, so the first use
+measures it: for every candidate size, the same row alone and inside batches
+of other sizes and offsets must come out bit-identical, for the shapes the
+exact kernels multiply. The answer is cached per process and dtype; the
+probe runs outside any capture (:func:`~hybrid_engine.exact.mode.exact_kernels`
+asks before its block starts).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["ChunkRows", "NoInvariantChunk", "chunk_rows"]
+
+#: Candidate rows per product chunk, smallest first (smaller wastes less on a decode step's few rows).
+LINEAR_CHOICES = (16, 32, 64)
+ATTENTION_CHOICES = (4, 8, 16)
+#: (K, N) of the probed products: linears, then attention's scores ([D] x [KEY_BLOCK]) and weighted sums
+#: ([KEY_BLOCK] x [D + 1]).
+_LINEAR_SHAPES = ((64, 192), (64, 384), (256, 1024), (96, 250))
+_ATTENTION_SHAPES = ((16, 16), (32, 16), (64, 16), (128, 16), (16, 17), (16, 33), (16, 65), (16, 129))
+
+
+class ChunkRows(NamedTuple):
+    linear: int
+    attention: int
+
+
+class NoInvariantChunk(ValueError):
+    """No candidate chunk size gives row-invariant products on this machine: the exact mode cannot run."""
+
+
+def _invariant(rows: int, shapes: tuple[tuple[int, int], ...], dtype: torch.dtype, shared: bool) -> bool:
+    from hybrid_engine.exact.kernels import fixed_bmm
+
+    gen = torch.Generator().manual_seed(0)
+    for k, n in shapes:
+        a = torch.randn(1, 1, k, generator=gen).to(dtype)
+        b = torch.randn(1, k, n, generator=gen).to(dtype)
+        want = fixed_bmm(a, b[0] if shared else b, rows)[0, 0]
+        for batch in ((1,) if shared else (1, 3, 8, 64, 512)):
+            for m in (1, rows - 1, rows, 3 * rows + 1):
+                if m < 1:
+                    continue
+                at = (batch // 2, m // 2)
+                x = torch.randn(batch, m, k, generator=gen).to(dtype)
+                x[at] = a[0, 0]
+                y = torch.randn(batch, k, n, generator=gen).to(dtype)
+                y[at[0]] = b[0]
+                got = fixed_bmm(x, b[0] if shared else y, rows)[at]
+                if not torch.equal(got, want):
+                    return False
+    return True
+
+
+@functools.cache
+def chunk_rows(dtype: torch.dtype = torch.float32) -> ChunkRows:
+    """The chunk sizes for linears in ``dtype`` and for attention (float32): the smallest invariant ones."""
+    with torch.no_grad():
+        linear = next((r for r in LINEAR_CHOICES if _invariant(r, _LINEAR_SHAPES, dtype, shared=True)), None)
+        attention = next((r for r in ATTENTION_CHOICES
+                          if _invariant(r, _ATTENTION_SHAPES, torch.float32, shared=False)), None)
+    if linear is None or attention is None:
+        what = "linear" if linear is None else "attention"
+        raise NoInvariantChunk(
+            f"exact_logprobs: this machine's matmul kernels give other bits for the same row in batches of other "
+            f"sizes at every {what} chunk size tried ({LINEAR_CHOICES if linear is None else ATTENTION_CHOICES} "
+            f"rows, {dtype}), so rollout logprobs cannot be made exact here; turn exact_logprobs off")
+    return ChunkRows(linear, attention)
