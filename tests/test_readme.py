@@ -127,6 +127,12 @@ def check_deepspeed_rollout(scope: dict) -> None:
     assert stats.captures > 0 and stats.fallbacks == 0
 
 
+def check_exact(scope: dict) -> None:
+    real, new, batch = scope["real"], scope["new"], scope["batch"]
+    assert int(real.sum()) > 0 and torch.equal(new[real], batch.response_logprobs[real])
+    assert scope["rollout"].last_stats["graph_replays"] > 0
+
+
 #: (file, heading) -> (the modules the example imports beyond the core, its check).
 CHECKS: dict[tuple[str, str], tuple[tuple[str, ...], Callable[[dict], None]]] = {
     ("README.md", "Use it"): ((), check_use_it),
@@ -138,6 +144,7 @@ CHECKS: dict[tuple[str, str], tuple[tuple[str, ...], Callable[[dict], None]]] = 
     ("docs/config.md", "Config"): ((), check_config),
     ("docs/accelerators.md", "Accelerators and graph capture"): ((), check_accelerator),
     ("docs/kv-cache.md", "Sizing the pool"): ((), check_kv_budget),
+    ("docs/exact.md", "Exact on-policy logprobs"): ((), check_exact),
     ("docs/trl.md", "TRL's `GRPOTrainer`"): (("trl", "datasets"), check_trl),
     ("docs/deepspeed-rollout.md", "DeepSpeed's rollout interface"): (("deepspeed",), check_deepspeed_rollout),
 }

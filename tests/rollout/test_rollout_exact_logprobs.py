@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import exact_mode_unavailable
-from rollout_helpers import NO_EOS
+from rollout_helpers import ARCHS, NO_EOS
 
 from hybrid_engine import exact_forward, initialize, logprobs_of
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
@@ -53,16 +53,16 @@ def training_logprobs(engine, batch, sampling: SamplingConfig) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-@pytest.mark.parametrize("arch,temperature", [("tiny-llama", 1.0), ("tiny-gpt2", 0.0), ("tiny-qwen3", 0.8),
-                                              ("tiny-opt", 1.0)])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_rollout_logprobs_are_the_training_forwards_bit_for_bit(arch, temperature, graphs, dtype):
     engine = exact_engine(arch, DTYPES[dtype])
     ids, mask = prompts([3, 9, 5, 1, 7], seed=5)
     rollout = HybridEngineRollout(engine, config=RolloutConfig(use_graph_capture=graphs, pad_token_id=0,
                                                                eos_token_id=7, max_batch_size=4))
     assert rollout.exact_logprobs  # follows hybrid_engine.exact_logprobs
-    sampling = SamplingConfig(max_new_tokens=20, temperature=temperature, top_p=0.9 if arch == "tiny-qwen3" else 1.0,
-                              seed=3, n_samples_per_prompt=2)
+    sampling = SamplingConfig(max_new_tokens=20, temperature=temperature, top_p=0.9 if temperature else 1.0,
+                              top_k=50 if arch == "tiny-mistral" and temperature else -1, seed=3, n_samples_per_prompt=2)
     batch = rollout.generate(RolloutRequest(ids, mask), sampling)
     if graphs:
         assert rollout.last_stats["graph_replays"] > 0 and rollout.graph_stats.fallbacks == 0
@@ -191,3 +191,18 @@ def test_exact_logprobs_must_be_a_bool():
         RolloutConfig(exact_logprobs="yes")
     with pytest.raises(ValueError, match="exact_logprobs"):
         initialize(model=build_model("tiny-llama"), config={"hybrid_engine": {"exact_logprobs": 1}})
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_engine_generate_in_exact_mode_picks_the_exact_forwards_argmax(graphs):
+    model = build_model("tiny-qwen2", seed=6)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"exact_logprobs": True,
+                                                                   "enable_graph_capture": graphs}})
+    ids, mask = prompts([4, 7, 2], seed=3)
+    engine.eval()
+    out = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    full_mask = torch.cat([mask, torch.ones(3, 12, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        logits = exact_forward(model, input_ids=out, attention_mask=full_mask).logits
+    assert torch.equal(logits[:, ids.shape[1] - 1:-1].argmax(-1), out[:, ids.shape[1]:])
+    assert engine.graph_stats.replays > 0 if graphs else engine.graph_stats.replays == 0
