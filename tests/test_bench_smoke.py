@@ -294,3 +294,13 @@ def test_bench_cpu_graph_replay_script(tmp_path, bad):
         assert all(row["logits_identical"] for row in json.loads(out.read_text())["rows"])
     else:
         assert proc.returncode == 2 and f"{bad[0]}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_exact(tmp_path, capsys):
+    d = _run(tmp_path, capsys, "bench", "exact", "--model", "tiny-llama", "--dtypes", "fp32", "--prompts", "2",
+             "--samples", "2", "--prompt-len", "6", "--new-tokens", "6", "--repeats", "1")
+    assert d["benchmark"] == "exact" and d["ok"] and not d["graph_side_problems"]
+    rows = {r["mode"]: r for r in d["rows"]}
+    assert set(rows) == {"default", "exact"}
+    assert rows["exact"]["max_rollout_vs_train"] == 0 and rows["exact"]["max_batch1_vs_batch"] == 0
+    assert rows["exact"]["rollout_s"] > 0 and d["cost"]["fp32"]["train_step"] > 0

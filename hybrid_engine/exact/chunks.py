@@ -1,4 +1,5 @@
-"""How many rows each fixed-shape product takes: the smallest chunk at which this machine's ``bmm`` is row-invariant.
+"""Fixed-shape chunked products, and how many rows a chunk takes: the smallest size at which this machine's
+``bmm`` is row-invariant.
 
 Why a probe: BLAS libraries pick kernels by shape and CPU (MKL on this
 project's AMD machines gives other bits for a 1- or 2-row product with an odd
@@ -17,8 +18,9 @@ import functools
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["ChunkRows", "NoInvariantChunk", "chunk_rows"]
+__all__ = ["ChunkRows", "NoInvariantChunk", "chunk_rows", "fixed_bmm"]
 
 #: Candidate rows per product chunk, smallest first (smaller wastes less on a decode step's few rows).
 LINEAR_CHOICES = (16, 32, 64)
@@ -38,9 +40,27 @@ class NoInvariantChunk(ValueError):
     """No candidate chunk size gives row-invariant products on this machine: the exact mode cannot run."""
 
 
-def _invariant(rows: int, shapes: tuple[tuple[int, int], ...], dtype: torch.dtype, shared: bool) -> bool:
-    from hybrid_engine.exact.kernels import fixed_bmm
+def fixed_bmm(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
+    """``a [G, M, K] @ b [G, K, N]`` (``b`` may be ``[K, N]``, shared), as chunks of ``rows`` rows.
 
+    Each chunk of ``a`` is multiplied in one ``bmm`` of fixed shape, so row ``i``
+    of the result depends only on row ``i`` of ``a`` and on ``b``."""
+    g, m, k = a.shape
+    n = b.shape[-1]
+    pad = (-m) % rows
+    if pad:
+        a = F.pad(a, (0, 0, 0, pad))
+    chunks = (m + pad) // rows
+    if b.dim() == 2:  # one weight for every chunk: a stride-0 batch of it, no copy
+        out = torch.bmm(a.reshape(g * chunks, rows, k), b.expand(g * chunks, k, n)).view(g, chunks * rows, n)
+    elif chunks == 1:
+        out = torch.bmm(a, b)
+    else:  # each chunk against the same b (a batch of b per chunk would copy it that many times)
+        out = torch.cat([torch.bmm(part, b) for part in a.split(rows, dim=1)], dim=1)
+    return out[:, :m] if pad else out
+
+
+def _invariant(rows: int, shapes: tuple[tuple[int, int], ...], dtype: torch.dtype, shared: bool) -> bool:
     gen = torch.Generator().manual_seed(0)
     for k, n in shapes:
         a = torch.randn(1, 1, k, generator=gen).to(dtype)

@@ -6,10 +6,10 @@ row 300 of a training batch comes out different in the last bits; attention
 that reduces over "all keys of this call" does the same with the key count.
 Here every contraction is a ``bmm`` of one fixed shape per operand shape:
 
-* :func:`fixed_bmm` cuts the rows of ``a`` into chunks of a fixed size
-  (:func:`~hybrid_engine.exact.chunks.chunk_rows`, padding the last with zeros) and multiplies all chunks in one ``bmm``; a
-  row's dot products are then computed by the same kernel at the same shape
-  whatever else is in the call;
+* :func:`~hybrid_engine.exact.chunks.fixed_bmm` cuts the rows of ``a`` into
+  chunks of a fixed size (probed: :func:`~hybrid_engine.exact.chunks.chunk_rows`)
+  and multiplies each chunk by the same kernel at the same shape, whatever
+  else is in the call;
 * :func:`exact_linear` is ``F.linear`` (and GPT-2's ``addmm``) through it;
 * :func:`block_attention` is softmax attention over fixed blocks of
   :data:`KEY_BLOCK` keys, counted from key 0: the max over the keys a query
@@ -20,9 +20,10 @@ Here every contraction is a ``bmm`` of one fixed shape per operand shape:
   the same order. Keys must be laid out by position from column 0 (the
   decode cache is; :mod:`hybrid_engine.exact.rows` packs training rows so).
 
-Nothing here reads the device on the host or depends on data for a shape, so
-each function captures into a graph; the chunk counts are host ints of the
-shapes, frozen like every shape.
+Only the forwards are invariant: the backwards use the usual formulas
+(gradients need no invariance). Nothing here reads the device on the host or
+depends on data for a shape, so each forward captures into a graph; the chunk
+counts are host ints of the shapes, frozen like every shape.
 """
 
 from __future__ import annotations
@@ -32,12 +33,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybrid_engine.exact.chunks import chunk_rows
+from hybrid_engine.exact.chunks import chunk_rows, fixed_bmm
 
-__all__ = ["KEY_BLOCK", "attention_calls", "block_attention", "exact_addmm", "exact_linear",
-           "fixed_bmm"]
+__all__ = ["KEY_BLOCK", "attention_calls", "block_attention", "exact_addmm", "exact_linear"]
 
-#: Keys per attention block (the online softmax combines blocks from key 0 on).
+#: Keys per attention block (blocks are counted from key 0 and summed in order).
 KEY_BLOCK = 32
 
 
@@ -48,26 +48,6 @@ def attention_calls() -> int:
     """How many times :func:`block_attention` has run (host counter: a model whose attention bypasses
     transformers' attention interface never reaches it, and the exact mode refuses it)."""
     return _calls
-
-
-def fixed_bmm(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
-    """``a [G, M, K] @ b [G, K, N]`` (``b`` may be ``[K, N]``, shared), as chunks of ``rows`` rows.
-
-    Each chunk of ``a`` is multiplied in one ``bmm`` of fixed shape, so row ``i``
-    of the result depends only on row ``i`` of ``a`` and on ``b``."""
-    g, m, k = a.shape
-    n = b.shape[-1]
-    pad = (-m) % rows
-    if pad:
-        a = F.pad(a, (0, 0, 0, pad))
-    chunks = (m + pad) // rows
-    if b.dim() == 2:  # one weight for every chunk: a stride-0 batch of it, no copy
-        out = torch.bmm(a.reshape(g * chunks, rows, k), b.expand(g * chunks, k, n)).view(g, chunks * rows, n)
-    elif chunks == 1:
-        out = torch.bmm(a, b)
-    else:  # each chunk against the same b (a batch of b per chunk would copy it that many times)
-        out = torch.cat([torch.bmm(part, b) for part in a.split(rows, dim=1)], dim=1)
-    return out[:, :m] if pad else out
 
 
 class _Linear(torch.autograd.Function):

@@ -147,8 +147,9 @@ def test_the_same_request_in_any_batch_composition_gets_the_same_tokens_and_logp
         assert torch.equal(seen[name][1], logprobs), name
 
 
-def test_a_grpo_step_in_exact_mode_starts_from_an_importance_ratio_of_exactly_one():
-    engine = exact_engine("tiny-qwen2", torch.float32, lr=0.5)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_grpo_step_in_exact_mode_starts_from_an_importance_ratio_of_exactly_one(dtype):
+    engine = exact_engine("tiny-qwen2", DTYPES[dtype], lr=0.5)
     ids, mask = prompts([5, 3, 7, 4], seed=2)
     rollout = HybridEngineRollout(engine, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,
                                                                eos_token_id=NO_EOS))
