@@ -24,6 +24,7 @@ depend on the pool. It is captured only through the prompt stage
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +35,7 @@ from transformers import PreTrainedModel
 from hybrid_engine.accelerator import is_capturing
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.layout import FULL, AttentionKind, attention_kinds
-from hybrid_engine.exact.mode import EXACT_ATTENTION
+from hybrid_engine.exact.mode import exact_ops, uses_exact_attention
 from hybrid_engine.exact.rows import pack_order, pack_rows
 
 __all__ = ["build_decode_mask", "build_prefill_mask", "decode_one_token", "layer_masks", "prefill",
@@ -155,7 +156,8 @@ def _forward(
         kwargs["logits_to_keep"] = 1
     cache.answer_on_device = True  # eager steps answer length queries as captured ones do: no host read
     try:
-        out = model(**kwargs)
+        with exact_ops() if uses_exact_attention(model) else contextlib.nullcontext():
+            out = model(**kwargs)
     finally:
         cache.answer_on_device = False
     logits = out[0] if isinstance(out, tuple) else out.logits  # a tuple under config.return_dict=False
@@ -207,7 +209,7 @@ def prefill(
         table = cache.block_table.index_select(0, rows)
     lengths = attention_mask.to(torch.int64).sum(-1)
     last = None
-    if getattr(model.config, "_attn_implementation", None) == EXACT_ATTENTION:
+    if uses_exact_attention(model):
         # Exact attention counts key blocks from column 0: each row's tokens go first, as in a decode step.
         input_ids, attention_mask = pack_rows(pack_order(attention_mask), input_ids, attention_mask)
         last = lengths - 1

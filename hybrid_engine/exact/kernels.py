@@ -38,7 +38,7 @@ from hybrid_engine.exact.chunks import chunk_rows, fixed_bmm
 __all__ = ["KEY_BLOCK", "attention_calls", "block_attention", "exact_addmm", "exact_linear"]
 
 #: Keys per attention block (blocks are counted from key 0 and summed in order).
-KEY_BLOCK = 32
+KEY_BLOCK = 64
 
 
 _calls = 0
@@ -57,7 +57,11 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # x [M, K], w [K, N]
         ctx.save_for_backward(x, w)
-        return fixed_bmm(x.unsqueeze(0), w, chunk_rows(x.dtype).linear)[0]
+        rows = chunk_rows(x.dtype).linear
+        m, k = x.shape
+        if m % rows:
+            return fixed_bmm(x.unsqueeze(0), w, rows)[0]
+        return torch.bmm(x.view(m // rows, rows, k), w.expand(m // rows, k, w.shape[1])).view(m, w.shape[1])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -34,7 +34,8 @@ from hybrid_engine.exact.kernels import attention_calls, block_attention, exact_
 from hybrid_engine.exact.rows import packed_forward
 from hybrid_engine.model_access import attention_implementation, decode_model
 
-__all__ = ["EXACT_ATTENTION", "check_exact_support", "exact_forward", "exact_kernels", "register"]
+__all__ = ["EXACT_ATTENTION", "check_exact_support", "exact_forward", "exact_kernels", "exact_ops", "register",
+           "uses_exact_attention"]
 
 #: The attention implementation name the exact mode registers with transformers.
 EXACT_ATTENTION = "hybrid_exact"
@@ -54,14 +55,25 @@ class _ExactOps(TorchFunctionMode):
 
 @contextlib.contextmanager
 def exact_kernels(model: torch.nn.Module | None, enabled: bool = True) -> Iterator[None]:
-    """Run the block with batch-invariant matmuls and ``model``'s attention switched to :data:`EXACT_ATTENTION`
-    (``enabled=False``: as it is)."""
+    """Run the block with ``model``'s attention switched to :data:`EXACT_ATTENTION` (``enabled=False``: as it
+    is). Its forwards run under :func:`exact_ops` (the decode steps enter it where the attention says so)."""
     if not enabled:
         yield
         return
     _probe_chunks(model)  # before the block: the probe reads results, which no capture may
-    with attention_implementation(getattr(model, "config", None), EXACT_ATTENTION), _ExactOps():
+    with attention_implementation(getattr(model, "config", None), EXACT_ATTENTION):
         yield
+
+
+def exact_ops() -> _ExactOps:
+    """The block's ``F.linear`` and ``torch.addmm`` calls run row-invariant (one model forward: scheduling code
+    around it keeps torch's dispatch without a Python hop per op)."""
+    return _ExactOps()
+
+
+def uses_exact_attention(model: torch.nn.Module) -> bool:
+    """Whether ``model`` runs under :func:`exact_kernels` now."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == EXACT_ATTENTION
 
 
 def exact_forward(model: torch.nn.Module, *args: Any, forward: Callable[..., Any] | None = None,
@@ -84,7 +96,7 @@ def exact_forward(model: torch.nn.Module, *args: Any, forward: Callable[..., Any
     keep = kwargs.pop("logits_to_keep", 0)  # of the caller's columns, not the packed ones
     kwargs.setdefault("use_cache", False)  # a cache of packed rows would not be the caller's
     before = attention_calls()
-    with exact_kernels(inner):
+    with exact_kernels(inner), exact_ops():
         out = packed_forward(forward if forward is not None else model, **kwargs)
     if attention_calls() == before:
         raise ValueError(_bypassed(inner))
@@ -105,7 +117,7 @@ def check_exact_support(model: torch.nn.Module) -> None:
     training = inner.training
     inner.eval()  # no dropout in the probe
     try:
-        with torch.no_grad(), exact_kernels(inner):
+        with torch.no_grad(), exact_kernels(inner), exact_ops():
             inner(input_ids=torch.zeros(1, 1, dtype=torch.int64, device=device), use_cache=False)
     finally:
         inner.train(training)
