@@ -20,15 +20,18 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ChunkRows", "NoInvariantChunk", "chunk_rows", "fixed_bmm"]
+__all__ = ["KEY_BLOCK", "ChunkRows", "NoInvariantChunk", "chunk_rows", "fixed_bmm"]
 
 #: Candidate rows per product chunk, smallest first (smaller wastes less on a decode step's few rows).
 LINEAR_CHOICES = (16, 32, 64)
 ATTENTION_CHOICES = (4, 8, 16)
+#: Keys per attention block (blocks are counted from key 0 and summed in order).
+KEY_BLOCK = 64
 #: (K, N) of the probed products: linears, then attention's scores ([D] x [KEY_BLOCK]) and weighted sums
-#: ([KEY_BLOCK] x [D + 1]).
+#: ([KEY_BLOCK] x [D + 1]) for head sizes 16 to 128.
 _LINEAR_SHAPES = ((64, 192), (64, 384), (256, 1024), (96, 250))
-_ATTENTION_SHAPES = ((16, 16), (32, 16), (64, 16), (128, 16), (16, 17), (16, 33), (16, 65), (16, 129))
+_ATTENTION_SHAPES = tuple((d, KEY_BLOCK) for d in (16, 32, 64, 128)) + tuple(
+    (KEY_BLOCK, d + 1) for d in (16, 32, 64, 128))
 
 
 class ChunkRows(NamedTuple):
@@ -66,7 +69,7 @@ def _invariant(rows: int, shapes: tuple[tuple[int, int], ...], dtype: torch.dtyp
         a = torch.randn(1, 1, k, generator=gen).to(dtype)
         b = torch.randn(1, k, n, generator=gen).to(dtype)
         want = fixed_bmm(a, b[0] if shared else b, rows)[0, 0]
-        for batch in ((1,) if shared else (1, 3, 8, 64, 512)):
+        for batch in ((1,) if shared else (1, 3, 8, 64, 200)):
             for m in (1, rows - 1, rows, 3 * rows + 1):
                 if m < 1:
                     continue

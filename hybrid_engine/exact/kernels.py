@@ -33,12 +33,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybrid_engine.exact.chunks import chunk_rows, fixed_bmm
+from hybrid_engine.exact.chunks import KEY_BLOCK, chunk_rows, fixed_bmm
 
 __all__ = ["KEY_BLOCK", "attention_calls", "block_attention", "exact_addmm", "exact_linear"]
 
-#: Keys per attention block (blocks are counted from key 0 and summed in order).
-KEY_BLOCK = 64
 
 
 _calls = 0

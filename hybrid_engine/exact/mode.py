@@ -2,20 +2,22 @@
 
 Why: a rollout's logprob for a token is bit-for-bit the training forward's
 only if both sides compute every contraction with the same reduction order,
-whatever the batch. :func:`exact_kernels` makes that so for the block it
-wraps, and for nothing else:
+whatever the batch. Two switches make that so, and nothing else changes:
 
-* a ``TorchFunctionMode`` sends ``F.linear`` and ``torch.addmm`` (GPT-2's
-  ``Conv1D``) to :mod:`hybrid_engine.exact.kernels`; autograd flows through
-  them, so the training step's gradients are the usual ones;
-* the model's ``_attn_implementation`` is switched to :data:`EXACT_ATTENTION`
-  (registered with transformers' attention and mask interfaces on import): the
-  fixed-block online softmax, with transformers' additive float masks.
+* :func:`exact_kernels` (a whole generate call, or a training forward)
+  switches the model's ``_attn_implementation`` to :data:`EXACT_ATTENTION`
+  (registered with transformers' attention and mask interfaces on import):
+  the fixed-block attention, reading transformers' additive float masks;
+* :func:`exact_ops`, a ``TorchFunctionMode`` entered around each model
+  forward under that attention (:mod:`hybrid_engine.decode.step` and
+  :func:`exact_forward` enter it), sends ``F.linear`` and ``torch.addmm``
+  (GPT-2's ``Conv1D``) to :mod:`hybrid_engine.exact.kernels`. Only around
+  forwards: the scheduler's host code keeps torch's plain dispatch.
 
 Norms, softmax and ``log_softmax`` reduce within a row already. Graphs
 captured under the mode record its kernels (the attention implementation is
 part of a graph's fingerprint, so a graph of one mode never replays in the
-other).
+other). Gradients flow through the kernels, with the usual formulas.
 """
 
 from __future__ import annotations
