@@ -46,6 +46,7 @@ from hybrid_engine.decode.slots import DecodeSlots
 from hybrid_engine.decode.staging import start_from_logits
 from hybrid_engine.decode.step import prefill
 from hybrid_engine.generation.pages import PagePlan
+from hybrid_engine.generation.stop_strings import StopStrings
 from hybrid_engine.generation.timing import PhaseTimer
 from hybrid_engine.graphs.runner import DecodeGraphRunner
 
@@ -314,10 +315,34 @@ def _compact(state: DecodeSlots, plan: PagePlan, active: dict[int, RequestSpec],
     return sorted((set(free) - set(holes)) | set(movers))
 
 
-def _may_stop_early(state: DecodeSlots, requests: Iterable[RequestSpec]) -> bool:
-    """Whether a row may stop on EOS or a stop sequence before its budget: then the host must look, and rows
-    end unevenly."""
-    return (state.eos_reachable or state.has_stop_sequences) and any(r.min_tokens < r.budget for r in requests)
+def _may_stop_early(state: DecodeSlots, requests: Iterable[RequestSpec], strings: bool = False) -> bool:
+    """Whether a row may stop on EOS, a stop sequence or a stop string before its budget: then the host must
+    look, and rows end unevenly."""
+    return ((state.eos_reachable or state.has_stop_sequences or strings)
+            and any(r.min_tokens < r.budget for r in requests))
+
+
+def _cut_at_stop_strings(state: DecodeSlots, stop: StopStrings, active: dict[int, RequestSpec],
+                         generated: list[int], done: list[int], checked: dict[int, int],
+                         counters: Counters) -> list[int]:
+    """The slots done once stop strings are looked for (one more host read: the live rows' tokens); a row
+    that holds one gets its length cut in ``generated``. ``checked``: per request, a prefix known to hold none."""
+    slots = list(active)
+    longest = max(generated[s] for s in slots)
+    if not longest:
+        return done
+    rows = state.out_tokens[:, :longest].index_select(0, _index(slots, state.device, counters)).tolist()
+    counters.host_syncs += 1
+    ended = set(done)
+    for slot, row in zip(slots, rows):
+        req, n = active[slot], generated[slot]
+        cut = stop.cut(row[:n], checked.get(req.request_index, 0), req.min_tokens)
+        if cut is not None:
+            generated[slot] = cut
+            ended.add(slot)
+        elif n > req.min_tokens:
+            checked[req.request_index] = n
+    return [s for s in active if s in ended]
 
 def _steps_to_admission(room: int, waiting: int, left: dict[int, int], max_active: int, cost: float,
                         cap: int | None) -> int:
@@ -401,6 +426,7 @@ def run_schedule(
     logprobs: str = "sampling",
     top_logprobs: int = 0,
     settings: list[tuple[float, float, int]] | None = None,
+    stop_strings: StopStrings | None = None,
 ) -> Results:
     """Generate every request on ``runner.slots``; return its device :class:`Results`, the logprobs under the
     sampled distribution or the full softmax at the temperature (``logprobs``), with the ``top_logprobs`` best
@@ -442,7 +468,9 @@ def run_schedule(
     try:
         # Rows can finish at different times (EOS, unequal budgets, more requests than slots): the call may
         # compact into every smaller bucket, so those are captured up front too.
-        shrink = (_may_stop_early(state, requests) or len({r.budget for r in requests}) > 1
+        strings = stop_strings is not None
+        checked: dict[int, int] = {}  # request -> a prefix of its response known to hold no stop string
+        shrink = (_may_stop_early(state, requests, strings) or len({r.budget for r in requests}) > 1
                   or len(requests) > max_active)
         if any(r.budget > 1 for r in requests):  # some row decodes at all
             spans = runner.spans_between(min(r.prompt_len for r in requests) + 1,
@@ -455,7 +483,7 @@ def run_schedule(
         blocked = False  # a round found no pages for its next request: admit again once pages are freed
         while queue or active:
             room = min(len(queue), max_active - len(active), len(free))
-            cap = sync_interval if _may_stop_early(state, active.values()) else None
+            cap = sync_interval if _may_stop_early(state, active.values(), strings) else None
             if room and not starved and not (blocked and active) and (not active or (continuous and _steps_to_admission(
                     room, len(queue), left, max_active, ADMISSION_COST, cap) == 0)):
                 slots, free = free[:room], free[room:]
@@ -485,7 +513,7 @@ def run_schedule(
                 if max(active) >= target:
                     free = _compact(state, plan, active, left, free, order, target, counters)
                 bucket = runner.bucket_for(max(active) + 1)
-                cap = sync_interval if _may_stop_early(state, active.values()) else None
+                cap = sync_interval if _may_stop_early(state, active.values(), strings) else None
                 if blocked:  # pages come back when a row finishes: look then
                     n_steps = min((v for v in left.values() if v > 0), default=1)
                 elif continuous and queue:
@@ -517,6 +545,8 @@ def run_schedule(
             counters.host_syncs += 1
             finished_flags, generated = flags[0].tolist(), flags[1].tolist()
             done = [slot for slot in active if finished_flags[slot]]
+            if strings:
+                done = _cut_at_stop_strings(state, stop_strings, active, generated, done, checked, counters)
             for slot in active:
                 left[slot] = active[slot].budget - generated[slot]
             if plan.ledger.in_use == plan.ledger.peak:  # at the peak: how much of it the tokens held need

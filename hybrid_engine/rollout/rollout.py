@@ -38,6 +38,7 @@ from hybrid_engine.distributed.zero3 import gathered_for_inference
 from hybrid_engine.exact.mode import check_exact_support, exact_kernels
 from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_generation, exclusive_generation
 from hybrid_engine.generation.scheduler import Counters, RequestSpec, gather_responses, run_schedule
+from hybrid_engine.generation.stop_strings import StopStrings
 from hybrid_engine.generation.timing import PhaseTimer
 from hybrid_engine.generation.token_ids import MAX_TOKEN_ID, token_ids
 from hybrid_engine.graphs.runner import DecodeGraphRunner
@@ -132,6 +133,15 @@ class HybridEngineRollout:
             pad = eos[0]
         return pad, eos
 
+    def _stop_strings(self, sampling: SamplingConfig) -> StopStrings | None:
+        if not sampling.stop_strings:
+            return None
+        if self.tokenizer is None or not callable(getattr(self.tokenizer, "decode", None)):
+            raise ValueError("generate: SamplingConfig.stop_strings are matched on decoded text, so the rollout "
+                             "needs a tokenizer: HybridEngineRollout(engine, tokenizer=...); or pass token ids as "
+                             "stop_token_ids")
+        return StopStrings(self.tokenizer, sampling.stop_strings)
+
     def _check_model(self) -> None:
         try:
             check_model_supported(self.model)
@@ -190,6 +200,7 @@ class HybridEngineRollout:
         check_device("generate: RolloutRequest.prompt_attention_mask", request.prompt_attention_mask, model)
         pad_id, eos_ids = self._special_ids()
         self._check_model()
+        stop_strings = self._stop_strings(sampling)
         if request.prompt_ids.shape[0] == 0:  # an empty shard: the call's gather (ZeRO-3) is all it takes part in
             return self._empty_batch(request, t_start)
         prompt_lengths = request.prompt_lengths
@@ -315,6 +326,7 @@ class HybridEngineRollout:
                 shared_prefill=cfg.use_shared_prefill, staged=True,
                 sync_interval=cfg.sync_interval, counters=counters, logprobs=sampling.logprobs,
                 top_logprobs=sampling.top_logprobs, settings=knob_values,
+                stop_strings=stop_strings,
             )
             responses, logprobs, lengths = gather_responses(results.tokens, counters.lengths, pad_id,
                                                             results.logprobs)

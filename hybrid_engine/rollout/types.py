@@ -164,6 +164,19 @@ def _stop_sequences(owner: str, value: object) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
+MAX_STOP_STRING_CHARS = 256
+
+
+def _stop_strings(owner: str, value: object) -> tuple[str, ...]:
+    fix = f'pass a list of strings, e.g. stop_strings=["</tool>"], at most {MAX_STOP_SEQUENCES}'
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"{owner}: stop_strings must be a list of strings, got {value!r}; {fix}")
+    if len(value) > MAX_STOP_SEQUENCES or any(not 1 <= len(v) <= MAX_STOP_STRING_CHARS for v in value):
+        raise ValueError(f"{owner}: stop_strings must hold at most {MAX_STOP_SEQUENCES} strings of 1 to "
+                         f"{MAX_STOP_STRING_CHARS} characters, got {value!r}")
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """What to sample. ``temperature=0`` is greedy; ``top_k`` -1 or 0 and ``top_p=1`` disable those filters.
@@ -187,9 +200,14 @@ class SamplingConfig:
     #: Token sequences that end a response once it ends in one of them (kept in it, as an EOS is), matched on
     #: the device at every step; at most 16 sequences of 1 to 16 tokens.
     stop_token_ids: tuple[tuple[int, ...], ...] = ()
+    #: Strings that end a response once its decoded text holds one (the completing token is kept, later ones
+    #: dropped), checked on the host every ``sync_interval`` steps with the rollout's tokenizer; a string
+    #: split across tokens counts. At most 16 strings of 1 to 256 characters.
+    stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         owner = "SamplingConfig"
+        object.__setattr__(self, "stop_strings", _stop_strings(owner, self.stop_strings))
         if self.logprobs not in LOGPROB_MODES:
             raise ValueError(f'{owner}: logprobs must be "sampling" (under the distribution sampled from) or "full" '
                              f"(under the full softmax at the temperature), got {self.logprobs!r}")
