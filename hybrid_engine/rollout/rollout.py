@@ -44,6 +44,7 @@ from hybrid_engine.generation.token_ids import MAX_TOKEN_ID, token_ids
 from hybrid_engine.graphs.runner import DecodeGraphRunner
 from hybrid_engine.graphs.stats import GraphStats
 from hybrid_engine.model_access import check_device, decode_model
+from hybrid_engine.rollout.episodes import Episodes
 from hybrid_engine.rollout.types import (
     DEFAULT_MAX_BATCH_SIZE,
     RolloutBatch,
@@ -174,6 +175,11 @@ class HybridEngineRollout:
             yield
 
     # ------------------------------------------------------------- generate
+    def open_episodes(self, request: RolloutRequest, n_samples_per_prompt: int = 1) -> Episodes:
+        """Multi-turn episodes on this rollout, ``n_samples_per_prompt`` rows per prompt: see
+        :class:`~hybrid_engine.rollout.episodes.Episodes` (``turn``, ``append``, ``close``)."""
+        return Episodes(self, request, n_samples_per_prompt)
+
     def generate(self, request: RolloutRequest, sampling: SamplingConfig | None = None) -> RolloutBatch:
         """Sample ``n_samples_per_prompt`` responses per prompt of ``request``; see :class:`RolloutBatch`.
 

@@ -1,0 +1,184 @@
+"""Multi-turn episodes: model turns and environment tokens (tool results, user turns) on the same rows.
+
+Why: agentic RL trains on trajectories that interleave the model's tokens with
+the environment's, and the loss must cover the model's only. An episode row
+keeps its whole history on the host (ids, which ones the model sampled, their
+logprobs); each turn decodes the chosen rows' continuations through
+:meth:`HybridEngineRollout.generate`, with continuous batching and graphs as
+any call, and :meth:`Episodes.close` returns the trajectories with an
+``env_mask``.
+
+What a turn computes: the rows' histories are prefilled again at each turn
+(K/V are not yet kept between calls), so a turn costs its history's prefill
+plus its own decode. Tokens and logprobs are those of a single-turn rollout on
+the concatenated history with the same request id: row ``r``'s turn ``t``
+samples as request ``t * rows + r``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hybrid_engine.rollout.types import RolloutRequest, SamplingConfig
+
+if TYPE_CHECKING:
+    from hybrid_engine.rollout.rollout import HybridEngineRollout
+
+__all__ = ["EpisodeBatch", "Episodes", "STOP_REASONS"]
+
+#: Why a row's turn ended: an EOS id, ``max_new_tokens``, or a stop sequence or string.
+STOP_REASONS = ("eos", "length", "stop")
+
+
+@dataclass
+class EpisodeBatch:
+    """Closed episodes, one row each: the prompt as given (left-padded), then everything after it.
+
+    ``completion_ids``/``completion_mask`` ``[R, C]`` (right-padded) hold the model's and the
+    environment's tokens in order; ``env_mask`` is 1 on the model's tokens and 0 on the environment's
+    (and on padding); ``completion_logprobs`` holds the model tokens' logprobs, 0 elsewhere.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    env_mask: torch.Tensor
+    completion_logprobs: torch.Tensor
+    rows: list[int]
+    turns: list[int]
+
+    def training_inputs(self) -> dict[str, torch.Tensor]:
+        """``engine(**batch.training_inputs())``'s inputs: ``labels`` on the model's tokens only (-100 on the prompt,
+        the environment's tokens and padding), position ids from each row's first real token."""
+        ids = torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+        mask = torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+        model = torch.cat([torch.zeros_like(self.prompt_mask, dtype=torch.bool), self.env_mask.bool()], dim=1)
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0),
+                "labels": ids.masked_fill(~model, -100)}
+
+
+class Episodes:
+    """Open episodes on ``rollout``: ``n_samples_per_prompt`` rows per prompt of ``request``, in order
+    ``prompt * n + sample``. :meth:`turn` decodes, :meth:`append` adds environment tokens, :meth:`close` ends."""
+
+    def __init__(self, rollout: HybridEngineRollout, request: RolloutRequest, n_samples_per_prompt: int = 1) -> None:
+        if not isinstance(request, RolloutRequest):
+            raise TypeError(f"Episodes: request must be a RolloutRequest, got {type(request).__name__}")
+        if not isinstance(n_samples_per_prompt, int) or isinstance(n_samples_per_prompt, bool) \
+                or n_samples_per_prompt < 1:
+            raise ValueError(f"Episodes: n_samples_per_prompt must be a positive int, got {n_samples_per_prompt!r}")
+        request.validate()
+        self.rollout = rollout
+        ids, mask = request.prompt_ids.cpu(), request.prompt_attention_mask.cpu()
+        prompts = [ids[i][mask[i].bool()].tolist() for i in range(ids.shape[0])]
+        self._prompt_ids = ids.repeat_interleave(n_samples_per_prompt, 0)
+        self._prompt_mask = mask.repeat_interleave(n_samples_per_prompt, 0)
+        n = len(prompts) * n_samples_per_prompt
+        self._prompts = [prompts[r // n_samples_per_prompt] for r in range(n)]
+        self._after: list[list[int]] = [[] for _ in range(n)]  # every token after the prompt
+        self._model: list[list[bool]] = [[] for _ in range(n)]
+        self._logprobs: list[list[float]] = [[] for _ in range(n)]
+        self.turns = [0] * n
+        self.open = [True] * n
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.open)
+
+    def _rows(self, rows: list[int] | None, what: str) -> list[int]:
+        if rows is None:
+            return [r for r in range(self.num_rows) if self.open[r]]
+        if not isinstance(rows, (list, tuple)) or not all(isinstance(r, int) and not isinstance(r, bool)
+                                                          for r in rows):
+            raise TypeError(f"Episodes.{what}: rows must be a list of row indices, got {rows!r}")
+        for r in rows:
+            if not 0 <= r < self.num_rows:
+                raise ValueError(f"Episodes.{what}: row {r} is not in 0..{self.num_rows - 1}")
+            if not self.open[r]:
+                raise ValueError(f"Episodes.{what}: row {r} is closed; open a new episode to go on")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"Episodes.{what}: rows {rows!r} name a row twice")
+        return list(rows)
+
+    def history(self, row: int) -> list[int]:
+        """Row ``row``'s token ids so far: its prompt, then the model's and the environment's tokens."""
+        return self._prompts[row] + self._after[row]
+
+    def turn(self, sampling: SamplingConfig, rows: list[int] | None = None) -> list[str]:
+        """Decode one model turn for ``rows`` (default: every open row); the others wait, untouched. Returns each
+        row's :data:`STOP_REASONS` entry. ``sampling.n_samples_per_prompt`` must be 1 (samples are rows)."""
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"Episodes.turn: sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        if sampling.n_samples_per_prompt != 1:
+            raise ValueError("Episodes.turn: sampling.n_samples_per_prompt must be 1; an episode's samples are its "
+                             "rows (Episodes(..., n_samples_per_prompt=n))")
+        rows = self._rows(rows, "turn")
+        if not rows:
+            return []
+        histories = [self.history(r) for r in rows]
+        width = max(len(h) for h in histories)
+        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for i, h in enumerate(histories):
+            ids[i, width - len(h):] = torch.tensor(h)
+            mask[i, width - len(h):] = 1
+        device = self.rollout.model.device
+        request = RolloutRequest(ids.to(device), mask.to(device),
+                                 request_ids=[self.turns[r] * self.num_rows + r for r in rows])
+        batch = self.rollout.generate(request, sampling)
+        _, eos_ids = self.rollout._special_ids()
+        lengths = batch.response_lengths.tolist()
+        tokens = batch.responses.cpu().tolist()
+        logprobs = batch.response_logprobs.cpu().tolist()
+        reasons = []
+        for i, r in enumerate(rows):
+            n = lengths[i]
+            self._after[r] += tokens[i][:n]
+            self._model[r] += [True] * n
+            self._logprobs[r] += logprobs[i][:n]
+            self.turns[r] += 1
+            reasons.append("eos" if n and tokens[i][n - 1] in eos_ids else
+                           "length" if n >= sampling.max_new_tokens else "stop")
+        return reasons
+
+    def append(self, row: int, token_ids: Any) -> None:
+        """Add environment tokens (a tool result, a user turn) to ``row``: in its history for the next turn, with
+        ``env_mask`` 0 and no logprob."""
+        (row,) = self._rows([row], "append")
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.flatten().tolist()
+        if not isinstance(token_ids, (list, tuple)) or not token_ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids):
+            raise TypeError(f"Episodes.append: token_ids must be a non-empty list of token ids >= 0, got "
+                            f"{token_ids!r}")
+        vocab = getattr(self.rollout.model.config, "vocab_size", None)
+        if vocab is not None and max(token_ids) >= vocab:
+            raise ValueError(f"Episodes.append: token id {max(token_ids)} is outside the model's vocabulary "
+                             f"({vocab} ids)")
+        self._after[row] += list(token_ids)
+        self._model[row] += [False] * len(token_ids)
+        self._logprobs[row] += [0.0] * len(token_ids)
+
+    def close(self, rows: list[int] | None = None) -> EpisodeBatch:
+        """End ``rows`` (default: every open row) and return their trajectories; the others stay open."""
+        rows = self._rows(rows, "close")
+        width = max((len(self._after[r]) for r in rows), default=0)
+        shape = (len(rows), width)
+        ids = torch.zeros(shape, dtype=torch.int64)
+        mask = torch.zeros(shape, dtype=torch.int64)
+        env = torch.zeros(shape, dtype=torch.int64)
+        lp = torch.zeros(shape, dtype=torch.float32)
+        for i, r in enumerate(rows):
+            n = len(self._after[r])
+            ids[i, :n] = torch.tensor(self._after[r], dtype=torch.int64)
+            mask[i, :n] = 1
+            env[i, :n] = torch.tensor(self._model[r], dtype=torch.int64)
+            lp[i, :n] = torch.tensor(self._logprobs[r], dtype=torch.float32)
+            self.open[r] = False
+        index = torch.tensor(rows, dtype=torch.int64)
+        return EpisodeBatch(self._prompt_ids.index_select(0, index), self._prompt_mask.index_select(0, index),
+                            ids, mask, env, lp, rows, [self.turns[r] for r in rows])
