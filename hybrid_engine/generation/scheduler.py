@@ -344,6 +344,7 @@ def _cut_at_stop_strings(state: DecodeSlots, stop: StopStrings, active: dict[int
             checked[req.request_index] = n
     return [s for s in active if s in ended]
 
+
 def _steps_to_admission(room: int, waiting: int, left: dict[int, int], max_active: int, cost: float,
                         cap: int | None) -> int:
     """Continuous batching: in how many steps to admit waiting requests (0: now).
