@@ -38,12 +38,38 @@ def train(stage: int, precision: str) -> dict:
     return out
 
 
+def exact(stage: int, precision: str) -> dict:
+    """Exact mode under ZeRO ``stage``: a rollout's logprobs against the engine's training forward."""
+    from hybrid_engine import logprobs_of
+    from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
+
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": stage}, "hybrid_engine": {"exact_logprobs": True}}
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    engine, *_ = initialize(model=build_model("tiny-llama", seed=3), config=config)
+    ids = torch.randint(4, 300, (2, 6), generator=torch.Generator().manual_seed(1))
+    rollout = HybridEngineRollout(engine, config=RolloutConfig(pad_token_id=0, eos_token_id=10_000))
+    batch = rollout.generate(RolloutRequest(ids), SamplingConfig(max_new_tokens=8, temperature=1.0, seed=2,
+                                                                 n_samples_per_prompt=2))
+    inputs = batch.training_inputs()
+    logits = engine(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    start = batch.response_start_idx
+    new = logprobs_of(logits[:, start - 1:-1], batch.responses, temperature=1.0)
+    out = {"max_diff": float((new - batch.response_logprobs).abs().max()), "tokens": int(batch.response_lengths.sum()),
+           "zero_stage": int(engine.zero_optimization_stage())}
+    engine.destroy()
+    return out
+
+
 def main() -> None:
     leaked = [name for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if name in os.environ]
     assert not leaked, f"launcher variables set: {leaked}"
     torch.set_num_threads(1)
-    cases = [tuple(c.split(":")) for c in sys.argv[1:]]
-    results = {f"{stage}:{precision}": train(int(stage), precision) for stage, precision in cases}
+    results = {}
+    for case in sys.argv[1:]:  # stage:precision, or stage:precision:exact
+        stage, precision, *mode = case.split(":")
+        results[case] = (exact if mode == ["exact"] else train)(int(stage), precision)
     import torch.distributed as dist
 
     results["world"] = dist.get_world_size() if dist.is_initialized() else None

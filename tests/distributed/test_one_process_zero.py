@@ -57,6 +57,19 @@ def test_zero_1_2_3_train_in_one_process_without_a_launcher_as_stage_0_does():
     assert bf16["global_steps"] == 3 and bf16["losses"][-1] < bf16["losses"][0]
 
 
+def test_exact_logprobs_hold_at_zero_2_and_3_in_one_process():
+    from conftest import exact_mode_unavailable
+
+    if exact_mode_unavailable() is not None:
+        pytest.skip(str(exact_mode_unavailable()))
+    code, out = run_worker("2:fp32:exact", "3:fp32:exact", "2:bf16:exact")
+    assert code == 0, out[-6000:]
+    r = results(out)
+    for case, stage in (("2:fp32:exact", 2), ("3:fp32:exact", 3), ("2:bf16:exact", 2)):
+        assert r[case]["zero_stage"] == stage and r[case]["tokens"] == 32
+        assert r[case]["max_diff"] == 0.0, case  # rollout logprobs bit for bit the training forward's
+
+
 def test_a_partial_launch_is_refused_in_one_sentence_naming_the_launcher():
     code, out = run_worker("1:fp32", env={"WORLD_SIZE": "2"})
     assert code != 0
