@@ -18,14 +18,11 @@ samples as request ``t * rows + r``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from hybrid_engine.rollout.types import RolloutRequest, SamplingConfig
-
-if TYPE_CHECKING:
-    from hybrid_engine.rollout.rollout import HybridEngineRollout
 
 __all__ = ["EpisodeBatch", "Episodes", "STOP_REASONS"]
 
@@ -62,10 +59,11 @@ class EpisodeBatch:
 
 
 class Episodes:
-    """Open episodes on ``rollout``: ``n_samples_per_prompt`` rows per prompt of ``request``, in order
-    ``prompt * n + sample``. :meth:`turn` decodes, :meth:`append` adds environment tokens, :meth:`close` ends."""
+    """Open episodes on ``rollout`` (a :class:`~hybrid_engine.rollout.HybridEngineRollout`; made by its
+    ``open_episodes``): ``n_samples_per_prompt`` rows per prompt of ``request``, in order ``prompt * n +
+    sample``. :meth:`turn` decodes, :meth:`append` adds environment tokens, :meth:`close` ends."""
 
-    def __init__(self, rollout: HybridEngineRollout, request: RolloutRequest, n_samples_per_prompt: int = 1) -> None:
+    def __init__(self, rollout: Any, request: RolloutRequest, n_samples_per_prompt: int = 1) -> None:
         if not isinstance(request, RolloutRequest):
             raise TypeError(f"Episodes: request must be a RolloutRequest, got {type(request).__name__}")
         if not isinstance(n_samples_per_prompt, int) or isinstance(n_samples_per_prompt, bool) \
@@ -130,7 +128,7 @@ class Episodes:
         request = RolloutRequest(ids.to(device), mask.to(device),
                                  request_ids=[self.turns[r] * self.num_rows + r for r in rows])
         batch = self.rollout.generate(request, sampling)
-        _, eos_ids = self.rollout._special_ids()
+        eos_ids = self.rollout.eos_token_ids
         lengths = batch.response_lengths.tolist()
         tokens = batch.responses.cpu().tolist()
         logprobs = batch.response_logprobs.cpu().tolist()

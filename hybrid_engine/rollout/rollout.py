@@ -134,6 +134,11 @@ class HybridEngineRollout:
             pad = eos[0]
         return pad, eos
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The EOS ids a response ends on (from the config, the tokenizer or the model, as ``generate`` reads)."""
+        return self._special_ids()[1]
+
     def _stop_strings(self, sampling: SamplingConfig) -> StopStrings | None:
         if not sampling.stop_strings:
             return None
