@@ -304,3 +304,16 @@ def test_bench_exact(tmp_path, capsys):
     assert set(rows) == {"default", "exact"}
     assert rows["exact"]["max_rollout_vs_train"] == 0 and rows["exact"]["max_batch1_vs_batch"] == 0
     assert rows["exact"]["rollout_s"] > 0 and d["cost"]["fp32"]["train_step"] > 0
+
+
+def test_bench_multiturn(tmp_path, capsys):
+    d = _run(tmp_path, capsys, "bench", "multiturn", "--model", "tiny-llama", "--prompts", "2", "--samples", "2",
+             "--prompt-len", "8", "--turns", "2", "--new-tokens", "6", "--repeats", "1")
+    assert d["benchmark"] == "multiturn" and d["ok"] and d["same_tokens"] and not d["graph_side_problems"]
+    rows = {r["path"]: r for r in d["rows"]}
+    assert set(rows) == {"reuse", "re-prefill", "transformers"}
+    # Turn 2 prefills every history whole without reuse; with it, only each row's last token and the
+    # environment's tokens.
+    assert rows["reuse"]["prefill_tokens"] < rows["re-prefill"]["prefill_tokens"]
+    assert rows["reuse"]["tokens_generated"] == rows["re-prefill"]["tokens_generated"] > 0
+    assert all(r["wall_s"] > 0 for r in d["rows"])

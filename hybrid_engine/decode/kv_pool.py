@@ -19,17 +19,22 @@ Graph-safety invariants:
   what a table entry holds.
 * Which page belongs to whom is host bookkeeping only (:class:`PageLedger`):
   the host assigns pages ahead of the steps that fill them and writes block
-  tables before replays, so no step reads the device to find a page.
+  tables before replays, so no step reads the device to find a page. Pages a
+  finished row keeps past its call (:class:`HeldPages`, an episode's K/V
+  between turns) are the ledger's too, evicted oldest first when a call runs
+  short.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["DEFAULT_PAGE_SIZE", "MAX_PAGE_SIZE", "NULL_PAGE", "KVBudget", "KVPool", "LayerSpec", "PageLedger", "pages_for", "pool_pages"]
+__all__ = ["DEFAULT_PAGE_SIZE", "MAX_PAGE_SIZE", "NULL_PAGE", "HeldPages", "KVBudget", "KVPool", "LayerSpec",
+           "PageLedger", "pages_for", "pool_pages"]
 
 #: Tokens per page unless configured (``kv_page_size``): vLLM's default; a shared prompt's partial last page,
 #: copied once per sample, is then at most 15 tokens.
@@ -100,6 +105,35 @@ class KVPool:
         for layer in (*self.keys, *self.values):
             layer.index_copy_(0, dst_slots, layer.index_select(0, src_slots))
 
+    def copy_from(self, old: "KVPool") -> None:
+        """Take every page of a smaller pool of the same layout at the same page ids (a pool that grows keeps
+        the pages held in it)."""
+        for new, kept in zip((*self.keys, *self.values), (*old.keys, *old.values)):
+            new[: kept.shape[0]].copy_(kept)
+
+
+class HeldPages:
+    """A finished row's pages kept past its call, holding the K/V of its first ``tokens`` tokens, so that a later
+    call continues the row on them (an episode's next turn) and prefills only what comes after.
+
+    The ledger holds them until :meth:`release`, or until a call runs short of pages and evicts them (oldest
+    first); then :attr:`pages` is ``None`` and the row is prefilled again. A continuing call takes them over
+    (:meth:`PageLedger.take_held`)."""
+
+    __slots__ = ("__weakref__", "ledger", "pages", "tokens")
+
+    def __init__(self, ledger: "PageLedger", pages: list[int], tokens: int) -> None:
+        self.ledger, self.pages, self.tokens = ledger, pages, tokens
+
+    def live_in(self, ledger: "PageLedger | None") -> bool:
+        """Whether the pages are still held, in ``ledger`` (a rebuilt pool has a new ledger)."""
+        return ledger is self.ledger and ledger.holds(self)
+
+    def release(self) -> None:
+        """Give the pages back: at once, or, while a call uses the ledger, when the next call starts. Safe from
+        any thread and from a finalizer."""
+        self.ledger.release_held(self)
+
 
 class PageLedger:
     """Host bookkeeping of a pool's pages: a free list and a reference count per page.
@@ -114,6 +148,92 @@ class PageLedger:
         self._free = list(range(num_pages - 1, NULL_PAGE, -1))  # popped from the end: lowest page first
         self._refs = [0] * num_pages
         self.peak = 0
+        self._held: dict[int, HeldPages] = {}  # id -> held pages, oldest first
+        self._released: list[HeldPages] = []  # released while a call ran: given back by collect()
+        self._lock = threading.Lock()
+        self.busy = False  # a call is assigning pages (set by its plan)
+
+    def grow(self, num_pages: int) -> None:
+        """Take ``num_pages`` pages in all (the pool grew; held pages keep their ids)."""
+        self._free[:0] = range(num_pages - 1, self.num_pages - 1, -1)
+        self._refs += [0] * (num_pages - self.num_pages)
+        self.num_pages = num_pages
+
+    # ------------------------------------------------------------ held pages
+    def hold(self, pages: list[int], tokens: int) -> HeldPages:
+        """Keep ``pages`` (their references pass from the caller) past the call, with ``tokens`` tokens' K/V."""
+        held = HeldPages(self, pages, tokens)
+        with self._lock:
+            self._held[id(held)] = held
+        return held
+
+    def take_held(self, held: HeldPages) -> list[int] | None:
+        """The caller takes over ``held``'s pages and their references (a call continues the row); ``None``
+        when they are no longer held (released or evicted)."""
+        with self._lock:
+            if self._held.pop(id(held), None) is None:
+                return None
+            pages, held.pages = held.pages, None
+        return pages
+
+    def rehold(self, held: HeldPages) -> None:
+        """Hold again pages taken over by :meth:`take_held` (the continuing call could not use them)."""
+        with self._lock:
+            self._held[id(held)] = held
+
+    def holds(self, held: HeldPages) -> bool:
+        with self._lock:
+            return self._held.get(id(held)) is held
+
+    def release_held(self, held: HeldPages) -> None:
+        with self._lock:
+            if self._held.pop(id(held), None) is None:
+                return
+            if self.busy:  # the call's plan owns the free list now: it gives them back at its next look
+                self._released.append(held)
+            else:
+                self._give_back(held)
+
+    def _give_back(self, held: HeldPages) -> None:
+        pages, held.pages = held.pages, None
+        self.release(pages)
+
+    def start_call(self) -> None:
+        """A call's plan starts assigning pages: releases from other threads wait for :meth:`collect`."""
+        with self._lock:
+            self.busy = True
+        self.collect()
+
+    def end_call(self) -> None:
+        self.collect()
+        with self._lock:
+            self.busy = False
+
+    def collect(self) -> None:
+        """Give back the pages of held rows released while a call ran (by its plan)."""
+        with self._lock:
+            released, self._released = self._released, []
+            for held in released:
+                self._give_back(held)
+
+    def evict(self, pages: int) -> bool:
+        """Release held rows, oldest first, until ``pages`` pages are free (by the call's plan); whether they are."""
+        self.collect()
+        with self._lock:
+            while len(self._free) < pages and self._held:
+                oldest = self._held.pop(next(iter(self._held)))
+                self._give_back(oldest)
+            return len(self._free) >= pages
+
+    @property
+    def held_rows(self) -> int:
+        return len(self._held)
+
+    @property
+    def held_pages(self) -> int:
+        """Distinct pages held rows keep (shared prompt pages count once)."""
+        with self._lock:
+            return len({p for held in self._held.values() for p in held.pages})
 
     @property
     def free(self) -> int:

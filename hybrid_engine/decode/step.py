@@ -38,7 +38,7 @@ from hybrid_engine.decode.layout import FULL, AttentionKind, attention_kinds
 from hybrid_engine.exact.mode import exact_ops, uses_exact_attention
 from hybrid_engine.exact.rows import pack_order, pack_rows
 
-__all__ = ["build_decode_mask", "build_prefill_mask", "decode_one_token", "layer_masks", "prefill",
+__all__ = ["build_decode_mask", "build_prefill_mask", "decode_one_token", "extend", "layer_masks", "prefill",
            "prompt_position_ids"]
 
 
@@ -69,11 +69,12 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
 
 def build_decode_mask(write_pos: torch.Tensor, span: int, dtype: torch.dtype,
                       kind: AttentionKind = FULL) -> torch.Tensor:
-    """``[B, 1, 1, span]`` additive mask of a decode step: row ``b`` sees its logical keys ``j <= write_pos[b]``
-    (what it holds and the token being written; a key's logical index is its position), within the last
-    ``kind.window`` positions or the query's ``kind.chunk``; 0 there, ``finfo(dtype).min`` elsewhere."""
-    keys = torch.arange(span, device=write_pos.device)[None, :]
-    query = write_pos[:, None]
+    """``[B, 1, T, span]`` additive mask of queries at logical indices ``write_pos`` (``[B]``: one per row, a
+    decode step; ``[B, T]``: :func:`extend`): query ``q`` of a row sees its logical keys ``j <= q`` (what the row
+    holds and the tokens being written; a key's logical index is its position), within the last ``kind.window``
+    positions or the query's ``kind.chunk``; 0 there, ``finfo(dtype).min`` elsewhere."""
+    keys = torch.arange(span, device=write_pos.device)[None, None, :]
+    query = (write_pos[:, None] if write_pos.dim() == 1 else write_pos)[:, :, None]
     allowed = keys <= query
     if kind.window is not None:
         allowed &= keys > query - kind.window
@@ -81,7 +82,7 @@ def build_decode_mask(write_pos: torch.Tensor, span: int, dtype: torch.dtype,
         allowed &= keys >= query - query % kind.chunk
     zero = torch.zeros((), dtype=dtype, device=write_pos.device)
     neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=write_pos.device)
-    return torch.where(allowed, zero, neg)[:, None, None, :]
+    return torch.where(allowed, zero, neg)[:, None, :, :]
 
 
 def build_prefill_mask(attention_mask: torch.Tensor, kv_len: int, dtype: torch.dtype,
@@ -230,6 +231,41 @@ def prefill(
     else:
         cache.write_pos.index_copy_(0, rows, lengths)
         cache.position.index_copy_(0, rows, lengths)
+    return logits
+
+
+@torch.no_grad()
+def extend(model: PreTrainedModel, cache: PagedKVCache, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+           rows: torch.Tensor, span: int) -> torch.Tensor:
+    """Run new tokens ``[N, T]`` (left-padded) onto cache ``rows`` that already hold ``write_pos`` tokens (an
+    episode's next turn on the pages its earlier turns filled); return each row's last logits ``[N, V]``.
+
+    Row ``i``'s tokens are written at logical indices ``write_pos .. write_pos + n_i - 1`` (positions from
+    ``position``), and attend over the row's first ``span`` pages, which must hold them all: the cached
+    tokens and the new ones, causally, as one decode step per token would. Padding writes the null page and
+    sees key 0 only. ``write_pos`` and ``position`` then advance by ``n_i``. Eager (a host int sets the span);
+    the caller has checked the inputs and written the rows' block tables."""
+    n, t = input_ids.shape
+    device = cache.device
+    table = cache.block_table.index_select(0, rows)
+    cached = cache.write_pos.index_select(0, rows)
+    start = cache.position.index_select(0, rows)
+    target = PagedKVCache.__new__(PagedKVCache)
+    target._setup(cache.pool, table, cached, start, cache.capacity, cache._host)
+    real = attention_mask.bool()
+    new = attention_mask.to(torch.int64).sum(-1)
+    offset = torch.arange(t, device=device)[None, :] - (t - new)[:, None]  # 0 at each row's first new token
+    logical = torch.where(real, cached[:, None] + offset, 0)
+    target.write_slots = target.token_slots(logical, keep=real).flatten()
+    target.span_pages = span
+    target.read_slots = target.span_slots()
+    target.fresh, target.kv_len = False, target.span_tokens()
+    dtype = _model_dtype(model)
+    mask4d = layer_masks(model, lambda kind: build_decode_mask(logical, target.kv_len, dtype, kind))
+    logits = _forward(model, target, input_ids, mask4d, torch.where(real, start[:, None] + offset, 0),
+                      logical.max(0).values)
+    cache.write_pos.index_copy_(0, rows, cached + new)
+    cache.position.index_copy_(0, rows, start + new)
     return logits
 
 

@@ -12,9 +12,13 @@ that fill them, and no decode step reads the device to find a page:
   (:meth:`PagePlan.grow`); the new table entries go to the device in one copy
   (:meth:`PagePlan.flush`);
 * a harvested or preempted row gives its pages back (:meth:`PagePlan.free_slot`);
-  a page is free once nobody holds it (:class:`~hybrid_engine.decode.kv_pool.PageLedger`).
+  a page is free once nobody holds it (:class:`~hybrid_engine.decode.kv_pool.PageLedger`);
+* a row that a later call continues (an episode's next turn) keeps the pages of
+  the tokens it holds past the call (:meth:`PagePlan.keep`), and the later call
+  takes them over (:meth:`PagePlan.adopt`). When a call runs short, such held
+  rows are evicted, oldest first, before anything waits.
 
-A plan is one call's: pages still held when the call ends are released with it.
+A plan is one call's: pages its slots still hold when the call ends are released with it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Hashable
 import torch
 
 from hybrid_engine.accelerator.host_copy import CountsHostSyncs, device_tensor
-from hybrid_engine.decode.kv_pool import PageLedger, pages_for
+from hybrid_engine.decode.kv_pool import HeldPages, PageLedger, pages_for
 
 __all__ = ["AdmittedPages", "PagePlan"]
 
@@ -48,12 +52,26 @@ class PagePlan:
         self.slot_pages: dict[int, list[int]] = {}
         self.unit_pages: dict[Hashable, tuple[list[int], int]] = {}  # staged prompt -> (pages, tokens)
         self._pending: list[tuple[int, int, int]] = []  # (slot, logical page, pool page) not yet on the device
+        ledger.start_call()
         ledger.reset_peak()
+
+    def _allocate(self, n: int) -> list[int] | None:
+        """``n`` fresh pages, evicting held rows of earlier calls when too few are free; ``None`` (nothing taken)
+        when even that leaves too few."""
+        pages = self.ledger.allocate(n)
+        if pages is None and self.ledger.evict(n):
+            pages = self.ledger.allocate(n)
+        return pages
+
+    def room(self, n: int) -> int:
+        """Free pages, after evicting held rows for up to ``n`` of them."""
+        self.ledger.evict(n)
+        return self.ledger.free
 
     # ---------------------------------------------------------------- prompts
     def stage(self, unit: Hashable, tokens: int) -> list[int] | None:
         """Pages for a staged prompt of ``tokens`` tokens (``None``: not enough free)."""
-        pages = self.ledger.allocate(pages_for(tokens, self.page_size))
+        pages = self._allocate(pages_for(tokens, self.page_size))
         if pages is not None:
             self.unit_pages[unit] = (pages, tokens)
         return pages
@@ -75,7 +93,7 @@ class PagePlan:
             own = [pages[full]]
             src = dst = pages[full]
         else:
-            fresh = self.ledger.allocate(1)
+            fresh = self._allocate(1)
             if fresh is None:
                 return None
             own, src, dst = fresh, pages[full], fresh[0]
@@ -87,10 +105,34 @@ class PagePlan:
     def take(self, slot: int, tokens: int) -> list[int] | None:
         """Fresh pages for ``tokens`` tokens of a slot prefilled directly (engine.generate, a resumed
         request); ``None`` when not enough are free. The caller writes the slot's table row."""
-        pages = self.ledger.allocate(pages_for(tokens, self.page_size))
+        pages = self._allocate(pages_for(tokens, self.page_size))
         if pages is not None:
             self.slot_pages[slot] = pages
         return pages
+
+    def adopt(self, slot: int, held: HeldPages, tokens: int) -> list[int] | None:
+        """Slot ``slot`` continues a row on the pages ``held`` kept, and gets fresh ones up to ``tokens`` tokens;
+        ``None`` when ``held`` is gone (evicted) or no page is free (``held`` stays as it was). The caller writes
+        the slot's table row."""
+        pages = self.ledger.take_held(held) if held.live_in(self.ledger) else None
+        if pages is None:
+            return None
+        fresh = self._allocate(max(0, pages_for(tokens, self.page_size) - len(pages)))
+        if fresh is None:
+            held.pages = pages
+            self.ledger.rehold(held)
+            return None
+        self.slot_pages[slot] = pages + fresh
+        return self.slot_pages[slot]
+
+    def keep(self, slot: int, tokens: int) -> HeldPages:
+        """Slot ``slot``'s row is harvested, and its first ``tokens`` tokens' K/V stay held past the call (pages
+        beyond them go back)."""
+        self._pending = [e for e in self._pending if e[0] != slot]
+        pages = self.slot_pages.pop(slot)
+        n = pages_for(tokens, self.page_size)
+        self.ledger.release(pages[n:])
+        return self.ledger.hold(pages[:n], tokens)
 
     # ----------------------------------------------------------------- decode
     def missing(self, slot: int, tokens: int) -> int:
@@ -104,7 +146,7 @@ class PagePlan:
         n = self.missing(slot, tokens)
         if n == 0:
             return True
-        fresh = self.ledger.allocate(n)
+        fresh = self._allocate(n)
         if fresh is None:
             return False
         held = self.slot_pages[slot]
@@ -147,4 +189,5 @@ class PagePlan:
             self.free_slot(slot)
         for unit in list(self.unit_pages):
             self.unstage(unit)
+        self.ledger.end_call()
 

@@ -22,7 +22,10 @@ last looked), hence on the tokens the row holds, and reads the device
 Host-built index tensors go the other way without a sync where the
 accelerator has pinned memory (:func:`_index`). Pages, preemption and resuming
 are :func:`run_schedule`'s; harvest and compaction are :func:`_harvest`'s and
-:func:`_compact`'s; admission rounds are :func:`_admission_round`'s.
+:func:`_compact`'s; admission rounds are :func:`_admission_round`'s. A request
+that continues a row of an earlier call (an episode's next turn) starts on the
+pages that call kept (:func:`_continue_round`), and a call may keep its rows'
+pages for the next (``kept``).
 
 A request's first token comes from the prefill logits through the decode
 step's sampler and counters, so where it runs (slot, round, bucket, span,
@@ -41,10 +44,10 @@ from typing import Any, NamedTuple
 import torch
 
 from hybrid_engine.accelerator.host_copy import device_tensor
-from hybrid_engine.decode.kv_pool import NULL_PAGE
+from hybrid_engine.decode.kv_pool import NULL_PAGE, HeldPages
 from hybrid_engine.decode.slots import DecodeSlots
 from hybrid_engine.decode.staging import start_from_logits
-from hybrid_engine.decode.step import prefill
+from hybrid_engine.decode.step import extend, prefill
 from hybrid_engine.generation.pages import PagePlan
 from hybrid_engine.generation.stop_strings import StopStrings
 from hybrid_engine.generation.timing import PhaseTimer
@@ -71,6 +74,7 @@ class RequestSpec:
     resume_from: int = 0  # tokens it had generated when it was preempted (0: not preempted)
     knob: int = 0  # the index of its sampling setting in the call's table (SamplingKnobs.set_table)
     seed: int | None = None  # its own sampler seed (None: the call's)
+    held: HeldPages | None = None  # the pages an earlier call kept of its prompt's first tokens (it continues them)
 
     def seed_or(self, call_seed: int) -> int:
         return call_seed if self.seed is None else self.seed
@@ -83,6 +87,8 @@ class Counters:
     prefill_forwards: int = 0  # staged prefill batches (unstaged: one per admission round)
     admission_rounds: int = 0
     prefill_rows: int = 0  # prompts prefilled
+    prefill_tokens: int = 0  # real tokens run through prefill forwards (staged, unstaged, resumed, continued)
+    kv_reused_tokens: int = 0  # prompt tokens not prefilled: their K/V were kept by an earlier call
     kv_row_copies: int = 0  # requests admitted from a prompt an earlier request of the call already used
     host_syncs: int = 0
     harvests: int = 0
@@ -128,7 +134,7 @@ class _Staging:
         self.shared = shared_prefill
         self.row_of: dict[Hashable, int] = {}
         self.used: set[Hashable] = set()
-        self.pending = Counter(self.unit(r) for r in requests)
+        self.pending = Counter(self.unit(r) for r in requests if r.held is None)
 
     def unit(self, req: RequestSpec) -> tuple[int, ...]:
         """What is prefilled for ``req``: its prompt, shared by its samples, or its own copy of it."""
@@ -147,8 +153,8 @@ class _Staging:
         self.drop(plan)
         batch: dict[Hashable, None] = {}
         for req in upcoming:
-            if req.resume_from:
-                continue  # resumed requests prefill their own history
+            if req.resume_from or req.held is not None:
+                continue  # resumed and continued requests prefill their own history
             unit = self.unit(req)
             if unit in batch:
                 continue
@@ -205,7 +211,18 @@ def _admission_round(
             runner.admission_round(part, sampling_key, counters)
             part.clear()
 
-    for slot, req in zip(slots, reqs):
+    for i, (slot, req) in enumerate(zip(slots, reqs)):
+        if i < started:  # continued in the run of them below
+            continue
+        if req.held is not None and not req.resume_from:
+            run_part()
+            run = next((j for j in range(i, len(reqs)) if reqs[j].held is None or reqs[j].resume_from), len(reqs))
+            n = _continue_round(runner, plan, slots[i:run], reqs[i:run], prompt_ids, prompt_mask, sampling_key,
+                                seed, counters)
+            started += n
+            if started < run:
+                break
+            continue
         if req.resume_from:
             run_part()
             if not _resume(runner, plan, slot, req, prompt_ids, prompt_mask, results, seed, counters):
@@ -223,6 +240,7 @@ def _admission_round(
                                    [plan.unit_pages[u][0] for u in batch], counters)
             counters.prefill_forwards += 1
             counters.prefill_rows += len(batch)
+            counters.prefill_tokens += sum(plan.unit_pages[u][1] for u in batch)
         pages = plan.admit(slot, unit, last=staging.pending[unit] == 1)
         if pages is None:
             break
@@ -255,18 +273,25 @@ def _unstaged_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int],
     device = state.device
     counters.prefill_forwards += 1
     counters.prefill_rows += n
+    counters.prefill_tokens += sum(r.prompt_len for r in reqs[:n])
     rows = _index(slots[:n], device, counters)
     table = [pages + [NULL_PAGE] * (state.cache.max_pages - len(pages)) for pages in taken]
     state.cache.block_table.index_copy_(0, rows, _index(table, device, counters))
     index = _index([r.prompt_index for r in reqs[:n]], device, counters)
     logits = prefill(runner.model, state.cache, prompt_ids.index_select(0, index), prompt_mask.index_select(0, index),
                      rows=rows, checked=True)
-    meta = _index([[r.rng_index for r in reqs[:n]], [r.budget for r in reqs[:n]], [r.min_tokens for r in reqs[:n]]],
-                  device, counters)
-    knob = _index([r.knob for r in reqs[:n]], device, counters)
-    start_from_logits(state, logits, rows, torch.arange(n, device=device), meta[0], meta[1], meta[2],
-                      _index([r.seed_or(seed) for r in reqs[:n]], device, counters), sampling_key, knob)
+    _start(state, logits, rows, reqs[:n], sampling_key, seed, counters)
     return n
+
+
+def _start(state: DecodeSlots, logits: torch.Tensor, rows: torch.Tensor, reqs: list[RequestSpec],
+           sampling_key: tuple[float, float, int], seed: int, counters: Counters) -> None:
+    """Start ``reqs`` in slots ``rows`` from their prompts' last ``logits`` (row ``i`` for request ``i``)."""
+    device = state.device
+    meta = _index([[r.rng_index for r in reqs], [r.budget for r in reqs], [r.min_tokens for r in reqs],
+                   [r.seed_or(seed) for r in reqs], [r.knob for r in reqs]], device, counters)
+    start_from_logits(state, logits, rows, torch.arange(len(reqs), device=device), meta[0], meta[1], meta[2],
+                      meta[3], sampling_key, meta[4])
 
 
 def _resume(runner: DecodeGraphRunner, plan: PagePlan, slot: int, req: RequestSpec, prompt_ids: torch.Tensor,
@@ -292,7 +317,57 @@ def _resume(runner: DecodeGraphRunner, plan: PagePlan, slot: int, req: RequestSp
                  out_top=(top_ids[req.request_index], top_lp[req.request_index]), knob=req.knob)
     counters.prefill_forwards += 1
     counters.prefill_rows += 1
+    counters.prefill_tokens += req.prompt_len + generated - 1
     return True
+
+
+def _continue_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int], reqs: list[RequestSpec],
+                    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling_key: tuple[float, float, int],
+                    seed: int, counters: Counters) -> int:
+    """Start requests that continue rows of an earlier call (``req.held``: the pages it kept of the first
+    ``held.tokens`` tokens of the prompt) in ``slots``: only the prompt's tokens after those are prefilled, onto
+    the same pages, together and eagerly (:func:`~hybrid_engine.decode.step.extend`); returns how many started.
+
+    A request whose held pages were evicted meanwhile is prefilled whole the same way. The first token is
+    sampled as any request's, from the logits of the prompt's last token."""
+    state = runner.slots
+    cache = state.cache
+    tables, cached = [], []
+    for slot, req in zip(slots, reqs):
+        tokens = req.held.tokens
+        pages = plan.adopt(slot, req.held, req.prompt_len)
+        if pages is None and req.held.live_in(plan.ledger):
+            break  # held, but no page for its new tokens: wait
+        if pages is None:
+            pages, tokens = plan.take(slot, req.prompt_len), 0  # evicted: prefill it all
+            if pages is None:
+                break
+        tables.append(pages)
+        cached.append(tokens)
+    n = len(tables)
+    if n == 0:
+        return 0
+    device = state.device
+    new = [r.prompt_len - c for r, c in zip(reqs, cached)]
+    width = max(new)
+    rows = _index(slots[:n], device, counters)
+    cache.block_table.index_copy_(0, rows, _index([t + [NULL_PAGE] * (cache.max_pages - len(t)) for t in tables],
+                                                  device, counters))
+    start = _index(cached, device, counters)
+    cache.write_pos.index_copy_(0, rows, start)
+    cache.position.index_copy_(0, rows, start)
+    index = _index([r.prompt_index for r in reqs[:n]], device, counters)
+    pad = width - _index(new, device, counters)
+    ids = prompt_ids.index_select(0, index)[:, -width:]
+    mask = (torch.arange(width, device=device)[None, :] >= pad[:, None]).to(prompt_mask.dtype)
+    logits = extend(runner.model, cache, ids, mask, rows,
+                    runner.span_for(max(r.prompt_len for r in reqs[:n])))
+    _start(state, logits, rows, reqs[:n], sampling_key, seed, counters)
+    counters.prefill_forwards += 1
+    counters.prefill_rows += n
+    counters.prefill_tokens += sum(new)
+    counters.kv_reused_tokens += sum(cached)
+    return n
 
 
 def _compact(state: DecodeSlots, plan: PagePlan, active: dict[int, RequestSpec], left: dict[int, int],
@@ -396,7 +471,7 @@ def _reserve(plan: PagePlan, active: dict[int, RequestSpec], left: dict[int, int
     def missing(n: int) -> int:
         return sum(plan.missing(s, _held(r, left[s]) + min(n, left[s])) for s, r in active.items())
 
-    free = plan.ledger.free
+    free = plan.room(missing(n_steps))
     if missing(n_steps) > free:
         lo, hi = 0, n_steps  # the largest n with missing(n) <= free: missing grows with n
         while lo < hi:
@@ -428,6 +503,7 @@ def run_schedule(
     top_logprobs: int = 0,
     settings: list[tuple[float, float, int]] | None = None,
     stop_strings: StopStrings | None = None,
+    kept: dict[int, HeldPages] | None = None,
 ) -> Results:
     """Generate every request on ``runner.slots``; return its device :class:`Results`, the logprobs under the
     sampled distribution or the full softmax at the temperature (``logprobs``), with the ``top_logprobs`` best
@@ -447,6 +523,10 @@ def run_schedule(
     the tokens it had (eagerly) and going on from its next token with the same
     sampler counters: it never errors and never loses a request. Admission
     waits for pages, a round admitting only the requests that fit.
+
+    ``kept`` (a dict, filled in): every finished request keeps the pages of the tokens it holds past the call
+    (:class:`~hybrid_engine.decode.kv_pool.HeldPages`, by request index) for a later request that continues it
+    (``RequestSpec.held``); the caller releases them.
     """
     state = runner.slots
     device = state.device
@@ -555,7 +635,7 @@ def run_schedule(
                 counters.kv_pages_held_peak = max(counters.kv_pages_held_peak, plan.held_pages(held))
             if done:
                 _harvest(state, plan, done, active, left, order, results, width, counters,
-                         generated)
+                         generated, kept)
                 free = sorted(free + done)
                 starved = blocked = False
             elif starved and len(active) == 1 and staging is not None and staging.row_of:
@@ -580,9 +660,11 @@ def run_schedule(
 
 def _harvest(state: DecodeSlots, plan: PagePlan, done: list[int], active: dict[int, RequestSpec],
              left: dict[int, int], order: list[int], results: Results,
-             width: int, counters: Counters, generated: list[int] | None) -> None:
+             width: int, counters: Counters, generated: list[int] | None,
+             kept: dict[int, HeldPages] | None = None) -> None:
     """Copy ``done`` slots' output rows into the result rows and free the slots and their pages; ``generated``
-    (the host's read of ``token_index``) records their lengths (``None``: preempted, not finished).
+    (the host's read of ``token_index``) records their lengths (``None``: preempted, not finished). With
+    ``kept``, finished rows keep the pages of the tokens they hold (their prompt and all but the last token).
 
     The result rows are device tensors: a harvest makes no host transfer."""
     device = state.device
@@ -597,12 +679,16 @@ def _harvest(state: DecodeSlots, plan: PagePlan, done: list[int], active: dict[i
         results.top_logprobs.index_copy_(0, rows,
                                          state.out_top_logprobs[:, :width, :top].index_select(0, done_slots))
     for slot in done:
+        req = active[slot]
         if generated is not None:
-            counters.lengths[active[slot].request_index] = generated[slot]
+            counters.lengths[req.request_index] = generated[slot]
         del active[slot]
         del left[slot]
         order.remove(slot)
-        plan.free_slot(slot)
+        if generated is not None and kept is not None:
+            kept[req.request_index] = plan.keep(slot, req.prompt_len + generated[slot] - 1)
+        else:
+            plan.free_slot(slot)
     if generated is not None:
         counters.harvests += 1
     state.release(done_slots)

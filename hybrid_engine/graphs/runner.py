@@ -266,6 +266,8 @@ class DecodeGraphRunner:
         pages, fixed = pool_pages(budget, page_bytes=page_bytes, slots=need, capacity=capacity,
                                   stage_rows=self._stage_rows(need, stage_width) if prompt_width else 0,
                                   stage_width=stage_width)
+        if not fixed and self.ledger is not None:  # rows kept for later calls hold pages on top of this call's
+            pages += self.ledger.held_pages
         self._prepare_pool(specs, pages + 1, budget.page_size, fixed, device, dtype)
         pool = self.kv_pool
         slots = self.slots
@@ -329,9 +331,17 @@ class DecodeGraphRunner:
             return
         if same_kind and not fixed:
             num_pages = max(num_pages, pool.num_pages + pool.num_pages // 2)
-        self.release()  # the slots and the stage point into the old pool: free it all before allocating
+        ledger = self.ledger
+        # Rows kept for later calls (episodes between turns) move into a larger pool of the same layout.
+        carry = same_kind and ledger is not None and ledger.held_rows and num_pages >= pool.num_pages
+        self.release()  # the slots and the stage point into the old pool: free them before allocating
         self.kv_pool = KVPool(specs, num_pages, page_size, device=device, dtype=dtype)
-        self.ledger = PageLedger(num_pages)
+        if carry:
+            self.kv_pool.copy_from(pool)
+            ledger.grow(num_pages)
+            self.ledger = ledger
+        else:
+            self.ledger = PageLedger(num_pages)
 
     def invalidate(self) -> None:
         """Drop every graph and the graph memory pool (the buffers stay); the next steps warm up and capture

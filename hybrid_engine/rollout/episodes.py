@@ -8,26 +8,60 @@ logprobs); each turn decodes the chosen rows' continuations through
 any call, and :meth:`Episodes.close` returns the trajectories with an
 ``env_mask``.
 
-What a turn computes: the rows' histories are prefilled again at each turn
-(K/V are not yet kept between calls), so a turn costs its history's prefill
-plus its own decode. Tokens and logprobs are those of a single-turn rollout on
-the concatenated history with the same request id: row ``r``'s turn ``t``
-samples as request ``t * rows + r``.
+What a turn computes: a row keeps its K/V between turns, on the pages of the
+rollout's pool that its last turn filled (:class:`~hybrid_engine.decode.kv_pool.HeldPages`),
+so a turn prefills only what came after them: the model's last token and the
+environment's tokens, onto the same pages. A prompt's first-turn rows share
+its prefill and its full pages. Held pages are evicted (oldest first) when a
+call runs short, and dropped when the weights change or the rollout's pool is
+released; such a row is prefilled whole at its next turn. Either way, tokens
+and logprobs are those of a single-turn rollout on the concatenated history
+with the same request id (row ``r``'s turn ``t`` samples as request
+``t * rows + r``), up to the rounding of K/V computed by decode steps instead
+of one prefill (none in the exact mode, :mod:`hybrid_engine.exact`).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hybrid_engine.decode.kv_pool import HeldPages
+from hybrid_engine.generation.call_context import exclusive_generation
 from hybrid_engine.rollout.types import RolloutRequest, SamplingConfig
 
-__all__ = ["EpisodeBatch", "Episodes", "STOP_REASONS"]
+__all__ = ["EpisodeBatch", "Episodes", "STOP_REASONS", "TurnRows"]
 
 #: Why a row's turn ended: an EOS id, ``max_new_tokens``, or a stop sequence or string.
 STOP_REASONS = ("eos", "length", "stop")
+
+
+@dataclass
+class TurnRows:
+    """One turn's output rows for the rollout's ``_generate``: the prompt row each continues, its sampler counter,
+    the pages it continues on (``None``: none kept); ``kept`` receives, by output row, the pages it keeps
+    (``None``: none are kept)."""
+
+    prompt_of: list[int]
+    rng: list[int]
+    held: list[HeldPages | None]
+    kept: dict[int, HeldPages] | None = None
+
+
+def _release(held: list[HeldPages | None]) -> None:
+    for i, h in enumerate(held):
+        if h is not None:
+            h.release()
+            held[i] = None
+
+
+def _weights_version(model: torch.nn.Module) -> int:
+    """A counter in-place updates of the parameters advance (optimizer steps): K/V held between turns were
+    computed with the weights of their turn."""
+    return sum(p._version for p in model.parameters())
 
 
 @dataclass
@@ -61,27 +95,37 @@ class EpisodeBatch:
 class Episodes:
     """Open episodes on ``rollout`` (a :class:`~hybrid_engine.rollout.HybridEngineRollout`; made by its
     ``open_episodes``): ``n_samples_per_prompt`` rows per prompt of ``request``, in order ``prompt * n +
-    sample``. :meth:`turn` decodes, :meth:`append` adds environment tokens, :meth:`close` ends."""
+    sample``. :meth:`turn` decodes, :meth:`append` adds environment tokens, :meth:`close` ends.
+    ``reuse_kv=False``: every turn prefills its rows' whole histories (what reuse saves, measured)."""
 
-    def __init__(self, rollout: Any, request: RolloutRequest, n_samples_per_prompt: int = 1) -> None:
+    def __init__(self, rollout: Any, request: RolloutRequest, n_samples_per_prompt: int = 1, *,
+                 reuse_kv: bool = True) -> None:
         if not isinstance(request, RolloutRequest):
             raise TypeError(f"Episodes: request must be a RolloutRequest, got {type(request).__name__}")
         if not isinstance(n_samples_per_prompt, int) or isinstance(n_samples_per_prompt, bool) \
                 or n_samples_per_prompt < 1:
             raise ValueError(f"Episodes: n_samples_per_prompt must be a positive int, got {n_samples_per_prompt!r}")
+        if not isinstance(reuse_kv, bool):
+            raise TypeError(f"Episodes: reuse_kv must be a bool, got {reuse_kv!r}")
         request.validate()
         self.rollout = rollout
+        self.reuse_kv = reuse_kv
         ids, mask = request.prompt_ids.cpu(), request.prompt_attention_mask.cpu()
         prompts = [ids[i][mask[i].bool()].tolist() for i in range(ids.shape[0])]
         self._prompt_ids = ids.repeat_interleave(n_samples_per_prompt, 0)
         self._prompt_mask = mask.repeat_interleave(n_samples_per_prompt, 0)
         n = len(prompts) * n_samples_per_prompt
+        self._n = n_samples_per_prompt
         self._prompts = [prompts[r // n_samples_per_prompt] for r in range(n)]
         self._after: list[list[int]] = [[] for _ in range(n)]  # every token after the prompt
         self._model: list[list[bool]] = [[] for _ in range(n)]
         self._logprobs: list[list[float]] = [[] for _ in range(n)]
+        self._last: list[list[int]] = [[] for _ in range(n)]  # each row's last model turn
         self.turns = [0] * n
         self.open = [True] * n
+        self._held: list[HeldPages | None] = [None] * n  # each row's K/V pages from its last turn
+        self._version: int | None = None  # the weights' version when they were computed
+        self._finalizer = weakref.finalize(self, _release, self._held)
 
     @property
     def num_rows(self) -> int:
@@ -106,6 +150,10 @@ class Episodes:
         """Row ``row``'s token ids so far: its prompt, then the model's and the environment's tokens."""
         return self._prompts[row] + self._after[row]
 
+    def last_turn(self, row: int) -> list[int]:
+        """The token ids row ``row``'s last model turn sampled (empty before its first)."""
+        return list(self._last[row])
+
     def turn(self, sampling: SamplingConfig, rows: list[int] | None = None) -> list[str]:
         """Decode one model turn for ``rows`` (default: every open row); the others wait, untouched. Returns each
         row's :data:`STOP_REASONS` entry. ``sampling.n_samples_per_prompt`` must be 1 (samples are rows)."""
@@ -114,34 +162,54 @@ class Episodes:
         if sampling.n_samples_per_prompt != 1:
             raise ValueError("Episodes.turn: sampling.n_samples_per_prompt must be 1; an episode's samples are its "
                              "rows (Episodes(..., n_samples_per_prompt=n))")
-        rows = self._rows(rows, "turn")
+        rows = asked = self._rows(rows, "turn")
         if not rows:
             return []
-        histories = [self.history(r) for r in rows]
+        version = _weights_version(self.rollout.model)
+        if version != self._version:  # K/V of other weights: the rows are prefilled whole
+            _release(self._held)
+            self._version = version
+        # One prompt row per first-turn prompt (its rows share its prefill and pages), one per later row.
+        rows = sorted(rows, key=lambda r: (self._after[r] != [], r // self._n if not self._after[r] else r))
+        key_of = {r: ("prompt", r // self._n) if not self._after[r] else ("row", r) for r in rows}
+        prompts = list(dict.fromkeys(key_of.values()))
+        histories = [self.history(next(r for r in rows if key_of[r] == k)) for k in prompts]
         width = max(len(h) for h in histories)
-        ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        ids = torch.zeros(len(prompts), width, dtype=torch.int64)
         mask = torch.zeros_like(ids)
         for i, h in enumerate(histories):
             ids[i, width - len(h):] = torch.tensor(h)
             mask[i, width - len(h):] = 1
         device = self.rollout.model.device
-        request = RolloutRequest(ids.to(device), mask.to(device),
-                                 request_ids=[self.turns[r] * self.num_rows + r for r in rows])
-        batch = self.rollout.generate(request, sampling)
+        held = [self._held[r] if self._held[r] is not None and self._held[r].tokens < len(self.history(r)) else None
+                for r in rows]
+        turn = TurnRows([prompts.index(key_of[r]) for r in rows], [self.turns[r] * self.num_rows + r for r in rows],
+                        held, {} if self.reuse_kv else None)
+        request = RolloutRequest(ids.to(device), mask.to(device))
+        try:
+            batch = self.rollout.generate_turn(request, sampling, turn)
+        finally:
+            for r in rows:  # what the turn did not take over goes back; each row keeps what its turn left
+                if self._held[r] is not None:
+                    self._held[r].release()
+                self._held[r] = None
+        for i, r in enumerate(rows):
+            self._held[r] = None if turn.kept is None else turn.kept.pop(i, None)
         eos_ids = self.rollout.eos_token_ids
         lengths = batch.response_lengths.tolist()
         tokens = batch.responses.cpu().tolist()
         logprobs = batch.response_logprobs.cpu().tolist()
-        reasons = []
+        reasons = {}
         for i, r in enumerate(rows):
             n = lengths[i]
             self._after[r] += tokens[i][:n]
+            self._last[r] = tokens[i][:n]
             self._model[r] += [True] * n
             self._logprobs[r] += logprobs[i][:n]
             self.turns[r] += 1
-            reasons.append("eos" if n and tokens[i][n - 1] in eos_ids else
-                           "length" if n >= sampling.max_new_tokens else "stop")
-        return reasons
+            reasons[r] = ("eos" if n and tokens[i][n - 1] in eos_ids else
+                          "length" if n >= sampling.max_new_tokens else "stop")
+        return [reasons[r] for r in asked]
 
     def append(self, row: int, token_ids: Any) -> None:
         """Add environment tokens (a tool result, a user turn) to ``row``: in its history for the next turn, with
@@ -164,6 +232,10 @@ class Episodes:
     def close(self, rows: list[int] | None = None) -> EpisodeBatch:
         """End ``rows`` (default: every open row) and return their trajectories; the others stay open."""
         rows = self._rows(rows, "close")
+        with exclusive_generation(self.rollout.model, "Episodes.close"):
+            _release([self._held[r] for r in rows])
+            for r in rows:
+                self._held[r] = None
         width = max((len(self._after[r]) for r in rows), default=0)
         shape = (len(rows), width)
         ids = torch.zeros(shape, dtype=torch.int64)

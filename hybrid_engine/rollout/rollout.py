@@ -44,7 +44,7 @@ from hybrid_engine.generation.token_ids import MAX_TOKEN_ID, token_ids
 from hybrid_engine.graphs.runner import DecodeGraphRunner
 from hybrid_engine.graphs.stats import GraphStats
 from hybrid_engine.model_access import check_device, decode_model
-from hybrid_engine.rollout.episodes import Episodes
+from hybrid_engine.rollout.episodes import Episodes, TurnRows
 from hybrid_engine.rollout.types import (
     DEFAULT_MAX_BATCH_SIZE,
     RolloutBatch,
@@ -180,10 +180,12 @@ class HybridEngineRollout:
             yield
 
     # ------------------------------------------------------------- generate
-    def open_episodes(self, request: RolloutRequest, n_samples_per_prompt: int = 1) -> Episodes:
-        """Multi-turn episodes on this rollout, ``n_samples_per_prompt`` rows per prompt: see
-        :class:`~hybrid_engine.rollout.episodes.Episodes` (``turn``, ``append``, ``close``)."""
-        return Episodes(self, request, n_samples_per_prompt)
+    def open_episodes(self, request: RolloutRequest, n_samples_per_prompt: int = 1, *,
+                      reuse_kv: bool = True) -> Episodes:
+        """Multi-turn episodes on this rollout, ``n_samples_per_prompt`` rows per prompt, each turn continuing on
+        the K/V its row's last turn left (``reuse_kv``): see :class:`~hybrid_engine.rollout.episodes.Episodes`
+        (``turn``, ``append``, ``close``)."""
+        return Episodes(self, request, n_samples_per_prompt, reuse_kv=reuse_kv)
 
     def generate(self, request: RolloutRequest, sampling: SamplingConfig | None = None) -> RolloutBatch:
         """Sample ``n_samples_per_prompt`` responses per prompt of ``request``; see :class:`RolloutBatch`.
@@ -197,7 +199,16 @@ class HybridEngineRollout:
         with exclusive_generation(self.model, "HybridEngineRollout.generate"), gathered_for_inference(self.model):
             return self._generate(request, sampling)
 
-    def _generate(self, request: RolloutRequest, sampling: SamplingConfig | None) -> RolloutBatch:
+    def generate_turn(self, request: RolloutRequest, sampling: SamplingConfig, turn: TurnRows) -> RolloutBatch:
+        """An episode turn (:meth:`Episodes.turn` calls it): ``generate`` with one output row per entry of
+        ``turn``, each continuing its prompt row on the pages an earlier call kept and keeping its own."""
+        with exclusive_generation(self.model, "HybridEngineRollout.generate"), gathered_for_inference(self.model):
+            return self._generate(request, sampling, turn)
+
+    def _generate(self, request: RolloutRequest, sampling: SamplingConfig | None,
+                  turn: TurnRows | None = None) -> RolloutBatch:
+        """``generate``'s work; ``turn`` (an episode turn, one sample per prompt): the output rows, each continuing
+        a prompt row on the pages an earlier call kept, and keeping its own for the next."""
         t_start = time.perf_counter()
         if not isinstance(request, RolloutRequest):
             raise TypeError(f"generate: request must be a RolloutRequest, got {type(request).__name__}")
@@ -306,13 +317,20 @@ class HybridEngineRollout:
         knob_values = [s[:3] for s in distinct]
         sampling_key = knob_values[0] if len(distinct) == 1 else union_mode(knob_values)
         knob_of = [distinct.index(s) for s in settings]
-        requests = [
-            RequestSpec(request_index=i * n + j, prompt_index=i, budget=min(budgets[i], max_new),
-                        rng_index=uids[i] * n + j, prompt_len=prompt_lengths[i], knob=knob_of[i],
-                        seed=None if request.seed is None or request.seed[i] is None else rank_seed(request.seed[i]))
-            for i in range(num_prompts)
-            for j in range(n)
-        ]
+        seeds = [None if request.seed is None or s is None else rank_seed(s) for s in request.seed or [None] * num_prompts]
+        if turn is None:
+            requests = [
+                RequestSpec(request_index=i * n + j, prompt_index=i, budget=min(budgets[i], max_new),
+                            rng_index=uids[i] * n + j, prompt_len=prompt_lengths[i], knob=knob_of[i], seed=seeds[i])
+                for i in range(num_prompts)
+                for j in range(n)
+            ]
+        else:
+            requests = [
+                RequestSpec(request_index=r, prompt_index=i, budget=min(budgets[i], max_new), rng_index=rng,
+                            prompt_len=prompt_lengths[i], knob=knob_of[i], seed=seeds[i], held=held)
+                for r, (i, rng, held) in enumerate(zip(turn.prompt_of, turn.rng, turn.held))
+            ]
         # Concurrency: max_batch_size, else the largest explicit bucket, else DEFAULT_MAX_BATCH_SIZE.
         limit_slots = cfg.max_batch_size or (max(cfg.graph_batch_sizes) if cfg.graph_batch_sizes
                                              else DEFAULT_MAX_BATCH_SIZE)
@@ -337,11 +355,12 @@ class HybridEngineRollout:
                 shared_prefill=cfg.use_shared_prefill, staged=True,
                 sync_interval=cfg.sync_interval, counters=counters, logprobs=sampling.logprobs,
                 top_logprobs=sampling.top_logprobs, settings=knob_values,
-                stop_strings=stop_strings,
+                stop_strings=stop_strings, kept=turn.kept if turn is not None else None,
             )
             responses, logprobs, lengths = gather_responses(results.tokens, counters.lengths, pad_id,
                                                             results.logprobs)
-            batch = self._assemble(prompt_ids, prompt_mask, responses, logprobs, lengths, n)
+            prompt_index = torch.tensor([r.prompt_index for r in requests], device=state.device)
+            batch = self._assemble(prompt_ids, prompt_mask, responses, logprobs, lengths, prompt_index)
             if sampling.top_logprobs:
                 real = batch.response_mask[:, batch.response_start_idx:, None]
                 width = responses.shape[1]
@@ -364,7 +383,7 @@ class HybridEngineRollout:
         empty = torch.zeros(0, dtype=torch.int64, device=ids.device)
         self.last_stats = {"num_sequences": 0, "tokens_generated": 0, "decode_steps": 0, "prefill_forwards": 0,
                            "graph_replays": 0, "graph_captures": 0, "admission_graph_replays": 0,
-                           "admission_graph_captures": 0, "fallbacks": 0, "host_syncs": 0, "kv_pages_peak": 0, "kv_pages_held_peak": 0,
+                           "admission_graph_captures": 0, "fallbacks": 0, "prefill_tokens": 0, "kv_reused_tokens": 0, "host_syncs": 0, "kv_pages_peak": 0, "kv_pages_held_peak": 0,
                            "kv_bytes_peak": 0, "preemptions": 0, "span_buckets": (),
                            "total_ms": (time.perf_counter() - t_start) * 1e3,
                            "use_graph_capture": self.runner.use_graphs}
@@ -374,10 +393,8 @@ class HybridEngineRollout:
 
     @staticmethod
     def _assemble(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
-                  logprobs: torch.Tensor, lengths: torch.Tensor, n: int) -> RolloutBatch:
-        num = responses.shape[0]
+                  logprobs: torch.Tensor, lengths: torch.Tensor, prompt_index: torch.Tensor) -> RolloutBatch:
         real = torch.arange(responses.shape[1], device=responses.device)[None, :] < lengths[:, None]
-        prompt_index = torch.arange(num, device=responses.device) // n
         ids = prompt_ids.index_select(0, prompt_index)
         mask = prompt_mask.index_select(0, prompt_index)
         return RolloutBatch(
@@ -427,6 +444,8 @@ class HybridEngineRollout:
             "use_graph_capture": self.runner.use_graphs,
             "last_refusal_reason": after.last_refusal_reason,
             "prefill_rows": c.prefill_rows,
+            "prefill_tokens": c.prefill_tokens,
+            "kv_reused_tokens": c.kv_reused_tokens,
             "kv_row_copies": c.kv_row_copies,
             "admission_rounds": c.admission_rounds,
             "harvests": c.harvests,
