@@ -169,3 +169,13 @@ def test_episodes_dropped_unclosed_give_their_pages_back():
     del episodes
     gc.collect()
     assert ledger.held_rows == 0 and ledger.in_use == 0
+
+
+def test_a_sliding_window_model_continues_on_kept_pages_past_its_window():
+    model = build_model("tiny-mistral", seed=6, sliding_window=8)  # histories reach ~30 tokens
+    rollout = _rollout(model)
+    batch, stats = _run(rollout)
+    assert stats[2]["kv_reused_tokens"] > 0
+    for tokens, logprobs, single_tokens, single_logprobs in _single_turn_rows(rollout, batch, 2):
+        assert tokens == single_tokens
+        torch.testing.assert_close(logprobs, single_logprobs, rtol=0, atol=1e-5)
