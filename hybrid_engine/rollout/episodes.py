@@ -58,10 +58,12 @@ def _release(held: list[HeldPages | None]) -> None:
             held[i] = None
 
 
-def _weights_version(model: torch.nn.Module) -> int:
-    """A counter in-place updates of the parameters advance (optimizer steps): K/V held between turns were
-    computed with the weights of their turn."""
-    return sum(p._version for p in model.parameters())
+def _weights_version(rollout: Any) -> tuple[Any, int]:
+    """What changes when the weights do, as far as the rollout can see: its engine's optimizer steps (DeepSpeed
+    writes updates through flat buffers, unseen by the parameters' version counters) and the parameters'
+    in-place updates (a plain optimizer's). K/V held between turns were computed with their turn's weights."""
+    steps = getattr(rollout.engine, "global_steps", None)
+    return (steps if isinstance(steps, int) else None, sum(p._version for p in rollout.model.parameters()))
 
 
 @dataclass
@@ -124,7 +126,7 @@ class Episodes:
         self.turns = [0] * n
         self.open = [True] * n
         self._held: list[HeldPages | None] = [None] * n  # each row's K/V pages from its last turn
-        self._version: int | None = None  # the weights' version when they were computed
+        self._version: tuple[Any, int] | None = None  # the weights' version when they were computed
         self._finalizer = weakref.finalize(self, _release, self._held)
 
     @property
@@ -150,6 +152,12 @@ class Episodes:
         """Row ``row``'s token ids so far: its prompt, then the model's and the environment's tokens."""
         return self._prompts[row] + self._after[row]
 
+    def drop_kv(self) -> None:
+        """Forget the K/V every row kept (each one's next turn prefills its whole history): for weights changed
+        where the rollout cannot see it (a trainer of its own stepping the model)."""
+        with exclusive_generation(self.rollout.model, "Episodes.drop_kv"):
+            _release(self._held)
+
     def last_turn(self, row: int) -> list[int]:
         """The token ids row ``row``'s last model turn sampled (empty before its first)."""
         return list(self._last[row])
@@ -165,7 +173,7 @@ class Episodes:
         rows = asked = self._rows(rows, "turn")
         if not rows:
             return []
-        version = _weights_version(self.rollout.model)
+        version = _weights_version(self.rollout)
         if version != self._version:  # K/V of other weights: the rows are prefilled whole
             _release(self._held)
             self._version = version

@@ -62,14 +62,47 @@ def exact(stage: int, precision: str) -> dict:
     return out
 
 
+def episode(stage: int, precision: str) -> dict:
+    """An episode's K/V kept between turns under ZeRO ``stage``, and dropped after an optimizer step between
+    turns (the next turn prefills its histories whole)."""
+    from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage}}
+    engine, *_ = initialize(model=build_model("tiny-llama", seed=3), config=config)
+    ids = torch.randint(4, 300, (2, 6), generator=torch.Generator().manual_seed(1))
+    rollout = HybridEngineRollout(engine, config=RolloutConfig(pad_token_id=0, eos_token_id=10_000))
+    episodes = rollout.open_episodes(RolloutRequest(ids), n_samples_per_prompt=2)
+    reused = []
+    for turn in range(3):
+        episodes.turn(SamplingConfig(max_new_tokens=4, temperature=1.0, seed=turn))
+        reused.append(rollout.last_stats["kv_reused_tokens"])
+        for row in range(episodes.num_rows):
+            episodes.append(row, [7, 8])
+        if turn == 1:  # a training step between turns 2 and 3
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+    history = episodes.history(0)
+    episodes.turn(SamplingConfig(max_new_tokens=4, temperature=1.0, seed=9), rows=[0])
+    reused.append(rollout.last_stats["kv_reused_tokens"])
+    single = rollout.generate(RolloutRequest(torch.tensor([history]), request_ids=[3 * episodes.num_rows]),
+                              SamplingConfig(max_new_tokens=4, temperature=1.0, seed=9))
+    out = {"reused": reused, "same_tokens": episodes.last_turn(0) == single.responses[0].tolist(),
+           "zero_stage": int(engine.zero_optimization_stage())}
+    engine.destroy()
+    return out
+
+
 def main() -> None:
     leaked = [name for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if name in os.environ]
     assert not leaked, f"launcher variables set: {leaked}"
     torch.set_num_threads(1)
     results = {}
-    for case in sys.argv[1:]:  # stage:precision, or stage:precision:exact
+    for case in sys.argv[1:]:  # stage:precision, or stage:precision:exact / :episode
         stage, precision, *mode = case.split(":")
-        results[case] = (exact if mode == ["exact"] else train)(int(stage), precision)
+        run = {"exact": exact, "episode": episode}.get(mode[0] if mode else "", train)
+        results[case] = run(int(stage), precision)
     import torch.distributed as dist
 
     results["world"] = dist.get_world_size() if dist.is_initialized() else None

@@ -70,6 +70,19 @@ def test_exact_logprobs_hold_at_zero_2_and_3_in_one_process():
         assert r[case]["max_diff"] == 0.0, case  # rollout logprobs bit for bit the training forward's
 
 
+def test_episode_kv_is_kept_between_turns_and_dropped_after_a_step_at_zero_1_to_3():
+    code, out = run_worker("1:fp32:episode", "2:fp32:episode", "3:fp32:episode")
+    assert code == 0, out[-6000:]
+    r = results(out)
+    for stage in (1, 2, 3):
+        got = r[f"{stage}:fp32:episode"]
+        assert got["zero_stage"] == stage
+        first, second, after_step, fourth = got["reused"]
+        assert first == 0 and second > 0 and fourth > 0, got  # kept between turns...
+        assert after_step == 0, got  # ...but not across the optimizer step
+        assert got["same_tokens"], got  # the continued turn samples what a single turn on its history does
+
+
 def test_a_partial_launch_is_refused_in_one_sentence_naming_the_launcher():
     code, out = run_worker("1:fp32", env={"WORLD_SIZE": "2"})
     assert code != 0

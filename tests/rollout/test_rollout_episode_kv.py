@@ -179,3 +179,16 @@ def test_a_sliding_window_model_continues_on_kept_pages_past_its_window():
     for tokens, logprobs, single_tokens, single_logprobs in _single_turn_rows(rollout, batch, 2):
         assert tokens == single_tokens
         torch.testing.assert_close(logprobs, single_logprobs, rtol=0, atol=1e-5)
+
+
+def test_drop_kv_makes_the_next_turn_prefill_whole():
+    model = build_model("tiny-gpt2", seed=5)
+    rollout = _rollout(model)
+    episodes = rollout.open_episodes(left_padded_prompts(PROMPT_LENGTHS, seed=7), n_samples_per_prompt=2)
+    episodes.turn(_sampling(0))
+    episodes.drop_kv()
+    assert rollout.runner.ledger.held_rows == 0
+    episodes.turn(_sampling(1))
+    assert rollout.last_stats["kv_reused_tokens"] == 0
+    assert rollout.last_stats["prefill_tokens"] == sum(len(episodes.history(r)) - 5 for r in range(ROWS))
+    episodes.close()
