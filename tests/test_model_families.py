@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hybrid_engine import initialize
 from hybrid_engine.decode.kv_pool import LayerSpec
-from hybrid_engine.decode.layout import exact_length, layer_specs, layout_refusal
+from hybrid_engine.decode.layout import exact_length, layer_specs, layout_refusal, linear_layers
 from hybrid_engine.graphs.policy import GraphRefusedWarning
 from hybrid_engine.rollout import (
     HybridEngineRollout,
@@ -230,7 +230,83 @@ def test_a_capture_the_models_own_code_refuses_names_its_file_and_line(model_typ
     assert "host data" in rollout.graph_stats.last_refusal_reason
 
 
-MATRIX = {**{k: WINDOWED[k] for k in ("mistral", "gemma2", "gpt_oss", "llama4_text")},
+LINEAR_FIELDS = dict(WIN, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                     linear_value_head_dim=8, linear_conv_kernel_dim=4)
+#: Hybrid linear-attention families (gated-delta-rule layers beside full attention), dense and MoE.
+MOE_FIELDS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+LINEAR = {"qwen3_5_text": LINEAR_FIELDS, "qwen3_next": dict(LINEAR_FIELDS, **MOE_FIELDS),
+          "qwen3_5_moe_text": dict(LINEAR_FIELDS, **MOE_FIELDS), "olmo_hybrid": LINEAR_FIELDS}
+
+
+@pytest.mark.parametrize("model_type", sorted(LINEAR))
+def test_linear_attention_layers_keep_a_state_per_row_with_graphs_and_match_transformers(model_type):
+    """They were refused ('layers of kind linear_attention ... the paged K/V cache does not hold'). Each row keeps
+    its conv and recurrent states in slot-indexed buffers; 12-token prompts (one left-padded) plus 30 tokens."""
+    model = tiny(model_type, **LINEAR[model_type])
+    assert layout_refusal(model.config) is None
+    linear = linear_layers(model.config)
+    assert any(linear) and not all(linear)
+    assert [s.key_dim for s in layer_specs(model.config)] == [0 if lin else 8 for lin in linear]  # no K/V there
+    ids, mask = prompts(3, 12)
+    ids[1, :3], mask[1, :3] = 0, 0
+    assert_decodes_as_transformers(model, ids, mask, 30, max_out_tokens=64)
+
+
+@pytest.mark.parametrize("model_type", sorted(LINEAR))
+def test_linear_attention_states_follow_rows_through_admission_compaction_and_preemption(model_type):
+    """More requests than slots, samples sharing a prompt, unequal budgets (compaction), and a pool so small that
+    requests are preempted and resumed: the states move with their rows, so graphs equal eager, and the short
+    pool equals an ample one."""
+    model = tiny(model_type, **LINEAR[model_type])
+    ids, mask = prompts(5, 9)
+    ids[2, :4], mask[2, :4] = 0, 0
+    request = RolloutRequest(ids, mask, max_new_tokens=[20, 6, 14, 9, 3])
+    sampling = SamplingConfig(max_new_tokens=20, temperature=1.0, seed=5, n_samples_per_prompt=2)
+
+    def run(graphs: bool, **config):
+        rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=graphs, pad_token_id=0,
+                                                                  eos_token_id=10**6, max_batch_size=8, **config))
+        return rollout.generate(request, sampling), rollout.last_stats
+
+    eager, _ = run(False)
+    graphed, stats = run(True)
+    assert stats["graph_replays"] > 0 and stats["fallbacks"] == 0 and stats["compactions"] > 0
+    assert torch.equal(graphed.input_ids, eager.input_ids)
+    assert torch.equal(graphed.response_logprobs, eager.response_logprobs)
+    short, stats = run(True, kv_page_size=4, kv_cache_tokens=64)
+    assert stats["preemptions"] > 0
+    assert torch.equal(short.input_ids, eager.input_ids)
+    torch.testing.assert_close(short.response_logprobs, eager.response_logprobs, rtol=0, atol=1e-5)
+
+
+def test_families_whose_linear_attention_layers_are_not_verified_are_refused_by_name():
+    """Nemotron-H names its Mamba-2 mixers 'linear_attention' too; it drives the cache its own way."""
+    model = tiny("nemotron_h", **LINEAR_FIELDS)
+    ids, mask = prompts()
+    with pytest.raises(UnsupportedModelError, match="model_type 'nemotron_h' has layers of kind 'linear_attention' "
+                                                    ".* states only for the families verified against transformers"):
+        rollout_tokens(model, ids, mask, 4, graphs=True)
+
+
+def test_linear_attention_episodes_prefill_each_turn_and_the_exact_mode_refuses_them():
+    model = tiny("qwen3_5_text", **LINEAR["qwen3_5_text"])
+    rollout = HybridEngineRollout(model, config=RolloutConfig(pad_token_id=0, eos_token_id=10**6))
+    ids, mask = prompts(2, 6)
+    episodes = rollout.open_episodes(RolloutRequest(ids, mask), n_samples_per_prompt=2)
+    sampling = SamplingConfig(max_new_tokens=5, temperature=1.0, seed=3)
+    episodes.turn(sampling)
+    for row in range(4):
+        episodes.append(row, [7, 8, 9])
+    history = episodes.history(1)
+    episodes.turn(sampling, rows=[1])
+    assert rollout.last_stats["kv_reused_tokens"] == 0  # a row's state is not kept between turns (yet)
+    single = rollout.generate(RolloutRequest(torch.tensor([history]), request_ids=[4 + 1]), sampling)
+    assert episodes.last_turn(1) == single.responses[0].tolist()
+    with pytest.raises(ValueError, match="qwen3_5_text's layers of kind 'linear_attention' have no batch-invariant"):
+        HybridEngineRollout(model, config=RolloutConfig(exact_logprobs=True))
+
+
+MATRIX = {**{k: WINDOWED[k] for k in ("mistral", "gemma2", "gpt_oss", "llama4_text")}, **LINEAR,
           "deepseek_v3": dict(MLA, **MOE), "minicpm3": MLA,
           "falcon": dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
                          new_decoder_architecture=False, alibi=False, bos_token_id=1, eos_token_id=2)}

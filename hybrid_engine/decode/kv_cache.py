@@ -24,8 +24,9 @@ bucket) and the shapes; the pages a row reads are table data.
 Host-side checks (shapes, dtype, bounds) read device values, so they run only
 outside capture. ``get_seq_length``/``get_query_offset`` answer a 0-dim device
 tensor inside a model step (:attr:`answer_on_device`) and while capturing.
-Works with transformers 4.57 and 5.x. Sliding-window attention is not masked
-here, so configs whose window is smaller than the capacity are refused.
+Works with transformers 4.57 and 5.x. Linear-attention layers (5.x) keep a
+per-row state instead of K/V (:attr:`states`, :mod:`hybrid_engine.decode.linear_states`),
+read and written through transformers' linear-attention cache methods.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hybrid_engine.accelerator import is_capturing
 from hybrid_engine.decode.kv_pool import DEFAULT_PAGE_SIZE, NULL_PAGE, KVPool, pages_for
-from hybrid_engine.decode.layout import exact_length, layer_specs
+from hybrid_engine.decode.layout import exact_length, layer_specs, linear_layers
+from hybrid_engine.decode.linear_states import Shapes, StateStore, StateView
 
 __all__ = ["PagedKVCache"]
 
@@ -127,7 +129,8 @@ class PagedKVCache(Cache):
 
     def __init__(self, config: PretrainedConfig, batch_size: int, capacity: int, *,
                  page_size: int = DEFAULT_PAGE_SIZE, pool: KVPool | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 state_shapes: Shapes | None = None) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"PagedKVCache: batch_size must be a positive int, got {batch_size!r}")
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
@@ -157,13 +160,25 @@ class PagedKVCache(Cache):
             table = torch.full((batch_size, max_pages), NULL_PAGE, dtype=torch.int64, device=pool.device)
             owns = False
         i64 = dict(dtype=torch.int64, device=pool.device)
-        self._setup(pool, table, torch.zeros(batch_size, **i64), torch.zeros(batch_size, **i64), capacity)
+        linear = linear_layers(config)
+        # Linear-attention layers' per-row states: buffers of ``state_shapes`` (the model's, from
+        # linear_states.state_shapes), or, without them, made at the first write (probes and eager use only).
+        states = (StateView(StateStore(batch_size, pool.device, state_shapes), slice(0, batch_size))
+                  if any(linear) else None)
+        self._setup(pool, table, torch.zeros(batch_size, **i64), torch.zeros(batch_size, **i64), capacity,
+                    states=states, linear=linear)
         #: Whether this cache made its pool (row ``b`` then holds its pages for good).
         self._owns_pool = owns
+        self._owns_states = states is not None
 
     def _setup(self, pool: KVPool, block_table: torch.Tensor, write_pos: torch.Tensor, position: torch.Tensor,
-               capacity: int, host: _HostCounters | None = None) -> None:
+               capacity: int, host: _HostCounters | None = None, *, states: StateView | None = None,
+               linear: list[bool] | None = None) -> None:
         self.pool = pool
+        #: The rows' linear-attention states (``None``: the model has no linear-attention layer).
+        self.states = states
+        self._linear = linear if linear is not None else [False] * len(pool.layers)
+        self._owns_states = False
         self.block_table = block_table
         self.write_pos = write_pos
         self.position = position
@@ -261,7 +276,7 @@ class PagedKVCache(Cache):
 
     @property
     def is_linear(self) -> list[bool]:
-        return [False] * len(self.layers)
+        return list(self._linear)
 
     @property
     def is_dummy(self) -> list[bool]:
@@ -303,6 +318,8 @@ class PagedKVCache(Cache):
     def memory_bytes(self) -> int:
         """Bytes of the block table and per-row state (and of the pool, for a cache that made its own)."""
         own = self.block_table.nbytes + self.write_pos.nbytes + self.position.nbytes
+        if self._owns_states:
+            own += self.states.store.nbytes()
         return own + (self.pool.memory_bytes() if self._owns_pool else 0)
 
     def __repr__(self) -> str:
@@ -399,7 +416,8 @@ class PagedKVCache(Cache):
                              f"{start!r}, {stop!r}")
         view = PagedKVCache.__new__(PagedKVCache)
         view._setup(self.pool, self.block_table[start:stop], self.write_pos[start:stop], self.position[start:stop],
-                    self._capacity, self._host)
+                    self._capacity, self._host, states=None if self.states is None else self.states.sub(
+                        slice(start, stop)), linear=self._linear)
         view.bounds_checks = self.bounds_checks
         view._owns_pool = self._owns_pool
         return view
@@ -443,3 +461,41 @@ class PagedKVCache(Cache):
             raise ValueError(f"PagedKVCache.copy_rows: src_rows has {src.numel()} rows, dst_rows {dst.numel()}")
         for t in (self.block_table, self.write_pos, self.position):
             t.index_copy_(0, dst, t.index_select(0, src))
+        if self.states is not None:  # a row's state moves with it (pages are shared, states are not)
+            base = self.states.rows.start
+            self.states.store.copy_rows(src + base, dst + base)
+
+    # ------------------------------------------------- linear-attention states
+    # transformers' linear-attention cache API (5.x), per row: a prefill (``fresh``) starts every state from
+    # zero; later forwards continue them. A decode step's conv update writes the returned view in place.
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return not self.fresh
+
+    def is_recording_past(self, layer_idx: int | None = None) -> bool:
+        return False
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return None if self.fresh else self.states.read(("conv", layer_idx, state_idx))
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs: Any) -> torch.Tensor:
+        """Keep the last ``conv_kernel_size`` inputs of each row; return what the convolution sees (the kept
+        inputs before the new ones, or the new ones left-padded to the kernel)."""
+        key = ("conv", layer_idx, state_idx)
+        kernel = conv_kernel_size or conv_states.shape[-1]
+        if self.fresh:
+            full = conv_states
+            if full.shape[-1] < kernel:
+                full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0))
+        else:
+            full = torch.cat([self.states.read(key).to(conv_states.dtype), conv_states], dim=-1)
+        self.states.write(key, full[..., -kernel:])
+        return full
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return None if self.fresh else self.states.read(("recurrent", layer_idx, state_idx))
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs: Any) -> torch.Tensor:
+        self.states.write(("recurrent", layer_idx, state_idx), recurrent_states)
+        return recurrent_states

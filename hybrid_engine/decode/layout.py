@@ -14,8 +14,10 @@ running the model:
   ``original_max_position_embeddings`` (transformers then recomputes the
   history). Up to that length the result is exact, so it bounds the sequence a
   row may reach instead of refusing the model;
-* layouts the cache cannot hold (state-space and linear-attention layers,
-  ALiBi), refused in one sentence that names what is missing (:func:`layout_refusal`).
+* which layers are linear attention (:func:`linear_layers`: a per-row state,
+  :mod:`hybrid_engine.decode.linear_states`, instead of K/V);
+* layouts the cache cannot hold (state-space layers, ALiBi), refused in one
+  sentence that names what is missing (:func:`layout_refusal`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from transformers import PretrainedConfig
 from hybrid_engine.decode.kv_pool import LayerSpec
 
 __all__ = ["AttentionKind", "LengthLimit", "attention_kinds", "cache_geometry", "exact_length", "layer_specs",
-           "layout_refusal"]
+           "layout_refusal", "linear_layers"]
 
 #: Layer kinds (``config.layer_types``) whose K/V the paged cache holds; windowed ones up to their window.
 ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
@@ -37,6 +39,14 @@ ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attenti
 
 #: Layer kinds that cache nothing (feed-forward blocks listed among the layers, as Nemotron-H does).
 STATELESS_LAYER_KINDS = ("mlp", "moe")
+
+#: Layer kinds that keep a per-row state through transformers' linear-attention cache API (5.x), which the
+#: paged cache holds per row (:mod:`hybrid_engine.decode.linear_states`).
+LINEAR_LAYER_KINDS = ("linear_attention",)
+#: The families whose linear-attention layers are verified on it against transformers (gated delta rule). Others
+#: name their Mamba, convolution or lightning-attention mixers ``linear_attention`` too, and stay refused until
+#: tested: each drives the cache in its own way.
+LINEAR_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid")
 
 
 class AttentionKind(NamedTuple):
@@ -65,11 +75,20 @@ def layout_refusal(config: PretrainedConfig) -> str | None:
     """Why the paged K/V cache cannot hold ``config``'s layers at all, in one sentence; ``None`` when it can."""
     config = _text_config(config)
     model_type = getattr(config, "model_type", None)
-    kinds = sorted({k for k in getattr(config, "layer_types", None) or ()
-                    if k not in ATTENTION_LAYER_KINDS and k not in STATELESS_LAYER_KINDS})
+    layer_types = getattr(config, "layer_types", None) or ()
+    kinds = sorted({k for k in layer_types
+                    if k not in ATTENTION_LAYER_KINDS + STATELESS_LAYER_KINDS + LINEAR_LAYER_KINDS})
     if kinds:
         return (f"model_type {model_type!r} has layers of kind {', '.join(map(repr, kinds))} (config.layer_types), "
                 "which keep a recurrent or convolution state per sequence that the paged K/V cache does not hold")
+    linear = any(k in LINEAR_LAYER_KINDS for k in layer_types)
+    if linear and model_type not in LINEAR_MODEL_TYPES:
+        return (f"model_type {model_type!r} has layers of kind 'linear_attention' (config.layer_types), whose "
+                "per-sequence state the paged K/V cache does not hold: it holds linear-attention states only for "
+                f"the families verified against transformers ({', '.join(LINEAR_MODEL_TYPES)})")
+    if linear and not _linear_cache_api():
+        return (f"model_type {model_type!r} has linear-attention layers, whose per-row state the paged cache holds "
+                "through transformers' linear-attention cache API (transformers 5.x); this transformers has none")
     if not isinstance(getattr(config, "num_attention_heads", None), int):
         return (f"model_type {model_type!r} has no attention heads (no config.num_attention_heads): its layers keep "
                 "a state-space or recurrent state that the paged K/V cache does not hold")
@@ -77,6 +96,21 @@ def layout_refusal(config: PretrainedConfig) -> str | None:
         return (f"model_type {model_type!r} uses ALiBi position biases, which transformers builds from a 2-D "
                 "attention mask; the paged cache passes a 4-D mask, so ALiBi models are not supported")
     return None
+
+
+def _linear_cache_api() -> bool:
+    from transformers import cache_utils
+
+    return hasattr(cache_utils, "LinearAttentionCacheLayerMixin")
+
+
+def linear_layers(config: PretrainedConfig) -> list[bool]:
+    """Per layer, whether it is a linear-attention layer (a per-row state, no K/V)."""
+    config = _text_config(config)
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return [False] * int(config.num_hidden_layers)
+    return [t in LINEAR_LAYER_KINDS for t in layer_types]
 
 
 def cache_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -108,7 +142,8 @@ def layer_specs(config: PretrainedConfig) -> list[LayerSpec]:
             return [LayerSpec(1, int(text.kv_lora_rank), int(text.qk_rope_head_dim))] * num_layers
         key_dim = int(text.qk_nope_head_dim) + int(text.qk_rope_head_dim)
         return [LayerSpec(heads, key_dim, int(text.v_head_dim))] * num_layers
-    return [LayerSpec(heads, head_dim, head_dim)] * num_layers
+    return [LayerSpec(heads, 0, 0) if linear else LayerSpec(heads, head_dim, head_dim)
+            for linear in linear_layers(config)]
 
 
 @functools.cache
@@ -133,17 +168,20 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
     return {}
 
 
-def attention_kinds(config: PretrainedConfig) -> dict[str | None, AttentionKind]:
+def attention_kinds(config: PretrainedConfig) -> dict[str | None, AttentionKind | None]:
     """The masks a forward of ``config``'s model takes: ``{None: kind}`` for one mask for every layer, else one
-    per ``config.layer_types`` entry, as transformers' models with mixed layers take a dict of masks."""
+    per ``config.layer_types`` entry, as transformers' models with mixed layers take a dict of masks. A linear
+    layer's kind is ``None``: it takes the 2-D padding mask (or none), not a 4-D one."""
     config = _text_config(config)
     window = getattr(config, "sliding_window", None) or None
     chunk = getattr(config, "attention_chunk_size", None) or None
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
-        kinds = {t: AttentionKind(int(window) if window and "sliding" in t else None,
-                                  int(chunk) if chunk and "chunked" in t else None)
-                 for t in dict.fromkeys(layer_types) if t in ATTENTION_LAYER_KINDS}
+        kinds: dict[str | None, AttentionKind | None] = {
+            t: AttentionKind(int(window) if window and "sliding" in t else None,
+                             int(chunk) if chunk and "chunked" in t else None)
+            for t in dict.fromkeys(layer_types) if t in ATTENTION_LAYER_KINDS}
+        kinds.update({t: None for t in dict.fromkeys(layer_types) if t in LINEAR_LAYER_KINDS})
         return kinds if any(k != FULL for k in kinds.values()) else {None: FULL}
     if window and getattr(config, "use_sliding_window", True) is not False:
         return {None: AttentionKind(window=int(window))}  # every layer slides (Mistral, Starcoder2, Phi-3)

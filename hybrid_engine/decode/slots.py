@@ -40,6 +40,7 @@ from transformers import PreTrainedModel
 from hybrid_engine.accelerator.host_copy import device_tensor
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import KVPool
+from hybrid_engine.decode.linear_states import state_shapes
 from hybrid_engine.decode.sampling import MAX_SETTINGS, RowKnobs, SamplingKnobs, sample_tokens_and_top
 from hybrid_engine.decode.step import decode_one_token
 
@@ -115,7 +116,7 @@ class DecodeSlots:
         self.capacity = capacity
         self.width = width
         device = pool.device
-        self.cache = PagedKVCache(model.config, rows, capacity, pool=pool)
+        self.cache = PagedKVCache(model.config, rows, capacity, pool=pool, state_shapes=state_shapes(model))
         # Lengths and pages are planned on the host before every step: skip the per-step host read.
         self.cache.bounds_checks = False
         i64 = dict(dtype=torch.int64, device=device)

@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 from hybrid_engine.accelerator.host_copy import CountsHostSyncs, device_tensor
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import KVPool
+from hybrid_engine.decode.linear_states import StateStore, state_shapes
 from hybrid_engine.decode.slots import DecodeSlots, choose_tokens, logits_width
 from hybrid_engine.decode.step import prefill
 
@@ -72,6 +73,7 @@ class StagedRequests(NamedTuple):
 
     logits: torch.Tensor  # [rows, V] float32
     meta: torch.Tensor  # [R, len(META) + max_pages]
+    states: StateStore | None  # the prompts' linear-attention states (None: no such layer)
 
 
 class PromptStage:
@@ -98,7 +100,7 @@ class PromptStage:
         self.meta = torch.zeros(requests, len(META) + max_pages, dtype=torch.int64, device=device)
         # float32 holds any logits dtype exactly, and the sampler computes in float32 anyway.
         self.logits = torch.zeros(rows, logits_width(model), dtype=torch.float32, device=device)
-        self.cache = PagedKVCache(model.config, rows, width, pool=pool)
+        self.cache = PagedKVCache(model.config, rows, width, pool=pool, state_shapes=state_shapes(model))
         self.cache.bounds_checks = False
         self._prompt_views: dict[tuple[int, int], StagedPrompts] = {}
         self._request_views: dict[int, StagedRequests] = {}
@@ -125,7 +127,8 @@ class PromptStage:
         """The ``requests`` admission bucket's views (fixed addresses)."""
         view = self._request_views.get(requests)
         if view is None:
-            view = self._request_views[requests] = StagedRequests(self.logits, self.meta[:requests])
+            states = None if self.cache.states is None else self.cache.states.store
+            view = self._request_views[requests] = StagedRequests(self.logits, self.meta[:requests], states)
         return view
 
     def stage_prompts(self, ids: torch.Tensor, mask: torch.Tensor, tables: list[list[int]], prompts: int,
@@ -182,6 +185,8 @@ def admission_round(slots: DecodeSlots, staged: StagedRequests, sampling_key: tu
     cache = slots.cache
     cache.block_table.index_copy_(0, slot, meta[:, len(META):])
     cache.pool.copy_pages(copy_src, copy_dst)
+    if staged.states is not None:  # each sample gets its own copy of its prompt's state
+        cache.states.store.copy_rows(row, slot, source=staged.states)
     cache.write_pos.index_copy_(0, slot, length)
     cache.position.index_copy_(0, slot, length)
     start_from_logits(slots, staged.logits, slot, row, request_index, budget, min_tokens, seed, sampling_key, knob)

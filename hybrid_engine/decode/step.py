@@ -119,18 +119,19 @@ def prompt_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return ((mask.cumsum(-1) - 1) * mask).clamp_(min=0)
 
 
-def layer_masks(model: PreTrainedModel, build: Callable[[AttentionKind], torch.Tensor]
-                ) -> torch.Tensor | dict[str, torch.Tensor]:
+def layer_masks(model: PreTrainedModel, build: Callable[[AttentionKind], torch.Tensor],
+                padding: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor | None]:
     """The ``attention_mask`` a forward takes: one 4D mask, or one per layer type (models with sliding or
-    chunked layers among full ones take a dict), each built once by ``build``."""
+    chunked layers among full ones take a dict), each built once by ``build``. Linear-attention layers take
+    ``padding``, the 2-D mask of a prefill's real tokens (``None``: a decode step's single real token)."""
     kinds = attention_kinds(model.config)
     if None in kinds:
         return build(kinds[None])
     built: dict[AttentionKind, torch.Tensor] = {}
     for kind in kinds.values():
-        if kind not in built:
+        if kind is not None and kind not in built:
             built[kind] = build(kind)
-    return {name: built[kind] for name, kind in kinds.items()}
+    return {name: padding if kind is None else built[kind] for name, kind in kinds.items()}
 
 
 def _forward(
@@ -216,13 +217,14 @@ def prefill(
         last = lengths - 1
     # The forward runs on a view of the target rows whose lengths read 0: the prompt is all there is.
     target = PagedKVCache.__new__(PagedKVCache)
+    states = None if cache.states is None else cache.states.sub(slice(0, n) if rows is None else rows)
     target._setup(cache.pool, table, torch.zeros_like(lengths), torch.zeros_like(lengths), cache.capacity,
-                  cache._host)
+                  cache._host, states=states, linear=cache.is_linear)
     real = attention_mask.bool()
     target.write_slots = target.token_slots(prompt_position_ids(attention_mask), keep=real).flatten()
     target.fresh, target.kv_len = True, t
     dtype = _model_dtype(model)
-    mask4d = layer_masks(model, lambda kind: build_prefill_mask(attention_mask, t, dtype, kind))
+    mask4d = layer_masks(model, lambda kind: build_prefill_mask(attention_mask, t, dtype, kind), attention_mask)
     logits = _forward(model, target, input_ids, mask4d, prompt_position_ids(attention_mask),
                       torch.arange(t, device=device), last)
     if rows is None:
@@ -251,6 +253,9 @@ def extend(model: PreTrainedModel, cache: PagedKVCache, input_ids: torch.Tensor,
     cached = cache.write_pos.index_select(0, rows)
     start = cache.position.index_select(0, rows)
     target = PagedKVCache.__new__(PagedKVCache)
+    if cache.states is not None:
+        raise ValueError("extend: linear-attention rows cannot continue on kept pages (their state is not kept); "
+                         "prefill the whole history")
     target._setup(cache.pool, table, cached, start, cache.capacity, cache._host)
     real = attention_mask.bool()
     new = attention_mask.to(torch.int64).sum(-1)

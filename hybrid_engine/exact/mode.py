@@ -109,10 +109,19 @@ def exact_forward(model: torch.nn.Module, *args: Any, forward: Callable[..., Any
     return out
 
 
+#: Layer kinds whose every product the exact kernels replace (attention and linears; feed-forward blocks).
+_EXACT_LAYER_KINDS = {"full_attention", "sliding_attention", "chunked_attention", "mlp", "moe"}
+
+
 def check_exact_support(model: torch.nn.Module) -> None:
     """Refuse, with a ``ValueError`` that names the model type, a model whose attention does not go through
     transformers' attention interface (the exact kernels would not run there); one one-token forward."""
     inner = decode_model(model)
+    other = sorted(set(getattr(getattr(inner, "config", None), "layer_types", None) or ()) - _EXACT_LAYER_KINDS)
+    if other:  # linear attention's chunked prefill and per-token recurrence sum in different orders
+        kind = getattr(inner.config, "model_type", type(inner).__name__)
+        raise ValueError(f"exact_logprobs: {kind}'s layers of kind {', '.join(map(repr, other))} have no "
+                         "batch-invariant kernels; turn exact_logprobs off for this model")
     _probe_chunks(inner)  # raises NoInvariantChunk (a ValueError) where this machine has no invariant chunk
     before = attention_calls()
     device = next(inner.parameters()).device

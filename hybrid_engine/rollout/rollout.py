@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 
 from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.decode.kv_pool import KVBudget
-from hybrid_engine.decode.layout import exact_length
+from hybrid_engine.decode.layout import exact_length, linear_layers
 from hybrid_engine.decode.model_support import check_model_supported, max_positions
 from hybrid_engine.decode.sampling import MAX_SETTINGS, union_mode
 from hybrid_engine.decode.staging import staged_width_within, width_bucket
@@ -326,6 +326,8 @@ class HybridEngineRollout:
                 for j in range(n)
             ]
         else:
+            if any(linear_layers(model.config)):  # their rows' states are not kept: turns prefill whole histories
+                turn.held, turn.kept = [None] * len(turn.held), None
             requests = [
                 RequestSpec(request_index=r, prompt_index=i, budget=min(budgets[i], max_new), rng_index=rng,
                             prompt_len=prompt_lengths[i], knob=knob_of[i], seed=seeds[i], held=held)

@@ -1,0 +1,121 @@
+"""Per-row states of linear-attention layers (Qwen3-Next's and Qwen3.5's gated delta rule), beside the paged K/V.
+
+Why: a linear-attention layer caches no K/V per token but one fixed-size state
+per sequence: the last inputs of its causal convolution and its recurrent
+matrix. transformers' modeling code reads and writes them through the cache
+(``get_conv_state``/``update_conv_state``, ``get_recurrent_state``/
+``update_recurrent_state``), one batch row per sequence. So each cache row has
+its own states here, in storage allocated once and updated in place: a captured
+step reads and writes fixed addresses, and a row's state is device data.
+
+What moves with a row (the K/V's pages are shared; states never are):
+admission copies its staged prompt's states into its slot, once per sample;
+compaction moves them with the row; a resumed request's prefill rewrites them.
+Shapes come from one probe forward of the model (:func:`state_shapes`), so
+every buffer exists before anything is captured.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from hybrid_engine.accelerator import is_capturing
+
+__all__ = ["StateKey", "StateStore", "StateView", "state_shapes"]
+
+#: ``(kind, layer, state index)``: kind ``"conv"`` or ``"recurrent"``.
+StateKey = tuple[str, int, int]
+Shapes = dict[StateKey, tuple[tuple[int, ...], torch.dtype]]
+
+
+class StateStore:
+    """``rows`` rows of every linear layer's states; ``shapes`` (per row) allocate them now, else (a probe) at
+    the first write of each, which must not be captured."""
+
+    def __init__(self, rows: int, device: torch.device, shapes: Shapes | None = None) -> None:
+        self.rows = rows
+        self.device = device
+        self.tensors: dict[StateKey, torch.Tensor] = {}
+        self.lazy = shapes is None
+        for key, (shape, dtype) in (shapes or {}).items():
+            self.tensors[key] = torch.zeros(rows, *shape, dtype=dtype, device=device)
+
+    def shapes(self) -> Shapes:
+        return {key: (tuple(t.shape[1:]), t.dtype) for key, t in self.tensors.items()}
+
+    def tensor(self, key: StateKey, like: torch.Tensor | None = None) -> torch.Tensor:
+        found = self.tensors.get(key)
+        if found is None:
+            if not self.lazy or like is None or is_capturing():
+                raise RuntimeError(f"linear-attention state {key} has no buffer; the cache was built without the "
+                                   "model's state shapes (hybrid_engine.decode.linear_states.state_shapes)")
+            found = self.tensors[key] = torch.zeros(self.rows, *like.shape[1:], dtype=like.dtype, device=self.device)
+        return found
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, source: StateStore | None = None) -> None:
+        """Rows ``dst[i]`` take the states of rows ``src[i]`` (of ``source``, default this store); capture-safe."""
+        source = self if source is None else source
+        for key, t in self.tensors.items():
+            t.index_copy_(0, dst, source.tensors[key].index_select(0, src))
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+class StateView:
+    """The rows of a :class:`StateStore` one cache (or row view) reads and writes: a slice (decode steps update
+    it in place, as transformers' single-token kernels do) or an index tensor (a prefill into chosen slots)."""
+
+    __slots__ = ("rows", "store")
+
+    def __init__(self, store: StateStore, rows: slice | torch.Tensor) -> None:
+        self.store, self.rows = store, rows
+
+    def sub(self, rows: slice | torch.Tensor) -> StateView:
+        """Rows ``rows`` of this view (a slice within it, or indices relative to it)."""
+        start = self.rows.start if isinstance(self.rows, slice) else None
+        if start is None:
+            return StateView(self.store, self.rows[rows])
+        if isinstance(rows, slice):
+            return StateView(self.store, slice(start + rows.start, start + rows.stop))
+        return StateView(self.store, rows + start)
+
+    def read(self, key: StateKey) -> torch.Tensor:
+        t = self.store.tensor(key)
+        return t[self.rows] if isinstance(self.rows, slice) else t.index_select(0, self.rows)
+
+    def write(self, key: StateKey, value: torch.Tensor) -> None:
+        t = self.store.tensor(key, like=value)
+        if isinstance(self.rows, slice):
+            t[self.rows].copy_(value)
+        else:
+            t.index_copy_(0, self.rows, value.to(t.dtype))
+
+
+_SHAPES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, Shapes]] = weakref.WeakKeyDictionary()
+
+
+def state_shapes(model: torch.nn.Module) -> Shapes:
+    """Each linear-attention state's shape per row for ``model``, from a one-token prefill through a probe cache
+    (cached per model and dtype)."""
+    from hybrid_engine.decode.kv_cache import PagedKVCache
+    from hybrid_engine.decode.step import _model_dtype, prefill
+
+    from hybrid_engine.decode.layout import linear_layers
+
+    if not any(linear_layers(model.config)):
+        return {}
+    dtype = _model_dtype(model)
+    device = next(model.parameters()).device
+    found = _SHAPES.get(model)
+    if found is not None and found[0] == (dtype, device):
+        return found[1]
+    probe = PagedKVCache(model.config, 1, 2, device=device, dtype=dtype, state_shapes=None)
+    ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    prefill(model, probe, ids, torch.ones_like(ids), checked=True)
+    shapes = probe.states.store.shapes()
+    _SHAPES[model] = ((dtype, device), shapes)
+    return shapes
