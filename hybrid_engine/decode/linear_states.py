@@ -102,9 +102,8 @@ def state_shapes(model: torch.nn.Module) -> Shapes:
     """Each linear-attention state's shape per row for ``model``, from a one-token prefill through a probe cache
     (cached per model and dtype)."""
     from hybrid_engine.decode.kv_cache import PagedKVCache
-    from hybrid_engine.decode.step import _model_dtype, prefill
-
     from hybrid_engine.decode.layout import linear_layers
+    from hybrid_engine.decode.step import _model_dtype, prefill
 
     if not any(linear_layers(model.config)):
         return {}
