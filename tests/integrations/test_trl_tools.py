@@ -2,10 +2,10 @@
 
 The toy task: an ``add(a, b)`` tool. A tiny GPT-2 is first fitted (a few hundred milliseconds of plain
 supervised steps) to a handful of tool-calling conversations, so that it really calls the tool, sometimes
-twice, sometimes with a wrong name, and sometimes not at all. The tokenizer is built locally: the tiny
-word-level vocabulary with a few words added, a chat template that renders tools, tool calls and tool
-messages, and a response template (transformers' response parsing, which TRL's ``parse_response`` uses)
-that parses ``call add a = 3 b = 4 end`` into a tool call.
+twice, sometimes with a wrong name, and sometimes not at all. The tokenizer is built locally
+(``build_tool_tokenizer``: the tiny word-level vocabulary with a few words added, a chat template that
+renders tools, tool calls and tool messages, and a response template, transformers' response parsing that
+TRL's ``parse_response`` uses, that parses ``call add a = 3 b = 4 end`` into a tool call).
 
 The reference is TRL's own loop: a real ``GRPOTrainer(tools=[add])`` runs its ``_generate`` (tool calls,
 tool results, masks, budget) on the same prompts, its per-turn generation replaced by a replay of the
@@ -24,37 +24,13 @@ import torch
 pytest.importorskip("trl", reason="needs the trl extra")
 
 from datasets import Dataset  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hybrid_engine import RolloutConfig, RolloutRequest, SamplingConfig  # noqa: E402
 from hybrid_engine.integrations.trl import environment_reward, make_rollout_func  # noqa: E402
-from hybrid_engine.tiny_models import EOS_ID, build_model, build_tokenizer  # noqa: E402
+from hybrid_engine.tiny_models import EOS_ID, build_model, build_tokenizer, build_tool_tokenizer  # noqa: E402
 
 GROUP = 4
-_EXTRA_WORDS = ["user", "assistant", "tool", "tools", "add", "end"] + [str(i) for i in range(10, 19)]
-CHAT_TEMPLATE = (
-    "{%- if tools %}tools :{% for t in tools %} {{ t.function.name }}{% endfor %} . {% endif -%}"
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'assistant' -%}assistant : {{ m.content }}"
-    "{%- for tc in m.tool_calls or [] %} call {{ tc.function.name }}"
-    "{%- for k, v in tc.function.arguments.items() %} {{ k }} = {{ v }}{% endfor %} end{% endfor %} </s> "
-    "{%- elif m.role == 'tool' -%}tool : {{ m.content }} . "
-    "{%- else -%}{{ m.role }} : {{ m.content }} . {% endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt %}assistant :{% endif -%}"
-)
-RESPONSE_TEMPLATE = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": "assistant :",
-    "fields": {
-        "tool_calls": {"open_pattern": r"call\s+(?P<name>\w+)", "close_pattern": r"\s*end\s*", "repeats": True,
-                       "content": "xml-inline", "content_args": {"tag_pattern": r"(?P<key>\w+)\s*=\s*(?P<value>\S+)"},
-                       "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}}},
-        "content": {"close_pattern": r"\s*</s>\s*", "content": "text"},
-    },
-}
 # (question, the conversation the model is fitted to: model turns and, between them, tool results)
 FIT = [
     ("what is 3 and 4", ["call add a = 3 b = 4 end </s>", "tool : 7 . assistant :", "7 </s>"]),
@@ -79,23 +55,6 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-def tool_tokenizer() -> PreTrainedTokenizerFast:
-    """The tiny word-level tokenizer with the template words added (in place of filler tokens, same ids)."""
-    vocab = dict(build_tokenizer().get_vocab())
-    fillers = sorted((t for t in vocab if t.startswith("tok") and t[3:].isdigit()), key=lambda t: int(t[3:]))
-    for word, filler in zip(_EXTRA_WORDS, fillers):
-        vocab[word] = vocab.pop(filler)
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                  unk_token="<unk>", padding_side="left",
-                                  model_input_names=["input_ids", "attention_mask"])
-    tok.chat_template = CHAT_TEMPLATE
-    tok.response_template = copy.deepcopy(RESPONSE_TEMPLATE)
-    return tok
-
-
 def _conversation(question: str) -> list[dict]:
     return [{"role": "user", "content": question}]
 
@@ -106,7 +65,7 @@ _FITTED: dict[str, dict] = {}
 def fitted_model():
     """A tiny GPT-2 fitted to FIT's model turns (loss on the model's tokens only); a fresh copy per call."""
     if "state" not in _FITTED:
-        tok = tool_tokenizer()
+        tok = build_tool_tokenizer()
         seqs = []
         for question, parts in FIT:
             text = tok.apply_chat_template(_conversation(question), tools=[add], add_generation_prompt=True,
@@ -149,7 +108,7 @@ def stand_in_trainer(model, tokenizer=None, **args):
     model.train()
     return SimpleNamespace(
         model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m, process_index=0),
-        processing_class=tokenizer if tokenizer is not None else tool_tokenizer(),
+        processing_class=tokenizer if tokenizer is not None else build_tool_tokenizer(),
         args=SimpleNamespace(**{**defaults, **args}), state=SimpleNamespace(global_step=0),
         eos_token_ids=[EOS_ID], chat_template_kwargs={},
     )
@@ -266,18 +225,22 @@ def _trl_reference(model, tokenizer, prompts, out, **args):
             "completion_messages": completions, "tool_calls": round(calls)}
 
 
-@pytest.mark.parametrize("budget,iterations", [(32, None), (14, 1)])
+@pytest.mark.parametrize("budget,iterations", [(32, None), (20, None), (32, 1)])
 def test_same_result_as_trls_own_tool_loop(tool_call, budget, iterations, monkeypatch):
     """Tool results, their tokens, the masks, the budget cut and the iteration limit: as TRL's own loop."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     fn, trainer, prompts, out = tool_call
-    if (budget, iterations) != (32, None):  # a tight budget: some tool results dropped, later turns cut
+    if (budget, iterations) != (32, None):
         trainer = stand_in_trainer(trainer.model, max_completion_length=budget, max_tool_calling_iterations=iterations)
         fn = make_rollout_func(RolloutConfig(use_graph_capture=False), tools=[add])
         out = fn(copy.deepcopy(prompts), trainer)
-        assert all(len(ids) <= budget for ids in out["completion_ids"])
-        assert max(fn.tool_loop.last_stats["turns"]) <= 2
-    ref = _trl_reference(fitted_model(), tool_tokenizer(), prompts, out, max_completion_length=budget,
+    lengths, turns = [len(ids) for ids in out["completion_ids"]], fn.tool_loop.last_stats["turns"]
+    assert max(lengths) <= budget
+    if budget == 20:  # the second turn of "5 and 2 and 6" is cut, and the results of its cut call dropped
+        assert budget in lengths and max(turns) == 2
+    if iterations == 1:  # tool calls after the first round are parsed but not made
+        assert max(turns) == 2 and any(msgs[-1].get("tool_calls") for msgs in out["completion_messages"])
+    ref = _trl_reference(fitted_model(), build_tool_tokenizer(), prompts, out, max_completion_length=budget,
                          max_tool_calling_iterations=iterations)
     for key in ("prompt_ids", "completion_ids", "env_mask", "logprobs", "completion_messages"):
         assert out[key] == ref[key], key
@@ -336,7 +299,7 @@ class ObservingEnv(CalcEnv):
 
 
 def test_environment_observation_is_appended_to_the_prompt():
-    tok = tool_tokenizer()
+    tok = build_tool_tokenizer()
     fn = make_rollout_func(RolloutConfig(use_graph_capture=False), environment_factory=ObservingEnv,
                            max_completion_length=4)
     out = fn([_conversation("what is it")] * 2, stand_in_trainer(fitted_model(), tok, max_completion_length=4))
@@ -378,7 +341,7 @@ def test_a_tokenizer_that_cannot_do_tools_is_refused_at_the_first_call():
     fn = make_rollout_func(tools=[add])
     with pytest.raises(ValueError, match=r"cannot render a tool-calling conversation .* processing_class.chat_template"):
         fn([_conversation("what is it")], stand_in_trainer(model, plain))
-    unparsed = tool_tokenizer()
+    unparsed = build_tool_tokenizer()
     unparsed.response_template = None
     with pytest.raises(ValueError, match=r"no response template.* set processing_class\.response_template"):
         fn([_conversation("what is it")], stand_in_trainer(model, unparsed))
@@ -397,7 +360,7 @@ def test_grpo_trainer_tools_next_to_our_rollout_func_are_refused(tmp_path, monke
                         max_completion_length=8, max_steps=1, report_to="none", use_cpu=True, bf16=False,
                         save_strategy="no"),
         train_dataset=Dataset.from_dict({"prompt": [_conversation("what is it")] * GROUP}),
-        processing_class=tool_tokenizer(), rollout_func=make_rollout_func(), **kwargs)
+        processing_class=build_tool_tokenizer(), rollout_func=make_rollout_func(), **kwargs)
     with pytest.raises(ValueError, match=rf"GRPOTrainer\({where}=\.\.\.\) .* pass them to "
                                          rf"make_rollout_func\({where}=\.\.\.\) instead"):
         trainer.train()
@@ -432,7 +395,7 @@ def test_grpo_trainer_trains_three_steps_on_the_tool_task(tmp_path, monkeypatch)
     questions = [q for q in QUESTIONS if q != "the cat is in the water"]
     dataset = Dataset.from_dict({"prompt": [_conversation(q) for q in questions], "question": questions})
     trainer = _RecordingTrainer(
-        model=model, reward_funcs=_final_answer, train_dataset=dataset, processing_class=tool_tokenizer(),
+        model=model, reward_funcs=_final_answer, train_dataset=dataset, processing_class=build_tool_tokenizer(),
         args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2 * GROUP, num_generations=GROUP,
                         max_completion_length=32, max_steps=3, learning_rate=1e-3, logging_steps=1, report_to="none",
                         use_cpu=True, bf16=False, save_strategy="no", disable_dropout=True, seed=0,
