@@ -41,9 +41,9 @@ from transformers import PreTrainedModel
 from hybrid_engine.decode.sampling import MIN_TEMPERATURE
 from hybrid_engine.distributed.inference_copy import InferenceCopy
 from hybrid_engine.generation.generate import unimplemented_generation_fields
+from hybrid_engine.integrations.trl_tools import ToolLoop, environment_reward
 from hybrid_engine.model_access import is_zero3_partitioned
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
-from hybrid_engine.integrations.trl_tools import ToolLoop, environment_reward
 from hybrid_engine.rollout.types import is_int
 from hybrid_engine.training.deepspeed import destroy_deepspeed_engine
 

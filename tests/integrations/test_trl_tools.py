@@ -26,7 +26,7 @@ pytest.importorskip("trl", reason="needs the trl extra")
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from hybrid_engine import RolloutConfig, RolloutRequest, SamplingConfig  # noqa: E402
+from hybrid_engine import RolloutConfig, RolloutRequest  # noqa: E402
 from hybrid_engine.integrations.trl import environment_reward, make_rollout_func  # noqa: E402
 from hybrid_engine.tiny_models import EOS_ID, build_model, build_tokenizer, build_tool_tokenizer  # noqa: E402
 
