@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from hybrid_engine.decode.model_support import max_positions
 from hybrid_engine.rollout import RolloutRequest, SamplingConfig
 from hybrid_engine.rollout.types import is_int
 
@@ -233,7 +234,7 @@ class ToolLoop:
             (asynchronous if inspect.iscoroutinefunction(tool) else sync)[tool.__name__] = tool
         return sync, asynchronous
 
-    def _call_tools(self, row: int, tool_calls: list[dict]) -> tuple[list[dict], int]:
+    def call_tools(self, row: int, tool_calls: list[dict]) -> tuple[list[dict], int]:
         """Run one turn's tool calls; returns the tool messages (TRL's order: sync results, then async ones)
         and the number of failures."""
         sync, asynchronous = self._tool_dicts(row)
@@ -306,7 +307,7 @@ class ToolLoop:
         prompts = [prompt_ids[r // n] for r in range(rows)]
         budget = sampling.max_new_tokens  # max_completion_length, over the whole completion (as TRL)
         config = rollout.model.config
-        limit = getattr(config, "max_position_embeddings", None)
+        limit = getattr(config, "max_position_embeddings", None) or max_positions(config)  # TRL reads the former
         lengths = [0] * rows  # each row's completion so far (model and environment tokens), within budget
         messages: list[list[dict]] = [[] for _ in range(rows)]
         calls = failures = 0
@@ -342,7 +343,7 @@ class ToolLoop:
         while pending and iteration < max_iterations:
             go_on = []
             for r, tool_calls in pending.items():
-                results, failed = self._call_tools(r, tool_calls)
+                results, failed = self.call_tools(r, tool_calls)
                 calls += len(tool_calls)
                 failures += failed
                 suffix = self._suffix_ids(results)

@@ -14,6 +14,7 @@ turns our rollout sampled, so everything else (parsing, calling, rendering, cutt
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hybrid_engine import RolloutConfig, RolloutRequest  # noqa: E402
 from hybrid_engine.integrations.trl import environment_reward, make_rollout_func  # noqa: E402
+from hybrid_engine.integrations.trl_tools import ToolLoop  # noqa: E402
 from hybrid_engine.tiny_models import EOS_ID, build_model, build_tokenizer, build_tool_tokenizer  # noqa: E402
 
 GROUP = 4
@@ -307,6 +309,52 @@ def test_environment_observation_is_appended_to_the_prompt():
     text = tok.apply_chat_template(_conversation("what is it now"), tools=[probe.add], add_generation_prompt=True,
                                    tokenize=False)
     assert out["prompt_ids"] == [tok(text, add_special_tokens=False)["input_ids"]] * 2
+
+
+async def double(x: int) -> int:
+    """Double a number.
+
+    Args:
+        x: The number.
+    """
+    await asyncio.sleep(0)
+    return 2 * x
+
+
+async def sour(x: int) -> int:
+    """Fail, later.
+
+    Args:
+        x: The number.
+    """
+    raise RuntimeError("sour")
+
+
+def boom(x: int) -> int:
+    """Fail.
+
+    Args:
+        x: The number.
+    """
+    raise RuntimeError("no luck")
+
+
+def test_tool_calls_and_failures_as_trl_makes_them():
+    """Sync tools run in order, async ones together after them (TRL's order); every failure is a result."""
+    loop = ToolLoop(tools=[add, double, sour, boom])
+
+    def call(name, **arguments):
+        return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+    messages, failures = loop.call_tools(0, [call("double", x=2), call("add", a=1, b=2), call("boom", x=1),
+                                             call("missing"), {"type": "web", "name": "search"},
+                                             call("sour", x=1), call("add", a=1)])
+    assert [(m["name"], m["content"]) for m in messages] == [
+        ("add", "3"), ("boom", "{'error': 'no luck'}"), ("missing", "{'error': 'Tool missing not found.'}"),
+        ("search", "{'error': 'Unsupported tool call type: web'}"),
+        ("add", "{'error': \"add() missing 1 required positional argument: 'b'\"}"),
+        ("double", "4"), ("sour", "{'error': 'sour'}")]
+    assert failures == 5 and all(m["role"] == "tool" for m in messages)
 
 
 def _no_docstring(a: int) -> int:
