@@ -308,6 +308,10 @@ class ToolLoop:
         budget = sampling.max_new_tokens  # max_completion_length, over the whole completion (as TRL)
         config = rollout.model.config
         limit = getattr(config, "max_position_embeddings", None) or max_positions(config)  # TRL reads the former
+        longest_prompt = max(len(p) for p in prompts)
+        if limit is not None and longest_prompt >= limit:
+            raise ValueError(f"rollout_func: a prompt has {longest_prompt} tokens, and the model's position limit is "
+                             f"{limit}; truncate the prompts")
         lengths = [0] * rows  # each row's completion so far (model and environment tokens), within budget
         messages: list[list[dict]] = [[] for _ in range(rows)]
         calls = failures = 0

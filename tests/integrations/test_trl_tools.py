@@ -64,8 +64,9 @@ def _conversation(question: str) -> list[dict]:
 _FITTED: dict[str, dict] = {}
 
 
-def fitted_model():
-    """A tiny GPT-2 fitted to FIT's model turns (loss on the model's tokens only); a fresh copy per call."""
+def fitted_model(positions: int | None = None):
+    """A tiny GPT-2 fitted to FIT's model turns (loss on the model's tokens only); a fresh copy per call, with only
+    the first ``positions`` position embeddings if given (a lower position limit)."""
     if "state" not in _FITTED:
         tok = build_tool_tokenizer()
         seqs = []
@@ -98,8 +99,13 @@ def fitted_model():
         finally:
             torch.set_num_threads(threads)
         _FITTED["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    model = build_model("tiny-gpt2", seed=0)
-    model.load_state_dict(_FITTED["state"])
+    state = dict(_FITTED["state"])
+    if positions is None:
+        model = build_model("tiny-gpt2", seed=0)
+    else:
+        model = build_model("tiny-gpt2", seed=0, n_positions=positions)
+        state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:positions]
+    model.load_state_dict(state)
     return model
 
 
@@ -227,13 +233,16 @@ def _trl_reference(model, tokenizer, prompts, out, **args):
             "completion_messages": completions, "tool_calls": round(calls)}
 
 
-@pytest.mark.parametrize("budget,iterations", [(32, None), (20, None), (32, 1)])
-def test_same_result_as_trls_own_tool_loop(tool_call, budget, iterations, monkeypatch):
-    """Tool results, their tokens, the masks, the budget cut and the iteration limit: as TRL's own loop."""
+@pytest.mark.parametrize("budget,iterations,positions", [(32, None, None), (20, None, None), (32, 1, None),
+                                                         (32, None, 34)])
+def test_same_result_as_trls_own_tool_loop(tool_call, budget, iterations, positions, monkeypatch):
+    """Tool results, their tokens, the masks, the budget cut, the iteration limit and the model's position limit: as
+    TRL's own loop."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     fn, trainer, prompts, out = tool_call
-    if (budget, iterations) != (32, None):
-        trainer = stand_in_trainer(trainer.model, max_completion_length=budget, max_tool_calling_iterations=iterations)
+    if (budget, iterations, positions) != (32, None, None):
+        trainer = stand_in_trainer(fitted_model(positions), max_completion_length=budget,
+                                   max_tool_calling_iterations=iterations)
         fn = make_rollout_func(RolloutConfig(use_graph_capture=False), tools=[add])
         out = fn(copy.deepcopy(prompts), trainer)
     lengths, turns = [len(ids) for ids in out["completion_ids"]], fn.tool_loop.last_stats["turns"]
@@ -242,7 +251,10 @@ def test_same_result_as_trls_own_tool_loop(tool_call, budget, iterations, monkey
         assert budget in lengths and max(turns) == 2
     if iterations == 1:  # tool calls after the first round are parsed but not made
         assert max(turns) == 2 and any(msgs[-1].get("tool_calls") for msgs in out["completion_messages"])
-    ref = _trl_reference(fitted_model(), build_tool_tokenizer(), prompts, out, max_completion_length=budget,
+    if positions is not None:  # no row reaches the limit; the second turn of "5 and 2 and 6" is cut to fit
+        full = [len(p) + n for p, n in zip(out["prompt_ids"], lengths)]
+        assert max(full) == positions and max(turns) == 2
+    ref = _trl_reference(fitted_model(positions), build_tool_tokenizer(), prompts, out, max_completion_length=budget,
                          max_tool_calling_iterations=iterations)
     for key in ("prompt_ids", "completion_ids", "env_mask", "logprobs", "completion_messages"):
         assert out[key] == ref[key], key
@@ -396,6 +408,12 @@ def test_a_tokenizer_that_cannot_do_tools_is_refused_at_the_first_call():
     with pytest.raises(ValueError, match="needs conversational prompts"):
         fn(["what is it"], stand_in_trainer(model))
     assert fn.rollout is None
+
+
+def test_a_prompt_at_the_position_limit_is_refused():
+    fn = make_rollout_func(RolloutConfig(use_graph_capture=False), tools=[add])
+    with pytest.raises(ValueError, match="a prompt has 14 tokens, and the model's position limit is 12; truncate"):
+        fn([_conversation("what is 3 and 4")], stand_in_trainer(fitted_model(12)))
 
 
 @pytest.mark.parametrize("where", ["tools", "environment_factory"])
