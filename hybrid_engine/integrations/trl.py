@@ -447,12 +447,13 @@ class HybridEngineRolloutFunc:
         if processing_class is None:
             raise TypeError("rollout_func: trainer.processing_class is None; GRPOTrainer needs a tokenizer")
         tokenizer = _tokenizer_of(processing_class)
-        if loop is not None and is_zero3_partitioned(model):
-            raise ValueError(
-                "rollout_func: make_rollout_func(tools=... / environment_factory=...) on a ZeRO-3 partitioned model "
-                "would gather the parameters (a collective) at every turn, and processes take different numbers of "
-                "turns; pass make_rollout_func(zero3_gathered_inference_copy=True), which gathers once per call")
         if loop is not None:
+            if is_zero3_partitioned(model):
+                raise ValueError(
+                    "rollout_func: make_rollout_func(tools=... / environment_factory=...) on a ZeRO-3 partitioned "
+                    "model would gather the parameters (a collective) at every turn, and processes take different "
+                    "numbers of turns; pass make_rollout_func(zero3_gathered_inference_copy=True), which gathers "
+                    "once per call")
             loop.tokenizing(trainer, processing_class, tokenizer)  # refuses a template that cannot do tools
             prompts = loop.prepare(list(prompts))  # environments reset, their observations in the prompts
         unique, n = _fold(prompts)

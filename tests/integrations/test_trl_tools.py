@@ -410,6 +410,16 @@ def test_a_tokenizer_that_cannot_do_tools_is_refused_at_the_first_call():
     assert fn.rollout is None
 
 
+def test_zero3_without_the_gathered_copy_is_refused():
+    model = fitted_model()
+    next(model.parameters()).ds_id = 0  # how DeepSpeed marks a ZeRO-3 partitioned parameter
+    fn = make_rollout_func(tools=[add])
+    with pytest.raises(ValueError, match=r"ZeRO-3 .* different numbers of turns; pass "
+                                         r"make_rollout_func\(zero3_gathered_inference_copy=True\)"):
+        fn([_conversation("what is it")], stand_in_trainer(model))
+    assert fn.rollout is None
+
+
 def test_a_prompt_at_the_position_limit_is_refused():
     fn = make_rollout_func(RolloutConfig(use_graph_capture=False), tools=[add])
     with pytest.raises(ValueError, match="a prompt has 14 tokens, and the model's position limit is 12; truncate"):
