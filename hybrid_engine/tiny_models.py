@@ -11,6 +11,9 @@ Names accepted by :func:`build_model`:
   ``tiny-qwen3``, ``tiny-mistral``. Llama/Qwen/Mistral use 2 KV heads (GQA);
   tiny-qwen3 has an explicit ``head_dim`` of 32 (not hidden/heads = 16), so the
   cache code cannot get away with deriving head_dim from the hidden size.
+* :func:`build_tool_tokenizer` is the same tokenizer with a tool-calling chat
+  template and a response template that parses its tool calls, for the TRL
+  tool loop (:mod:`hybrid_engine.integrations.trl_tools`).
 * the short arch names of :data:`ARCHITECTURES` are aliases of the tiny models,
   **except** ``"gpt2"``, which (as on the Hub) is the 124M shape. Use
   ``"tiny-gpt2"`` for the tiny GPT-2.
@@ -51,8 +54,11 @@ __all__ = [
     "EOS_ID",
     "UNK_ID",
     "build_config",
+    "TOOL_CHAT_TEMPLATE",
+    "TOOL_RESPONSE_TEMPLATE",
     "build_model",
     "build_tokenizer",
+    "build_tool_tokenizer",
     "model_names",
 ]
 
@@ -218,4 +224,55 @@ def build_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> PreTrainedTokenizerFas
         padding_side="left",
         model_input_names=["input_ids", "attention_mask"],
     )
+    return tok
+
+
+#: Words :func:`build_tool_tokenizer` adds (in place of the first filler tokens, so the ids stay below the vocab size).
+_TOOL_WORDS = ("user", "assistant", "tool", "tools", "add", "end", *(str(i) for i in range(10, 19)))
+#: A chat template that renders tool names, assistant tool calls (``call add a = 3 b = 4 end``) and tool messages;
+#: an assistant turn ends with ``</s>``, the EOS, and the template is prefix-preserving (as TRL's tool loop needs).
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}tools :{% for t in tools %} {{ t.function.name }}{% endfor %} . {% endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}assistant : {{ m.content }}"
+    "{%- for tc in m.tool_calls or [] %} call {{ tc.function.name }}"
+    "{%- for k, v in tc.function.arguments.items() %} {{ k }} = {{ v }}{% endfor %} end{% endfor %} </s> "
+    "{%- elif m.role == 'tool' -%}tool : {{ m.content }} . "
+    "{%- else -%}{{ m.role }} : {{ m.content }} . {% endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}assistant :{% endif -%}"
+)
+#: transformers' response template (``tokenizer.response_template``) that parses TOOL_CHAT_TEMPLATE's assistant turns.
+TOOL_RESPONSE_TEMPLATE: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "assistant :",
+    "fields": {
+        "tool_calls": {"open_pattern": r"call\s+(?P<name>\w+)", "close_pattern": r"\s*end\s*", "repeats": True,
+                       "content": "xml-inline",
+                       "content_args": {"tag_pattern": r"(?P<key>\w+)\s*=\s*(?P<value>\S+)"},
+                       "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}}},
+        "content": {"close_pattern": r"\s*</s>\s*", "content": "text"},
+    },
+}
+
+
+def build_tool_tokenizer() -> PreTrainedTokenizerFast:
+    """:func:`build_tokenizer` (384 ids) with a few more words, :data:`TOOL_CHAT_TEMPLATE` and
+    :data:`TOOL_RESPONSE_TEMPLATE`: a tool-calling tokenizer built in memory, for TRL's tool loop."""
+    import copy
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = dict(build_tokenizer().get_vocab())
+    fillers = sorted((t for t in vocab if t.startswith("tok") and t[3:].isdigit()), key=lambda t: int(t[3:]))
+    for word, filler in zip(_TOOL_WORDS, fillers):
+        vocab[word] = vocab.pop(filler)
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                  unk_token="<unk>", padding_side="left",
+                                  model_input_names=["input_ids", "attention_mask"])
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    tok.response_template = copy.deepcopy(TOOL_RESPONSE_TEMPLATE)
     return tok

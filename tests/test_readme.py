@@ -120,6 +120,12 @@ def check_trl(scope: dict) -> None:
     assert stats.captures > 0 and stats.fallbacks == 0 and stats.last_refusal_reason is None
 
 
+def check_trl_tools(scope: dict) -> None:
+    assert scope["trainer"].state.global_step == 1
+    stats = scope["fn"].tool_loop.last_stats
+    assert stats["rows"] == 4 and len(stats["turns"]) == 4  # the tool loop ran (a random model rarely calls)
+
+
 def check_deepspeed_rollout(scope: dict) -> None:
     engine, rollout = scope["engine"], scope["rollout"]
     assert engine.global_steps == 3
@@ -146,6 +152,7 @@ CHECKS: dict[tuple[str, str], tuple[tuple[str, ...], Callable[[dict], None]]] = 
     ("docs/kv-cache.md", "Sizing the pool"): ((), check_kv_budget),
     ("docs/exact.md", "Exact on-policy logprobs"): ((), check_exact),
     ("docs/trl.md", "TRL's `GRPOTrainer`"): (("trl", "datasets"), check_trl),
+    ("docs/trl.md", "Tools and environments"): (("trl", "datasets"), check_trl_tools),
     ("docs/deepspeed-rollout.md", "DeepSpeed's rollout interface"): (("deepspeed",), check_deepspeed_rollout),
 }
 

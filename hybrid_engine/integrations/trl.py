@@ -22,7 +22,8 @@ Prompts cross host to device once per call, and tokens and log-probabilities
 come back once per call, as the lists TRL wants. Under DeepSpeed ZeRO-3 there
 is nothing fixed to capture unless the function keeps a gathered copy
 (:meth:`HybridEngineRolloutFunc._generation_model`). What one call does:
-:meth:`HybridEngineRolloutFunc.__call__`.
+:meth:`HybridEngineRolloutFunc.__call__`. With ``tools`` or ``environment_factory`` the
+call runs TRL's tool loop on multi-turn episodes: :mod:`hybrid_engine.integrations.trl_tools`.
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ from transformers import PreTrainedModel
 from hybrid_engine.decode.sampling import MIN_TEMPERATURE
 from hybrid_engine.distributed.inference_copy import InferenceCopy
 from hybrid_engine.generation.generate import unimplemented_generation_fields
+from hybrid_engine.integrations.trl_tools import ToolLoop, environment_reward
 from hybrid_engine.model_access import is_zero3_partitioned
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 from hybrid_engine.rollout.types import is_int
 from hybrid_engine.training.deepspeed import destroy_deepspeed_engine
 
-__all__ = ["HybridEngineRolloutFunc", "destroy_trainer_deepspeed", "make_rollout_func", "rollout_seed"]
+__all__ = ["HybridEngineRolloutFunc", "destroy_trainer_deepspeed", "environment_reward", "make_rollout_func",
+           "rollout_seed"]
 
 #: Keyword overrides :func:`make_rollout_func` accepts (``max_new_tokens`` is an alias of ``max_completion_length``).
 SAMPLING_KEYS = ("max_completion_length", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
@@ -167,20 +170,22 @@ def _refuse_trainer_generation(trainer: Any) -> None:
     """Settings under which TRL would generate beside this rollout function, refused at the first call.
 
     With ``tools`` or ``environment_factory``, TRL runs its tool loop on our output and generates the later
-    turns with its own generation, which returns no logprobs (TRL then fails adding ``[0.0] * n + None``).
+    turns with its own generation, which returns no logprobs (TRL then fails adding ``[0.0] * n + None``);
+    ``make_rollout_func(tools=...)`` runs that loop inside the engine instead.
     ``use_vllm=True`` would start a second engine and sync its weights every step, for nothing."""
     args = getattr(trainer, "args", None)
     if getattr(args, "use_vllm", False):
         raise ValueError("rollout_func: GRPOConfig(use_vllm=True) next to hybrid-engine's rollout function would "
                          "start a vLLM engine that generates nothing and syncs weights every step; set "
                          "use_vllm=False")
-    for name, given in (("tools", getattr(trainer, "_standalone_tools", None) or getattr(trainer, "tools", None)),
-                        ("environment_factory", getattr(trainer, "environment_factories", None))):
+    # An environment's methods are in trainer.tools too: name the environment first.
+    for name, given in (("environment_factory", getattr(trainer, "environment_factories", None)),
+                        ("tools", getattr(trainer, "_standalone_tools", None) or getattr(trainer, "tools", None))):
         if given:
             raise ValueError(
                 f"rollout_func: GRPOTrainer({name}=...) next to hybrid-engine's rollout function makes TRL run its "
-                "tool loop with its own generation, which gives the later turns no logprobs; multi-turn tool use "
-                f"inside the engine is not built yet: drop {name}, or train with TRL's own generation"
+                "tool loop with its own generation, which gives the later turns no logprobs; pass them to "
+                f"make_rollout_func({name}=...) instead, which runs the tool loop inside the engine"
             )
 
 
@@ -215,8 +220,9 @@ class HybridEngineRolloutFunc:
     check.
     """
 
-    def __init__(self, config: RolloutConfig | None = None, *, zero3_gathered_inference_copy: bool = False,
-                 **sampling: Any) -> None:
+    def __init__(self, config: RolloutConfig | None = None, *, tools: list[Any] | None = None,
+                 environment_factory: Any = None, max_tool_calling_iterations: int | None = None,
+                 zero3_gathered_inference_copy: bool = False, **sampling: Any) -> None:
         if config is None:
             config = RolloutConfig(use_graph_capture=True)
         if not isinstance(config, RolloutConfig):
@@ -228,6 +234,12 @@ class HybridEngineRolloutFunc:
                             f"{zero3_gathered_inference_copy!r}")
         self.config = config
         self.overrides = _check_overrides(sampling)
+        #: The tool loop (``tools`` / ``environment_factory``; see :mod:`hybrid_engine.integrations.trl_tools`), or None.
+        self.tool_loop: ToolLoop | None = None
+        if tools is not None or environment_factory is not None:
+            self.tool_loop = ToolLoop(tools, environment_factory, max_tool_calling_iterations)
+        elif max_tool_calling_iterations is not None:
+            raise TypeError("make_rollout_func: max_tool_calling_iterations needs tools= or environment_factory=")
         self.zero3_gathered_inference_copy = zero3_gathered_inference_copy
         #: The unpartitioned copy generated on under ZeRO-3 with ``zero3_gathered_inference_copy`` (else ``None``).
         self.inference_copy: InferenceCopy | None = None
@@ -369,9 +381,12 @@ class HybridEngineRolloutFunc:
             processing_class = trainer.processing_class
             kwargs = dict(getattr(trainer, "chat_template_kwargs", None) or {})
             template = getattr(trainer, "chat_template", None)
+            tools = None
+            if self.tool_loop is not None:  # rendered with the tools' schemas, as TRL renders them
+                tools = self.tool_loop.schema_tools
+                template = self.tool_loop.tokenizing(trainer, processing_class, tokenizer).chat_template
             if template is not None:
                 kwargs["chat_template"] = template
-            tools = getattr(trainer, "tools", None)
             try:
                 texts = [processing_class.apply_chat_template(p, tools=tools or None, add_generation_prompt=True,
                                                               tokenize=False, **kwargs) for p in prompts]
@@ -416,24 +431,44 @@ class HybridEngineRolloutFunc:
         the same steps samples the same tokens. The result is TRL's dict:
         ``prompt_ids``, ``completion_ids`` (EOS included) and ``logprobs`` (of each
         sampled token under the sampling distribution), one unpadded list per
-        completion, in TRL's order.
+        completion, in TRL's order. With tools, the prompts are rendered with their
+        schemas and the tool loop runs on episodes (:meth:`ToolLoop.run`).
         """
         chat = _check_prompts(prompts)
         _refuse_trainer_generation(trainer)
+        loop = self.tool_loop
+        if loop is not None and not chat:
+            raise ValueError("rollout_func: make_rollout_func(tools=... / environment_factory=...) needs "
+                             "conversational prompts (lists of {'role', 'content'} dicts): tool calls and results "
+                             "are messages of the conversation")
         policy = _policy_model(trainer)
         model = self._generation_model(policy, trainer)
         processing_class = getattr(trainer, "processing_class", None)
         if processing_class is None:
             raise TypeError("rollout_func: trainer.processing_class is None; GRPOTrainer needs a tokenizer")
         tokenizer = _tokenizer_of(processing_class)
+        if loop is not None:
+            if is_zero3_partitioned(model):
+                raise ValueError(
+                    "rollout_func: make_rollout_func(tools=... / environment_factory=...) on a ZeRO-3 partitioned "
+                    "model would gather the parameters (a collective) at every turn, and processes take different "
+                    "numbers of turns; pass make_rollout_func(zero3_gathered_inference_copy=True), which gathers "
+                    "once per call")
+            loop.tokenizing(trainer, processing_class, tokenizer)  # refuses a template that cannot do tools
+            prompts = loop.prepare(list(prompts))  # environments reset, their observations in the prompts
         unique, n = _fold(prompts)
         position, calls = self._position(trainer)
         sampling = self._sampling(trainer, n, position, calls, policy.generation_config)
         rollout = self._rollout_for(model, trainer, tokenizer)
         prompt_ids, request = self._tokenize(trainer, unique, chat, tokenizer, next(rollout.model.parameters()).device)
         self.last_request, self.last_sampling = request, sampling
-        batch = rollout.generate(request, sampling)
         step, process, mode = position
+        if loop is not None:
+            out = loop.run(rollout, request, prompt_ids, n, sampling, loop.iterations(trainer))
+            self._calls[(process, mode)] = (step, calls + 1)
+            loop.log_metrics(trainer, mode)
+            return out
+        batch = rollout.generate(request, sampling)
         self._calls[(process, mode)] = (step, calls + 1)  # the next call at this step samples anew
         lengths = batch.response_lengths.tolist()
         responses = batch.responses.tolist()
@@ -445,7 +480,8 @@ class HybridEngineRolloutFunc:
         }
 
     def __repr__(self) -> str:
-        return (f"HybridEngineRolloutFunc(config={self.config!r}, overrides={self.overrides!r}, "
+        tools = "" if self.tool_loop is None else f", tools={[t.__name__ for t in self.tool_loop.schema_tools]!r}"
+        return (f"HybridEngineRolloutFunc(config={self.config!r}, overrides={self.overrides!r}{tools}, "
                 f"zero3_gathered_inference_copy={self.zero3_gathered_inference_copy})")
 
 
@@ -462,8 +498,9 @@ def destroy_trainer_deepspeed(trainer: Any) -> None:
     destroy_deepspeed_engine(trainer, "model_wrapped")
 
 
-def make_rollout_func(config: RolloutConfig | None = None, *, zero3_gathered_inference_copy: bool = False,
-                      **sampling: Any) -> HybridEngineRolloutFunc:
+def make_rollout_func(config: RolloutConfig | None = None, *, tools: list[Any] | None = None,
+                      environment_factory: Any = None, max_tool_calling_iterations: int | None = None,
+                      zero3_gathered_inference_copy: bool = False, **sampling: Any) -> HybridEngineRolloutFunc:
     """A TRL ``rollout_func`` that generates with hybrid-engine on the trainer's model (graphs captured once).
 
     ``config`` is the rollout's :class:`~hybrid_engine.RolloutConfig` (``None``:
@@ -481,7 +518,17 @@ def make_rollout_func(config: RolloutConfig | None = None, *, zero3_gathered_inf
     an unpartitioned copy refreshed at each call (one full copy of the weights
     per process, PEFT adapters included). See :meth:`HybridEngineRolloutFunc._generation_model`.
 
+    ``tools`` (functions) and ``environment_factory`` (a callable returning an environment with ``reset`` and
+    tool methods, as TRL defines them; both may be given, as in TRL) run TRL's tool loop inside the engine,
+    every turn on the same episodes, for conversational prompts; the result adds ``env_mask`` (0 on tool
+    results, which get logprob 0 and no loss), ``completion_messages`` (the turns and tool messages, as TRL's
+    own loop gives reward functions ``completions``) and, with environments, ``environments``.
+    ``max_tool_calling_iterations`` overrides ``trainer.args.max_tool_calling_iterations``. Pass them here, not
+    to ``GRPOTrainer``. See :mod:`hybrid_engine.integrations.trl_tools`.
+
     Use: ``GRPOTrainer(model, reward_funcs, args=..., train_dataset=...,
     processing_class=tokenizer, rollout_func=make_rollout_func())``.
     """
-    return HybridEngineRolloutFunc(config, zero3_gathered_inference_copy=zero3_gathered_inference_copy, **sampling)
+    return HybridEngineRolloutFunc(config, tools=tools, environment_factory=environment_factory,
+                                   max_tool_calling_iterations=max_tool_calling_iterations,
+                                   zero3_gathered_inference_copy=zero3_gathered_inference_copy, **sampling)

@@ -386,8 +386,9 @@ def test_bad_calls_name_the_problem(prompts, trainer_kw, exc, match):
 
 @pytest.mark.parametrize("setting,match", [
     (dict(args_kw={"use_vllm": True}), r"use_vllm=True\) .* set use_vllm=False"),
-    (dict(tools=[len]), r"GRPOTrainer\(tools=\.\.\.\) .* no logprobs"),
-    (dict(environment_factories={None: object}), r"GRPOTrainer\(environment_factory=\.\.\.\)"),
+    (dict(tools=[len]), r"GRPOTrainer\(tools=\.\.\.\) .* no logprobs; pass them to make_rollout_func\(tools=\.\.\.\)"),
+    (dict(environment_factories={None: object}),
+     r"GRPOTrainer\(environment_factory=\.\.\.\) .* pass them to make_rollout_func\(environment_factory=\.\.\.\)"),
 ])
 def test_settings_under_which_trl_would_generate_itself_are_refused_at_the_first_call(setting, match):
     """With tools, TRL ran its own tool loop on our output and failed on `[0.0] * n + None` (its own generation
