@@ -107,10 +107,9 @@ def _linear_cache_api() -> bool:
 def linear_layers(config: PretrainedConfig) -> list[bool]:
     """Per layer, whether it is a linear-attention layer (a per-row state, no K/V)."""
     config = _text_config(config)
-    layer_types = getattr(config, "layer_types", None)
-    if not layer_types:
-        return [False] * int(config.num_hidden_layers)
-    return [t in LINEAR_LAYER_KINDS for t in layer_types]
+    layer_types = list(getattr(config, "layer_types", None) or ())
+    # num_hidden_layers decides: a config edited after construction may carry a longer layer_types
+    return [i < len(layer_types) and layer_types[i] in LINEAR_LAYER_KINDS for i in range(int(config.num_hidden_layers))]
 
 
 def cache_geometry(config: PretrainedConfig) -> tuple[int, int, int]:

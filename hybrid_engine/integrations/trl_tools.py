@@ -326,11 +326,12 @@ class ToolLoop:
             starts = {r: len(episodes.history(r)) for r in live}
             longest = max((starts[r] for r in live), default=0)
             if live and (limit is None or longest + max(caps[r] for r in live) <= limit):
-                groups = [live]  # one turn; rows with less budget left are cut afterwards, as TRL cuts them
-            else:
+                groups = [live]  # one turn, each row within its own budget
+            else:  # near the position limit: one turn per budget, each within the limit
                 groups = [[r for r in live if caps[r] == c] for c in sorted({caps[r] for r in live})]
             for group in groups:
-                episodes.turn(dataclasses.replace(one, max_new_tokens=max(caps[r] for r in group)), rows=group)
+                episodes.turn(dataclasses.replace(one, max_new_tokens=max(caps[r] for r in group)), rows=group,
+                              max_new_tokens=[caps[r] for r in group])
             out = {r: [] for r in chosen}
             for r in live:
                 out[r] = episodes.history(r)[starts[r]:starts[r] + caps[r]]

@@ -42,13 +42,14 @@ STOP_REASONS = ("eos", "length", "stop")
 @dataclass
 class TurnRows:
     """One turn's output rows for the rollout's ``_generate``: the prompt row each continues, its sampler counter,
-    the pages it continues on (``None``: none kept); ``kept`` receives, by output row, the pages it keeps
-    (``None``: none are kept)."""
+    the pages it continues on (``None``: none kept), its token budget; ``kept`` receives, by output row, the
+    pages it keeps (``None``: none are kept)."""
 
     prompt_of: list[int]
     rng: list[int]
     held: list[HeldPages | None]
     kept: dict[int, HeldPages] | None = None
+    budgets: list[int] | None = None  # None: the sampling's max_new_tokens for every row
 
 
 def _release(held: list[HeldPages | None]) -> None:
@@ -162,9 +163,11 @@ class Episodes:
         """The token ids row ``row``'s last model turn sampled (empty before its first)."""
         return list(self._last[row])
 
-    def turn(self, sampling: SamplingConfig, rows: list[int] | None = None) -> list[str]:
+    def turn(self, sampling: SamplingConfig, rows: list[int] | None = None,
+             max_new_tokens: list[int] | None = None) -> list[str]:
         """Decode one model turn for ``rows`` (default: every open row); the others wait, untouched. Returns each
-        row's :data:`STOP_REASONS` entry. ``sampling.n_samples_per_prompt`` must be 1 (samples are rows)."""
+        row's :data:`STOP_REASONS` entry. ``sampling.n_samples_per_prompt`` must be 1 (samples are rows).
+        ``max_new_tokens``: each row's budget for this turn (at most ``sampling.max_new_tokens``)."""
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"Episodes.turn: sampling must be a SamplingConfig, got {type(sampling).__name__}")
         if sampling.n_samples_per_prompt != 1:
@@ -173,6 +176,7 @@ class Episodes:
         rows = asked = self._rows(rows, "turn")
         if not rows:
             return []
+        budget = self._budgets(max_new_tokens, rows, sampling.max_new_tokens)
         version = _weights_version(self.rollout)
         if version != self._version:  # K/V of other weights: the rows are prefilled whole
             _release(self._held)
@@ -192,7 +196,7 @@ class Episodes:
         held = [self._held[r] if self._held[r] is not None and self._held[r].tokens < len(self.history(r)) else None
                 for r in rows]
         turn = TurnRows([prompts.index(key_of[r]) for r in rows], [self.turns[r] * self.num_rows + r for r in rows],
-                        held, {} if self.reuse_kv else None)
+                        held, {} if self.reuse_kv else None, [budget[r] for r in rows])
         request = RolloutRequest(ids.to(device), mask.to(device))
         try:
             batch = self.rollout.generate_turn(request, sampling, turn)
@@ -216,8 +220,21 @@ class Episodes:
             self._logprobs[r] += logprobs[i][:n]
             self.turns[r] += 1
             reasons[r] = ("eos" if n and tokens[i][n - 1] in eos_ids else
-                          "length" if n >= sampling.max_new_tokens else "stop")
+                          "length" if n >= budget[r] else "stop")
         return [reasons[r] for r in asked]
+
+    @staticmethod
+    def _budgets(given: Any, rows: list[int], most: int) -> dict[int, int]:
+        if given is None:
+            return dict.fromkeys(rows, most)
+        if not isinstance(given, (list, tuple)) or len(given) != len(rows) or not all(
+                isinstance(b, int) and not isinstance(b, bool) for b in given):
+            raise TypeError(f"Episodes.turn: max_new_tokens must be a list of ints, one per row ({len(rows)}), got "
+                            f"{given!r}")
+        if any(not 1 <= b <= most for b in given):
+            raise ValueError(f"Episodes.turn: max_new_tokens must lie in 1..sampling.max_new_tokens ({most}), got "
+                             f"{list(given)!r}")
+        return dict(zip(rows, given))
 
     def append(self, row: int, token_ids: Any) -> None:
         """Add environment tokens (a tool result, a user turn) to ``row``: in its history for the next turn, with

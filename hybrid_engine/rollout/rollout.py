@@ -328,10 +328,11 @@ class HybridEngineRollout:
         else:
             if any(linear_layers(model.config)):  # their rows' states are not kept: turns prefill whole histories
                 turn.held, turn.kept = [None] * len(turn.held), None
+            row_budgets = turn.budgets or [max_new] * len(turn.rng)
             requests = [
-                RequestSpec(request_index=r, prompt_index=i, budget=min(budgets[i], max_new), rng_index=rng,
+                RequestSpec(request_index=r, prompt_index=i, budget=min(budgets[i], max_new, b), rng_index=rng,
                             prompt_len=prompt_lengths[i], knob=knob_of[i], seed=seeds[i], held=held)
-                for r, (i, rng, held) in enumerate(zip(turn.prompt_of, turn.rng, turn.held))
+                for r, (i, rng, held, b) in enumerate(zip(turn.prompt_of, turn.rng, turn.held, row_budgets))
             ]
         # Concurrency: max_batch_size, else the largest explicit bucket, else DEFAULT_MAX_BATCH_SIZE.
         limit_slots = cfg.max_batch_size or (max(cfg.graph_batch_sizes) if cfg.graph_batch_sizes

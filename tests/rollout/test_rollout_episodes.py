@@ -111,3 +111,20 @@ def test_a_turn_that_ends_on_a_stop_sequence_says_so():
     second = probe.close().completion_ids[0, 1].item()  # row 0's second token: a stop sequence there
     reasons = episodes.turn(SamplingConfig(max_new_tokens=6, temperature=1.0, seed=3, stop_token_ids=[[second]]))
     assert reasons[0] == "stop"
+
+
+def test_each_row_may_get_its_own_budget_for_a_turn():
+    model = build_model("tiny-gpt2", seed=6)
+    rollout = _rollout(model, True)
+    full = rollout.open_episodes(left_padded_prompts([4, 6, 3], seed=2))
+    full.turn(SamplingConfig(max_new_tokens=6, temperature=1.0, seed=8))
+    cut = rollout.open_episodes(left_padded_prompts([4, 6, 3], seed=2))
+    reasons = cut.turn(SamplingConfig(max_new_tokens=6, temperature=1.0, seed=8), rows=[2, 0, 1],
+                       max_new_tokens=[2, 6, 4])
+    assert reasons == ["length"] * 3
+    for row, budget in ((0, 6), (1, 4), (2, 2)):  # the same samples, each cut at its own budget
+        assert cut.last_turn(row) == full.last_turn(row)[:budget]
+    with pytest.raises(ValueError, match=r"max_new_tokens must lie in 1..sampling.max_new_tokens \(6\)"):
+        cut.turn(SamplingConfig(max_new_tokens=6), rows=[0], max_new_tokens=[7])
+    with pytest.raises(TypeError, match="one per row"):
+        cut.turn(SamplingConfig(max_new_tokens=6), rows=[0, 1], max_new_tokens=[3])
