@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hybrid_engine import initialize
 from hybrid_engine.decode.kv_pool import LayerSpec
-from hybrid_engine.decode.layout import exact_length, layer_specs, layout_refusal, linear_layers
+from hybrid_engine.decode.layout import attention_layers, exact_length, layer_specs, layout_refusal, linear_layers
 from hybrid_engine.graphs.policy import GraphRefusedWarning
 from hybrid_engine.rollout import (
     HybridEngineRollout,
@@ -126,16 +126,20 @@ def test_engine_generate_past_the_limit_is_handed_to_transformers_with_the_reaso
     assert sum(issubclass(w.category, GraphRefusedWarning) for w in rec) == 1
 
 
-def test_state_space_models_are_refused_by_name_and_generate_hands_them_to_transformers():
-    """Mamba raised AttributeError ('MambaConfig' object has no attribute 'num_attention_heads')."""
-    model = tiny("mamba", vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=4, pad_token_id=0,
+def test_unsupported_state_models_are_refused_by_name_and_generate_hands_them_to_transformers():
+    """Mamba raised AttributeError ('MambaConfig' object has no attribute 'num_attention_heads'); it runs now
+    (below). xLSTM, which lists no layer kinds, and MiniMax, whose lightning attention keeps a cache of its own,
+    are refused in one sentence; engine.generate hands MiniMax to transformers."""
+    xlstm = tiny("xlstm", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_heads=4, pad_token_id=0,
                  bos_token_id=1, eos_token_id=2)
-    assert "the paged K/V cache does not hold" in layout_refusal(model.config)
     ids, mask = prompts()
-    with pytest.raises(UnsupportedModelError, match="model_type 'mamba' .*state.* the paged K/V cache does not hold"):
+    with pytest.raises(UnsupportedModelError, match="model_type 'xlstm' .*state.* the paged K/V cache does not hold"):
+        rollout_tokens(xlstm, ids, mask, 4, graphs=True)
+    model = tiny("minimax", **LINEAR_FIELDS, num_local_experts=2, num_experts_per_tok=1)
+    with pytest.raises(UnsupportedModelError, match="model_type 'minimax' has layers of kind 'linear_attention'"):
         rollout_tokens(model, ids, mask, 4, graphs=True)
     engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
-    with pytest.warns(GraphRefusedWarning, match="model_type 'mamba'"):
+    with pytest.warns(GraphRefusedWarning, match="model_type 'minimax'"):
         out = engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=4,
                               min_new_tokens=4, pad_token_id=0, eos_token_id=-1)
     assert torch.equal(out, hf_greedy(model, ids, mask, 4))
@@ -232,27 +236,54 @@ def test_a_capture_the_models_own_code_refuses_names_its_file_and_line(model_typ
 
 LINEAR_FIELDS = dict(WIN, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
                      linear_value_head_dim=8, linear_conv_kernel_dim=4)
-#: Hybrid linear-attention families (gated-delta-rule layers beside full attention), dense and MoE.
 MOE_FIELDS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
-LINEAR = {"qwen3_5_text": LINEAR_FIELDS, "qwen3_next": dict(LINEAR_FIELDS, **MOE_FIELDS),
-          "qwen3_5_moe_text": dict(LINEAR_FIELDS, **MOE_FIELDS), "olmo_hybrid": LINEAR_FIELDS}
+MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+              mamba_chunk_size=16)
+PURE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+#: Families with state layers (linear attention, Mamba/Mamba-2 mixers, short convolutions), beside attention
+#: (hybrid) or alone, each from a tiny config of its own class.
+LINEAR = {
+    "qwen3_5_text": LINEAR_FIELDS, "qwen3_next": dict(LINEAR_FIELDS, **MOE_FIELDS),
+    "qwen3_5_moe_text": dict(LINEAR_FIELDS, **MOE_FIELDS), "olmo_hybrid": LINEAR_FIELDS,
+    "nemotron_h": dict(WIN, head_dim=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=8,
+                       conv_kernel=4, expand=2, chunk_size=16, hybrid_override_pattern="M*-E"),
+    "jamba": dict(WIN, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                  mamba_dt_rank=4),
+    "bamba": dict(WIN, attn_layer_indices=[1], **MAMBA2),
+    "granitemoehybrid": dict(WIN, layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=2,
+                             num_experts_per_tok=1, shared_intermediate_size=32, **MAMBA2),
+    "falcon_h1": dict(WIN, head_dim=8, mamba_d_ssm=64, **MAMBA2),
+    "zamba2": dict(WIN, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=8, mamba_d_conv=4,
+                   mamba_expand=2, mamba_ngroups=1, mamba_headdim=16, n_mamba_heads=4, attention_head_dim=8,
+                   num_mem_blocks=1),
+    "lfm2": dict(WIN, layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=3,
+                 block_ff_dim=64),
+    "lfm2_moe": dict(WIN, layer_types=["conv", "full_attention", "conv", "full_attention"], moe_intermediate_size=16,
+                     num_experts=4, num_experts_per_tok=2, num_dense_layers=1),
+    "mamba": dict(PURE, state_size=4),
+    "falcon_mamba": dict(PURE, state_size=4),
+    "mamba2": dict(PURE, num_heads=4, head_dim=16, n_groups=1, state_size=8, conv_kernel=4, expand=2, chunk_size=16),
+}
+#: One of each kind for the slower tests: gated delta rule (dense, MoE), Mamba-2 hybrid, parallel hybrid, pure.
+LINEAR_SOME = ("qwen3_5_text", "qwen3_next", "nemotron_h", "falcon_h1", "mamba2")
 
 
 @pytest.mark.parametrize("model_type", sorted(LINEAR))
-def test_linear_attention_layers_keep_a_state_per_row_with_graphs_and_match_transformers(model_type):
-    """They were refused ('layers of kind linear_attention ... the paged K/V cache does not hold'). Each row keeps
-    its conv and recurrent states in slot-indexed buffers; 12-token prompts (one left-padded) plus 30 tokens."""
+def test_state_layers_keep_a_state_per_row_with_graphs_and_match_transformers(model_type):
+    """They were refused ('layers of kind ... the paged K/V cache does not hold'; Mamba: an AttributeError). Each
+    row keeps its conv and recurrent states in slot-indexed buffers; 12-token prompts (one left-padded) plus 30
+    tokens."""
     model = tiny(model_type, **LINEAR[model_type])
-    assert layout_refusal(model.config) is None
-    linear = linear_layers(model.config)
-    assert any(linear) and not all(linear)
-    assert [s.key_dim for s in layer_specs(model.config)] == [0 if lin else 8 for lin in linear]  # no K/V there
+    assert layout_refusal(model.config) is None and any(linear_layers(model.config))
+    # Layers with a state and no attention cache no K/V (Falcon-H1's parallel blocks have both).
+    assert [s.key_dim == 0 for s in layer_specs(model.config)] == [not a for a in attention_layers(model.config)]
     ids, mask = prompts(3, 12)
     ids[1, :3], mask[1, :3] = 0, 0
     assert_decodes_as_transformers(model, ids, mask, 30, max_out_tokens=64)
 
 
-@pytest.mark.parametrize("model_type", sorted(LINEAR))
+@pytest.mark.parametrize("model_type", LINEAR_SOME)
 def test_linear_attention_states_follow_rows_through_admission_compaction_and_preemption(model_type):
     """More requests than slots, samples sharing a prompt, unequal budgets (compaction), and a pool so small that
     requests are preempted and resumed: the states move with their rows, so graphs equal eager, and the short
@@ -280,10 +311,12 @@ def test_linear_attention_states_follow_rows_through_admission_compaction_and_pr
 
 
 def test_families_whose_linear_attention_layers_are_not_verified_are_refused_by_name():
-    """Nemotron-H names its Mamba-2 mixers 'linear_attention' too; it drives the cache its own way."""
-    model = tiny("nemotron_h", **LINEAR_FIELDS)
+    """Kimi-Linear names its layers 'linear_attention' too; it drives the cache its own way, untested here."""
+    model = tiny("kimi_linear", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, intermediate_size=64, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2)
     ids, mask = prompts()
-    with pytest.raises(UnsupportedModelError, match="model_type 'nemotron_h' has layers of kind 'linear_attention' "
+    with pytest.raises(UnsupportedModelError, match="model_type 'kimi_linear' has layers of kind 'linear_attention' "
                                                     ".* states only for the families verified against transformers"):
         rollout_tokens(model, ids, mask, 4, graphs=True)
 
@@ -306,7 +339,8 @@ def test_linear_attention_episodes_prefill_each_turn_and_the_exact_mode_refuses_
         HybridEngineRollout(model, config=RolloutConfig(exact_logprobs=True))
 
 
-MATRIX = {**{k: WINDOWED[k] for k in ("mistral", "gemma2", "gpt_oss", "llama4_text")}, **LINEAR,
+MATRIX = {**{k: WINDOWED[k] for k in ("mistral", "gemma2", "gpt_oss", "llama4_text")},
+          **{k: LINEAR[k] for k in LINEAR_SOME},
           "deepseek_v3": dict(MLA, **MOE), "minicpm3": MLA,
           "falcon": dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
                          new_decoder_architecture=False, alibi=False, bos_token_id=1, eos_token_id=2)}

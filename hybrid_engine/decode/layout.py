@@ -30,8 +30,8 @@ from transformers import PretrainedConfig
 
 from hybrid_engine.decode.kv_pool import LayerSpec
 
-__all__ = ["AttentionKind", "LengthLimit", "attention_kinds", "cache_geometry", "exact_length", "layer_specs",
-           "layout_refusal", "linear_layers"]
+__all__ = ["AttentionKind", "LengthLimit", "attention_kinds", "attention_layers", "cache_geometry", "exact_length",
+           "layer_specs", "layout_refusal", "linear_layers"]
 
 #: Layer kinds (``config.layer_types``) whose K/V the paged cache holds; windowed ones up to their window.
 ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
@@ -42,11 +42,15 @@ STATELESS_LAYER_KINDS = ("mlp", "moe")
 
 #: Layer kinds that keep a per-row state through transformers' linear-attention cache API (5.x), which the
 #: paged cache holds per row (:mod:`hybrid_engine.decode.linear_states`).
-LINEAR_LAYER_KINDS = ("linear_attention",)
-#: The families whose linear-attention layers are verified on it against transformers (gated delta rule). Others
-#: name their Mamba, convolution or lightning-attention mixers ``linear_attention`` too, and stay refused until
-#: tested: each drives the cache in its own way.
-LINEAR_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid")
+LINEAR_LAYER_KINDS = ("linear_attention", "conv")
+#: Layer kinds with both: attention K/V and a linear-attention state (Falcon-H1's and Zamba2's parallel blocks).
+HYBRID_LAYER_KINDS = ("hybrid",)
+#: The families whose state layers (gated delta rule, Mamba/Mamba-2 mixers, short convolutions) are verified on it
+#: against transformers. Others (Kimi-Linear, MiniMax, ...) stay refused until tested: each drives the cache its
+#: own way.
+LINEAR_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid",
+                      "nemotron_h", "jamba", "bamba", "granitemoehybrid", "falcon_h1", "zamba2", "lfm2", "lfm2_moe",
+                      "mamba", "mamba2", "falcon_mamba")
 
 
 class AttentionKind(NamedTuple):
@@ -77,19 +81,20 @@ def layout_refusal(config: PretrainedConfig) -> str | None:
     model_type = getattr(config, "model_type", None)
     layer_types = getattr(config, "layer_types", None) or ()
     kinds = sorted({k for k in layer_types
-                    if k not in ATTENTION_LAYER_KINDS + STATELESS_LAYER_KINDS + LINEAR_LAYER_KINDS})
+                    if k not in ATTENTION_LAYER_KINDS + STATELESS_LAYER_KINDS + LINEAR_LAYER_KINDS + HYBRID_LAYER_KINDS})
     if kinds:
         return (f"model_type {model_type!r} has layers of kind {', '.join(map(repr, kinds))} (config.layer_types), "
                 "which keep a recurrent or convolution state per sequence that the paged K/V cache does not hold")
-    linear = any(k in LINEAR_LAYER_KINDS for k in layer_types)
+    linear = sorted({k for k in layer_types if k in LINEAR_LAYER_KINDS + HYBRID_LAYER_KINDS})
     if linear and model_type not in LINEAR_MODEL_TYPES:
-        return (f"model_type {model_type!r} has layers of kind 'linear_attention' (config.layer_types), whose "
+        return (f"model_type {model_type!r} has layers of kind {', '.join(map(repr, linear))} (config.layer_types), whose "
                 "per-sequence state the paged K/V cache does not hold: it holds linear-attention states only for "
                 f"the families verified against transformers ({', '.join(LINEAR_MODEL_TYPES)})")
     if linear and not _linear_cache_api():
         return (f"model_type {model_type!r} has linear-attention layers, whose per-row state the paged cache holds "
                 "through transformers' linear-attention cache API (transformers 5.x); this transformers has none")
-    if not isinstance(getattr(config, "num_attention_heads", None), int):
+    if not isinstance(getattr(config, "num_attention_heads", None), int) and not (
+            layer_types and all(linear_layers(config)) and model_type in LINEAR_MODEL_TYPES):
         return (f"model_type {model_type!r} has no attention heads (no config.num_attention_heads): its layers keep "
                 "a state-space or recurrent state that the paged K/V cache does not hold")
     if getattr(config, "alibi", False) or model_type == "bloom":
@@ -104,12 +109,22 @@ def _linear_cache_api() -> bool:
     return hasattr(cache_utils, "LinearAttentionCacheLayerMixin")
 
 
-def linear_layers(config: PretrainedConfig) -> list[bool]:
-    """Per layer, whether it is a linear-attention layer (a per-row state, no K/V)."""
+def attention_layers(config: PretrainedConfig) -> list[bool]:
+    """Per layer, whether it caches K/V (not a linear-attention or a feed-forward layer listed among the layers)."""
     config = _text_config(config)
     layer_types = list(getattr(config, "layer_types", None) or ())
+    return [i >= len(layer_types) or layer_types[i] not in LINEAR_LAYER_KINDS + STATELESS_LAYER_KINDS
+            for i in range(int(config.num_hidden_layers))]
+
+
+def linear_layers(config: PretrainedConfig) -> list[bool]:
+    """Per layer, whether it keeps a linear-attention state per row (a linear layer, or a hybrid one beside its
+    K/V)."""
+    config = _text_config(config)
+    layer_types = list(getattr(config, "layer_types", None) or ())
+    stateful = LINEAR_LAYER_KINDS + HYBRID_LAYER_KINDS
     # num_hidden_layers decides: a config edited after construction may carry a longer layer_types
-    return [i < len(layer_types) and layer_types[i] in LINEAR_LAYER_KINDS for i in range(int(config.num_hidden_layers))]
+    return [i < len(layer_types) and layer_types[i] in stateful for i in range(int(config.num_hidden_layers))]
 
 
 def cache_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -119,6 +134,8 @@ def cache_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
         raise ValueError(reason)
     config = _text_config(config)
     num_layers = int(config.num_hidden_layers)
+    if not any(attention_layers(config)):
+        return num_layers, 1, 0  # state-space layers only (Mamba): no K/V at all
     num_heads = int(config.num_attention_heads)
     if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
         num_kv_heads = 1  # Falcon-7B's and GPTBigCode's multi-query layout: one K/V head for all queries
@@ -141,8 +158,8 @@ def layer_specs(config: PretrainedConfig) -> list[LayerSpec]:
             return [LayerSpec(1, int(text.kv_lora_rank), int(text.qk_rope_head_dim))] * num_layers
         key_dim = int(text.qk_nope_head_dim) + int(text.qk_rope_head_dim)
         return [LayerSpec(heads, key_dim, int(text.v_head_dim))] * num_layers
-    return [LayerSpec(heads, 0, 0) if linear else LayerSpec(heads, head_dim, head_dim)
-            for linear in linear_layers(config)]
+    return [LayerSpec(heads, head_dim, head_dim) if attends else LayerSpec(heads, 0, 0)
+            for attends in attention_layers(config)]
 
 
 @functools.cache
@@ -181,6 +198,8 @@ def attention_kinds(config: PretrainedConfig) -> dict[str | None, AttentionKind 
                              int(chunk) if chunk and "chunked" in t else None)
             for t in dict.fromkeys(layer_types) if t in ATTENTION_LAYER_KINDS}
         kinds.update({t: None for t in dict.fromkeys(layer_types) if t in LINEAR_LAYER_KINDS})
+        if any(t in HYBRID_LAYER_KINDS for t in layer_types):  # such a block takes both masks, by these names
+            kinds = {"full_attention": FULL, **kinds, "linear_attention": None}
         return kinds if any(k != FULL for k in kinds.values()) else {None: FULL}
     if window and getattr(config, "use_sliding_window", True) is not False:
         return {None: AttentionKind(window=int(window))}  # every layer slides (Mistral, Starcoder2, Phi-3)

@@ -82,7 +82,7 @@ def check_model_supported(model: torch.nn.Module) -> None:
             f"{type(model).__name__} (model_type={model_type!r}) rejected past_key_values=PagedKVCache: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
-    expected = 2 * probe.is_linear.count(False)  # a prefill and a step; linear layers keep states instead
+    expected = 2 * sum(spec.key_dim > 0 for spec in probe.pool.layers)  # a prefill and a step, each attention layer
     if probe.num_updates != expected:
         raise TypeError(
             f"{type(model).__name__} (model_type={model_type!r}) did not write its keys/values through the "

@@ -127,6 +127,8 @@ def layer_masks(model: PreTrainedModel, build: Callable[[AttentionKind], torch.T
     kinds = attention_kinds(model.config)
     if None in kinds:
         return build(kinds[None])
+    if all(kind is None for kind in kinds.values()):  # only linear layers (Mamba): the padding mask alone
+        return padding
     built: dict[AttentionKind, torch.Tensor] = {}
     for kind in kinds.values():
         if kind is not None and kind not in built:

@@ -62,7 +62,7 @@ from hybrid_engine.decode.kv_pool import (
     pages_for,
     pool_pages,
 )
-from hybrid_engine.decode.layout import exact_length, layer_specs
+from hybrid_engine.decode.layout import attention_layers, exact_length, layer_specs
 from hybrid_engine.decode.sampling import sampling_mode
 from hybrid_engine.decode.slots import DecodeSlots, vocab_sizes
 from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_staged
@@ -394,6 +394,11 @@ class DecodeGraphRunner:
         ids, mask = ids[:, -width:], mask[:, -width:]  # only left padding is cut: width >= every real prompt
         prompts = self.prompt_rows_for(ids.shape[0])
         staged = self.stage.stage_prompts(ids, mask, tables, prompts, width, counters)
+        if not any(attention_layers(self.model.config)):
+            # State-space models take a 2-D mask their own code checks on the host (transformers'
+            # create_recurrent_attention_mask skips the check only under a CUDA/XPU capture): eager prefill.
+            prefill_staged(self.model, staged)
+            return
         self._run(PrefillKey(prompts, width), lambda: prefill_staged(self.model, staged))
 
     def admission_round(self, meta: list[list[int]], sampling_key: tuple[float, float, int],
