@@ -18,7 +18,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from hybrid_engine import initialize
 from hybrid_engine.decode.kv_pool import LayerSpec
-from hybrid_engine.decode.layout import attention_layers, exact_length, layer_specs, layout_refusal, linear_layers
+from hybrid_engine.decode.layout import (
+    attention_layers,
+    exact_length,
+    layer_specs,
+    layout_refusal,
+    linear_layers,
+)
 from hybrid_engine.graphs.policy import GraphRefusedWarning
 from hybrid_engine.rollout import (
     HybridEngineRollout,
