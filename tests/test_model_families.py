@@ -260,6 +260,8 @@ LINEAR = {
     "granitemoehybrid": dict(WIN, layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=2,
                              num_experts_per_tok=1, shared_intermediate_size=32, **MAMBA2),
     "falcon_h1": dict(WIN, head_dim=8, mamba_d_ssm=64, **MAMBA2),
+    "zamba": dict(WIN, num_hidden_layers=6, num_key_value_heads=4, attn_layer_period=2, attn_layer_offset=1,
+                  mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, n_mamba_heads=2),
     "zamba2": dict(WIN, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=8, mamba_d_conv=4,
                    mamba_expand=2, mamba_ngroups=1, mamba_headdim=16, n_mamba_heads=4, attention_head_dim=8,
                    num_mem_blocks=1),

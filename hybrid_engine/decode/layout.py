@@ -49,7 +49,7 @@ HYBRID_LAYER_KINDS = ("hybrid",)
 #: against transformers. Others (Kimi-Linear, MiniMax, ...) stay refused until tested: each drives the cache its
 #: own way.
 LINEAR_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid",
-                      "nemotron_h", "jamba", "bamba", "granitemoehybrid", "falcon_h1", "zamba2", "lfm2", "lfm2_moe",
+                      "nemotron_h", "jamba", "bamba", "granitemoehybrid", "falcon_h1", "zamba", "zamba2", "lfm2", "lfm2_moe",
                       "mamba", "mamba2", "falcon_mamba")
 
 

@@ -1,8 +1,7 @@
-"""Per-row states of linear-attention layers (Qwen3-Next's and Qwen3.5's gated delta rule), beside the paged K/V.
+"""Per-row states of state layers (gated delta rule, Mamba mixers, short convolutions), beside the paged K/V.
 
-Why: a linear-attention layer caches no K/V per token but one fixed-size state
-per sequence: the last inputs of its causal convolution and its recurrent
-matrix. transformers' modeling code reads and writes them through the cache
+Why: such a layer caches no K/V per token but one fixed-size state per
+sequence: the last inputs of its causal convolution and its recurrent matrix. transformers' modeling code reads and writes them through the cache
 (``get_conv_state``/``update_conv_state``, ``get_recurrent_state``/
 ``update_recurrent_state``), one batch row per sequence. So each cache row has
 its own states here, in storage allocated once and updated in place: a captured
