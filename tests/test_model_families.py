@@ -221,6 +221,40 @@ def test_sliding_and_chunked_layers_are_masked_as_transformers_masks_them_with_g
     assert float(drift.abs().max()) > 1e-3
 
 
+def test_windowed_layers_keep_a_ring_of_their_window_per_row_once_rows_reach_past_twice_it():
+    """Before, a windowed layer held every page of its row, as a full layer does. gpt-oss: a window of 8 on
+    half its layers; tokens past the window equal transformers' (above, with rings); here, what they hold."""
+    model = tiny("gpt_oss", **WINDOWED["gpt_oss"])
+    assert [s.ring for s in layer_specs(model.config, capacity=64)] == [8, None, 8, None]
+    assert [s.ring for s in layer_specs(model.config, capacity=15)] == [None] * 4  # rows shorter than 2 windows
+    ids, mask = prompts(3, 12)
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,
+                                                              eos_token_id=10**6))
+    batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=40, temperature=0.0))
+    assert torch.equal(batch.input_ids, hf_greedy(model, ids, mask, 40))
+    pool, slots = rollout.runner.kv_pool, rollout.runner.slots
+    full = [s for s in pool.layers if not s.ring]
+    assert pool.page_bytes == sum(s.heads * (s.key_dim + s.value_dim) for s in full) * 4 * pool.page_size
+    assert [t.shape[0] for t in pool.keys] == [0, pool.num_pages * pool.page_size] * 2  # no pages for rings
+    ring = pool.layers[0]
+    assert slots.cache.states.store.nbytes() == 2 * (slots.rows + 1) * 8 * ring.heads * (ring.key_dim + ring.value_dim) * 4
+
+
+def test_the_exact_mode_keeps_windowed_layers_on_pages():
+    """Its attention sums key blocks in position order, which a ring's slots are not in."""
+    from conftest import exact_mode_unavailable
+
+    if exact_mode_unavailable() is not None:
+        pytest.skip(str(exact_mode_unavailable()))
+    model = tiny("mistral", **WINDOWED["mistral"])
+    ids, mask = prompts(2, 12)
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,
+                                                              eos_token_id=10**6, exact_logprobs=True))
+    batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=30, temperature=0.0))
+    assert [s.ring for s in rollout.runner.kv_pool.layers] == [None] * 4
+    assert torch.equal(batch.input_ids, hf_greedy(model, ids, mask, 30))
+
+
 @pytest.mark.parametrize("model_type,fields,where", [
     ("falcon", dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
                     new_decoder_architecture=False, alibi=False, bos_token_id=1, eos_token_id=2),
@@ -291,12 +325,12 @@ def test_state_layers_keep_a_state_per_row_with_graphs_and_match_transformers(mo
     assert_decodes_as_transformers(model, ids, mask, 30, max_out_tokens=64)
 
 
-@pytest.mark.parametrize("model_type", LINEAR_SOME)
+@pytest.mark.parametrize("model_type", LINEAR_SOME + ("gpt_oss", "llama4_text"))
 def test_linear_attention_states_follow_rows_through_admission_compaction_and_preemption(model_type):
     """More requests than slots, samples sharing a prompt, unequal budgets (compaction), and a pool so small that
-    requests are preempted and resumed: the states move with their rows, so graphs equal eager, and the short
-    pool equals an ample one."""
-    model = tiny(model_type, **LINEAR[model_type])
+    requests are preempted and resumed: the states (and windowed layers' rings) move with their rows, so graphs
+    equal eager, and the short pool equals an ample one."""
+    model = tiny(model_type, **{**WINDOWED, **LINEAR}[model_type])
     ids, mask = prompts(5, 9)
     ids[2, :4], mask[2, :4] = 0, 0
     request = RolloutRequest(ids, mask, max_new_tokens=[20, 6, 14, 9, 3])

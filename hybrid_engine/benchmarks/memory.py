@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     acc, device, dtype, env = C.prepare(args)
     model = C.build_bench_model(args, dtype, device, seed=args.seed, **_positions(args, max(args.capacities)))
     specs = layer_specs(model.config)
-    per_token = sum(s.heads * (s.key_dim + s.value_dim) for s in specs) * dtype.itemsize
+    per_token = sum(s.paged_elements for s in specs) * dtype.itemsize
     request = _workload(args, int(model.config.vocab_size), device)
     sampling = SamplingConfig(max_new_tokens=max(args.long, args.short), temperature=0.0,
                               n_samples_per_prompt=args.samples)

@@ -161,10 +161,15 @@ class PagedKVCache(Cache):
             owns = False
         i64 = dict(dtype=torch.int64, device=pool.device)
         linear = linear_layers(config)
-        # Linear-attention layers' per-row states: buffers of ``state_shapes`` (the model's, from
-        # linear_states.state_shapes), or, without them, made at the first write (probes and eager use only).
-        states = (StateView(StateStore(batch_size, pool.device, state_shapes), slice(0, batch_size))
-                  if any(linear) else None)
+        # Per-row states: linear layers' (buffers of ``state_shapes``, the model's from linear_states.state_shapes,
+        # or, without them, made at the first write: probes and eager use only) and ring layers' last tokens.
+        rings = {("ring", i, kv): ((s.ring, s.heads, s.key_dim if kv == 0 else s.value_dim), pool.dtype)
+                 for i, s in enumerate(pool.layers) if s.ring for kv in (0, 1)}
+        states = None
+        if any(linear) or rings:
+            store = StateStore(batch_size, pool.device, {**(state_shapes or {}), **rings},
+                               lazy=state_shapes is None)
+            states = StateView(store, slice(0, batch_size))
         self._setup(pool, table, torch.zeros(batch_size, **i64), torch.zeros(batch_size, **i64), capacity,
                     states=states, linear=linear)
         #: Whether this cache made its pool (row ``b`` then holds its pages for good).
@@ -179,6 +184,13 @@ class PagedKVCache(Cache):
         self.states = states
         self._linear = linear if linear is not None else [False] * len(pool.layers)
         self._owns_states = False
+        #: Per layer: the tokens a windowed layer keeps per row, in a ring of the states (``None``: paged).
+        self.rings = [s.ring for s in pool.layers]
+        #: Device tensors set by the step functions for ring layers: the new tokens' positions ``[B, T]``, which
+        #: of them are real, and (a prefill) each row's length, so that a ring keeps the row's last tokens.
+        self.token_pos: torch.Tensor | None = None
+        self.token_keep: torch.Tensor | None = None
+        self.token_len: torch.Tensor | None = None
         self.block_table = block_table
         self.write_pos = write_pos
         self.position = position
@@ -357,6 +369,8 @@ class PagedKVCache(Cache):
             key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
         if not is_capturing():
             self._check_update(layer_idx, key_states, value_states)
+        if self.rings[layer_idx]:
+            return self._update_ring(key_states, value_states, layer_idx, self.rings[layer_idx])
         b, h, t = key_states.shape[:3]
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         keys.index_copy_(0, self.write_slots, key_states.transpose(1, 2).reshape(b * t, h, keys.shape[2]))
@@ -368,6 +382,23 @@ class PagedKVCache(Cache):
         span = read.numel() // b
         return (keys.index_select(0, read).view(b, span, h, keys.shape[2]).transpose(1, 2),
                 values.index_select(0, read).view(b, span, h, values.shape[2]).transpose(1, 2))
+
+    def _update_ring(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                     ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A windowed layer: position ``p`` of a row goes to slot ``p % ring`` of its ring (a prefill writes only
+        each row's last ``ring`` tokens); a step reads the whole ring, which :func:`~hybrid_engine.decode.step.
+        build_ring_mask` masks by the position each slot holds."""
+        pos, keep = self.token_pos, self.token_keep
+        if self.token_len is not None:
+            keep = keep & (pos >= self.token_len[:, None] - ring)
+        slot = pos.remainder(ring)
+        self.states.write_ring(("ring", layer_idx, 0), slot, keep, key_states.transpose(1, 2))
+        self.states.write_ring(("ring", layer_idx, 1), slot, keep, value_states.transpose(1, 2))
+        self.num_updates += 1
+        if self.fresh:
+            return key_states, value_states
+        return (self.states.read(("ring", layer_idx, 0)).transpose(1, 2),
+                self.states.read(("ring", layer_idx, 1)).transpose(1, 2))
 
     def _check_update(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         spec = self.pool.layers[layer_idx]

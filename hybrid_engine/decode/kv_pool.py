@@ -52,11 +52,19 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 class LayerSpec(NamedTuple):
-    """What one layer caches per token: ``heads`` K/V heads of ``key_dim``/``value_dim`` elements."""
+    """What one layer caches per token: ``heads`` K/V heads of ``key_dim``/``value_dim`` elements; ``ring``: a
+    windowed layer keeps only its last ``ring`` tokens, per row, outside the pages
+    (:class:`~hybrid_engine.decode.kv_cache.PagedKVCache`)."""
 
     heads: int
     key_dim: int
     value_dim: int
+    ring: int | None = None
+
+    @property
+    def paged_elements(self) -> int:
+        """Elements one token of this layer takes in the pages (none for a ring layer)."""
+        return 0 if self.ring else self.heads * (self.key_dim + self.value_dim)
 
 
 class KVPool:
@@ -72,8 +80,11 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         slots = num_pages * page_size
-        self.keys = [torch.zeros(slots, s.heads, s.key_dim, device=device, dtype=dtype) for s in self.layers]
-        self.values = [torch.zeros(slots, s.heads, s.value_dim, device=device, dtype=dtype) for s in self.layers]
+        # A ring layer's tokens live in its cache's rings, not in pages: no page storage for it.
+        self.keys = [torch.zeros(slots if not s.ring else 0, s.heads, s.key_dim, device=device, dtype=dtype)
+                     for s in self.layers]
+        self.values = [torch.zeros(slots if not s.ring else 0, s.heads, s.value_dim, device=device, dtype=dtype)
+                       for s in self.layers]
         # Offsets within a page, made once: a captured step must not build them from a host int.
         self.offsets = torch.arange(page_size, device=device)
 
@@ -88,7 +99,7 @@ class KVPool:
     @property
     def page_bytes(self) -> int:
         """Bytes one page holds over all layers."""
-        per_token = sum(s.heads * (s.key_dim + s.value_dim) for s in self.layers) * self.keys[0].element_size()
+        per_token = sum(s.paged_elements for s in self.layers) * self.keys[0].element_size()
         return per_token * self.page_size
 
     def memory_bytes(self) -> int:
@@ -103,7 +114,8 @@ class KVPool:
         are gathered before anything is written, so ``dst[i] == src[i]`` is a no-op."""
         src_slots, dst_slots = self.page_slots(src).flatten(), self.page_slots(dst).flatten()
         for layer in (*self.keys, *self.values):
-            layer.index_copy_(0, dst_slots, layer.index_select(0, src_slots))
+            if layer.shape[0]:  # ring layers have no page storage
+                layer.index_copy_(0, dst_slots, layer.index_select(0, src_slots))
 
     def copy_from(self, old: "KVPool") -> None:
         """Take every page of a smaller pool of the same layout at the same page ids (a pool that grows keeps

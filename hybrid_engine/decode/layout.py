@@ -146,11 +146,34 @@ def cache_geometry(config: PretrainedConfig) -> tuple[int, int, int]:
     return num_layers, int(num_kv_heads), int(head_dim)
 
 
-def layer_specs(config: PretrainedConfig) -> list[LayerSpec]:
+def layer_windows(config: PretrainedConfig) -> list[int | None]:
+    """Per layer, the keys a query sees at most (its sliding window or chunk), ``None`` for full attention."""
+    config = _text_config(config)
+    kinds = attention_kinds(config)
+    layer_types = list(getattr(config, "layer_types", None) or ())
+    out: list[int | None] = []
+    for i in range(int(config.num_hidden_layers)):
+        kind = kinds.get(None) if None in kinds else kinds.get(layer_types[i] if i < len(layer_types) else None)
+        out.append(None if kind is None else (kind.window or kind.chunk))
+    return out
+
+
+def layer_specs(config: PretrainedConfig, capacity: int | None = None) -> list[LayerSpec]:
     """What each layer of ``config``'s decoder caches per token, as transformers' modeling code writes it.
     Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, ...: ``kv_lora_rank``) writes its compressed latent
     and rotated key part, one head each, where the modeling code expands K/V after the cache; otherwise keys of
-    ``qk_nope_head_dim + qk_rope_head_dim`` and values of ``v_head_dim`` per head."""
+    ``qk_nope_head_dim + qk_rope_head_dim`` and values of ``v_head_dim`` per head.
+
+    With ``capacity`` (the rows' longest sequence), windowed layers keep a ring of their window per row instead
+    of pages where every window is at most half of it (``LayerSpec.ring``); else every layer is paged."""
+    specs = _paged_specs(config)
+    windows = layer_windows(config)
+    if capacity is None or not any(windows) or any(w and 2 * w > capacity for w in windows):
+        return specs
+    return [spec._replace(ring=w) if w else spec for spec, w in zip(specs, windows)]
+
+
+def _paged_specs(config: PretrainedConfig) -> list[LayerSpec]:
     num_layers, heads, head_dim = cache_geometry(config)
     text = _text_config(config)
     if getattr(text, "kv_lora_rank", None) and getattr(text, "qk_nope_head_dim", None) is not None:

@@ -34,16 +34,20 @@ class StateStore:
     """``rows`` rows of every linear layer's states; ``shapes`` (per row) allocate them now, else (a probe) at
     the first write of each, which must not be captured."""
 
-    def __init__(self, rows: int, device: torch.device, shapes: Shapes | None = None) -> None:
+    def __init__(self, rows: int, device: torch.device, shapes: Shapes, *, lazy: bool = False) -> None:
         self.rows = rows
         self.device = device
         self.tensors: dict[StateKey, torch.Tensor] = {}
-        self.lazy = shapes is None
-        for key, (shape, dtype) in (shapes or {}).items():
-            self.tensors[key] = torch.zeros(rows, *shape, dtype=dtype, device=device)
+        self.lazy = lazy
+        for key, (shape, dtype) in shapes.items():
+            self.tensors[key] = self._zeros(shape, dtype)
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # One more row than the cache's: writes nobody reads go there (as the null page for pages).
+        return torch.zeros(self.rows + 1, *shape, dtype=dtype, device=self.device)
 
     def shapes(self) -> Shapes:
-        return {key: (tuple(t.shape[1:]), t.dtype) for key, t in self.tensors.items()}
+        return {key: (tuple(t.shape[1:]), t.dtype) for key, t in self.tensors.items() if key[0] != "ring"}
 
     def tensor(self, key: StateKey, like: torch.Tensor | None = None) -> torch.Tensor:
         found = self.tensors.get(key)
@@ -51,7 +55,7 @@ class StateStore:
             if not self.lazy or like is None or is_capturing():
                 raise RuntimeError(f"linear-attention state {key} has no buffer; the cache was built without the "
                                    "model's state shapes (hybrid_engine.decode.linear_states.state_shapes)")
-            found = self.tensors[key] = torch.zeros(self.rows, *like.shape[1:], dtype=like.dtype, device=self.device)
+            found = self.tensors[key] = self._zeros(tuple(like.shape[1:]), like.dtype)
         return found
 
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, source: StateStore | None = None) -> None:
@@ -93,6 +97,18 @@ class StateView:
         else:
             t.index_copy_(0, self.rows, value.to(t.dtype))
 
+    def write_ring(self, key: StateKey, slot: torch.Tensor, keep: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values [B, T, ...]`` at ring slots ``slot [B, T]`` of this view's rows where ``keep``, into the
+        store's spare row elsewhere (capture-safe)."""
+        t = self.store.tensor(key)
+        ring = t.shape[1]
+        if isinstance(self.rows, slice):
+            rows = torch.arange(self.rows.start, self.rows.stop, device=t.device)
+        else:
+            rows = self.rows
+        flat = torch.where(keep, rows[:, None] * ring + slot, self.store.rows * ring).flatten()
+        t.view(-1, *t.shape[2:]).index_copy_(0, flat, values.reshape(-1, *t.shape[2:]).to(t.dtype))
+
 
 _SHAPES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, Shapes]] = weakref.WeakKeyDictionary()
 
@@ -111,7 +127,7 @@ def state_shapes(model: torch.nn.Module) -> Shapes:
     found = _SHAPES.get(model)
     if found is not None and found[0] == (dtype, device):
         return found[1]
-    probe = PagedKVCache(model.config, 1, 2, device=device, dtype=dtype, state_shapes=None)
+    probe = PagedKVCache(model.config, 1, 2, device=device, dtype=dtype, state_shapes=None)  # made as written
     ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
     prefill(model, probe, ids, torch.ones_like(ids), checked=True)
     shapes = probe.states.store.shapes()

@@ -38,7 +38,7 @@ from hybrid_engine.decode.layout import FULL, AttentionKind, attention_kinds
 from hybrid_engine.exact.mode import exact_ops, uses_exact_attention
 from hybrid_engine.exact.rows import pack_order, pack_rows
 
-__all__ = ["build_decode_mask", "build_prefill_mask", "decode_one_token", "extend", "layer_masks", "prefill",
+__all__ = ["build_decode_mask", "build_prefill_mask", "build_ring_mask", "decode_one_token", "extend", "layer_masks", "prefill",
            "prompt_position_ids"]
 
 
@@ -83,6 +83,23 @@ def build_decode_mask(write_pos: torch.Tensor, span: int, dtype: torch.dtype,
     zero = torch.zeros((), dtype=dtype, device=write_pos.device)
     neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=write_pos.device)
     return torch.where(allowed, zero, neg)[:, None, :, :]
+
+
+def build_ring_mask(write_pos: torch.Tensor, ring: int, dtype: torch.dtype, kind: AttentionKind) -> torch.Tensor:
+    """``[B, 1, 1, ring]`` additive mask of a decode step over a windowed layer's ring: slot ``r`` of a row whose
+    query is at position ``q = write_pos`` holds position ``q - (q - r) mod ring`` (the latest written there),
+    seen when that is not negative and within the query's window or chunk."""
+    query = write_pos[:, None]
+    slots = torch.arange(ring, device=write_pos.device)[None, :]
+    held = query - (query - slots).remainder(ring)
+    allowed = held >= 0
+    if kind.window is not None:
+        allowed &= held > query - kind.window
+    if kind.chunk is not None:
+        allowed &= held >= query - query % kind.chunk
+    zero = torch.zeros((), dtype=dtype, device=write_pos.device)
+    neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=write_pos.device)
+    return torch.where(allowed, zero, neg)[:, None, None, :]
 
 
 def build_prefill_mask(attention_mask: torch.Tensor, kv_len: int, dtype: torch.dtype,
@@ -224,6 +241,7 @@ def prefill(
                   cache._host, states=states, linear=cache.is_linear)
     real = attention_mask.bool()
     target.write_slots = target.token_slots(prompt_position_ids(attention_mask), keep=real).flatten()
+    target.token_pos, target.token_keep, target.token_len = prompt_position_ids(attention_mask), real, lengths
     target.fresh, target.kv_len = True, t
     dtype = _model_dtype(model)
     mask4d = layer_masks(model, lambda kind: build_prefill_mask(attention_mask, t, dtype, kind), attention_mask)
@@ -256,8 +274,8 @@ def extend(model: PreTrainedModel, cache: PagedKVCache, input_ids: torch.Tensor,
     start = cache.position.index_select(0, rows)
     target = PagedKVCache.__new__(PagedKVCache)
     if cache.states is not None:
-        raise ValueError("extend: linear-attention rows cannot continue on kept pages (their state is not kept); "
-                         "prefill the whole history")
+        raise ValueError("extend: rows with state layers or windowed rings cannot continue on kept pages (their "
+                         "states are not kept); prefill the whole history")
     target._setup(cache.pool, table, cached, start, cache.capacity, cache._host)
     real = attention_mask.bool()
     new = attention_mask.to(torch.int64).sum(-1)
@@ -310,14 +328,23 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
     keep = None if live is None else live[:, None]
     cache.write_slots = cache.token_slots(write_pos[:, None], keep=keep).flatten()
     cache.read_slots = cache.span_slots()
+    cache.token_pos = write_pos[:, None]
+    cache.token_keep = torch.ones_like(cache.token_pos, dtype=torch.bool) if keep is None else keep
     span = cache.span_tokens()
     cache.fresh, cache.kv_len = False, span
     dtype = _model_dtype(model)
-    mask4d = layer_masks(model, lambda kind: build_decode_mask(write_pos, span, dtype, kind))
+    rings = any(cache.rings)  # windowed layers read their rings (all of them, or none: layer_specs)
+
+    def build(kind: AttentionKind) -> torch.Tensor:
+        if rings and (kind.window or kind.chunk):
+            return build_ring_mask(write_pos, kind.window or kind.chunk, dtype, kind)
+        return build_decode_mask(write_pos, span, dtype, kind)
+
+    mask4d = layer_masks(model, build)
     try:
         logits = _forward(model, cache, tokens[:, None], mask4d, cache.position[:, None], write_pos[:1])
     finally:  # the indices are this forward's temporaries: nothing outlives a captured step but its outputs
-        cache.write_slots = cache.read_slots = None
+        cache.write_slots = cache.read_slots = cache.token_pos = cache.token_keep = None
     step = 1 if live is None else live.to(torch.int64)
     write_pos.add_(step)
     cache.position.add_(step)

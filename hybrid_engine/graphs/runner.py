@@ -66,6 +66,7 @@ from hybrid_engine.decode.layout import attention_layers, exact_length, layer_sp
 from hybrid_engine.decode.sampling import sampling_mode
 from hybrid_engine.decode.slots import DecodeSlots, vocab_sizes
 from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_staged
+from hybrid_engine.exact.mode import uses_exact_attention
 from hybrid_engine.graphs.fingerprint import graph_fingerprint
 from hybrid_engine.graphs.hooks import HookCaptureError, attributed_hooks, hook_fingerprint, hook_registered
 from hybrid_engine.graphs.keys import AdmissionKey, GraphKey, PrefillKey, RunKey, default_graph_buckets
@@ -250,7 +251,6 @@ class DecodeGraphRunner:
         vocab = vocab_sizes(model)
         limit = exact_length(model.config)
         window = None if limit is None else limit.tokens
-        specs = layer_specs(model.config)
         same_kind = slots is not None and slots.device == device and slots.dtype == dtype
         if same_kind and capacity > slots.capacity:  # grow by half at least: calls a little longer each time (a
             # response-length schedule) then rebuild the buffers and recapture a few times, not every call
@@ -262,7 +262,10 @@ class DecodeGraphRunner:
             num_eos = max(num_eos, slots.num_eos_slots)
             top_logprobs = max(top_logprobs, slots.top_logprobs)
         stage_width = max(prompt_width or 0, self.stage.width if self.stage is not None else 0)
-        page_bytes = sum(s.heads * (s.key_dim + s.value_dim) for s in specs) * dtype.itemsize * budget.page_size
+        # Windowed layers keep rings of their window per row where the rows reach past twice it (not in the exact
+        # mode, whose attention sums key blocks in position order).
+        specs = layer_specs(model.config, capacity=None if uses_exact_attention(model) else capacity)
+        page_bytes = sum(s.paged_elements for s in specs) * dtype.itemsize * budget.page_size
         pages, fixed = pool_pages(budget, page_bytes=page_bytes, slots=need, capacity=capacity,
                                   stage_rows=self._stage_rows(need, stage_width) if prompt_width else 0,
                                   stage_width=stage_width)

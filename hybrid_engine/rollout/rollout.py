@@ -20,6 +20,7 @@ decoding runs eagerly with the same tokens.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,7 +30,7 @@ from transformers import PreTrainedModel
 
 from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.decode.kv_pool import KVBudget
-from hybrid_engine.decode.layout import exact_length, linear_layers
+from hybrid_engine.decode.layout import exact_length
 from hybrid_engine.decode.model_support import check_model_supported, max_positions
 from hybrid_engine.decode.sampling import MAX_SETTINGS, union_mode
 from hybrid_engine.decode.staging import staged_width_within, width_bucket
@@ -326,8 +327,6 @@ class HybridEngineRollout:
                 for j in range(n)
             ]
         else:
-            if any(linear_layers(model.config)):  # their rows' states are not kept: turns prefill whole histories
-                turn.held, turn.kept = [None] * len(turn.held), None
             row_budgets = turn.budgets or [max_new] * len(turn.rng)
             requests = [
                 RequestSpec(request_index=r, prompt_index=i, budget=min(budgets[i], max_new, b), rng_index=rng,
@@ -348,6 +347,10 @@ class HybridEngineRollout:
                                    graphs=cfg.use_graph_capture, budget=budget, prompt_width=prompt_width,
                                    top_logprobs=sampling.top_logprobs)
             counters = Counters(timer=PhaseTimer(runner.accelerator, state.device))
+            if turn is not None and state.cache.states is not None:
+                # Rows with state layers or windowed rings keep no states between calls: whole histories
+                requests = [dataclasses.replace(r, held=None) for r in requests]
+                turn.kept = None
             state.set_special_ids(pad_id, eos_ids)
             state.set_stop_sequences([s[3] for s in distinct])
             prompt_ids = request.prompt_ids.to(state.device)

@@ -172,10 +172,22 @@ def test_episodes_dropped_unclosed_give_their_pages_back():
 
 
 def test_a_sliding_window_model_continues_on_kept_pages_past_its_window():
-    model = build_model("tiny-mistral", seed=6, sliding_window=8)  # histories reach ~30 tokens
+    # Histories reach ~30 tokens, past the window; rows of under twice the window keep pages, not rings.
+    model = build_model("tiny-mistral", seed=6, sliding_window=20)
     rollout = _rollout(model)
     batch, stats = _run(rollout)
     assert stats[2]["kv_reused_tokens"] > 0
+    for tokens, logprobs, single_tokens, single_logprobs in _single_turn_rows(rollout, batch, 2):
+        assert tokens == single_tokens
+        torch.testing.assert_close(logprobs, single_logprobs, rtol=0, atol=1e-5)
+
+
+def test_windowed_rings_are_not_kept_between_turns_and_turns_prefill_whole_histories():
+    model = build_model("tiny-mistral", seed=6, sliding_window=4)  # rows past twice the window: rings
+    rollout = _rollout(model)
+    batch, stats = _run(rollout)
+    assert any(s.ring for s in rollout.runner.kv_pool.layers)
+    assert all(s["kv_reused_tokens"] == 0 for s in stats)
     for tokens, logprobs, single_tokens, single_logprobs in _single_turn_rows(rollout, batch, 2):
         assert tokens == single_tokens
         torch.testing.assert_close(logprobs, single_logprobs, rtol=0, atol=1e-5)
