@@ -10,20 +10,18 @@ step reads and writes fixed addresses, and a row's state is device data.
 What moves with a row (the K/V's pages are shared; states never are):
 admission copies its staged prompt's states into its slot, once per sample;
 compaction moves them with the row; a resumed request's prefill rewrites them.
-Shapes come from one probe forward of the model (:func:`state_shapes`), so
-every buffer exists before anything is captured.
+Shapes come from one probe forward of the model
+(:func:`hybrid_engine.decode.model_support.state_shapes`), so every buffer
+exists before anything is captured.
 """
 
 from __future__ import annotations
-
-import weakref
-from typing import Any
 
 import torch
 
 from hybrid_engine.accelerator import is_capturing
 
-__all__ = ["StateKey", "StateStore", "StateView", "state_shapes"]
+__all__ = ["Shapes", "StateKey", "StateStore", "StateView"]
 
 #: ``(kind, layer, state index)``: kind ``"conv"`` or ``"recurrent"``.
 StateKey = tuple[str, int, int]
@@ -54,7 +52,7 @@ class StateStore:
         if found is None:
             if not self.lazy or like is None or is_capturing():
                 raise RuntimeError(f"linear-attention state {key} has no buffer; the cache was built without the "
-                                   "model's state shapes (hybrid_engine.decode.linear_states.state_shapes)")
+                                   "model's state shapes (hybrid_engine.decode.model_support.state_shapes)")
             found = self.tensors[key] = self._zeros(tuple(like.shape[1:]), like.dtype)
         return found
 
@@ -108,28 +106,3 @@ class StateView:
             rows = self.rows
         flat = torch.where(keep, rows[:, None] * ring + slot, self.store.rows * ring).flatten()
         t.view(-1, *t.shape[2:]).index_copy_(0, flat, values.reshape(-1, *t.shape[2:]).to(t.dtype))
-
-
-_SHAPES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, Shapes]] = weakref.WeakKeyDictionary()
-
-
-def state_shapes(model: torch.nn.Module) -> Shapes:
-    """Each linear-attention state's shape per row for ``model``, from a one-token prefill through a probe cache
-    (cached per model and dtype)."""
-    from hybrid_engine.decode.kv_cache import PagedKVCache
-    from hybrid_engine.decode.layout import linear_layers
-    from hybrid_engine.decode.step import _model_dtype, prefill
-
-    if not any(linear_layers(model.config)):
-        return {}
-    dtype = _model_dtype(model)
-    device = next(model.parameters()).device
-    found = _SHAPES.get(model)
-    if found is not None and found[0] == (dtype, device):
-        return found[1]
-    probe = PagedKVCache(model.config, 1, 2, device=device, dtype=dtype, state_shapes=None)  # made as written
-    ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
-    prefill(model, probe, ids, torch.ones_like(ids), checked=True)
-    shapes = probe.states.store.shapes()
-    _SHAPES[model] = ((dtype, device), shapes)
-    return shapes

@@ -8,16 +8,20 @@ before any work.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from hybrid_engine.decode.kv_cache import PagedKVCache
+from hybrid_engine.decode.layout import linear_layers
+from hybrid_engine.decode.linear_states import Shapes
 from hybrid_engine.decode.npu_attention import NPU_GRAPH_ATTENTION
 from hybrid_engine.decode.step import _forward_signature, _model_dtype, decode_one_token, prefill
 
-__all__ = ["SUPPORTED_ATTN_IMPLEMENTATIONS", "SUPPORTED_MODEL_TYPES", "check_model_supported", "max_positions"]
+__all__ = ["SUPPORTED_ATTN_IMPLEMENTATIONS", "SUPPORTED_MODEL_TYPES", "check_model_supported", "max_positions",
+           "state_shapes"]
 
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral")
@@ -88,3 +92,24 @@ def check_model_supported(model: torch.nn.Module) -> None:
             f"{type(model).__name__} (model_type={model_type!r}) did not write its keys/values through the "
             f"external cache ({probe.num_updates} of {expected} layer updates); it cannot use PagedKVCache"
         )
+
+
+_SHAPES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, Shapes]] = weakref.WeakKeyDictionary()
+
+
+def state_shapes(model: torch.nn.Module) -> Shapes:
+    """Each linear-attention state's shape per row for ``model``, from a one-token prefill through a probe cache
+    (cached per model and dtype)."""
+    if not any(linear_layers(model.config)):
+        return {}
+    dtype = _model_dtype(model)
+    device = next(model.parameters()).device
+    found = _SHAPES.get(model)
+    if found is not None and found[0] == (dtype, device):
+        return found[1]
+    probe = PagedKVCache(model.config, 1, 2, device=device, dtype=dtype, state_shapes=None)  # made as written
+    ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    prefill(model, probe, ids, torch.ones_like(ids), checked=True)
+    shapes = probe.states.store.shapes()
+    _SHAPES[model] = ((dtype, device), shapes)
+    return shapes

@@ -40,7 +40,7 @@ from transformers import PreTrainedModel
 from hybrid_engine.accelerator.host_copy import device_tensor
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import KVPool
-from hybrid_engine.decode.linear_states import state_shapes
+from hybrid_engine.decode.model_support import state_shapes
 from hybrid_engine.decode.sampling import MAX_SETTINGS, RowKnobs, SamplingKnobs, sample_tokens_and_top
 from hybrid_engine.decode.step import decode_one_token
 

@@ -31,7 +31,8 @@ from transformers import PreTrainedModel
 from hybrid_engine.accelerator.host_copy import CountsHostSyncs, device_tensor
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import KVPool
-from hybrid_engine.decode.linear_states import StateStore, state_shapes
+from hybrid_engine.decode.linear_states import StateStore
+from hybrid_engine.decode.model_support import state_shapes
 from hybrid_engine.decode.slots import DecodeSlots, choose_tokens, logits_width
 from hybrid_engine.decode.step import prefill
 

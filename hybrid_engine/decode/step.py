@@ -75,14 +75,20 @@ def build_decode_mask(write_pos: torch.Tensor, span: int, dtype: torch.dtype,
     positions or the query's ``kind.chunk``; 0 there, ``finfo(dtype).min`` elsewhere."""
     keys = torch.arange(span, device=write_pos.device)[None, None, :]
     query = (write_pos[:, None] if write_pos.dim() == 1 else write_pos)[:, :, None]
-    allowed = keys <= query
+    return _additive(keys <= query, keys, query, kind, dtype)[:, None, :, :]
+
+
+def _additive(allowed: torch.Tensor, keys: torch.Tensor, query: torch.Tensor, kind: AttentionKind,
+              dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed`` and key position ``keys`` is within query ``query``'s window or chunk, else
+    ``finfo(dtype).min``."""
     if kind.window is not None:
-        allowed &= keys > query - kind.window
+        allowed = allowed & (keys > query - kind.window)
     if kind.chunk is not None:
-        allowed &= keys >= query - query % kind.chunk
-    zero = torch.zeros((), dtype=dtype, device=write_pos.device)
-    neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=write_pos.device)
-    return torch.where(allowed, zero, neg)[:, None, :, :]
+        allowed = allowed & (keys >= query - query % kind.chunk)
+    zero = torch.zeros((), dtype=dtype, device=query.device)
+    neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=query.device)
+    return torch.where(allowed, zero, neg)
 
 
 def build_ring_mask(write_pos: torch.Tensor, ring: int, dtype: torch.dtype, kind: AttentionKind) -> torch.Tensor:
@@ -92,14 +98,7 @@ def build_ring_mask(write_pos: torch.Tensor, ring: int, dtype: torch.dtype, kind
     query = write_pos[:, None]
     slots = torch.arange(ring, device=write_pos.device)[None, :]
     held = query - (query - slots).remainder(ring)
-    allowed = held >= 0
-    if kind.window is not None:
-        allowed &= held > query - kind.window
-    if kind.chunk is not None:
-        allowed &= held >= query - query % kind.chunk
-    zero = torch.zeros((), dtype=dtype, device=write_pos.device)
-    neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=write_pos.device)
-    return torch.where(allowed, zero, neg)[:, None, None, :]
+    return _additive(held >= 0, held, query, kind, dtype)[:, None, None, :]
 
 
 def build_prefill_mask(attention_mask: torch.Tensor, kv_len: int, dtype: torch.dtype,

@@ -62,6 +62,12 @@ def _single_turn_rows(rollout, batch, turn: int, max_new=(5, 5, 5)):
     return out
 
 
+def _assert_turn_as_single_turn(rollout, batch, turn: int, max_new=(5, 5, 5)) -> None:
+    for tokens, logprobs, single_tokens, single_logprobs in _single_turn_rows(rollout, batch, turn, max_new):
+        assert tokens == single_tokens
+        torch.testing.assert_close(logprobs, single_logprobs, rtol=0, atol=1e-5)
+
+
 def test_later_turns_prefill_only_the_new_tokens_and_sample_what_a_full_prefill_does():
     model = build_model("tiny-llama", seed=2)
     rollout = _rollout(model)
@@ -76,9 +82,7 @@ def test_later_turns_prefill_only_the_new_tokens_and_sample_what_a_full_prefill_
         assert stats[t]["kv_reused_tokens"] == held
         assert stats[t]["graph_replays"] > 0 and stats[t]["fallbacks"] == 0
     for turn in (1, 2):
-        for tokens, logprobs, single_tokens, single_logprobs in _single_turn_rows(rollout, batch, turn):
-            assert tokens == single_tokens
-            torch.testing.assert_close(logprobs, single_logprobs, rtol=0, atol=1e-5)
+        _assert_turn_as_single_turn(rollout, batch, turn)
     # Closing gives every page back.
     assert rollout.runner.ledger.held_rows == 0 and rollout.runner.ledger.in_use == 0
 
@@ -134,9 +138,7 @@ def test_a_weight_update_between_turns_drops_the_kept_pages():
     batch, stats = _run(rollout, between=update)
     assert stats[1]["kv_reused_tokens"] == 0  # K/V of the old weights: prefilled whole
     assert stats[2]["kv_reused_tokens"] > 0
-    for tokens, logprobs, single_tokens, single_logprobs in _single_turn_rows(rollout, batch, 1):
-        assert tokens == single_tokens
-        torch.testing.assert_close(logprobs, single_logprobs, rtol=0, atol=1e-5)
+    _assert_turn_as_single_turn(rollout, batch, 1)
 
 
 def test_a_released_rollout_and_a_pool_that_grows_between_turns():
@@ -152,9 +154,7 @@ def test_a_released_rollout_and_a_pool_that_grows_between_turns():
                         between=lambda t: pages_before.append(grown.runner.kv_pool.num_pages))
     assert grown.runner.kv_pool.num_pages > pages_before[1]
     assert stats[2]["kv_reused_tokens"] > 0
-    for tokens, logprobs, single_tokens, single_logprobs in _single_turn_rows(grown, batch, 2, (5, 5, 40)):
-        assert tokens == single_tokens
-        torch.testing.assert_close(logprobs, single_logprobs, rtol=0, atol=1e-5)
+    _assert_turn_as_single_turn(grown, batch, 2, (5, 5, 40))
 
 
 def test_episodes_dropped_unclosed_give_their_pages_back():
@@ -177,9 +177,7 @@ def test_a_sliding_window_model_continues_on_kept_pages_past_its_window():
     rollout = _rollout(model)
     batch, stats = _run(rollout)
     assert stats[2]["kv_reused_tokens"] > 0
-    for tokens, logprobs, single_tokens, single_logprobs in _single_turn_rows(rollout, batch, 2):
-        assert tokens == single_tokens
-        torch.testing.assert_close(logprobs, single_logprobs, rtol=0, atol=1e-5)
+    _assert_turn_as_single_turn(rollout, batch, 2)
 
 
 def test_windowed_rings_are_not_kept_between_turns_and_turns_prefill_whole_histories():
@@ -188,9 +186,7 @@ def test_windowed_rings_are_not_kept_between_turns_and_turns_prefill_whole_histo
     batch, stats = _run(rollout)
     assert any(s.ring for s in rollout.runner.kv_pool.layers)
     assert all(s["kv_reused_tokens"] == 0 for s in stats)
-    for tokens, logprobs, single_tokens, single_logprobs in _single_turn_rows(rollout, batch, 2):
-        assert tokens == single_tokens
-        torch.testing.assert_close(logprobs, single_logprobs, rtol=0, atol=1e-5)
+    _assert_turn_as_single_turn(rollout, batch, 2)
 
 
 def test_drop_kv_makes_the_next_turn_prefill_whole():
