@@ -187,7 +187,7 @@ MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, f
 def test_multi_head_latent_attention_runs_on_the_pool_with_graphs_and_matches_transformers(model_type, extra):
     """It was refused: K and V of different shapes did not fit one per-layer layout. transformers 5.x caches the
     compressed latent (kv_lora_rank) and the rotated key part (qk_rope_head_dim), one head each."""
-    model = tiny(model_type, **MLA, **extra)
+    model = tiny(model_type, **{**MLA, **extra})
     specs = set(layer_specs(model.config))
     assert specs in ({LayerSpec(1, 16, 4)}, {LayerSpec(4, 12, 6)})  # latent, or per-head K and V
     ids, mask = prompts()
