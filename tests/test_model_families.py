@@ -180,10 +180,7 @@ MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, f
 
 
 @pytest.mark.parametrize("model_type,extra", [
-    ("deepseek_v3", MOE), ("deepseek_v2", MOE), ("minicpm3", {}), ("glm4_moe_lite", MOE),
-    ("longcat_flash", dict(q_lora_rank=16, n_routed_experts=4, moe_topk=2, expert_ffn_hidden_size=16,
-                           ffn_hidden_size=64, zero_expert_num=1, num_layers=2, head_dim=4)),
-])
+    ("deepseek_v3", MOE), ("deepseek_v2", MOE), ("minicpm3", {}), ("glm4_moe_lite", MOE)])
 def test_multi_head_latent_attention_runs_on_the_pool_with_graphs_and_matches_transformers(model_type, extra):
     """It was refused: K and V of different shapes did not fit one per-layer layout. transformers 5.x caches the
     compressed latent (kv_lora_rank) and the rotated key part (qk_rope_head_dim), one head each."""
@@ -192,6 +189,21 @@ def test_multi_head_latent_attention_runs_on_the_pool_with_graphs_and_matches_tr
     assert specs in ({LayerSpec(1, 16, 4)}, {LayerSpec(4, 12, 6)})  # latent, or per-head K and V
     ids, mask = prompts()
     assert_decodes_as_transformers(model, ids, mask, 12, max_out_tokens=32)
+
+
+def test_longcat_runs_its_latent_on_the_pool_and_its_expert_routing_is_named_where_it_cannot_be_captured():
+    """LongCat's MoE picks experts with nonzero() (a data-dependent shape): eager, same tokens, one warning."""
+    model = tiny("longcat_flash", **{**MLA, "q_lora_rank": 16, "n_routed_experts": 4, "moe_topk": 2,
+                                     "expert_ffn_hidden_size": 16, "ffn_hidden_size": 64, "zero_expert_num": 1,
+                                     "num_layers": 2, "head_dim": 4})
+    assert set(layer_specs(model.config)) == {LayerSpec(1, 16, 4)}
+    ids, mask = prompts()
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,
+                                                              eos_token_id=10**6))
+    with pytest.warns(GraphRefusedWarning, match=r"models/longcat_flash/modeling_longcat_flash\.py:\d+ in forward: "
+                                                 r"`expert_hit = .*nonzero"):
+        batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=12, temperature=0.0))
+    assert torch.equal(batch.input_ids, hf_greedy(model, ids, mask, 12))
 
 
 WIN = dict(SMALL, num_hidden_layers=4, num_key_value_heads=2, max_position_embeddings=256)
