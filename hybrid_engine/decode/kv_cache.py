@@ -24,9 +24,11 @@ bucket) and the shapes; the pages a row reads are table data.
 Host-side checks (shapes, dtype, bounds) read device values, so they run only
 outside capture. ``get_seq_length``/``get_query_offset`` answer a 0-dim device
 tensor inside a model step (:attr:`answer_on_device`) and while capturing.
-Works with transformers 4.57 and 5.x. Linear-attention layers (5.x) keep a
-per-row state instead of K/V (:attr:`states`, :mod:`hybrid_engine.decode.linear_states`),
-read and written through transformers' linear-attention cache methods.
+Works with transformers 4.57 and 5.x. Two kinds of layers keep per-row data
+instead of pages (:attr:`states`, :mod:`hybrid_engine.decode.linear_states`):
+state layers (5.x: linear attention, Mamba mixers), read and written through
+transformers' linear-attention cache methods, and windowed layers of rows
+longer than twice their window, which keep a ring of their window.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ class PagedKVCache(Cache):
             owns = False
         i64 = dict(dtype=torch.int64, device=pool.device)
         linear = linear_layers(config)
-        # Per-row states: linear layers' (buffers of ``state_shapes``, the model's from linear_states.state_shapes,
+        # Per-row states: state layers' (buffers of ``state_shapes``, the model's from model_support.state_shapes,
         # or, without them, made at the first write: probes and eager use only) and ring layers' last tokens.
         rings = {("ring", i, kv): ((s.ring, s.heads, s.key_dim if kv == 0 else s.value_dim), pool.dtype)
                  for i, s in enumerate(pool.layers) if s.ring for kv in (0, 1)}
@@ -180,7 +182,7 @@ class PagedKVCache(Cache):
                capacity: int, host: _HostCounters | None = None, *, states: StateView | None = None,
                linear: list[bool] | None = None) -> None:
         self.pool = pool
-        #: The rows' linear-attention states (``None``: the model has no linear-attention layer).
+        #: The rows' state-layer states and windowed rings (``None``: the model has neither).
         self.states = states
         self._linear = linear if linear is not None else [False] * len(pool.layers)
         self._owns_states = False
