@@ -1,7 +1,8 @@
 """Per-row states of state layers (gated delta rule, Mamba mixers, short convolutions), beside the paged K/V.
 
 Why: such a layer caches no K/V per token but one fixed-size state per
-sequence: the last inputs of its causal convolution and its recurrent matrix. transformers' modeling code reads and writes them through the cache
+sequence: the last inputs of its causal convolution and its recurrent matrix.
+transformers' modeling code reads and writes them through the cache
 (``get_conv_state``/``update_conv_state``, ``get_recurrent_state``/
 ``update_recurrent_state``), one batch row per sequence. So each cache row has
 its own states here, in storage allocated once and updated in place: a captured
@@ -23,7 +24,8 @@ from hybrid_engine.accelerator import is_capturing
 
 __all__ = ["Shapes", "StateKey", "StateStore", "StateView"]
 
-#: ``(kind, layer, state index)``: kind ``"conv"`` or ``"recurrent"``.
+#: ``(kind, layer, index)``: kind ``"conv"`` or ``"recurrent"`` (index: transformers' state index), or ``"ring"``
+#: (a windowed layer's last tokens; index 0 keys, 1 values).
 StateKey = tuple[str, int, int]
 Shapes = dict[StateKey, tuple[tuple[int, ...], torch.dtype]]
 

@@ -327,12 +327,13 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
     keep = None if live is None else live[:, None]
     cache.write_slots = cache.token_slots(write_pos[:, None], keep=keep).flatten()
     cache.read_slots = cache.span_slots()
-    cache.token_pos = write_pos[:, None]
-    cache.token_keep = torch.ones_like(cache.token_pos, dtype=torch.bool) if keep is None else keep
+    rings = any(cache.rings)  # windowed layers read their rings (all of them, or none: layer_specs)
+    if rings:  # only ring layers read them: no extra work in other models' steps
+        cache.token_pos = write_pos[:, None]
+        cache.token_keep = torch.ones_like(cache.token_pos, dtype=torch.bool) if keep is None else keep
     span = cache.span_tokens()
     cache.fresh, cache.kv_len = False, span
     dtype = _model_dtype(model)
-    rings = any(cache.rings)  # windowed layers read their rings (all of them, or none: layer_specs)
 
     def build(kind: AttentionKind) -> torch.Tensor:
         if rings and (kind.window or kind.chunk):
