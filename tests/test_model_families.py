@@ -14,6 +14,8 @@ import warnings
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hybrid_engine import initialize
@@ -47,6 +49,11 @@ LIMITED = {
                   rope_scaling={"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}),
              "longrope RoPE scaling (its factors switch past original_max_position_embeddings 16)", 16),
 }
+
+
+#: transformers 5.25 rewrote LongCat's experts (transformers' experts implementations, no nonzero() loop) and
+#: Falcon's attention (no host tensor in ``_split_heads``): both capture from then on.
+TF_5_25 = Version(transformers.__version__) >= Version("5.25.0")
 
 
 def tiny(model_type: str, **fields) -> torch.nn.Module:
@@ -200,9 +207,15 @@ def test_longcat_runs_its_latent_on_the_pool_and_its_expert_routing_is_named_whe
     ids, mask = prompts()
     rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,
                                                               eos_token_id=10**6))
-    with pytest.warns(GraphRefusedWarning, match=r"models/longcat_flash/modeling_longcat_flash\.py:\d+ in forward: "
-                                                 r"`expert_hit = .*nonzero"):
-        batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=12, temperature=0.0))
+    if TF_5_25:  # its experts go through transformers' experts implementation: captured like any MoE
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", GraphRefusedWarning)
+            batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=12, temperature=0.0))
+        assert rollout.last_stats["graph_replays"] > 0 and rollout.last_stats["fallbacks"] == 0
+    else:
+        with pytest.warns(GraphRefusedWarning, match=r"models/longcat_flash/modeling_longcat_flash\.py:\d+ in "
+                                                     r"forward: `expert_hit = .*nonzero"):
+            batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=12, temperature=0.0))
     assert torch.equal(batch.input_ids, hf_greedy(model, ids, mask, 12))
 
 
@@ -271,10 +284,14 @@ def test_the_exact_mode_keeps_windowed_layers_on_pages():
     assert torch.equal(batch.input_ids, hf_greedy(model, ids, mask, 30))
 
 
+FALCON = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+              new_decoder_architecture=False, alibi=False, bos_token_id=1, eos_token_id=2)
+
+
 @pytest.mark.parametrize("model_type,fields,where", [
-    ("falcon", dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
-                    new_decoder_architecture=False, alibi=False, bos_token_id=1, eos_token_id=2),
-     r"transformers/models/falcon/modeling_falcon\.py:\d+ in _split_heads: `return fused_qkv"),
+    pytest.param("falcon", FALCON, r"transformers/models/falcon/modeling_falcon\.py:\d+ in _split_heads: "
+                 r"`return fused_qkv", marks=pytest.mark.skipif(TF_5_25, reason="5.25's Falcon captures (tested "
+                                                                "below)")),
     ("gpt_neo", dict(LIMITED["gpt_neo"][0], window_size=64),
      r"transformers/models/gpt_neo/modeling_gpt_neo\.py:\d+ in _attn: `mask_value = torch\.tensor\(mask_value"),
 ])
@@ -288,6 +305,19 @@ def test_a_capture_the_models_own_code_refuses_names_its_file_and_line(model_typ
         batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=4, temperature=0.0))
     assert torch.equal(batch.input_ids, hf_greedy(model, ids, mask, 4))
     assert "host data" in rollout.graph_stats.last_refusal_reason
+
+
+@pytest.mark.skipif(not TF_5_25, reason="before 5.25 Falcon's _split_heads makes a tensor from host data (above)")
+def test_falcon_captures_since_transformers_5_25():
+    model = tiny("falcon", **FALCON)
+    ids, mask = prompts()
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,
+                                                              eos_token_id=10**6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphRefusedWarning)
+        batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=4, temperature=0.0))
+    assert rollout.last_stats["graph_replays"] > 0 and rollout.last_stats["fallbacks"] == 0
+    assert torch.equal(batch.input_ids, hf_greedy(model, ids, mask, 4))
 
 
 LINEAR_FIELDS = dict(WIN, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,

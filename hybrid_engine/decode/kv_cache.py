@@ -112,6 +112,19 @@ class _PagedKVLayer(CacheLayerMixin):
     def crop(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("PagedKVCache does not support crop(); use reset_rows()")
 
+    # transformers' linear-attention layer API (5.x), for state layers: the per-row states live in the owner.
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+        return self._owner.update_conv_state(conv_states, self.layer_idx, state_idx, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states: Any, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+        return self._owner.update_recurrent_state(recurrent_states, self.layer_idx, state_idx, **kwargs)
+
+    def increase_count(self, state_idx: int = 0) -> None:
+        self._owner.increase_count(self.layer_idx, state_idx)
+
+    def activate_past_recording(self, *args: Any, **kwargs: Any) -> None:
+        self._owner.activate_past_recording(*args, **kwargs)
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("PagedKVCache has a fixed batch size; share pages through the block table")
 
@@ -528,7 +541,52 @@ class PagedKVCache(Cache):
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return None if self.fresh else self.states.read(("recurrent", layer_idx, state_idx))
 
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
-                               **kwargs: Any) -> torch.Tensor:
+    def update_recurrent_state(self, recurrent_states: torch.Tensor | list[torch.Tensor], layer_idx: int,
+                               state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+        """Keep each row's state after the forward. 5.25+ may pass the states after each of the last tokens as a
+        list (only when asked for by :meth:`get_recurrent_states_to_keep`, which answers 0): the last is kept."""
+        if not isinstance(recurrent_states, torch.Tensor):
+            recurrent_states = recurrent_states[-1]
         self.states.write(("recurrent", layer_idx, state_idx), recurrent_states)
         return recurrent_states
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """5.25+: a decode step's conv kernel updated the state in place. Nothing to count: each row's length is
+        ``write_pos``, which the step functions advance on the device."""
+        return None
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """5.25+: intermediate recurrent states a forward should return for a later ``crop``: none (no crop)."""
+        return 0
+
+    def activate_past_recording(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("PagedKVCache does not record past states for crop() (assisted decoding is "
+                                  "delegated to transformers' own generate)")
+
+    # ------------------------------------------------- the rest of transformers' Cache API
+    # Pages have fixed addresses that captured graphs read, and rows are compacted through the block table: what
+    # would move or reshape storage is refused with the alternative named.
+    def early_initialization(self, *args: Any, **kwargs: Any) -> None:  # storage exists from the start
+        return None
+
+    def prefetch(self, layer_idx: int = 0, only_non_sliding: bool = True) -> None:
+        return None
+
+    def offload(self, layer_idx: int = 0, only_non_sliding: bool = True) -> None:
+        raise NotImplementedError("PagedKVCache pages have fixed addresses and cannot be offloaded")
+
+    def crop(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("PagedKVCache does not support crop(); use reset_rows()")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("PagedKVCache does not reorder beams; beam search is delegated to transformers")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("PagedKVCache has a fixed batch size; share pages through the block table")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("PagedKVCache has a fixed batch size; use copy_rows() to compact rows")
+
+    def update_indexer(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError("PagedKVCache does not keep sparse-attention indexer keys (DeepSeek-V3.2-style "
+                                  "indexed attention runs on transformers' own cache)")
