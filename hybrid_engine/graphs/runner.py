@@ -1,8 +1,9 @@
 """DecodeGraphRunner: capture one decode step per (batch bucket, page span, sampling mode), replay it at every position.
 
-Both generation paths run on this one runner: ``engine.generate``
-(:mod:`hybrid_engine.generation.generate`) and ``HybridEngineRollout``
-(:mod:`hybrid_engine.rollout.rollout`), through the slot scheduler
+Both generation paths run on this runner: ``engine.generate``
+(:mod:`hybrid_engine.generation.generate`) and each ``HybridEngineRollout``
+(:mod:`hybrid_engine.rollout.rollout`) build an instance of their own, with
+its own buffers, pool and graphs, and drive it through the slot scheduler
 (:mod:`hybrid_engine.generation.scheduler`). It owns the device state the
 graphs read and write (the decode slots, the admission stage, the K/V page
 pool), the graphs, the policy (:meth:`DecodeGraphRunner.refusal` is the whole
