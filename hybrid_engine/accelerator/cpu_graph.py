@@ -21,7 +21,9 @@ CUDA-graph rule and is documented where it is enforced:
   (:meth:`_Recorder._check_permitted`, :class:`_HostSyncGuard`); any refusal
   invalidates the capture even when the body catches it (:func:`_refused`);
 * streams, threads and one capture at a time per process: the streams section
-  and :class:`CPUStream`;
+  and :class:`CPUStream`; CUDA's capture error modes, which say whether
+  another thread's host reads and waits break a capture (``"global"``) or not
+  (``"thread_local"``, what the accelerators request): :func:`cpu_capture_error_mode`;
 * memory pools, and the recording pool a failed capture leaves:
   :class:`CPUGraphPool`.
 
@@ -219,9 +221,85 @@ def is_cpu_graph_capturing() -> bool:
 # around warm-up and capture too) and make device-wide calls wait for it, so only code that bypasses the lock
 # meets these refusals.
 #
+# CUDA's capture error mode decides the rest. In "global" mode (PyTorch's default, and what a backend whose graph
+# API takes no mode captures in) a potentially unsafe call in *any* thread while the capture runs fails ("operation
+# not permitted when stream is capturing") and invalidates the capture: there, another thread's host read (a data
+# loader's .item(), printing a tensor) or host wait on any stream or event is refused too
+# (:func:`_refuse_during_global_captures`). In "thread_local" mode, which every accelerator requests, and
+# "relaxed", only the capturing thread is held to the rules, as above. Another thread's waits on an event recorded
+# inside a capture are refused in every mode (cudaEventQuery/Synchronize on it conflict with the capture).
+#
 # Captures under way in any thread, by capture stream: the other threads' stream calls are checked against this.
 _captures_lock = threading.RLock()
 _captures: dict[CPUStream, _Recorder] = {}
+
+#: CUDA's capture error modes (``cudaStreamCaptureMode``), as ``torch.cuda.graph(capture_error_mode=...)`` names them.
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+#: The mode of a capture that names none (the accelerator's): what every accelerator requests where the graph API
+#: takes a mode (``backends.CAPTURE_ERROR_MODE``). :func:`cpu_capture_error_mode` changes it for a thread.
+DEFAULT_CAPTURE_ERROR_MODE = "thread_local"
+_global_captures = 0  # global-mode captures under way (any thread): while > 0, torch.Tensor's host reads are checked
+
+
+def _checked_mode(mode: str) -> str:
+    if mode not in CAPTURE_ERROR_MODES:
+        raise ValueError(f"capture_error_mode must be one of {CAPTURE_ERROR_MODES}, got {mode!r}")
+    return mode
+
+
+@contextlib.contextmanager
+def cpu_capture_error_mode(mode: str | None) -> Iterator[None]:
+    """Captures this thread begins in the block without naming a mode (the accelerator's ``capture_to_graph``)
+    run in ``mode`` (``None``: leave it). ``"global"`` models a backend that captures in CUDA's default mode:
+    another thread's host reads and waits then fail and break the capture, as there."""
+    if mode is None:
+        yield
+        return
+    _checked_mode(mode)
+    prev = getattr(_state, "capture_error_mode", None)
+    _state.capture_error_mode = mode
+    try:
+        yield
+    finally:
+        _state.capture_error_mode = prev
+
+
+def _begin_global_mode() -> None:
+    """A global-mode capture begins (under ``_captures_lock``): the first one wraps torch.Tensor's host reads."""
+    global _global_captures
+    _global_captures += 1
+    if _global_captures == 1:
+        _wrap_host_reads(True)
+
+
+def _end_global_mode() -> None:
+    """A global-mode capture ended (under ``_captures_lock``): the last one puts torch's own methods back."""
+    global _global_captures
+    _global_captures -= 1
+    if _global_captures == 0:
+        _wrap_host_reads(False)
+
+
+def _refuse_during_global_captures(what: str) -> None:
+    """Raise, and invalidate them, while another thread captures in global mode: a potentially unsafe call (a host
+    read or wait) that CUDA fails in any thread then (cudaStreamCaptureModeGlobal)."""
+    me = threading.current_thread()
+    with _captures_lock:  # invalidated before the capture can end: its end then sees it
+        others = [rec for rec in _captures.values() if rec.mode == "global" and rec.thread is not me]
+        if not others:
+            return
+        names = ", ".join(sorted({repr(rec.thread.name) for rec in others}))
+        err = _refused(
+            f"{what} in thread {me.name!r} while thread {names} is capturing a graph in global capture mode "
+            "(capture_error_mode='global', PyTorch's default): CUDA then refuses potentially unsafe calls (host "
+            "reads, stream, event and device synchronisations) in every thread with \"operation not permitted when "
+            "stream is capturing\" and invalidates the capture. Capture with capture_error_mode='thread_local' (what "
+            "the accelerators request where the graph API takes a mode), or keep other threads from reading device "
+            "values while a capture runs (they may wait for graph_capture_lock(), which captures hold)."
+        )
+        for rec in others:
+            _invalidate(rec, err)
+    raise err
 
 
 def _capture_on(stream: Any) -> _Recorder | None:
@@ -237,6 +315,8 @@ def _invalidate(rec: _Recorder, err: GraphCaptureError) -> None:
     with _captures_lock:
         if rec.invalidated is None:
             rec.invalidated = err
+            me = threading.current_thread()
+            rec.invalidated_by = None if me is rec.thread else me.name
 
 
 def _cross_thread_refusal(what: str, rec: _Recorder) -> GraphCaptureError:
@@ -267,8 +347,10 @@ def _other_threads_captures() -> list[_Recorder]:
 
 def _refuse_during_other_captures(what: str, why: str) -> None:
     """Raise if another thread is capturing (and invalidate its captures): for device-wide calls."""
-    others = _other_threads_captures()
-    if others:
+    with _captures_lock:  # invalidated before the capture can end: its end then sees it
+        others = _other_threads_captures()
+        if not others:
+            return
         names = ", ".join(sorted({repr(rec.thread.name) for rec in others}))
         err = _refused(
             f"{what} while thread {names} is capturing a graph: {why}. PyTorch allows one capture at a time per "
@@ -277,7 +359,7 @@ def _refuse_during_other_captures(what: str, why: str) -> None:
         )
         for rec in others:
             _invalidate(rec, err)
-        raise err
+    raise err
 
 
 def synchronize_device() -> None:
@@ -322,6 +404,8 @@ class _HostWaits:
         if is_cpu_graph_capturing():
             raise _not_permitted(f"{self._kind}.{what}()")
         _check_stream(self, f"{self._kind}.{what}()")
+        if _global_captures:
+            _refuse_during_global_captures(f"{self._kind}.{what}()")
 
     def synchronize(self) -> None:
         self._check_wait("synchronize")
@@ -378,17 +462,28 @@ class CPUEvent(_HostWaits):
     inside the graph on CUDA); waiting on it from the host (``synchronize()``, ``query()``) is refused while
     capturing, as for :class:`CPUStream`. Outside capture, CPU work has always completed."""
 
-    __slots__ = ("_recorded_on", "__weakref__")
+    __slots__ = ("_recorded_on", "_recorded_in", "__weakref__")
     _kind = "event"
 
     def __init__(self) -> None:
         self._recorded_on: CPUStream | None = None  # the stream of its last record()
+        self._recorded_in: weakref.ref[_Recorder] | None = None  # the capture its last record() was part of
 
     def record(self, stream: CPUStream | None = None) -> None:
         if stream is not None and not isinstance(stream, CPUStream):
             raise TypeError(f"record: expected a CPUStream, got {type(stream).__name__}")
         _check_stream(stream, "event.record(stream)")
         self._recorded_on = stream if stream is not None else current_cpu_stream()
+        mine = getattr(_state, "recorder", None)
+        self._recorded_in = weakref.ref(mine) if mine is not None and mine.in_capture(self._recorded_on) else None
+
+    def _check_wait(self, what: str) -> None:
+        """Also refused, in every mode, from another thread while the capture it was recorded in runs (CUDA:
+        querying or synchronizing an event recorded inside a capture conflicts with it)."""
+        rec = self._recorded_in() if self._recorded_in is not None else None
+        if rec is not None and _foreign(rec) and _capture_on(rec.stream) is rec:
+            raise _cross_thread_refusal(f"event.{what}() on an event recorded inside the capture", rec)
+        super()._check_wait(what)
 
     def wait(self, stream: CPUStream | None = None) -> None:
         """Make ``stream`` (the current one by default) wait for this event (a no-op: CPU work is ordered);
@@ -736,6 +831,8 @@ class _Recorder(TorchDispatchMode):
         self.steps: list[_Step] = []
         self.scalar_setitem = 0  # > 0 while ``tensor[idx] = <python or numpy scalar>`` runs
         self.invalidated: GraphCaptureError | None = None  # the first refusal (this thread's, or another's)
+        self.invalidated_by: str | None = None  # the name of the other thread whose refusal that was
+        self.mode = DEFAULT_CAPTURE_ERROR_MODE  # its capture error mode (CAPTURE_ERROR_MODES)
         self.inference = False  # an op ran under torch.inference_mode
         self.thread = threading.current_thread()  # the thread that owns the capture
         self.stream: CPUStream = current_cpu_stream()  # the stream captured on
@@ -988,6 +1085,7 @@ class _HostSyncGuard(TorchFunctionMode):
         self.rec = rec
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        func = _UNWRAPPED.get(func, func)  # torch's own method, while a global-mode capture wraps it
         what = _FORBIDDEN_TENSOR_METHODS.get(func)
         if what is not None:
             raise _not_permitted(what)
@@ -1008,6 +1106,59 @@ class _HostSyncGuard(TorchFunctionMode):
             finally:
                 self.rec.scalar_setitem -= 1
         return func(*args, **(kwargs or {}))
+
+
+# ------------------------------------------------------ other threads' host reads (global capture mode)
+# No dispatch or torch-function mode reaches another thread (both are per thread), so while a global-mode capture
+# runs, torch.Tensor's Python entry points for host reads are wrapped: those _HostSyncGuard refuses in the capturing
+# thread, and the conversions (int, float, index, complex) the recorder sees as _local_scalar_dense there. The
+# capturing thread goes through them unchecked (its guard and recorder refuse as ever); any other thread is refused
+# (:func:`_refuse_during_global_captures`). Ops that read the host inside one aten op (torch.equal, nonzero, ...)
+# pass in other threads. torch's own methods are put back when the last global-mode capture ends, so nothing is
+# wrapped, and nothing costs more, while no capture runs or captures run in thread_local mode.
+def _host_target_any(args: tuple, kwargs: dict) -> bool:
+    return True
+
+
+_OTHER_THREAD_READS: dict[str, tuple[str, Callable[[tuple, dict], bool]]] = {
+    **{m.__name__: (what, _host_target_any) for m, what in _FORBIDDEN_TENSOR_METHODS.items()},
+    "__int__": ("int(tensor) (device-to-host read)", _host_target_any),
+    "__float__": ("float(tensor) (device-to-host read)", _host_target_any),
+    "__index__": ("using a tensor as a Python index (device-to-host read)", _host_target_any),
+    "__complex__": ("complex(tensor) (device-to-host read)", _host_target_any),
+    "to": ("Tensor.to('cpu') (device-to-host read)", _names_the_host),
+    "type": ("Tensor.type(<a CPU tensor type>) (device-to-host read)", _names_a_host_type),
+}
+
+
+def _checked_in_other_threads(name: str, what: str, reads: Callable[[tuple, dict], bool]) -> Callable[..., Any]:
+    original = getattr(torch.Tensor, name)
+
+    def checked(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _global_captures and reads(args, kwargs):
+            _refuse_during_global_captures(what)
+        return original(self, *args, **kwargs)
+
+    checked.__name__, checked.__qualname__, checked.__doc__ = name, f"Tensor.{name}", original.__doc__
+    return checked
+
+
+# (name, torch.Tensor's own attribute or None where it inherits it from TensorBase, the wrapper)
+_HOST_READ_WRAPPERS = [(name, torch.Tensor.__dict__.get(name), _checked_in_other_threads(name, what, reads))
+                       for name, (what, reads) in _OTHER_THREAD_READS.items()]
+_UNWRAPPED = {checked: getattr(torch.Tensor, name) for name, _, checked in _HOST_READ_WRAPPERS}
+
+
+def _wrap_host_reads(on: bool) -> None:
+    """Install (``on``) or remove the wrappers on torch.Tensor (under ``_captures_lock``)."""
+    for name, own, checked in _HOST_READ_WRAPPERS:
+        if on:
+            setattr(torch.Tensor, name, checked)
+        elif torch.Tensor.__dict__.get(name) is checked:  # left alone if someone replaced it meanwhile
+            if own is not None:
+                setattr(torch.Tensor, name, own)
+            else:
+                delattr(torch.Tensor, name)
 
 
 class CPUGraph:
@@ -1341,7 +1492,9 @@ def _peak_intermediate_bytes(
 
 
 @contextlib.contextmanager
-def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iterator[None]:
+def capture_cpu_graph(
+    graph: CPUGraph, pool: CPUGraphPool | None = None, *, capture_error_mode: str | None = None
+) -> Iterator[None]:
     """Record the work issued inside the block into ``graph`` (CUDA capture semantics).
 
     The current stream must not be the default stream (CUDA refuses to capture
@@ -1363,10 +1516,19 @@ def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iter
       accelerator's ``manual_seed`` raises at once, and capture end compares
       the generator's seed with the one it began with, before restoring it,
       which catches ``torch.manual_seed`` with another seed and ``torch.seed()``.
-    * Capture is per thread, as CUDA's ``thread_local`` capture mode, which
-      every backend path requests: another thread's work on other streams
-      neither breaks a capture nor is recorded into it.
+    * ``capture_error_mode`` is CUDA's (:data:`CAPTURE_ERROR_MODES`; ``None``:
+      this thread's :func:`cpu_capture_error_mode`, else
+      :data:`DEFAULT_CAPTURE_ERROR_MODE`). In ``"thread_local"``, which every
+      backend path requests, and ``"relaxed"`` (the same here: the emulation
+      models no allocations), another thread's work on other streams, its host
+      reads and its waits neither break a capture nor are recorded into it. In
+      ``"global"`` (PyTorch's default) another thread's host read or wait is
+      refused and invalidates the capture, as CUDA fails both. The capturing
+      thread's own rules, and those of the capturing stream, are the same in
+      every mode.
     """
+    mode = _checked_mode(capture_error_mode or getattr(_state, "capture_error_mode", None)
+                         or DEFAULT_CAPTURE_ERROR_MODE)
     if is_cpu_graph_capturing():
         raise _refused("nested graph capture is not permitted")
     if graph.is_captured:
@@ -1382,6 +1544,7 @@ def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iter
         )
     pool = pool if pool is not None else graph._pool
     rec = _Recorder()
+    rec.mode = mode
     me = threading.current_thread()
     with _captures_lock:
         if _captures:
@@ -1399,6 +1562,8 @@ def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iter
             )
         pool._begin()
         _captures[stream] = rec
+        if mode == "global":
+            _begin_global_mode()
     guard = _HostSyncGuard(rec)
     rng = torch.default_generator.get_state()
     seed = torch.default_generator.initial_seed()
@@ -1416,6 +1581,8 @@ def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iter
             _state.guard = None
             with _captures_lock:
                 del _captures[stream]
+                if mode == "global":
+                    _end_global_mode()
             # Before the restore below puts the old seed back: CUDA refuses to seed while capturing.
             reseeded = torch.default_generator.initial_seed() != seed
             torch.default_generator.set_state(rng)  # a capture draws nothing: CUDA keeps the eager offset
@@ -1426,6 +1593,11 @@ def capture_cpu_graph(graph: CPUGraph, pool: CPUGraphPool | None = None) -> Iter
         # the body completed
         if failed is not None:
             raise GraphCaptureError(f"CPU graph emulation: restoring what the capture wrote failed: {failed}") from failed
+        if rec.invalidated_by is not None:
+            raise GraphCaptureError(
+                f"the capture was invalidated by thread {rec.invalidated_by!r}, whose call was refused while it ran "
+                f"(CUDA: cudaErrorStreamCaptureInvalidated at capture end). Its refusal: {rec.invalidated}"
+            ) from rec.invalidated
         if rec.invalidated is not None:
             raise GraphCaptureError(
                 "the capture was invalidated by an operation refused inside it, although the body caught the "
