@@ -260,7 +260,8 @@ def _filtered_sorted_logprobs(
     temperature, top-k and top-p (removed entries are ``-inf``, the rest are
     renormalised), the vocabulary index of each sorted position, and the
     log-probabilities at the temperature before any filter (the same tensor as
-    the first when no filter runs). Requires
+    the first when no filter runs), reduced in vocabulary order so that at
+    temperature 1 they are ``log_softmax(logits.float())``'s bits. Requires
     ``temperature > 0``. Shapes are static and no value is read on the host.
     The Python knobs choose the filters (:func:`sampling_mode`); ``knobs``, when
     given, supplies their values (the float32 values the Python ones round to).
@@ -274,11 +275,16 @@ def _filtered_sorted_logprobs(
     sorted_logits, sort_index = torch.sort(scaled, dim=-1, descending=True, stable=True)
     vocab = sorted_logits.shape[-1]
     neg_inf = float("-inf")
-    full = torch.log_softmax(sorted_logits, dim=-1) if top_k_on or top_p_on else None
+    # The full softmax reduces in vocabulary order, then moves to sorted order: a sum's bits depend on its order,
+    # and this is the order of a training forward's log_softmax and of greedy's, so at temperature 1 the three
+    # agree bit for bit (summed in sorted order they differed by an ulp, issue 38).
+    full = torch.log_softmax(scaled, dim=-1).gather(-1, sort_index)
+    logprobs = full
     if top_k_on and (knobs is not None or top_k < vocab):
         position = torch.arange(vocab, device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(position >= k, neg_inf)
-    logprobs = torch.log_softmax(sorted_logits, dim=-1)
+        kept = torch.log_softmax(sorted_logits.masked_fill(position >= k, neg_inf), dim=-1)
+        # A row whose own setting has no top-k (a knob past the vocabulary) keeps its bits, as in a call of its own.
+        logprobs = torch.where(k >= vocab, full, kept) if knobs is not None else kept
     if top_p_on:
         probs = logprobs.exp()
         mass_before = torch.cumsum(probs, dim=-1) - probs  # exclusive prefix sum
@@ -287,7 +293,7 @@ def _filtered_sorted_logprobs(
         renormalised = torch.log_softmax(logprobs.masked_fill(drop, neg_inf), dim=-1)
         # A row whose own setting has no top-p (a knob past 1) keeps its bits, as in a call of its own.
         logprobs = torch.where(p > 1, logprobs, renormalised) if knobs is not None else renormalised
-    return logprobs, sort_index, logprobs if full is None else full
+    return logprobs, sort_index, full
 
 
 def sample_tokens(
@@ -340,7 +346,9 @@ def sample_tokens_and_top(
     T)`` restricted by top-k/top-p and renormalised; ``logprobs="full"`` (or
     ``knobs.full``) reports it under the full ``softmax(logits / T)`` instead,
     with the same tokens. When greedy, it is the one under ``softmax(logits)``
-    (temperature 1, no filtering), which is what a trainer's forward computes.
+    (temperature 1, no filtering), which is what a trainer's forward computes:
+    bit for bit ``log_softmax(logits.float())``, and ``logprobs_of`` at
+    temperature 0 or 1 (every full softmax here reduces in vocabulary order).
     """
     validate_sampling(temperature, top_p, top_k)
     validate_logprobs(logprobs)
@@ -393,7 +401,8 @@ def logprobs_of(
     Uses the same filtering as :func:`sample_tokens`, so a trainer can recompute
     rollout log-probabilities from a full-sequence forward; a token that the
     filters remove gets ``-inf``. ``temperature == 0`` gives the plain
-    ``log_softmax(logits)`` value. Returns float32 with the shape of ``tokens``.
+    ``log_softmax(logits)`` value, the same bits as ``temperature=1`` without
+    filters. Returns float32 with the shape of ``tokens``.
     """
     validate_sampling(temperature, top_p, top_k)
     validate_logprobs(logprobs)

@@ -1,4 +1,9 @@
-"""The one stats type of a graph runner, shared by ``engine.graph_stats`` and a rollout's ``last_stats``.
+"""The stats types of a graph runner: :class:`GraphStats` (``engine.graph_stats``, ``rollout.graph_stats``, and what
+a rollout's ``last_stats`` is computed from) and :class:`CallStats`, the schema of ``rollout.last_stats``.
+
+Why one schema: ``last_stats`` was built by two hand-kept dicts, and an empty request's had 19 of a normal call's
+40 keys (issue 38), so ``last_stats["decode_ms"]`` raised ``KeyError`` on an empty data-parallel shard. Every
+call now fills the same dataclass, whose defaults say "nothing happened".
 """
 
 from __future__ import annotations
@@ -6,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["GraphStats"]
+__all__ = ["CallStats", "GraphStats"]
 
 
 @dataclasses.dataclass
@@ -55,3 +60,67 @@ class GraphStats:
     def to_dict(self) -> dict[str, Any]:
         """The counters as a plain dict, for logging."""
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class CallStats:
+    """One rollout call's counters: every key of ``HybridEngineRollout.last_stats``, listed once.
+
+    Each call (an empty request, a normal one, an episode turn) fills the same fields, so ``last_stats`` has
+    the same keys whatever happened; what a call did not do keeps its default (0, ``()``, ``{}`` or ``None``).
+    Counters and times are the call's own (graph counters as the difference of the runner's
+    :class:`GraphStats` before and after); ``cache_memory_bytes``, ``kv_page_size`` and ``kv_pages_total``
+    describe the runner's buffers after the call. ``profile`` is a dict only with
+    ``RolloutConfig(enable_profiling=True)``.
+    """
+
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    overhead_ms: float = 0.0  # total_ms less prefill and decode
+    total_ms: float = 0.0
+    decode_steps: int = 0
+    prefill_forwards: int = 0
+    tokens_generated: int = 0
+    tokens_per_second: float = 0.0
+    graph_replays: int = 0
+    graph_captures: int = 0
+    admission_graph_replays: int = 0
+    admission_graph_captures: int = 0
+    fallbacks: int = 0
+    peak_active_batch: int = 0
+    cache_capacity: int = 0  # the per-row KV length the call used (0: no slots)
+    cache_memory_bytes: int = 0
+    kv_page_size: int = 0
+    kv_pages_total: int = 0
+    kv_pages_peak: int = 0
+    kv_pages_held_peak: int = 0
+    kv_bytes_peak: int = 0
+    preemptions: int = 0
+    span_buckets: tuple[int, ...] = ()
+    span_steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    host_syncs: int = 0
+    eager_steps: int = 0
+    capture_ms: float = 0.0
+    graph_batch_size: int = 0  # the bucket the call's slots were sized for (0: none)
+    use_graph_capture: bool = False
+    last_refusal_reason: str | None = None
+    prefill_rows: int = 0
+    prefill_tokens: int = 0
+    kv_reused_tokens: int = 0
+    kv_row_copies: int = 0
+    admission_rounds: int = 0
+    harvests: int = 0
+    compactions: int = 0
+    rows_moved: int = 0
+    bucket_steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    num_sequences: int = 0
+    profile: dict[str, Any] | None = None
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """Every key of ``last_stats``, in order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``last_stats`` dict: every field, values as they are (not deep-copied)."""
+        return {name: getattr(self, name) for name in self.keys()}

@@ -43,7 +43,7 @@ from hybrid_engine.generation.stop_strings import StopStrings
 from hybrid_engine.generation.timing import PhaseTimer
 from hybrid_engine.generation.token_ids import MAX_TOKEN_ID, token_ids
 from hybrid_engine.graphs.runner import DecodeGraphRunner
-from hybrid_engine.graphs.stats import GraphStats
+from hybrid_engine.graphs.stats import CallStats, GraphStats
 from hybrid_engine.model_access import check_device, decode_model
 from hybrid_engine.rollout.episodes import Episodes, TurnRows
 from hybrid_engine.rollout.types import (
@@ -88,7 +88,9 @@ class HybridEngineRollout:
 
     ``tokenizer`` (optional) supplies pad/EOS ids; ``RolloutConfig.pad_token_id``/
     ``eos_token_id`` override them; the model's generation config is the last
-    resort. After each :meth:`generate`, :attr:`last_stats` describes the call.
+    resort. After each :meth:`generate`, :attr:`last_stats` describes the call: the keys of
+    :class:`~hybrid_engine.graphs.stats.CallStats`, the same for every call (an empty request's are zeros); a
+    call that raises leaves it as it was.
     """
 
     def __init__(self, engine: Any, tokenizer: Any = None, config: RolloutConfig | None = None) -> None:
@@ -387,12 +389,13 @@ class HybridEngineRollout:
         """The batch of a request with no prompts: no rows, no response columns; ``last_stats`` says so."""
         ids, mask = request.prompt_ids, request.prompt_attention_mask
         empty = torch.zeros(0, dtype=torch.int64, device=ids.device)
-        self.last_stats = {"num_sequences": 0, "tokens_generated": 0, "decode_steps": 0, "prefill_forwards": 0,
-                           "graph_replays": 0, "graph_captures": 0, "admission_graph_replays": 0,
-                           "admission_graph_captures": 0, "fallbacks": 0, "prefill_tokens": 0, "kv_reused_tokens": 0, "host_syncs": 0, "kv_pages_peak": 0, "kv_pages_held_peak": 0,
-                           "kv_bytes_peak": 0, "preemptions": 0, "span_buckets": (),
-                           "total_ms": (time.perf_counter() - t_start) * 1e3,
-                           "use_graph_capture": self.runner.use_graphs}
+        # The schema's defaults (nothing happened), the buffers as they stand, and the call's time.
+        held = self.runner.stats
+        total_ms = (time.perf_counter() - t_start) * 1e3
+        self.last_stats = CallStats(total_ms=total_ms, overhead_ms=total_ms, use_graph_capture=self.runner.use_graphs,
+                                    cache_memory_bytes=held.cache_memory_bytes, kv_page_size=held.kv_page_size,
+                                    kv_pages_total=held.kv_pages_total,
+                                    profile=self._profile(0.0, 0, 0.0, 0, 0.0, held)).to_dict()
         return RolloutBatch(input_ids=ids, attention_mask=mask, response_start_idx=ids.shape[1],
                             response_logprobs=torch.zeros(0, 0, dtype=torch.float32, device=ids.device),
                             response_lengths=empty, prompt_index=empty)
@@ -417,55 +420,64 @@ class HybridEngineRollout:
         tokens = int(sum(c.lengths.values()))
         phases = c.timer.totals_ms()
         slots = self.runner.slots
-        stats: dict[str, Any] = {
-            "prefill_ms": phases.get("prefill", 0.0),
-            "decode_ms": phases.get("decode", 0.0),
-            "overhead_ms": max(0.0, total_s * 1e3 - phases.get("prefill", 0.0) - phases.get("decode", 0.0)),
-            "total_ms": total_s * 1e3,
-            "decode_steps": c.decode_steps,
-            "prefill_forwards": c.prefill_forwards,
-            "tokens_generated": tokens,
-            "tokens_per_second": tokens / total_s if total_s > 0 else 0.0,
-            "graph_replays": after.replays - before.replays,
-            "graph_captures": after.captures - before.captures,
-            "admission_graph_replays": after.admission_replays - before.admission_replays,
-            "admission_graph_captures": after.admission_captures - before.admission_captures,
-            "fallbacks": after.fallbacks - before.fallbacks,
-            "peak_active_batch": c.peak_active_batch,
-            "cache_capacity": slots.capacity,
-            "cache_memory_bytes": after.cache_memory_bytes,
-            "kv_page_size": after.kv_page_size,
-            "kv_pages_total": after.kv_pages_total,
-            "kv_pages_peak": c.kv_pages_peak,
-            "kv_pages_held_peak": c.kv_pages_held_peak,
-            "kv_bytes_peak": after.kv_bytes_peak,
-            "preemptions": c.preemptions,
-            "span_buckets": tuple(sorted(c.span_steps)),
-            "span_steps": dict(c.span_steps),
-            "host_syncs": c.host_syncs,
-            # extras
-            "eager_steps": after.eager_steps - before.eager_steps,
-            "capture_ms": (after.capture_seconds - before.capture_seconds) * 1e3,
-            "graph_batch_size": bucket,
-            "use_graph_capture": self.runner.use_graphs,
-            "last_refusal_reason": after.last_refusal_reason,
-            "prefill_rows": c.prefill_rows,
-            "prefill_tokens": c.prefill_tokens,
-            "kv_reused_tokens": c.kv_reused_tokens,
-            "kv_row_copies": c.kv_row_copies,
-            "admission_rounds": c.admission_rounds,
-            "harvests": c.harvests,
-            "compactions": c.compactions,
-            "rows_moved": c.rows_moved,
-            "bucket_steps": dict(c.bucket_steps),
-            "num_sequences": int(batch.input_ids.shape[0]),
+        prefill_ms, decode_ms = phases.get("prefill", 0.0), phases.get("decode", 0.0)
+        capture_ms = (after.capture_seconds - before.capture_seconds) * 1e3
+        stats = CallStats(
+            prefill_ms=prefill_ms,
+            decode_ms=decode_ms,
+            overhead_ms=max(0.0, total_s * 1e3 - prefill_ms - decode_ms),
+            total_ms=total_s * 1e3,
+            decode_steps=c.decode_steps,
+            prefill_forwards=c.prefill_forwards,
+            tokens_generated=tokens,
+            tokens_per_second=tokens / total_s if total_s > 0 else 0.0,
+            graph_replays=after.replays - before.replays,
+            graph_captures=after.captures - before.captures,
+            admission_graph_replays=after.admission_replays - before.admission_replays,
+            admission_graph_captures=after.admission_captures - before.admission_captures,
+            fallbacks=after.fallbacks - before.fallbacks,
+            peak_active_batch=c.peak_active_batch,
+            cache_capacity=slots.capacity,
+            cache_memory_bytes=after.cache_memory_bytes,
+            kv_page_size=after.kv_page_size,
+            kv_pages_total=after.kv_pages_total,
+            kv_pages_peak=c.kv_pages_peak,
+            kv_pages_held_peak=c.kv_pages_held_peak,
+            kv_bytes_peak=after.kv_bytes_peak,
+            preemptions=c.preemptions,
+            span_buckets=tuple(sorted(c.span_steps)),
+            span_steps=dict(c.span_steps),
+            host_syncs=c.host_syncs,
+            eager_steps=after.eager_steps - before.eager_steps,
+            capture_ms=capture_ms,
+            graph_batch_size=bucket,
+            use_graph_capture=self.runner.use_graphs,
+            last_refusal_reason=after.last_refusal_reason,
+            prefill_rows=c.prefill_rows,
+            prefill_tokens=c.prefill_tokens,
+            kv_reused_tokens=c.kv_reused_tokens,
+            kv_row_copies=c.kv_row_copies,
+            admission_rounds=c.admission_rounds,
+            harvests=c.harvests,
+            compactions=c.compactions,
+            rows_moved=c.rows_moved,
+            bucket_steps=dict(c.bucket_steps),
+            num_sequences=int(batch.input_ids.shape[0]),
+            profile=self._profile(prefill_ms, c.prefill_forwards, decode_ms, c.decode_steps, capture_ms, after),
+        )
+        return stats.to_dict()
+
+    def _profile(self, prefill_ms: float, prefill_forwards: int, decode_ms: float, decode_steps: int,
+                 capture_ms: float, after: GraphStats) -> dict[str, Any] | None:
+        """``last_stats["profile"]``: per-forward and per-step times and memory with ``enable_profiling``, else
+        ``None``."""
+        if not self.config.enable_profiling:
+            return None
+        slots = self.runner.slots
+        return {
+            "prefill_ms_per_forward": prefill_ms / max(1, prefill_forwards),
+            "decode_ms_per_step": decode_ms / max(1, decode_steps),
+            "capture_ms": capture_ms,
+            "state_memory_bytes": slots.memory_bytes() if slots is not None else 0,
+            "graph_memory_bytes": after.graph_memory_bytes,
         }
-        if self.config.enable_profiling:
-            stats["profile"] = {
-                "prefill_ms_per_forward": stats["prefill_ms"] / max(1, c.prefill_forwards),
-                "decode_ms_per_step": stats["decode_ms"] / max(1, c.decode_steps),
-                "capture_ms": stats["capture_ms"],
-                "state_memory_bytes": slots.memory_bytes(),
-                "graph_memory_bytes": after.graph_memory_bytes,
-            }
-        return stats

@@ -72,6 +72,87 @@ def test_rollout_logprobs_are_the_training_forwards_bit_for_bit(arch, temperatur
     assert torch.equal(batch.response_logprobs, want)
 
 
+
+def _trainer_views(engine, batch) -> dict[str, torch.Tensor]:
+    """A greedy rollout's response logprobs as a trainer may compute them from ``engine(...)``: ``logprobs_of`` at
+    temperature 0 and at 1 (greedy's distribution, as docs/exact.md's example writes it), and a plain
+    ``log_softmax``; each in ``batch.response_logprobs``' layout, 0 past a response."""
+    inputs = batch.training_inputs()
+    with torch.no_grad():
+        logits = engine(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    start = batch.response_start_idx
+    at = logits[:, start - 1:-1]
+    real = batch.response_mask[:, start:]
+    views = {"T=0": logprobs_of(at, batch.responses, temperature=0.0),
+             "T=1": logprobs_of(at, batch.responses, temperature=1.0),
+             "log_softmax": torch.log_softmax(at.float(), dim=-1).gather(-1, batch.responses[..., None])[..., 0]}
+    return {name: lp.masked_fill(~real, 0.0) for name, lp in views.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gpt2", "tiny-qwen3"])
+def test_a_greedy_rollouts_logprobs_are_the_training_forwards_however_the_trainer_spells_greedy(arch, graphs,
+                                                                                                 dtype):
+    """Issue 38: greedy reported ``log_softmax`` in vocabulary order, ``logprobs_of(temperature=1)`` summed it
+    in sorted order: 4.77e-7 apart. Every spelling of greedy's distribution now gives the same bits."""
+    engine = exact_engine(arch, DTYPES[dtype])
+    ids, mask = prompts([3, 9, 5, 1, 7], seed=5)
+    rollout = HybridEngineRollout(engine, config=RolloutConfig(use_graph_capture=graphs, pad_token_id=0,
+                                                               eos_token_id=7, max_batch_size=4))
+    sampling = SamplingConfig(max_new_tokens=20, temperature=0.0, seed=3)  # temperature 0: greedy
+    batch = rollout.generate(RolloutRequest(ids, mask), sampling)
+    if graphs:
+        assert rollout.last_stats["graph_replays"] > 0 and rollout.graph_stats.fallbacks == 0
+    assert int(batch.response_mask.sum()) > 40
+    for name, want in _trainer_views(engine, batch).items():
+        assert torch.equal(batch.response_logprobs, want), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gpt2"])
+def test_a_greedy_request_among_sampled_ones_reports_what_it_reports_alone(arch, graphs, dtype):
+    """A greedy prompt in a call that also samples runs as a top-1 pick in the sampled graph: its tokens and
+    logprobs are those of a greedy call of its own, and the training forward's."""
+    engine = exact_engine(arch, DTYPES[dtype])
+    ids, mask = prompts([6, 4, 8], seed=7)
+    config = RolloutConfig(use_graph_capture=graphs, pad_token_id=0, eos_token_id=NO_EOS)
+    sampling = SamplingConfig(max_new_tokens=14, temperature=0.0, seed=2)
+    mixed = HybridEngineRollout(engine, config=config).generate(
+        RolloutRequest(ids, mask, temperature=[1.0, 0.0, 0.7], top_p=[0.9, None, None]), sampling)
+    alone = HybridEngineRollout(engine, config=config).generate(
+        RolloutRequest(ids[1:2], mask[1:2], request_ids=[1]), sampling)
+    assert torch.equal(mixed.responses[1], alone.responses[0])
+    assert torch.equal(mixed.response_logprobs[1], alone.response_logprobs[0])
+    for name, want in _trainer_views(engine, alone).items():
+        assert torch.equal(alone.response_logprobs, want), name
+
+
+
+def test_every_spelling_of_the_temperature_one_softmax_gives_the_same_bits():
+    """The root cause of issue 38, on bare logits: the full softmax is reduced in vocabulary order wherever it is
+    computed (greedy, ``logprobs_of`` at T=1, a no-op top-k, ``logprobs="full"``), so the ulp the sorted order
+    gave away is gone."""
+    from hybrid_engine.decode.sampling import SamplingKnobs, sample_tokens
+
+    logits = torch.randn(64, 384, generator=torch.Generator().manual_seed(0)) * 3
+    tokens = torch.randint(0, 384, (64,), generator=torch.Generator().manual_seed(1))
+    want = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    for kwargs in ({"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 1.0, "top_k": 384},
+                   {"temperature": 1.0, "top_p": 0.5, "logprobs": "full"},
+                   {"temperature": 1.0, "top_k": 5, "logprobs": "full"}):
+        assert torch.equal(logprobs_of(logits, tokens, **kwargs), want), kwargs
+    greedy, greedy_lp = sample_tokens(logits, temperature=0.0, seed=0, request_index=0, token_index=0)
+    knobs = SamplingKnobs(torch.device("cpu"))
+    knobs.set_table([(0.0, 1.0, -1), (1.0, 0.9, -1)])  # a greedy setting among sampled ones: a top-1 pick
+    index = torch.zeros(64, dtype=torch.int64)
+    mixed, mixed_lp = sample_tokens(logits, temperature=1.0, top_p=0.5, top_k=1, seed=0, request_index=0,
+                                    token_index=0, knobs=knobs.for_rows(index))
+    assert torch.equal(mixed, greedy) and torch.equal(mixed_lp, greedy_lp)
+    assert torch.equal(greedy_lp, torch.log_softmax(logits, dim=-1).gather(-1, greedy[:, None])[:, 0])
+
+
 def test_exact_forward_on_a_bare_model_is_what_a_rollout_with_exact_logprobs_reports():
     model = build_model("tiny-mistral", seed=4)
     ids, mask = prompts([6, 2, 8], seed=1)
@@ -194,9 +275,12 @@ def test_exact_logprobs_must_be_a_bool():
         initialize(model=build_model("tiny-llama"), config={"hybrid_engine": {"exact_logprobs": 1}})
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_engine_generate_in_exact_mode_picks_the_exact_forwards_argmax(graphs):
-    model = build_model("tiny-qwen2", seed=6)
+@pytest.mark.parametrize("arch", ["tiny-qwen2", "tiny-gpt2"])
+def test_engine_generate_in_exact_mode_picks_the_exact_forwards_argmax(arch, graphs, dtype):
+    """``engine.generate`` returns tokens, not logprobs: its greedy tokens are the exact forward's argmax."""
+    model = build_model(arch, seed=6).to(DTYPES[dtype])
     engine, *_ = initialize(model=model, config={"hybrid_engine": {"exact_logprobs": True,
                                                                    "enable_graph_capture": graphs}})
     ids, mask = prompts([4, 7, 2], seed=3)
