@@ -1,11 +1,14 @@
 """make_rollout_func(tools=..., environment_factory=...): TRL's tool loop run inside hybrid-engine rollouts, on CPU.
 
-The toy task: an ``add(a, b)`` tool. A tiny GPT-2 is first fitted (a few hundred milliseconds of plain
-supervised steps) to a handful of tool-calling conversations, so that it really calls the tool, sometimes
-twice, sometimes with a wrong name, and sometimes not at all. The tokenizer is built locally
-(``build_tool_tokenizer``: the tiny word-level vocabulary with a few words added, a chat template that
-renders tools, tool calls and tool messages, and a response template, transformers' response parsing that
-TRL's ``parse_response`` uses, that parses ``call add a = 3 b = 4 end`` into a tool call).
+The toy task: an ``add(a, b)`` tool. The model is scripted (``scripted_model.scripted_gpt2``: a real one-layer
+GPT-2 whose next token is a function of position and token, with logit margins of 40 and more), so that on
+every CPU it calls the tool once on one question, twice on another, with a wrong name on a third and not at all
+on the fourth, as SCRIPT says; its final answers are fair choices (right or wrong, with logprob log 1/2), so
+rewards vary within a group. A model fitted inside the test and then sampled made its extra tool calls by
+accident, and on AVX2 CPUs not at all (issue 38). The tokenizer is built locally (``build_tool_tokenizer``: the
+tiny word-level vocabulary with a few words added, a chat template that renders tools, tool calls and tool
+messages, and a response template, transformers' response parsing that TRL's ``parse_response`` uses, that
+parses ``call add a = 3 b = 4 end`` into a tool call).
 
 The reference is TRL's own loop: a real ``GRPOTrainer(tools=[add])`` runs its ``_generate`` (tool calls,
 tool results, masks, budget) on the same prompts, its per-turn generation replaced by a replay of the
@@ -25,26 +28,32 @@ import torch
 pytest.importorskip("trl", reason="needs the trl extra")
 
 from datasets import Dataset  # noqa: E402
+from transformers import GPT2LMHeadModel  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from hybrid_engine import RolloutConfig, RolloutRequest  # noqa: E402
 from hybrid_engine.integrations.trl import environment_reward, make_rollout_func  # noqa: E402
 from hybrid_engine.integrations.trl_tools import ToolLoop  # noqa: E402
-from hybrid_engine.tiny_models import EOS_ID, build_model, build_tokenizer, build_tool_tokenizer  # noqa: E402
+from hybrid_engine.tiny_models import EOS_ID, build_tokenizer, build_tool_tokenizer  # noqa: E402
+
+from .scripted_model import script_table, scripted_gpt2  # noqa: E402
 
 GROUP = 4
-# (question, the conversation the model is fitted to: model turns and, between them, tool results)
-FIT = [
-    ("what is 3 and 4", ["call add a = 3 b = 4 end </s>", "tool : 7 . assistant :", "7 </s>"]),
-    ("what is 5 and 2 and 6", ["call add a = 5 b = 2 end </s>", "tool : 7 . assistant :",
-                               "call add a = 7 b = 6 end </s>", "tool : 13 . assistant :", "13 </s>"]),
-    ("what is 1 and 8", ["call add a = 1 b = 8 end </s>", "tool : 9 . assistant :", "9 </s>"]),
-    ("the cat is in the water", ["it is </s>"]),
-    ("what is it", ["call find a = 1 end </s>", "tool : {'error': 'Tool find not found.'} . assistant :", "no </s>"]),
+# (question, the conversation the model is scripted to make: model turns and, between them, the tool results they
+# get). "a|b" is a fair choice between a and b. Prompts of different lengths (14, 16, 15 and 12 tokens) keep the
+# four scripts apart: the model's next token depends on the position and the token there.
+SCRIPT = [
+    ("what is 3 and 4", ["call add a = 3 b = 4 end </s>", "tool : 7 . assistant :", "7|9 </s>"]),
+    ("what is 5 and 3 and 6", ["call add a = 5 b = 3 end </s>", "tool : 8 . assistant :",
+                               "call add a = 8 b = 6 end </s>", "tool : 14 . assistant :", "14|15 </s>"]),
+    ("the cat is in the water", ["it|he is </s>"]),
+    ("what is it", ["call find a = 1 end </s>", "tool : {'error': 'Tool find not found.'} . assistant :",
+                    "no|not </s>"]),
 ]
-QUESTIONS = ["what is 3 and 4", "what is 5 and 2 and 6", "the cat is in the water", "what is it"]
-ANSWERS = {"what is 3 and 4": "7", "what is 5 and 2 and 6": "13", "the cat is in the water": "it is",
+QUESTIONS = [q for q, _ in SCRIPT]
+ANSWERS = {"what is 3 and 4": "7", "what is 5 and 3 and 6": "14", "the cat is in the water": "it is",
            "what is it": "no"}
+BUDGET = 40  # max_completion_length: the longest script (two tool rounds and an answer) takes 34 tokens
 
 
 def add(a: int, b: int) -> int:
@@ -61,57 +70,46 @@ def _conversation(question: str) -> list[dict]:
     return [{"role": "user", "content": question}]
 
 
-_FITTED: dict[str, dict] = {}
+_SCRIPTED: dict[str, dict] = {}
 
 
-def fitted_model(positions: int | None = None):
-    """A tiny GPT-2 fitted to FIT's model turns (loss on the model's tokens only); a fresh copy per call, with only
+def _steps(question: str, parts: list[str], tok) -> list:
+    """SCRIPT's conversation as the steps of ``script_table``: the rendered prompt and the tool results given,
+    the model turns sampled."""
+    text = tok.apply_chat_template(_conversation(question), tools=[add], add_generation_prompt=True, tokenize=False)
+    steps = [((t,), False) for t in tok(text, add_special_tokens=False)["input_ids"]]
+    for j, part in enumerate(parts):
+        if j % 2:
+            steps += [((t,), False) for t in tok(part, add_special_tokens=False)["input_ids"]]
+            continue
+        for word in part.split():
+            ids = tuple(tok.convert_tokens_to_ids(w) for w in word.split("|"))
+            assert tok.unk_token_id not in ids, word
+            steps.append((ids, True))
+    return steps
+
+
+def scripted_model(positions: int | None = None):
+    """The GPT-2 scripted to make SCRIPT's conversations; a fresh copy per call (the tests train some), with only
     the first ``positions`` position embeddings if given (a lower position limit)."""
-    if "state" not in _FITTED:
+    if "state" not in _SCRIPTED:
         tok = build_tool_tokenizer()
-        seqs = []
-        for question, parts in FIT:
-            text = tok.apply_chat_template(_conversation(question), tools=[add], add_generation_prompt=True,
-                                           tokenize=False)
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-            labels = [-100] * len(ids)
-            for j, part in enumerate(parts):
-                t = tok(part, add_special_tokens=False)["input_ids"]
-                ids, labels = ids + t, labels + (t if j % 2 == 0 else [-100] * len(t))
-            seqs.append((ids, labels))
-        width = max(len(s) for s, _ in seqs)
-        ids = torch.tensor([s + [0] * (width - len(s)) for s, _ in seqs])
-        labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in seqs])
-        mask = (torch.arange(width)[None] < torch.tensor([len(s) for s, _ in seqs])[:, None]).long()
-        model = build_model("tiny-gpt2", seed=0)
-        model.train()
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # a tiny model: one thread is fastest
-        try:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                for _ in range(150):
-                    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-        finally:
-            torch.set_num_threads(threads)
-        _FITTED["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    state = dict(_FITTED["state"])
-    if positions is None:
-        model = build_model("tiny-gpt2", seed=0)
-    else:
-        model = build_model("tiny-gpt2", seed=0, n_positions=positions)
+        model = scripted_gpt2(script_table(_steps(q, parts, tok) for q, parts in SCRIPT))
+        _SCRIPTED["config"] = model.config
+        _SCRIPTED["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state, config = dict(_SCRIPTED["state"]), copy.deepcopy(_SCRIPTED["config"])
+    if positions is not None:
+        config.n_positions = positions
         state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:positions]
+    with torch.random.fork_rng(devices=[]):  # the initialisation, overwritten next, draws from the global RNG
+        model = GPT2LMHeadModel(config)
     model.load_state_dict(state)
-    return model
+    return model.eval()
 
 
 def stand_in_trainer(model, tokenizer=None, **args):
     """The attributes of GRPOTrainer the rollout function reads."""
-    defaults = dict(max_completion_length=32, temperature=1.0, top_p=1.0, top_k=0, seed=0, min_p=None,
+    defaults = dict(max_completion_length=BUDGET, temperature=1.0, top_p=1.0, top_k=0, seed=0, min_p=None,
                     repetition_penalty=1.0, generation_kwargs=None, max_tool_calling_iterations=None)
     model.train()
     return SimpleNamespace(
@@ -140,8 +138,8 @@ def _segments(env_mask: list[int]) -> list[tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def tool_call():
-    """One call of make_rollout_func(tools=[add]) on the fitted model: (fn, trainer, prompts, output)."""
-    model = fitted_model()
+    """One call of make_rollout_func(tools=[add]) on the scripted model: (fn, trainer, prompts, output)."""
+    model = scripted_model()
     trainer = stand_in_trainer(model)
     fn = make_rollout_func(RolloutConfig(use_graph_capture=False), tools=[add])
     prompts = _prompts()
@@ -158,6 +156,7 @@ def test_the_loop_runs_several_turns_and_masks_the_tool_results(tool_call):
     stats = fn.tool_loop.last_stats
     assert stats["tool_calls"] >= GROUP and stats["tool_failures"] >= 1  # "what is it" calls a tool that is not there
     assert max(stats["turns"]) >= 3 and min(stats["turns"]) == 1  # two tool rounds on some rows, none on others
+    assert stats["turns"] == [2] * GROUP + [3] * GROUP + [1] * GROUP + [2] * GROUP  # SCRIPT's, on every CPU
     for r in range(rows):
         ids, lp, env = out["completion_ids"][r], out["logprobs"][r], out["env_mask"][r]
         assert len(ids) == len(lp) == len(env) <= trainer.args.max_completion_length
@@ -170,7 +169,7 @@ def test_the_loop_runs_several_turns_and_masks_the_tool_results(tool_call):
             assert tok.decode(ids[end:start]).startswith("tool :")
         text = tok.apply_chat_template(prompts[r], tools=[add], add_generation_prompt=True, tokenize=False)
         assert out["prompt_ids"][r] == tok(text, add_special_tokens=False)["input_ids"]
-    # The fitted model adds right at least once: 3 + 4 comes back as the tool result "7".
+    # 3 + 4 comes back as the tool result "7".
     results = [m["content"] for msgs in out["completion_messages"] for m in msgs if m["role"] == "tool"]
     assert "7" in results and "Tool find not found." in " ".join(results)
 
@@ -233,28 +232,28 @@ def _trl_reference(model, tokenizer, prompts, out, **args):
             "completion_messages": completions, "tool_calls": round(calls)}
 
 
-@pytest.mark.parametrize("budget,iterations,positions", [(32, None, None), (20, None, None), (32, 1, None),
-                                                         (32, None, 34)])
+@pytest.mark.parametrize("budget,iterations,positions", [(BUDGET, None, None), (20, None, None), (BUDGET, 1, None),
+                                                         (BUDGET, None, 34)])
 def test_same_result_as_trls_own_tool_loop(tool_call, budget, iterations, positions, monkeypatch):
     """Tool results, their tokens, the masks, the budget cut, the iteration limit and the model's position limit: as
     TRL's own loop."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     fn, trainer, prompts, out = tool_call
-    if (budget, iterations, positions) != (32, None, None):
-        trainer = stand_in_trainer(fitted_model(positions), max_completion_length=budget,
+    if (budget, iterations, positions) != (BUDGET, None, None):
+        trainer = stand_in_trainer(scripted_model(positions), max_completion_length=budget,
                                    max_tool_calling_iterations=iterations)
         fn = make_rollout_func(RolloutConfig(use_graph_capture=False), tools=[add])
         out = fn(copy.deepcopy(prompts), trainer)
     lengths, turns = [len(ids) for ids in out["completion_ids"]], fn.tool_loop.last_stats["turns"]
     assert max(lengths) <= budget
-    if budget == 20:  # the second turn of "5 and 2 and 6" is cut, and the results of its cut call dropped
+    if budget == 20:  # the second turn of "5 and 3 and 6" is cut, and the results of its cut call dropped
         assert budget in lengths and max(turns) == 2
     if iterations == 1:  # tool calls after the first round are parsed but not made
         assert max(turns) == 2 and any(msgs[-1].get("tool_calls") for msgs in out["completion_messages"])
-    if positions is not None:  # no row reaches the limit; the second turn of "5 and 2 and 6" is cut to fit
+    if positions is not None:  # no row reaches the limit; the second turn of "5 and 3 and 6" is cut to fit
         full = [len(p) + n for p, n in zip(out["prompt_ids"], lengths)]
         assert max(full) == positions and max(turns) == 2
-    ref = _trl_reference(fitted_model(positions), build_tool_tokenizer(), prompts, out, max_completion_length=budget,
+    ref = _trl_reference(scripted_model(positions), build_tool_tokenizer(), prompts, out, max_completion_length=budget,
                          max_tool_calling_iterations=iterations)
     for key in ("prompt_ids", "completion_ids", "env_mask", "logprobs", "completion_messages"):
         assert out[key] == ref[key], key
@@ -289,7 +288,7 @@ class CalcEnv:
 
 
 def test_environment_factory_one_environment_per_rollout():
-    model = fitted_model()
+    model = scripted_model()
     fn = make_rollout_func(RolloutConfig(use_graph_capture=False), environment_factory=CalcEnv)
     prompts = _prompts()
     out = fn(copy.deepcopy(prompts), stand_in_trainer(model))
@@ -316,7 +315,7 @@ def test_environment_observation_is_appended_to_the_prompt():
     tok = build_tool_tokenizer()
     fn = make_rollout_func(RolloutConfig(use_graph_capture=False), environment_factory=ObservingEnv,
                            max_completion_length=4)
-    out = fn([_conversation("what is it")] * 2, stand_in_trainer(fitted_model(), tok, max_completion_length=4))
+    out = fn([_conversation("what is it")] * 2, stand_in_trainer(scripted_model(), tok, max_completion_length=4))
     probe = fn.tool_loop.pool[0]
     text = tok.apply_chat_template(_conversation("what is it now"), tools=[probe.add], add_generation_prompt=True,
                                    tokenize=False)
@@ -395,7 +394,7 @@ def test_bad_arguments_name_the_argument(kwargs, exc, match):
 
 
 def test_a_tokenizer_that_cannot_do_tools_is_refused_at_the_first_call():
-    model = fitted_model()
+    model = scripted_model()
     plain = build_tokenizer()
     plain.chat_template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
     fn = make_rollout_func(tools=[add])
@@ -411,7 +410,7 @@ def test_a_tokenizer_that_cannot_do_tools_is_refused_at_the_first_call():
 
 
 def test_zero3_without_the_gathered_copy_is_refused():
-    model = fitted_model()
+    model = scripted_model()
     next(model.parameters()).ds_id = 0  # how DeepSpeed marks a ZeRO-3 partitioned parameter
     fn = make_rollout_func(tools=[add])
     with pytest.raises(ValueError, match=r"ZeRO-3 .* different numbers of turns; pass "
@@ -423,7 +422,7 @@ def test_zero3_without_the_gathered_copy_is_refused():
 def test_a_prompt_at_the_position_limit_is_refused():
     fn = make_rollout_func(RolloutConfig(use_graph_capture=False), tools=[add])
     with pytest.raises(ValueError, match="a prompt has 14 tokens, and the model's position limit is 12; truncate"):
-        fn([_conversation("what is 3 and 4")], stand_in_trainer(fitted_model(12)))
+        fn([_conversation("what is 3 and 4")], stand_in_trainer(scripted_model(12)))
 
 
 @pytest.mark.parametrize("where", ["tools", "environment_factory"])
@@ -431,7 +430,7 @@ def test_grpo_trainer_tools_next_to_our_rollout_func_are_refused(tmp_path, monke
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     kwargs = {"tools": [add]} if where == "tools" else {"environment_factory": CalcEnv}
     trainer = GRPOTrainer(
-        model=fitted_model(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        model=scripted_model(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
         args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=GROUP, num_generations=GROUP,
                         max_completion_length=8, max_steps=1, report_to="none", use_cpu=True, bf16=False,
                         save_strategy="no"),
@@ -458,7 +457,7 @@ class _RecordingTrainer(GRPOTrainer):
 
 def test_grpo_trainer_trains_three_steps_on_the_tool_task(tmp_path, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    model = fitted_model()
+    model = scripted_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     fn = make_rollout_func(tools=[add])  # graphs on
     outputs = []
@@ -473,7 +472,7 @@ def test_grpo_trainer_trains_three_steps_on_the_tool_task(tmp_path, monkeypatch)
     trainer = _RecordingTrainer(
         model=model, reward_funcs=_final_answer, train_dataset=dataset, processing_class=build_tool_tokenizer(),
         args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2 * GROUP, num_generations=GROUP,
-                        max_completion_length=32, max_steps=3, learning_rate=1e-3, logging_steps=1, report_to="none",
+                        max_completion_length=BUDGET, max_steps=3, learning_rate=1e-3, logging_steps=1, report_to="none",
                         use_cpu=True, bf16=False, save_strategy="no", disable_dropout=True, seed=0,
                         dataloader_num_workers=0),
         rollout_func=rollout_func)

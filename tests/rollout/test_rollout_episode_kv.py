@@ -1,7 +1,11 @@
 """Episodes keep their K/V between turns (issue 31): a turn prefills only the tokens after the pages its row kept.
 
 Every test compares with what the same turn gives without reuse (a single-turn rollout on the concatenated
-history, or a row whose pages were evicted or dropped), so reuse can change no token.
+history, or a row whose pages were evicted or dropped). K/V kept from decode steps and K/V prefilled again are
+computed in other batch shapes, so their logprobs may differ in the last float bits; outside the exact mode the
+tokens are compared as ``sampled_close`` compares numerically different paths (equal tokens with logprobs equal
+to 1e-5, or a flip between inverse-CDF neighbours, the only one such noise can make), not by asking both paths
+to round alike on every CPU (issue 38). The exact mode's continued turn is compared bit for bit.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import pytest
 import torch
 from conftest import exact_mode_unavailable
 from rollout_helpers import NO_EOS, left_padded_prompts
+from sampled_close import assert_sampled_close
 
 from hybrid_engine import initialize
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
@@ -55,17 +60,31 @@ def _single_turn_rows(rollout, batch, turn: int, max_new=(5, 5, 5)):
         prompt = batch.prompt_ids[r][batch.prompt_mask[r].bool()].tolist()
         after = batch.completion_ids[r, :n].tolist()
         start = sum(max_new[k] + len(TOOL[r % 3]) for k in range(turn))
-        single = rollout.generate(RolloutRequest(torch.tensor([prompt + after[:start]]),
-                                                 request_ids=[turn * ROWS + r]), _sampling(turn, n_new))
+        history = prompt + after[:start]
+        single = rollout.generate(RolloutRequest(torch.tensor([history]), request_ids=[turn * ROWS + r]),
+                                  _sampling(turn, n_new))
         out.append((after[start:start + n_new], batch.completion_logprobs[r, start:start + n_new],
-                    single.responses[0].tolist(), single.response_logprobs[0]))
+                    single.responses[0].tolist(), single.response_logprobs[0], history))
     return out
 
 
 def _assert_turn_as_single_turn(rollout, batch, turn: int, max_new=(5, 5, 5)) -> None:
-    for tokens, logprobs, single_tokens, single_logprobs in _single_turn_rows(rollout, batch, turn, max_new):
-        assert tokens == single_tokens
-        torch.testing.assert_close(logprobs, single_logprobs, rtol=0, atol=1e-5)
+    rows = _single_turn_rows(rollout, batch, turn, max_new)
+    for r, (tokens, logprobs, single_tokens, single_logprobs, history) in enumerate(rows):
+        assert_sampled_close(rollout.model, history, tokens, logprobs, single_tokens, single_logprobs,
+                             name=f"turn {turn}, row {r}")
+
+
+def _assert_same_completions(model, batch, reference) -> None:
+    """Every row's whole completion (turns and tool tokens) against ``reference``'s, as sampled_close compares."""
+    assert torch.equal(batch.prompt_ids, reference.prompt_ids)
+    for r in range(ROWS):
+        n = int(reference.completion_mask[r].sum())
+        assert int(batch.completion_mask[r].sum()) == n
+        assert_sampled_close(model, batch.prompt_ids[r][batch.prompt_mask[r].bool()].tolist(),
+                             batch.completion_ids[r, :n].tolist(), batch.completion_logprobs[r, :n].tolist(),
+                             reference.completion_ids[r, :n].tolist(), reference.completion_logprobs[r, :n].tolist(),
+                             name=f"row {r}")
 
 
 def test_later_turns_prefill_only_the_new_tokens_and_sample_what_a_full_prefill_does():
@@ -104,7 +123,7 @@ def test_in_the_exact_mode_a_continued_turn_equals_the_single_turn_rollout_bit_f
     rollout = _rollout(engine)
     batch, stats = _run(rollout)
     assert stats[2]["kv_reused_tokens"] > 0
-    for tokens, logprobs, single_tokens, single_logprobs in _single_turn_rows(rollout, batch, 2):
+    for tokens, logprobs, single_tokens, single_logprobs, _ in _single_turn_rows(rollout, batch, 2):
         assert tokens == single_tokens and torch.equal(logprobs, single_logprobs)
 
 
@@ -121,8 +140,7 @@ def test_rows_evicted_by_a_short_pool_are_prefilled_whole_with_the_same_tokens()
     assert any(s["kv_reused_tokens"] for s in stats[1:])  # some reused...
     evicted = [s["prefill_tokens"] > sum(1 + len(TOOL[r % 3]) for r in range(ROWS)) for s in stats[1:]]
     assert any(evicted)  # ...and some prefilled whole
-    assert torch.equal(batch.completion_ids, ample.completion_ids)
-    torch.testing.assert_close(batch.completion_logprobs, ample.completion_logprobs, rtol=0, atol=1e-5)
+    _assert_same_completions(model, batch, ample)
 
 
 def test_a_weight_update_between_turns_drops_the_kept_pages():
@@ -146,7 +164,7 @@ def test_a_released_rollout_and_a_pool_that_grows_between_turns():
     rollout = _rollout(model)
     batch, stats = _run(rollout, between=lambda t: rollout.release() if t == 0 else None)
     assert stats[1]["kv_reused_tokens"] == 0 and stats[2]["kv_reused_tokens"] > 0
-    assert torch.equal(batch.completion_ids, ample.completion_ids)
+    _assert_same_completions(model, batch, ample)
     # A longer third turn grows the slots' capacity and the pool: the kept pages move into the new pool.
     grown = _rollout(model)
     pages_before = []
