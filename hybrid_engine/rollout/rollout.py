@@ -1,4 +1,4 @@
-"""``HybridEngineRollout``: RL rollouts from the engine's model, on the shared decode graph runner.
+"""``HybridEngineRollout``: RL rollouts from the engine's model, on a decode graph runner of its own.
 
 The rollout owns one :class:`~hybrid_engine.graphs.runner.DecodeGraphRunner`
 and keeps it (slots, cache and captured graphs) across ``generate`` calls, so a
@@ -258,7 +258,7 @@ class HybridEngineRollout:
             raise ValueError(
                 f"generate: the model's {exact.why} makes the paged cache exact only up to {exact.tokens} tokens, "
                 f"and the longest prompt ({longest}) + max_new_tokens ({max_new}) = {needed} is more; lower "
-                "max_new_tokens or truncate the prompts (windowed layers are not cached yet)"
+                "max_new_tokens or truncate the prompts (engine.generate hands such sequences to transformers' generate)"
             )
         if exact is not None and cfg.cache_capacity is not None and cfg.cache_capacity > exact.tokens:
             raise ValueError(
