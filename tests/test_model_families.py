@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from packaging.version import Version
+from sampled_close import assert_rollouts_sampled_close
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hybrid_engine import initialize
@@ -394,8 +395,11 @@ def test_linear_attention_states_follow_rows_through_admission_compaction_and_pr
     assert torch.equal(graphed.response_logprobs, eager.response_logprobs)
     short, stats = run(True, kv_page_size=4, kv_cache_tokens=64)
     assert stats["preemptions"] > 0
-    assert torch.equal(short.input_ids, eager.input_ids)
-    torch.testing.assert_close(short.response_logprobs, eager.response_logprobs, rtol=0, atol=1e-5)
+    # A resumed row's states and K/V were prefilled again, in other batch shapes: logprobs that may differ in
+    # the last float bits, so the samples are compared as sampled_close compares numerically different paths
+    # (equal tokens with logprobs to 1e-5, or a flip float noise can make, teacher-forced), not by asking both
+    # to round alike (issue 38). Graphs against eager (above) are the same numerics: equal bit for bit.
+    assert_rollouts_sampled_close(model, short, eager)
 
 
 def test_families_whose_linear_attention_layers_are_not_verified_are_refused_by_name():
@@ -422,6 +426,8 @@ def test_linear_attention_episodes_prefill_each_turn_and_the_exact_mode_refuses_
     episodes.turn(sampling, rows=[1])
     assert rollout.last_stats["kv_reused_tokens"] == 0  # a row's state is not kept between turns (yet)
     single = rollout.generate(RolloutRequest(torch.tensor([history]), request_ids=[4 + 1]), sampling)
+    # Both prefill the same one-row history whole (no state kept) and decode it alone: the same numerics, so the
+    # same tokens exactly.
     assert episodes.last_turn(1) == single.responses[0].tolist()
     with pytest.raises(ValueError, match="qwen3_5_text's layers of kind 'linear_attention' have no batch-invariant"):
         HybridEngineRollout(model, config=RolloutConfig(exact_logprobs=True))

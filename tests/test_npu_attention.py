@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import left_padded_prompts as prompts
+from sampled_close import assert_greedy_close, assert_rollouts_sampled_close
 
 from hybrid_engine.accelerator import CPUAccelerator, is_capturing, set_accelerator
 from hybrid_engine.decode.kv_cache import PagedKVCache
@@ -185,8 +186,28 @@ SAMPLED = SamplingConfig(max_new_tokens=7, temperature=0.9, top_p=0.9, n_samples
 
 
 def assert_same_rollouts(a, b):
+    """The same kernels (graph replay and eager of the same steps, or graphs turned off): the same tokens."""
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.response_lengths, b.response_lengths)
     torch.testing.assert_close(a.response_logprobs, b.response_logprobs, rtol=0, atol=1e-5)
+
+
+# npu_graph attention (the stub's fused kernel) and SDPA compute the same attention in other ways: logprobs and
+# logits that differ in the last float bits. Those paths are compared as sampled_close compares numerically
+# different paths (issue 38): equal tokens (logprobs to 1e-5), or at a row's first difference a flip that float
+# noise can make (teacher-forced on ``model``: inverse-CDF neighbours when sampled, a tie for the argmax when
+# greedy), not by asking both kernels to round alike.
+def assert_rollouts_close(model, a, b):
+    assert_rollouts_sampled_close(model, a, b, temperature=SAMPLED.temperature, top_p=SAMPLED.top_p,
+                                  top_k=SAMPLED.top_k)
+
+
+def assert_greedy_outputs_close(model, ids, mask, got, want):
+    """``greedy``'s outputs (the left-padded prompts, then the new tokens) of two numerically different paths."""
+    width = ids.shape[1]
+    assert torch.equal(got[:, :width], ids) and torch.equal(want[:, :width], ids)
+    for row in range(ids.shape[0]):
+        assert_greedy_close(model, ids[row][mask[row].bool()].tolist(), got[row, width:].tolist(),
+                            want[row, width:].tolist(), name=f"row {row}")
 
 
 # ----------------------------------------------------------------------------------- registration, mask
@@ -265,15 +286,18 @@ def test_graph_captured_npu_graph_decoding_equals_sdpa_eager(arch, stub_npu):
     _, eager = engine_pair(ref)
     graph, _ = engine_pair(npu)
     expected = greedy(eager, ids, mask)
-    assert torch.equal(greedy(graph, ids, mask), expected) and torch.equal(greedy(graph, ids, mask), expected)
+    first = greedy(graph, ids, mask)
+    assert_greedy_outputs_close(ref, ids, mask, first, expected)  # npu_graph against SDPA: other kernels
+    assert torch.equal(greedy(graph, ids, mask), first)  # a replay of the same graph: the same tokens
     s = graph.graph_stats
     assert s.captures == 1 and s.replays > 0 and s.fallbacks == 0 and s.last_refusal_reason is None
     assert launches(stub_npu, "v3", capturing=True)  # the captured step runs the graph-mode kernel
     # Rollouts: staged admission rounds and decode steps, captured with npu_graph.
     want = rollout(ref, graphs=False, max_batch_size=4).generate(rollout_request(), SAMPLED)
     roll = rollout(npu, graphs=True, max_batch_size=4)
-    for _ in range(2):
-        assert_same_rollouts(roll.generate(rollout_request(), SAMPLED), want)
+    got = roll.generate(rollout_request(), SAMPLED)
+    assert_rollouts_close(ref, got, want)
+    assert_same_rollouts(roll.generate(rollout_request(), SAMPLED), got)  # replayed: the same kernels
     rs = roll.graph_stats
     assert rs.captures >= 1 and rs.admission_captures >= 1 and rs.fallbacks == 0
     assert not launches(stub_npu, "v1")
@@ -302,8 +326,11 @@ def test_npu_capture_runs_npu_graph_never_v1_and_eager_keeps_sdpa(npu_backend, n
     assert launches(npu_sdpa, "v1") and not launches(npu_sdpa, "v3")  # eager NPU runs keep the model's sdpa
     npu_sdpa.calls.clear()
     with caplog.at_level(logging.INFO, logger="hybrid_engine.graphs.runner"):
-        for _ in range(3):
-            assert torch.equal(greedy(graph, ids, mask), expected)
+        first = greedy(graph, ids, mask)
+        for _ in range(2):
+            assert torch.equal(greedy(graph, ids, mask), first)  # replays of the same graph: the same tokens
+    # Captured steps run npu_graph, eager ones SDPA: other kernels (see assert_rollouts_close).
+    assert_greedy_outputs_close(model, ids, mask, first, expected)
     assert not launches(npu_sdpa, "v1", capturing=True)  # the v1 kernel never ran inside a capture
     assert launches(npu_sdpa, "v3", capturing=True) and launches(npu_sdpa, "v3", capturing=False)  # capture, warm-up
     s = graph.graph_stats
@@ -316,11 +343,12 @@ def test_npu_capture_runs_npu_graph_never_v1_and_eager_keeps_sdpa(npu_backend, n
     want = rollout(model, graphs=False, max_batch_size=4).generate(rollout_request(), SAMPLED)
     npu_sdpa.calls.clear()
     roll = rollout(model, graphs=True, max_batch_size=4)
-    for _ in range(2):
-        assert_same_rollouts(roll.generate(rollout_request(), SAMPLED), want)
+    got = roll.generate(rollout_request(), SAMPLED)
+    assert_same_rollouts(roll.generate(rollout_request(), SAMPLED), got)  # replayed: the same kernels
     rs = roll.graph_stats
     assert rs.captures >= 1 and rs.admission_captures >= 1 and rs.fallbacks == 0
     assert not launches(npu_sdpa, "v1", capturing=True)
+    assert_rollouts_close(model, got, want)  # npu_graph against SDPA (after the launch checks: it runs SDPA)
 
 
 @pytest.mark.stub
@@ -466,10 +494,18 @@ def test_two_engines_with_different_layer_counts_side_by_side(backend, request):
     wants = [rollout(m, graphs=False, max_batch_size=4).generate(rollout_request(2), SAMPLED) for m in models]
     rolls = [rollout(m, graphs=True, max_batch_size=4) for m in models]
     for _ in range(3):  # interleaved: each call captures or replays its own graphs
-        for (graph, _), want in zip(pairs, expected):
-            assert torch.equal(greedy(graph, ids, mask), want)
-        for roll, want in zip(rolls, wants):
-            assert_same_rollouts(roll.generate(rollout_request(2), SAMPLED), want)
+        for model, (graph, _), want in zip(models, pairs, expected):
+            got = greedy(graph, ids, mask)
+            if backend == "npu":  # captured with npu_graph, eager with SDPA: other kernels
+                assert_greedy_outputs_close(model, ids, mask, got, want)
+            else:  # the CPU graphs replay the eager steps' own kernels: the same tokens
+                assert torch.equal(got, want)
+        for model, roll, want in zip(models, rolls, wants):
+            got = roll.generate(rollout_request(2), SAMPLED)
+            if backend == "npu":
+                assert_rollouts_close(model, got, want)
+            else:
+                assert_same_rollouts(got, want)
     for model, (graph, _), roll in zip(models, pairs, rolls):
         layers = model.config.num_hidden_layers
         assert len(roll.runner.slots.cache.layers) == len(roll.runner.stage.cache.layers) == layers

@@ -86,7 +86,9 @@ def test_same_seed_same_samples_whatever_batch_size_or_order():
     for max_batch_size in (1, 3):
         batch, stats = run(model, request, sampling, graphs=True, max_batch_size=max_batch_size)
         assert stats["peak_active_batch"] == max_batch_size
-        assert_same_samples(reference, batch)
+        # Other batch sizes: logprobs may differ in the last float bits, so the samples are compared as
+        # numerically different paths are (equal, or a flip float noise can make, teacher-forced).
+        assert_same_samples(reference, batch, model=model, sampling=sampling)
 
     # Arrival order: the same prompts, reversed, keeping their request ids.
     order = [4, 3, 2, 1, 0]
@@ -96,8 +98,10 @@ def test_same_seed_same_samples_whatever_batch_size_or_order():
     batch, _ = run(model, reordered, sampling, graphs=True, max_batch_size=3)
     n = sampling.n_samples_per_prompt
     rows = [p * n + j for p in order for j in range(n)]
-    assert torch.equal(batch.input_ids, reference.input_ids[rows])
-    torch.testing.assert_close(batch.response_logprobs, reference.response_logprobs[rows], rtol=0, atol=1e-5)
+    assert_same_samples(batch, dataclasses.replace(
+        reference, input_ids=reference.input_ids[rows], attention_mask=reference.attention_mask[rows],
+        response_logprobs=reference.response_logprobs[rows], response_lengths=reference.response_lengths[rows],
+        prompt_index=reference.prompt_index[rows]), model=model, sampling=sampling)
 
     other, _ = run(model, request, SamplingConfig(**{**sampling.__dict__, "seed": 22}), graphs=True)
     assert not torch.equal(other.input_ids, reference.input_ids)

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_helpers import NO_EOS, assert_batches_identical, assert_same_samples, left_padded_prompts, run
+from rollout_helpers import (
+    NO_EOS,
+    assert_batches_identical,
+    assert_same_samples,
+    assert_same_tokens,
+    left_padded_prompts,
+    run,
+)
 
 from hybrid_engine.decode.kv_pool import pages_for
 from hybrid_engine.engine import initialize
@@ -32,7 +39,10 @@ def test_a_pool_too_small_for_every_row_preempts_and_resumes_with_the_same_token
     tight, stats = run(model, request, sampling, graphs=graphs, max_batch_size=8, kv_cache_tokens=160,
                        kv_page_size=16)
     assert stats["preemptions"] > 0 and stats["kv_pages_total"] == 10 and stats["kv_pages_peak"] <= 10
-    assert_same_samples(tight, free)
+    # A resumed row's K/V was prefilled again, in other batch shapes than its decode steps wrote it: the logprobs
+    # may differ in the last float bits, so the samples (and greedy tokens) are compared as numerically different
+    # paths are (a flip float noise can make, teacher-forced), not by asking both to round alike.
+    assert_same_samples(tight, free, model=model, sampling=sampling)
     assert stats["tokens_generated"] == 8 * 24 and tight.input_ids.shape[0] == 8
     if graphs:
         assert stats["graph_replays"] > 0 and stats["fallbacks"] == 0
@@ -71,7 +81,7 @@ def test_n_samples_share_their_prompts_full_pages():
     assert stats["prefill_rows"] == 1 and batch.input_ids.shape[0] == 16
     single, sstats = run(model, request, sampling, graphs=True, max_batch_size=16, use_shared_prefill=False)
     assert sstats["kv_pages_peak"] > 16 * 4  # each sample's own prompt copy
-    assert_same_samples(batch, single)
+    assert_same_samples(batch, single, model=model, sampling=sampling)  # one prefill of 1 row or of 16
 
 
 def test_a_partly_filled_prompt_page_is_copied_for_all_but_the_last_sample():
@@ -81,7 +91,7 @@ def test_a_partly_filled_prompt_page_is_copied_for_all_but_the_last_sample():
     batch, stats = run(model, request, sampling, graphs=True, max_batch_size=4)
     assert stats["kv_pages_peak"] == 2 + 4  # the full pages once, then one last page each (one is the prompt's)
     unshared, _ = run(model, request, sampling, graphs=False, max_batch_size=4, use_shared_prefill=False)
-    assert_same_samples(batch, unshared)
+    assert_same_samples(batch, unshared, model=model, sampling=sampling)  # one prefill of 1 row or of 4
 
 
 def test_step_cost_follows_the_tokens_not_the_capacity():
@@ -93,7 +103,8 @@ def test_step_cost_follows_the_tokens_not_the_capacity():
     large, s_large = run(model, request, sampling, graphs=True, cache_capacity=2048)
     assert s_small["span_buckets"] == s_large["span_buckets"] == (1, 2)
     assert s_large["cache_capacity"] >= 2048
-    assert_same_samples(large, small)
+    # The same pages read in the same span buckets: the same numerics, so the same tokens exactly.
+    assert_same_tokens(large, small)
     ref = model.generate(request.prompt_ids, attention_mask=request.prompt_attention_mask, do_sample=False,
                          max_new_tokens=24, min_new_tokens=24, pad_token_id=0)
     assert torch.equal(large.input_ids[:, request.prompt_ids.shape[1]:], ref[:, request.prompt_ids.shape[1]:])

@@ -11,6 +11,7 @@ from rollout_helpers import (
     NO_EOS,
     assert_batches_identical,
     assert_same_samples,
+    assert_same_tokens,
     left_padded_prompts,
     responses,
     run,
@@ -71,8 +72,10 @@ def test_static_and_continuous_batching_agree(continuous):
     sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, n_samples_per_prompt=2, seed=3)
     reference, _ = run(model, request, sampling, graphs=False, max_batch_size=4, continuous_batching=True)
     batch, stats = run(model, request, sampling, graphs=True, max_batch_size=4, continuous_batching=continuous)
-    # Tokens are identical; logprobs may differ in the last float bits (different batch compositions).
-    assert_same_samples(reference, batch)
+    if continuous:  # graph replay of the eager run's own steps: the same numerics, the same tokens exactly
+        assert_same_tokens(reference, batch)
+    else:  # other batch compositions: logprobs may differ in the last float bits, so a flip float noise can make
+        assert_same_samples(reference, batch, model=model, sampling=sampling)
     assert stats["peak_active_batch"] <= 4 and stats["graph_captures"] == len(default_graph_buckets(4))
 
 

@@ -2,11 +2,12 @@
 
 Over prompt count x samples per prompt x slots x per-prompt budgets x continuous or static batching x
 shared prefill x greedy or sampled, a rollout through a few slots (many admission rounds, prompts
-prefilled ahead in batches, rounds that straddle two batches) returns the
-tokens of one wide call that admits every request at once, with lengths equal to the budgets, and
-prefills every prompt once. Eager runs only (the graph runner replays these same steps; graph against
-eager is checked in test_rollout_parity and test_graph_runner), bounded to stay fast (``MAX_EXAMPLES``
-derandomized examples on one cached tiny model).
+prefilled ahead in batches, rounds that straddle two batches) returns the tokens of one wide call that
+admits every request at once (compared as ``sampled_close`` compares numerically different paths: equal,
+or a flip float noise can make), with lengths equal to the budgets, and prefills every prompt once. Eager
+runs only (the graph runner replays these same steps; graph against eager is checked in
+test_rollout_parity and test_graph_runner), bounded to stay fast (``MAX_EXAMPLES`` derandomized examples
+on one cached tiny model).
 """
 
 from hypothesis import HealthCheck, given, settings
@@ -46,7 +47,9 @@ def test_a_request_samples_the_same_tokens_whatever_slot_round_and_prefill_batch
     wide, _ = run(model, request, sampling, graphs=False, max_batch_size=total)
     got, stats = run(model, request, sampling, graphs=False, max_batch_size=slots, continuous_batching=continuous,
                      use_shared_prefill=shared)
-    assert_same_samples(got, wide)
+    # Other batch compositions: logprobs may differ in the last float bits, so the tokens are compared as
+    # numerically different paths are (equal, or a flip float noise can make, teacher-forced), budgets included.
+    assert_same_samples(got, wide, model=model, sampling=sampling)
     assert got.response_lengths.tolist() == [b for b in budgets for _ in range(samples)]
     assert stats["admission_rounds"] >= -(-total // slots)
     assert stats["prefill_rows"] == (len(lengths) if shared else total)  # each prompt (or copy) prefilled once
