@@ -12,6 +12,8 @@ import pytest
 
 from hybrid_engine.cli import main
 
+pytestmark = pytest.mark.slow  # runs the benches in processes (tests/tiers.py)
+
 ENV_FIELDS = {"date", "hardware", "device", "torch", "transformers", "command"}
 
 

@@ -19,6 +19,8 @@ from hybrid_engine.tiny_models import build_model
 from hybrid_engine.training.checkpoint import STATE_FILE
 from hybrid_engine.training.checkpoint_files import MANIFEST_FILE
 
+pytestmark = pytest.mark.slow  # launches processes (tests/tiers.py)
+
 HERE = Path(__file__).resolve().parent
 
 

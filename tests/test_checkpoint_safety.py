@@ -25,6 +25,8 @@ from hybrid_engine.tiny_models import build_model
 from hybrid_engine.training.checkpoint import STATE_FILE
 from hybrid_engine.training.checkpoint_files import INCOMPLETE_FILE, MANIFEST_FILE
 
+pytestmark = pytest.mark.slow  # launches processes (tests/tiers.py)
+
 HERE = Path(__file__).resolve().parent
 KILL_TIMEOUT_S = 150
 

@@ -240,6 +240,7 @@ def test_position_limit_boundary_is_allowed():
         check_generation_length(config, "tiny-gpt2", prompt_tokens=12, new_tokens=501)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_python_dash_m_prints_one_line_and_exits_2():
     device = _unavailable_device()
     env = {k: v for k, v in os.environ.items() if k != "HYBRID_ENGINE_ACCELERATOR"}

@@ -30,6 +30,7 @@ def test_info_reports_why_capture_is_unavailable(capsys):
     assert "graph capture  unavailable: CPU graph emulation is disabled" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_python_dash_m_entry_point():
     proc = subprocess.run([sys.executable, "-m", "hybrid_engine", "info"], capture_output=True, text=True,
                           timeout=120, env={"HYBRID_ENGINE_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"})

@@ -17,6 +17,7 @@ import torch
 import transformers
 from packaging.version import Version
 from sampled_close import assert_rollouts_sampled_close
+from tiers import fast_first
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hybrid_engine import initialize
@@ -235,7 +236,7 @@ WINDOWED = {
 }
 
 
-@pytest.mark.parametrize("model_type", sorted(WINDOWED))
+@pytest.mark.parametrize("model_type", fast_first(sorted(WINDOWED), keep=2))
 def test_sliding_and_chunked_layers_are_masked_as_transformers_masks_them_with_graphs(model_type):
     """Before, llama4's chunks were ignored (tokens differed from transformers') and any sliding window
     shorter than the cache was refused. 12-token prompts (one left-padded) plus 30 tokens, windows of 8."""
@@ -358,7 +359,7 @@ LINEAR = {
 LINEAR_SOME = ("qwen3_5_text", "qwen3_next", "nemotron_h", "falcon_h1", "mamba2")
 
 
-@pytest.mark.parametrize("model_type", sorted(LINEAR))
+@pytest.mark.parametrize("model_type", fast_first(sorted(LINEAR), keep=2))
 def test_state_layers_keep_a_state_per_row_with_graphs_and_match_transformers(model_type):
     """They were refused ('layers of kind ... the paged K/V cache does not hold'; Mamba: an AttributeError). Each
     row keeps its conv and recurrent states in slot-indexed buffers; 12-token prompts (one left-padded) plus 30
@@ -372,7 +373,7 @@ def test_state_layers_keep_a_state_per_row_with_graphs_and_match_transformers(mo
     assert_decodes_as_transformers(model, ids, mask, 30, max_out_tokens=64)
 
 
-@pytest.mark.parametrize("model_type", LINEAR_SOME + ("gpt_oss", "llama4_text"))
+@pytest.mark.parametrize("model_type", fast_first(LINEAR_SOME + ("gpt_oss", "llama4_text")))
 def test_linear_attention_states_follow_rows_through_admission_compaction_and_preemption(model_type):
     """More requests than slots, samples sharing a prompt, unequal budgets (compaction), and a pool so small that
     requests are preempted and resumed: the states (and windowed layers' rings) move with their rows, so graphs
@@ -440,7 +441,7 @@ MATRIX = {**{k: WINDOWED[k] for k in ("mistral", "gemma2", "gpt_oss", "llama4_te
                          new_decoder_architecture=False, alibi=False, bos_token_id=1, eos_token_id=2)}
 
 
-@pytest.mark.parametrize("model_type", sorted(MATRIX))
+@pytest.mark.parametrize("model_type", fast_first(sorted(MATRIX)))
 def test_sampled_logprobs_match_the_training_forward_and_a_trained_model_decodes_graph_equal_to_eager(model_type):
     """Rollout logprobs against a teacher-forced training forward past the window (a 1e-3 drift fails), then
     one optimizer step and a rollout again: graph tokens equal eager tokens on the new weights."""

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # runs every example of the README and docs/ (tests/tiers.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOC_FILES = [README, *sorted((ROOT / "docs").glob("*.md"))]

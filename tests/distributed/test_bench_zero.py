@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # launches processes or ranks (tests/tiers.py)
+
 pytest.importorskip("deepspeed")
 
 

@@ -12,6 +12,8 @@ import pytest
 
 from hybrid_engine.distributed.launch import RanksTimedOut, exit_launched_rank, run_ranks
 
+pytestmark = pytest.mark.slow  # launches processes or ranks (tests/tiers.py)
+
 
 def test_hung_ranks_are_killed_at_the_timeout(tmp_path):
     pids = tmp_path / "pids"

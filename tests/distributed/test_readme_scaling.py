@@ -16,6 +16,8 @@ pytest.importorskip("deepspeed")
 
 from hybrid_engine.distributed.launch import run_ranks  # noqa: E402
 
+pytestmark = pytest.mark.slow  # launches processes or ranks (tests/tiers.py)
+
 SCALING = Path(__file__).resolve().parents[2] / "docs" / "scaling.md"
 HEADING = "## A training script"
 #: What a launcher sets; removed for the one-process run.

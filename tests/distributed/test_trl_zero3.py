@@ -24,6 +24,8 @@ pytest.importorskip("trl")
 
 from hybrid_engine.distributed.launch import run_ranks  # noqa: E402
 
+pytestmark = pytest.mark.slow  # launches processes or ranks (tests/tiers.py)
+
 WORKER = Path(__file__).with_name("trl_zero3_worker.py")
 TIMEOUT_S = 240
 STEPS = 3

@@ -21,6 +21,8 @@ pytest.importorskip("deepspeed")
 
 from hybrid_engine.distributed.launch import run_ranks  # noqa: E402
 
+pytestmark = pytest.mark.slow  # launches processes or ranks (tests/tiers.py)
+
 WORKER = Path(__file__).with_name("zero_worker.py")
 TIMEOUT_S = 240
 STEPS = 3

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # launches processes or ranks (tests/tiers.py)
+
 pytest.importorskip("deepspeed")
 
 WORKER = Path(__file__).with_name("zero_checkpoint_worker.py")

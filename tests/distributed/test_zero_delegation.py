@@ -11,6 +11,8 @@ pytest.importorskip("deepspeed")
 
 from hybrid_engine.distributed.launch import run_ranks  # noqa: E402
 
+pytestmark = pytest.mark.slow  # launches processes or ranks (tests/tiers.py)
+
 
 def test_accumulation_clipping_and_scheduler_match_stage_0(tmp_path):
     out = tmp_path / "delegation.pt"

@@ -132,6 +132,7 @@ def _reference(seed: int = 4):
     return model, _run(_rollout(model))[0]
 
 
+@pytest.mark.slow
 def test_rows_evicted_by_a_short_pool_are_prefilled_whole_with_the_same_tokens():
     model, ample = _reference()
     # 20 pages of 4 tokens: the six rows' kept pages (about 6 each by the last turn) cannot all stay.
@@ -159,6 +160,7 @@ def test_a_weight_update_between_turns_drops_the_kept_pages():
     _assert_turn_as_single_turn(rollout, batch, 1)
 
 
+@pytest.mark.slow
 def test_a_released_rollout_and_a_pool_that_grows_between_turns():
     model, ample = _reference()
     rollout = _rollout(model)

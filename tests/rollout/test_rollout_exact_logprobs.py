@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import exact_mode_unavailable
 from rollout_helpers import ARCHS, NO_EOS
+from tiers import fast_first
 
 from hybrid_engine import exact_forward, initialize, logprobs_of
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
@@ -54,7 +55,7 @@ def training_logprobs(engine, batch, sampling: SamplingConfig) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", fast_first(ARCHS))
 def test_rollout_logprobs_are_the_training_forwards_bit_for_bit(arch, temperature, graphs, dtype):
     engine = exact_engine(arch, DTYPES[dtype])
     ids, mask = prompts([3, 9, 5, 1, 7], seed=5)
@@ -91,7 +92,7 @@ def _trainer_views(engine, batch) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gpt2", "tiny-qwen3"])
+@pytest.mark.parametrize("arch", fast_first(["tiny-llama", "tiny-gpt2", "tiny-qwen3"]))
 def test_a_greedy_rollouts_logprobs_are_the_training_forwards_however_the_trainer_spells_greedy(arch, graphs,
                                                                                                  dtype):
     """Issue 38: greedy reported ``log_softmax`` in vocabulary order, ``logprobs_of(temperature=1)`` summed it

@@ -342,6 +342,7 @@ def test_a_sliding_window_set_after_the_graphs_exist_is_masked_from_the_next_cal
         assert_batches_identical(rollout.generate(request, sampling), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capacity", [None, 160], ids=["growing-cache", "cache_capacity"])
 def test_a_response_length_schedule_rebuilds_rarely_and_keeps_tokens(capacity):
     """``max_new_tokens`` rising by a little every call (a length curriculum): before, each new record rebuilt
@@ -388,6 +389,7 @@ def test_max_batch_size_none_caps_the_slots_at_the_default():
     assert rollout.last_stats["peak_active_batch"] == DEFAULT_MAX_BATCH_SIZE == rollout.runner.slots.rows
 
 
+@pytest.mark.slow
 def test_a_long_varied_run_reaches_a_plateau_of_captures_and_every_graph_held_is_counted():
     """12 rollout shapes (prompt widths, samples, budgets, greedy and sampled, a reachable EOS), replayed for
     four epochs with training steps in between, so tokens, EOS times and the admission schedule change: the

@@ -61,6 +61,7 @@ def test_a_captured_admission_round_keeps_one_layers_kv_in_the_graph_pool():
         assert _graph_bytes(graph) <= one_layer * 5 // 4, (key, _graph_bytes(graph), one_layer)
 
 
+@pytest.mark.slow
 def test_with_samples_per_prompt_a_prefill_batch_fills_a_stage_bounded_by_the_token_budget():
     """64 slots, 8 samples per prompt, prompts staged 512 wide: the stage has 8192 // 512 = 16 prompt rows, not
     one per slot (it had 64 and only 8 were ever used: a batch held the prompts of the next 64 requests). A
@@ -94,6 +95,7 @@ def test_with_samples_per_prompt_a_prefill_batch_fills_a_stage_bounded_by_the_to
     assert_batches_identical(batch, eager_rollout.generate(narrow, sampling))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("continuous", [True, False])
 def test_one_sample_per_prompt_on_256_slots_prefills_within_the_token_budget(continuous):
     """256 slots, one sample per prompt, prompts staged 64 wide: a prefill batch used to be one prompt per slot

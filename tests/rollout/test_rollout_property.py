@@ -10,6 +10,7 @@ test_rollout_parity and test_graph_runner), bounded to stay fast (``MAX_EXAMPLES
 on one cached tiny model).
 """
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rollout_helpers import assert_same_samples, left_padded_prompts, run, shared_model
@@ -33,6 +34,7 @@ def cases(draw):
     return lengths, budgets, samples, slots, continuous, shared, sampled, seed
 
 
+@pytest.mark.slow
 @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
