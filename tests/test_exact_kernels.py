@@ -228,3 +228,69 @@ def test_block_attention_has_the_usual_gradients():
     want.transpose(1, 2).square().sum().backward()
     for got, x in zip(grads, (q, k, v)):
         assert torch.allclose(got, x.grad, atol=1e-4)
+
+
+# Issue 44: heads below the probed 16 took other MKL kernels in batches of other sizes (a [rows, 64] x [64, 9]
+# weighted sum for a head of 8): a Llama with head_dim 8 reported rollout logprobs 4.8e-7 off the training forward's.
+@pytest.mark.parametrize("d", [4, 5, 8, 10])
+def test_a_small_heads_query_is_the_same_bits_alone_as_inside_the_sequence(d):
+    """A decode step's one query against a training forward's whole sequence (MKL's [4, 64] x [64, 9] product gave
+    a row other bits by its place in the chunk), and in a batch of other rows."""
+    g = torch.Generator().manual_seed(6)
+    t = KEY_BLOCK + 7
+    q, k, v = (torch.randn(5, 2, t, d, generator=g) for _ in range(3))
+    causal = torch.zeros(1, 1, t, t).masked_fill(~torch.ones(t, t).tril().bool(), torch.finfo(torch.float32).min)
+    full, _ = block_attention(torch.nn.Module(), q, k, v, causal)
+    for at in (0, 5, KEY_BLOCK, t - 1):
+        seen = torch.zeros(1, 1, 1, at + 1)
+        alone, _ = block_attention(torch.nn.Module(), q[:1, :, at:at + 1], k[:1, :, :at + 1], v[:1, :, :at + 1], seen)
+        assert torch.equal(alone[0, 0], full[0, at]), at
+    want = _reference_attention(q, k, v, causal[0, 0] == 0)
+    assert torch.allclose(full.transpose(1, 2), want, atol=1e-5)
+
+
+def test_a_rollout_of_a_llama_with_head_dim_8_is_the_training_forwards_bit_for_bit():
+    from hybrid_engine import initialize, logprobs_of
+    from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
+
+    model = build_model("tiny-llama", seed=2, hidden_size=32, head_dim=8)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"exact_logprobs": True}})
+    g = torch.Generator().manual_seed(5)
+    ids, mask = torch.randint(4, 384, (3, 9), generator=g), torch.ones(3, 9, dtype=torch.int64)
+    mask[0, :6] = mask[2, :4] = 0
+    rollout = HybridEngineRollout(engine, config=RolloutConfig(pad_token_id=0, eos_token_id=10**6, max_batch_size=2))
+    sampling = SamplingConfig(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3, n_samples_per_prompt=2)
+    batch = rollout.generate(RolloutRequest(ids.masked_fill(mask == 0, 0), mask), sampling)
+    inputs = batch.training_inputs()
+    with torch.no_grad():
+        logits = engine(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    start = batch.response_start_idx
+    lp = logprobs_of(logits[:, start - 1:-1], batch.responses, temperature=0.8, top_p=0.9)
+    real = batch.response_mask[:, start:]
+    assert int(real.sum()) == 6 * 12
+    assert torch.equal(lp[real], batch.response_logprobs[real])
+
+
+def test_a_head_size_this_machine_cannot_multiply_row_invariantly_is_refused_by_name(monkeypatch):
+    """Labelled stub at the hardware boundary: a BLAS whose bits depend on the batch for one product width (a
+    head of 80's weighted sums: 80 values and their sum column), which the chunk probe (heads of 16 to 128)
+    never multiplies."""
+    from hybrid_engine.exact.chunks import heads_invariant
+
+    real_bmm = torch.bmm
+
+    def batch_dependent(a, b):
+        out = real_bmm(a, b)
+        return out + out.shape[0] * 1e-6 if out.shape[-1] == 81 else out
+
+    model = build_model("tiny-llama", head_dim=80)
+    heads_invariant.cache_clear()
+    monkeypatch.setattr(torch, "bmm", batch_dependent)
+    try:
+        with pytest.raises(NoInvariantChunk, match="llama's attention heads of size 80 .head_dim. give other bits"):
+            check_exact_support(model)
+        check_exact_support(build_model("tiny-llama"))  # heads of 16: their products are invariant
+    finally:
+        monkeypatch.setattr(torch, "bmm", real_bmm)
+        heads_invariant.cache_clear()
+    check_exact_support(model)

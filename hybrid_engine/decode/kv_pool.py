@@ -27,6 +27,8 @@ Graph-safety invariants:
 
 from __future__ import annotations
 
+import collections
+import os
 import threading
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
@@ -34,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["DEFAULT_PAGE_SIZE", "MAX_PAGE_SIZE", "NULL_PAGE", "HeldPages", "KVBudget", "KVPool", "LayerSpec",
-           "PageLedger", "pages_for", "pool_pages"]
+           "PageLedger", "device_memory", "pages_for", "pool_pages"]
 
 #: Tokens per page unless configured (``kv_page_size``): vLLM's default; a shared prompt's partial last page,
 #: copied once per sample, is then at most 15 tokens.
@@ -141,10 +143,10 @@ class HeldPages:
         """Whether the pages are still held, in ``ledger`` (a rebuilt pool has a new ledger)."""
         return ledger is self.ledger and ledger.holds(self)
 
-    def release(self) -> None:
+    def release(self, *, wait: bool = True) -> None:
         """Give the pages back: at once, or, while a call uses the ledger, when the next call starts. Safe from
-        any thread and from a finalizer."""
-        self.ledger.release_held(self)
+        any thread; from a finalizer, pass ``wait=False`` (:meth:`PageLedger.release_held`)."""
+        self.ledger.release_held(self, wait=wait)
 
 
 class PageLedger:
@@ -162,6 +164,9 @@ class PageLedger:
         self.peak = 0
         self._held: dict[int, HeldPages] = {}  # id -> held pages, oldest first
         self._released: list[HeldPages] = []  # released while a call ran: given back by collect()
+        # Released by a finalizer that found the lock taken (a collection run inside this ledger's own locked
+        # section would deadlock on it): given back by collect().
+        self._deferred: collections.deque[HeldPages] = collections.deque()
         self._lock = threading.Lock()
         self.busy = False  # a call is assigning pages (set by its plan)
 
@@ -197,14 +202,22 @@ class PageLedger:
         with self._lock:
             return self._held.get(id(held)) is held
 
-    def release_held(self, held: HeldPages) -> None:
-        with self._lock:
+    def release_held(self, held: HeldPages, *, wait: bool = True) -> None:
+        """Give ``held``'s pages back (see :meth:`HeldPages.release`). ``wait=False`` (a finalizer, which may run
+        inside this ledger's locked sections, in any thread): never block; when the lock is taken, the release
+        waits for the next :meth:`collect`."""
+        if not self._lock.acquire(blocking=wait):
+            self._deferred.append(held)
+            return
+        try:
             if self._held.pop(id(held), None) is None:
                 return
             if self.busy:  # the call's plan owns the free list now: it gives them back at its next look
                 self._released.append(held)
             else:
                 self._give_back(held)
+        finally:
+            self._lock.release()
 
     def _give_back(self, held: HeldPages) -> None:
         pages, held.pages = held.pages, None
@@ -225,8 +238,39 @@ class PageLedger:
         """Give back the pages of held rows released while a call ran (by its plan)."""
         with self._lock:
             released, self._released = self._released, []
+            while self._deferred:
+                held = self._deferred.popleft()
+                if self._held.pop(id(held), None) is not None:
+                    released.append(held)
             for held in released:
                 self._give_back(held)
+
+    def held_list(self) -> list[HeldPages]:
+        """The held rows now, oldest first."""
+        with self._lock:
+            return list(self._held.values())
+
+    def reclaim(self) -> int:
+        """Free every page no held row keeps; returns how many references were lost. Between calls only (no plan
+        assigning pages), when every page in use belongs to a held row: what a call interrupted in its own
+        bookkeeping (a ``KeyboardInterrupt`` between taking a row's pages and holding them) left referenced by
+        nobody."""
+        self.collect()
+        with self._lock:
+            if self.busy:
+                raise RuntimeError("PageLedger.reclaim: a call is assigning pages; reclaim between calls only")
+            kept = [0] * self.num_pages
+            for held in self._held.values():
+                for p in held.pages:
+                    kept[p] += 1
+            lost = 0
+            for p in range(NULL_PAGE + 1, self.num_pages):
+                if self._refs[p] > kept[p]:
+                    lost += self._refs[p] - kept[p]
+                    self._refs[p] = kept[p]
+                    if kept[p] == 0:
+                        self._free.append(p)
+            return lost
 
     def evict(self, pages: int) -> bool:
         """Release held rows, oldest first, until ``pages`` pages are free (by the call's plan); whether they are."""
@@ -304,6 +348,53 @@ class KVBudget(NamedTuple):
     knob: str
     longest_prompt: int
     max_new: int
+    #: The device the pool goes on: a configured budget must fit its memory (``None``: not checked).
+    device: torch.device | None = None
+
+
+#: Host bytes the page ledger keeps per page (a free-list entry, its int and a reference count).
+LEDGER_BYTES_PER_PAGE = 48
+
+
+def device_memory(device: torch.device | str) -> int | None:
+    """Bytes of memory ``device`` has in all, or ``None`` where unknown: the host's physical memory for the CPU,
+    the total ``torch.<type>.mem_get_info`` reports for an accelerator (CUDA, XPU, NPU...)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, OSError, ValueError):  # no sysconf (Windows) or no such name
+            return None
+    info = getattr(getattr(torch, device.type, None), "mem_get_info", None)
+    if not callable(info):
+        return None
+    try:
+        return int(info(device)[1])
+    except (RuntimeError, TypeError, ValueError, AssertionError):  # no such device here, or a stub without one
+        return None
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes} bytes ({nbytes / 2**30:.3g} GiB)"
+
+
+def _check_memory(have: str, knob: str, pages: int, page_size: int, page_bytes: int, device: torch.device) -> None:
+    """Refuse, before anything is allocated, a configured pool its device (or the host's ledger) cannot hold."""
+    device = torch.device(device)
+    pool, ledger = (pages + 1) * page_bytes, (pages + 1) * LEDGER_BYTES_PER_PAGE  # the null page comes on top
+    bookkeeping = f"{_size(ledger)} of host bookkeeping"
+    if device.type == "cpu":
+        needs = [(device, pool + ledger, f"{_size(pool)} of pages and {bookkeeping}")]
+    else:
+        needs = [(device, pool, f"{_size(pool)} of pages"), (torch.device("cpu"), ledger, bookkeeping)]
+    for where, need, what in needs:
+        memory = device_memory(where)
+        if memory is not None and need > memory:
+            raise ValueError(
+                f"{have} asks for a pool of {pages} pages of {page_size} tokens ({page_bytes} bytes a page): {what} "
+                f"on {where}, more than the {_size(memory)} it has in all; lower {have.split('=')[0]} to what the "
+                f"machine holds, or leave {knob}_tokens and {knob}_bytes unset (the pool then holds what the call's "
+                "rows need)")
 
 
 def pool_pages(budget: KVBudget, *, page_bytes: int, slots: int, stage_rows: int, capacity: int,
@@ -314,11 +405,18 @@ def pool_pages(budget: KVBudget, *, page_bytes: int, slots: int, stage_rows: int
     ``stage_rows`` prompts ``stage_width`` wide) took for the same call, in whole pages: memory a call holds
     follows its tokens within it (``kv_pages_peak``), and the pool changes only when the rows' capacity does,
     so the graphs keep their addresses. A budget that cannot hold one request of the call (its staged prompt
-    and its own row) is a ``ValueError`` naming the knob and the size needed.
+    and its own row), one more than the budget's device has (or the host, for the ledger; checked before
+    anything is allocated, so the rollout keeps its pool and graphs), and a byte budget for a model that keeps
+    no K/V in pages are each a ``ValueError`` naming the knob and the sizes.
     """
-    page_size, tokens, nbytes, knob, longest_prompt, max_new = budget
+    page_size, tokens, nbytes, knob, longest_prompt, max_new, device = budget
     row = pages_for(longest_prompt + max_new - 1, page_size)
     one = row + (pages_for(longest_prompt, page_size) if stage_rows else 0)
+    if nbytes is not None and tokens is None and page_bytes == 0:
+        raise ValueError(
+            f"{knob}_bytes={nbytes}: the model keeps no K/V in pages in this call (its layers keep per-row states, "
+            "or windowed rings where rows reach past twice the window), so a byte budget has nothing to size; "
+            f"leave {knob}_bytes unset, or bound the pool's pages with {knob}_tokens")
     if tokens is not None:
         pages, fixed, have = tokens // page_size, True, f"{knob}_tokens={tokens}"
     elif nbytes is not None:
@@ -326,8 +424,12 @@ def pool_pages(budget: KVBudget, *, page_bytes: int, slots: int, stage_rows: int
     else:
         return slots * pages_for(capacity, page_size) + stage_rows * pages_for(stage_width, page_size), False
     if pages < one:
+        per_page = f" ({page_bytes} bytes a page)" if page_bytes else ""
+        in_bytes = f" (or {knob}_bytes to {one * page_bytes})" if page_bytes else ""
         raise ValueError(
-            f"{have} holds {pages} pages of {page_size} tokens ({page_bytes} bytes a page), but one request of "
+            f"{have} holds {pages} pages of {page_size} tokens{per_page}, but one request of "
             f"this call (a prompt of {longest_prompt} tokens and max_new_tokens {max_new}) needs up to {one} pages: "
-            f"raise {knob}_tokens to at least {one * page_size} (or {knob}_bytes to {one * page_bytes})")
+            f"raise {knob}_tokens to at least {one * page_size}{in_bytes}")
+    if device is not None:
+        _check_memory(have, knob, pages, page_size, page_bytes, device)
     return pages, fixed

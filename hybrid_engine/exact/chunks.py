@@ -20,18 +20,22 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["KEY_BLOCK", "ChunkRows", "NoInvariantChunk", "chunk_rows", "fixed_bmm"]
+__all__ = ["KEY_BLOCK", "MIN_HEAD_DIM", "ChunkRows", "NoInvariantChunk", "chunk_rows", "fixed_bmm", "head_dims",
+           "heads_invariant"]
 
 #: Candidate rows per product chunk, smallest first (smaller wastes less on a decode step's few rows).
 LINEAR_CHOICES = (16, 32, 64)
 ATTENTION_CHOICES = (4, 8, 16)
 #: Keys per attention block (blocks are counted from key 0 and summed in order).
 KEY_BLOCK = 64
+#: The smallest head size attention multiplies at: smaller heads are padded with zero columns to it. MKL gives
+#: a [rows, 64] x [64, N] product other bits in batches of other sizes for N of 6, 7 and 9 to 11 (heads of 5 to
+#: 10 with the weights' sum column), where a head of 8 made the rollout's logprobs 4.8e-7 off the training's.
+MIN_HEAD_DIM = 16
 #: (K, N) of the probed products: linears, then attention's scores ([D] x [KEY_BLOCK]) and weighted sums
-#: ([KEY_BLOCK] x [D + 1]) for head sizes 16 to 128.
+#: ([KEY_BLOCK] x [D + 1]) for head sizes 16 to 128 (a model's other head sizes: :func:`heads_invariant`).
 _LINEAR_SHAPES = ((64, 192), (64, 384), (256, 1024), (96, 250))
-_ATTENTION_SHAPES = tuple((d, KEY_BLOCK) for d in (16, 32, 64, 128)) + tuple(
-    (KEY_BLOCK, d + 1) for d in (16, 32, 64, 128))
+_ATTENTION_HEADS = (MIN_HEAD_DIM, 32, 64, 128)
 
 
 class ChunkRows(NamedTuple):
@@ -61,6 +65,21 @@ def fixed_bmm(a: torch.Tensor, b: torch.Tensor, rows: int) -> torch.Tensor:
     else:  # each chunk against the same b (a batch of b per chunk would copy it that many times)
         out = torch.cat([torch.bmm(part, b) for part in a.split(rows, dim=1)], dim=1)
     return out[:, :m] if pad else out
+
+
+def head_dims(key_dim: int, value_dim: int) -> tuple[int, int]:
+    """The (key, value) head sizes attention multiplies at for heads of ``key_dim``/``value_dim``: at least
+    :data:`MIN_HEAD_DIM` (zero columns added; they change no score, and the values' extra columns are dropped)."""
+    return max(key_dim, MIN_HEAD_DIM), max(value_dim, MIN_HEAD_DIM)
+
+
+def _attention_shapes(key_dim: int, value_dim: int) -> tuple[tuple[int, int], ...]:
+    """(K, N) of the scores and the weighted sums (values and their sum column) for heads of these sizes."""
+    k, v = head_dims(key_dim, value_dim)
+    return ((k, KEY_BLOCK), (KEY_BLOCK, v + 1))
+
+
+_ATTENTION_SHAPES = tuple(shape for d in _ATTENTION_HEADS for shape in _attention_shapes(d, d))
 
 
 def _invariant(rows: int, shapes: tuple[tuple[int, int], ...], dtype: torch.dtype, shared: bool) -> bool:
@@ -98,3 +117,11 @@ def chunk_rows(dtype: torch.dtype = torch.float32) -> ChunkRows:
             f"sizes at every {what} chunk size tried ({LINEAR_CHOICES if linear is None else ATTENTION_CHOICES} "
             f"rows, {dtype}), so rollout logprobs cannot be made exact here; turn exact_logprobs off")
     return ChunkRows(linear, attention)
+
+
+@functools.cache
+def heads_invariant(key_dim: int, value_dim: int) -> bool:
+    """Whether attention's products for heads of ``key_dim``/``value_dim`` are row-invariant at the probed
+    attention chunk (the probe covers heads of 16 to 128; a model's own sizes are asked before it runs)."""
+    with torch.no_grad():
+        return _invariant(chunk_rows().attention, _attention_shapes(key_dim, value_dim), torch.float32, shared=False)

@@ -28,18 +28,22 @@ counts are host ints of the shapes, frozen like every shape.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from hybrid_engine.exact.chunks import KEY_BLOCK, chunk_rows, fixed_bmm
+from hybrid_engine.exact.chunks import KEY_BLOCK, chunk_rows, fixed_bmm, head_dims
 
-__all__ = ["KEY_BLOCK", "attention_calls", "block_attention", "exact_addmm", "exact_linear"]
-
+__all__ = ["KEY_BLOCK", "attention_calls", "block_attention", "exact_addmm", "exact_linear", "recorded_heads"]
 
 
 _calls = 0
+#: The (key, value) head sizes :func:`block_attention` saw, while :func:`recorded_heads` records them.
+_heads: contextvars.ContextVar[set[tuple[int, int]] | None] = contextvars.ContextVar("exact_heads", default=None)
 
 
 def attention_calls() -> int:
@@ -83,6 +87,18 @@ def exact_addmm(bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, be
     return out + (bias if beta == 1 else bias * beta)
 
 
+@contextlib.contextmanager
+def recorded_heads() -> Iterator[set[tuple[int, int]]]:
+    """The (key, value) head sizes :func:`block_attention` runs at inside the block (a model's probe forward),
+    for :func:`~hybrid_engine.exact.chunks.heads_invariant`."""
+    seen: set[tuple[int, int]] = set()
+    token = _heads.set(seen)
+    try:
+        yield seen
+    finally:
+        _heads.reset(token)
+
+
 def _allowed(attention_mask: torch.Tensor | None, lq: int, lk: int, device: torch.device) -> torch.Tensor:
     """Boolean ``[B or 1, H or 1, Lq, Lk]``: which keys each query may see (causal when no mask is given)."""
     if attention_mask is None:
@@ -111,6 +127,9 @@ def block_attention(
     """
     global _calls
     _calls += 1
+    seen = _heads.get()
+    if seen is not None:
+        seen.add((query.shape[-1], value.shape[-1]))
     if dropout:
         raise ValueError(f"exact_logprobs: attention dropout ({dropout}) makes logprobs random; set the model's "
                          "attention dropout to 0 or turn exact_logprobs off")
@@ -163,6 +182,7 @@ def _block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """See :func:`block_attention`; ``[B, H, lq, Dv]``."""
     b, h, lq, d = query.shape
     hk, lk, dv = key.shape[1], key.shape[2], value.shape[-1]
+    kd, vd = head_dims(d, dv)  # small heads padded with zero columns: the products run at probed shapes
     if allowed.shape[1] != 1 and h != hk:  # a mask per head: each head its own row group
         key, value = key.repeat_interleave(h // hk, dim=1), value.repeat_interleave(h // hk, dim=1)
         hk = h
@@ -172,13 +192,18 @@ def _block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     pad = blocks * KEY_BLOCK - lk
     g = b * hk
     k, v = key.float(), value.float()
+    if pad or kd > d:
+        k = F.pad(k, (0, kd - d, 0, pad))
     if pad:
-        k = F.pad(k, (0, 0, 0, pad))
         allowed = F.pad(allowed, (0, pad), value=False)
-    # Values get a column of ones: their product with the weights is the weights' sum, in the same kernel.
-    v = F.pad(v, (0, 1, 0, pad), value=1.0)
-    q = (query.float() * scale).reshape(g, 1, group * lq, d).expand(g, blocks, group * lq, d)
-    scores = fixed_bmm(q.reshape(g * blocks, group * lq, d), k.reshape(g * blocks, KEY_BLOCK, d).transpose(1, 2),
+    # Values get columns of ones up to vd + 1: the product of the first with the weights is the weights' sum, in
+    # the same kernel.
+    v = F.pad(v, (0, vd + 1 - dv, 0, pad), value=1.0)
+    q = query.float() * scale
+    if kd > d:
+        q = F.pad(q, (0, kd - d))  # zero columns: every score is the same sum of the same products plus zeros
+    q = q.reshape(g, 1, group * lq, kd).expand(g, blocks, group * lq, kd)
+    scores = fixed_bmm(q.reshape(g * blocks, group * lq, kd), k.reshape(g * blocks, KEY_BLOCK, kd).transpose(1, 2),
                        rows).view(b, hk, blocks, group, lq, KEY_BLOCK)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -190,11 +215,11 @@ def _block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     # The max over the keys a query sees is the same set of numbers in decode and in training (max is exact).
     top = scores.amax(dim=(2, 5), keepdim=True)
     weights = torch.exp(scores - torch.where(top == float("-inf"), torch.zeros_like(top), top))
-    partial = fixed_bmm(weights.reshape(g * blocks, group * lq, KEY_BLOCK), v.reshape(g * blocks, KEY_BLOCK, dv + 1),
-                        rows).view(g, blocks, group * lq, dv + 1)
+    partial = fixed_bmm(weights.reshape(g * blocks, group * lq, KEY_BLOCK), v.reshape(g * blocks, KEY_BLOCK, vd + 1),
+                        rows).view(g, blocks, group * lq, vd + 1)
     acc = partial[:, 0]
     for j in range(1, blocks):  # blocks in order, one add each: a block past the query adds exact zeros
         acc = acc + partial[:, j]
-    out = acc[..., :dv] / acc[..., dv:]
+    out = acc[..., :dv] / acc[..., dv:dv + 1]
     out = torch.nan_to_num(out, nan=0.0)  # a query with no key at all (padding) gives 0/0
     return out.view(b, h, lq, dv).to(query.dtype)

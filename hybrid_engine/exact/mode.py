@@ -31,8 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from hybrid_engine.exact.chunks import chunk_rows
-from hybrid_engine.exact.kernels import attention_calls, block_attention, exact_addmm, exact_linear
+from hybrid_engine.exact.chunks import NoInvariantChunk, chunk_rows, heads_invariant
+from hybrid_engine.exact.kernels import (
+    attention_calls,
+    block_attention,
+    exact_addmm,
+    exact_linear,
+    recorded_heads,
+)
 from hybrid_engine.exact.rows import packed_forward
 from hybrid_engine.model_access import attention_implementation, decode_model
 
@@ -62,6 +68,8 @@ def exact_kernels(model: torch.nn.Module | None, enabled: bool = True) -> Iterat
     if not enabled:
         yield
         return
+    if model is not None:  # a mode switched on after the model was checked (a config changed since) is refused too
+        _check_layer_kinds(decode_model(model))
     _probe_chunks(model)  # before the block: the probe reads results, which no capture may
     with attention_implementation(getattr(model, "config", None), EXACT_ATTENTION):
         yield
@@ -113,27 +121,41 @@ def exact_forward(model: torch.nn.Module, *args: Any, forward: Callable[..., Any
 _EXACT_LAYER_KINDS = {"full_attention", "sliding_attention", "chunked_attention", "mlp", "moe"}
 
 
-def check_exact_support(model: torch.nn.Module) -> None:
-    """Refuse, with a ``ValueError`` that names the model type, a model whose attention does not go through
-    transformers' attention interface (the exact kernels would not run there); one one-token forward."""
-    inner = decode_model(model)
+def _check_layer_kinds(inner: torch.nn.Module) -> None:
+    """Refuse layers the exact kernels do not cover (from the config: no forward, so every switch can ask)."""
     other = sorted(set(getattr(getattr(inner, "config", None), "layer_types", None) or ()) - _EXACT_LAYER_KINDS)
     if other:  # linear attention's chunked prefill and per-token recurrence sum in different orders
         kind = getattr(inner.config, "model_type", type(inner).__name__)
         raise ValueError(f"exact_logprobs: {kind}'s layers of kind {', '.join(map(repr, other))} have no "
                          "batch-invariant kernels; turn exact_logprobs off for this model")
+
+
+def check_exact_support(model: torch.nn.Module) -> None:
+    """Refuse, with a ``ValueError`` that names the model type, a model whose attention does not go through
+    transformers' attention interface (the exact kernels would not run there), or whose attention heads have a
+    size at which this machine's products are not row-invariant; one one-token forward."""
+    inner = decode_model(model)
+    _check_layer_kinds(inner)
     _probe_chunks(inner)  # raises NoInvariantChunk (a ValueError) where this machine has no invariant chunk
     before = attention_calls()
     device = next(inner.parameters()).device
     training = inner.training
     inner.eval()  # no dropout in the probe
     try:
-        with torch.no_grad(), exact_kernels(inner), exact_ops():
+        with torch.no_grad(), exact_kernels(inner), exact_ops(), recorded_heads() as heads:
             inner(input_ids=torch.zeros(1, 1, dtype=torch.int64, device=device), use_cache=False)
     finally:
         inner.train(training)
     if attention_calls() == before:
         raise ValueError(_bypassed(inner))
+    for key_dim, value_dim in sorted(heads):
+        if not heads_invariant(key_dim, value_dim):  # the probe covers heads of 16 to 128; this model's own here
+            kind = getattr(getattr(inner, "config", None), "model_type", type(inner).__name__)
+            size = f"{key_dim}" if key_dim == value_dim else f"{key_dim} (keys) / {value_dim} (values)"
+            raise NoInvariantChunk(
+                f"exact_logprobs: {kind}'s attention heads of size {size} (head_dim) give other bits for the same "
+                "row in batches of other sizes on this machine's matmul kernels, so its logprobs cannot be made "
+                "exact here; turn exact_logprobs off for this model")
 
 
 def _bypassed(model: torch.nn.Module) -> str:

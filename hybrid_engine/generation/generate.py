@@ -26,7 +26,9 @@ Paths, decided once per call before any decode step:
   them while the cache (``hybrid_engine.max_out_tokens``) holds. As rows
   finish, the survivors move to the smallest bucket that holds them.
 
-Greedy decoding is argmax; sampling is
+Greedy decoding is argmax (also ``do_sample=True`` with ``top_p=0``, which keeps the most likely token, as
+transformers' filter does); sampling knobs transformers refuses, or that leave no distribution, are refused
+naming ``engine.generate(<knob>=...)`` (or the generation config's field they came from); sampling is
 :func:`~hybrid_engine.decode.sampling.sample_tokens` keyed by a seed drawn from
 torch's global generator at the start of the call (``torch.manual_seed`` makes
 it reproducible), the row index and the token index, so eager and graph steps
@@ -36,6 +38,8 @@ pick identical tokens.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import operator
 import warnings
 from collections.abc import Sequence
@@ -48,7 +52,7 @@ from hybrid_engine.config.schema import EngineConfig, HybridEngineConfig
 from hybrid_engine.decode.kv_pool import KVBudget
 from hybrid_engine.decode.layout import exact_length
 from hybrid_engine.decode.model_support import check_model_supported, max_positions
-from hybrid_engine.decode.sampling import validate_sampling
+from hybrid_engine.decode.sampling import MIN_TEMPERATURE
 from hybrid_engine.distributed.ranks import rank_seed
 from hybrid_engine.exact.mode import exact_kernels
 from hybrid_engine.generation.scheduler import Counters, RequestSpec, gather_responses, run_schedule
@@ -189,6 +193,47 @@ def _default_max_new_tokens(config: Any, gen: Any, width: int) -> int:
     total = (default or 20) + width
     limit = getattr(config, "max_position_embeddings", None)
     return (min(total, limit) if isinstance(limit, int) else total) - width
+
+
+def _sampling_knobs(gen: Any, kwargs: dict[str, Any]) -> tuple[float, float, int]:
+    """``(temperature, top_p, top_k)`` of a ``do_sample=True`` call, checked where they enter: the call's, else the
+    model's ``generation_config``'s, else transformers' defaults (top_k 50 on every version), as its generate
+    resolves them. Refused as transformers refuses them (temperature 0, negative or NaN; top_k negative or not
+    whole; top_p negative), and where they are no distribution (top_p NaN or above 1, temperature infinite) or
+    below :data:`~hybrid_engine.decode.sampling.MIN_TEMPERATURE`, where logits / temperature overflow float32.
+    ``top_p=0`` keeps only the most likely token, as in transformers: greedy."""
+    values, names = {}, {}
+    for name in ("temperature", "top_p", "top_k"):
+        given = kwargs.get(name) is not None
+        values[name] = kwargs[name] if given else _effective(gen, name)
+        names[name] = (f"engine.generate({name}={values[name]!r})" if given else
+                       f"model.generation_config.{name}={values[name]!r} (engine.generate(do_sample=True) samples "
+                       f"with it when the call passes no {name})")
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{names[name]}: {name} must be a number, got {type(value).__name__}")
+    temperature, top_p, top_k = values["temperature"], values["top_p"], values["top_k"]
+    if math.isnan(temperature) or temperature <= 0:
+        raise ValueError(f"{names['temperature']}: do_sample=True needs temperature > 0 (transformers refuses 0, "
+                         "negative and NaN temperatures too); pass a temperature such as 1.0, or do_sample=False for "
+                         "greedy decoding")
+    if math.isinf(temperature):
+        raise ValueError(f"{names['temperature']}: the temperature must be finite (logits / inf leave no "
+                         "distribution to sample); pass a temperature such as 1.0")
+    if temperature < MIN_TEMPERATURE:
+        raise ValueError(f"{names['temperature']}: a sampling temperature must be 0 (greedy) or at least "
+                         f"{MIN_TEMPERATURE:g} (below it logits / temperature overflow float32); pass do_sample=False "
+                         f"for greedy decoding, which is what so small a temperature samples, or temperature >= "
+                         f"{MIN_TEMPERATURE:g}")
+    if not 0 <= top_p <= 1:  # NaN too
+        raise ValueError(f"{names['top_p']}: top_p must be a probability in [0, 1] (1 disables the filter, 0 keeps "
+                         "only the most likely token); pass top_p=1.0 for no top-p filter")
+    if not isinstance(top_k, numbers.Integral) or not 0 <= top_k < 2**63:
+        raise ValueError(f"{names['top_k']}: top_k must be a whole number >= 0 (0 disables the filter; transformers "
+                         "refuses negative top_k too); pass top_k=0 for no top-k filter")
+    if top_p == 0:
+        return (0.0, 1.0, -1)
+    return (float(temperature), float(top_p), int(top_k))
 
 
 class GenerateFrontEnd:
@@ -430,20 +475,7 @@ class GenerateFrontEnd:
         eos, pad = self._special_ids(kwargs)
         mask = (torch.ones_like(ids) if mask is None else mask).to(device=device, dtype=torch.long)
         do_sample = bool(kwargs.get("do_sample", _effective(gen, "do_sample")))
-        if do_sample:
-            # Unset knobs take transformers' defaults (top_k 50 on every version), as its generate does.
-            temperature, top_p, top_k = (
-                _effective(gen, name) if kwargs.get(name) is None else kwargs[name]
-                for name in ("temperature", "top_p", "top_k"))
-            validate_sampling(temperature, top_p, top_k)
-            if temperature == 0:
-                raise ValueError("generate(): do_sample=True needs temperature > 0 (transformers refuses 0 too); "
-                                 "pass do_sample=False for greedy decoding")
-            if top_k < 0:
-                raise ValueError(f"generate(): top_k must be a positive int, or 0 for no top-k filter, got {top_k}")
-            sampling = (float(temperature), float(top_p), int(top_k))
-        else:
-            sampling = (0.0, 1.0, -1)
+        sampling = _sampling_knobs(gen, kwargs) if do_sample else (0.0, 1.0, -1)
         return _Plan(ids, mask, max_new, min_new, sampling, eos, pad)
 
     # ----------------------------------------------------------------- run
@@ -482,7 +514,7 @@ class GenerateFrontEnd:
         he = self.config.hybrid_engine
         lengths = plan.attention_mask.sum(-1).tolist()
         budget = KVBudget(he.kv_page_size, he.kv_cache_tokens, he.kv_cache_bytes, "hybrid_engine.kv_cache",
-                          max(lengths), plan.new_tokens)
+                          max(lengths), plan.new_tokens, ids.device)
         with exact_kernels(self.model, he.exact_logprobs):  # before prepare: graphs are keyed by the mode
             slots = runner.prepare(rows=batch, capacity=capacity, num_eos=len(plan.eos), graphs=enabled, budget=budget)
             if not enabled:

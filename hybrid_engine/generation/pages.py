@@ -4,7 +4,11 @@ The host knows every live row's length bound (its prompt, plus at most one
 token per step since it last looked), so it assigns pages before the steps
 that fill them, and no decode step reads the device to find a page:
 
-* a staged prompt holds the pages its prefill writes (:meth:`PagePlan.stage`);
+* a staged prompt holds the pages its prefill writes (:meth:`PagePlan.stage`),
+  taken only while the pages the first sample of each staged prompt needs to
+  start (:meth:`PagePlan.first_sample_pages`) stay free: a stage that took
+  them could start no sample with nothing running, and would be dropped and
+  staged again forever;
 * an admitted sample shares its prompt's full pages (one more reference each)
   and gets its own copy of the partly filled last page (copy-on-write), except
   the prompt's last sample, which takes that page itself (:meth:`PagePlan.admit`);
@@ -69,12 +73,25 @@ class PagePlan:
         return self.ledger.free
 
     # ---------------------------------------------------------------- prompts
-    def stage(self, unit: Hashable, tokens: int) -> list[int] | None:
-        """Pages for a staged prompt of ``tokens`` tokens (``None``: not enough free)."""
-        pages = self._allocate(pages_for(tokens, self.page_size))
+    def stage(self, unit: Hashable, tokens: int, *, spare: int = 0) -> list[int] | None:
+        """Pages for a staged prompt of ``tokens`` tokens, taken only if ``spare`` more stay free afterwards
+        (``None``, nothing taken: not enough free). ``spare``: what the samples of the prompts staged with it
+        need to start (:meth:`first_sample_pages`), so the stage never takes the pages its own prompts'
+        samples need."""
+        n = pages_for(tokens, self.page_size)
+        if self.room(n + spare) < n + spare:
+            return None
+        pages = self._allocate(n)
         if pages is not None:
             self.unit_pages[unit] = (pages, tokens)
         return pages
+
+    def first_sample_pages(self, tokens: int, *, last: bool) -> int:
+        """Fresh pages the first sample of a staged prompt of ``tokens`` tokens takes to be admitted and run its
+        first decode step (``last``: no other sample reads the prompt): its own copy of the partly filled last
+        page (:meth:`admit`), or, where the prompt fills its pages, the page its first response token starts;
+        none when it takes the prompt's partial last page itself."""
+        return 0 if last and tokens % self.page_size else 1
 
     def unstage(self, unit: Hashable) -> None:
         """The stage lets go of a prompt's pages (samples that share them keep them)."""

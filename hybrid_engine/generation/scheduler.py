@@ -145,6 +145,13 @@ class _Staging:
         many distinct units as the stage has rows and the pool has pages for (with ``n`` samples per prompt that
         covers about ``n`` times as many requests). The last batch's pages go back first.
 
+        A unit is staged only while the pages the first sample of every unit of the batch needs to start (its
+        copy of the partial last page, or its first step's page: :meth:`PagePlan.first_sample_pages`) stay
+        free. A batch that filled the pool with prompts could start none of their samples with nothing running
+        (the scheduler would drop it, stage the same batch again, and spin); this way, with nothing running,
+        the first request of the batch always starts when the pool holds one request (prompt and row), as the
+        front end checks up front (:func:`~hybrid_engine.decode.kv_pool.pool_pages`).
+
         A batch replaces the last one, so it must not drop a unit that a request still to be admitted reads,
         or a unit would be prefilled twice. It does not: a batch is taken only when the next request's unit is
         not staged, requests are admitted in queue order, and a prompt's samples are consecutive in the queue,
@@ -152,14 +159,17 @@ class _Staging:
         one batch holds: its requests past this batch run as another part, after the next batch."""
         self.drop(plan)
         batch: dict[Hashable, None] = {}
+        spare = 0  # pages the first samples of the units staged so far need to start
         for req in upcoming:
             if req.resume_from or req.held is not None:
                 continue  # resumed and continued requests prefill their own history
             unit = self.unit(req)
             if unit in batch:
                 continue
-            if len(batch) == self.rows or plan.stage(unit, req.prompt_len) is None:
+            need = plan.first_sample_pages(req.prompt_len, last=self.pending[unit] == 1)
+            if len(batch) == self.rows or plan.stage(unit, req.prompt_len, spare=spare + need) is None:
                 break
+            spare += need
             batch[unit] = None
         self.row_of = {unit: row for row, unit in enumerate(batch)}
         return list(batch)
@@ -522,7 +532,11 @@ def run_schedule(
     and it is requeued at the front, to resume by prefilling its prompt plus
     the tokens it had (eagerly) and going on from its next token with the same
     sampler counters: it never errors and never loses a request. Admission
-    waits for pages, a round admitting only the requests that fit.
+    waits for pages, a round admitting only the requests that fit. The stage
+    takes no more prompts than leave their first samples the pages they need
+    (:meth:`_Staging.next_batch`), so with nothing running a round always starts
+    a request when the pool holds one, as the front end checks; a loop that
+    stops making progress raises a ``RuntimeError`` (a bug) instead of spinning.
 
     ``kept`` (a dict, filled in): every finished request keeps the pages of the tokens it holds past the call
     (:class:`~hybrid_engine.decode.kv_pool.HeldPages`, by request index) for a later request that continues it
@@ -562,7 +576,10 @@ def run_schedule(
             state.release(torch.arange(state.rows, device=device))
         starved = False
         blocked = False  # a round found no pages for its next request: admit again once pages are freed
+        retried = False  # with nothing running, a round started nothing and the stage let go of its prompts
+        idle = 0  # loop passes in a row that neither decoded nor harvested
         while queue or active:
+            stepped = False
             room = min(len(queue), max_active - len(active), len(free))
             cap = sync_interval if _may_stop_early(state, active.values(), strings) else None
             if room and not starved and not (blocked and active) and (not active or (continuous and _steps_to_admission(
@@ -582,12 +599,19 @@ def run_schedule(
                     order.append(slot)
                 counters.peak_active_batch = max(counters.peak_active_batch, len(active))
                 if not active:
-                    if staging is not None and staging.row_of:
-                        staging.drop(plan)  # staged prompts hold the pages the first request needs
-                        blocked = False
+                    # A staged batch leaves its first samples their pages (_Staging.next_batch), but pages it
+                    # holds can keep a resumed request out: let go of them, once. A second round that starts
+                    # nothing on an otherwise empty pool would be staged the same way again, forever.
+                    if staging is not None and staging.row_of and not retried:
+                        staging.drop(plan)
+                        blocked, retried = False, True
                         continue
-                    raise RuntimeError("the page pool cannot hold one request, which the front end checks up "
-                                       "front; this is a bug")
+                    raise RuntimeError(
+                        f"admission made no progress: with nothing running, a round could not start request "
+                        f"{reqs[0].request_index} (a prompt of {reqs[0].prompt_len} tokens, budget {reqs[0].budget}, "
+                        f"resumed at {reqs[0].resume_from}) with {plan.ledger.free} of {plan.ledger.capacity} pages "
+                        f"free; the pool holds one request, which the front end checks up front: this is a bug")
+                retried = False
 
             if not starved:
                 target = runner.bucket_for(len(active))
@@ -608,6 +632,7 @@ def run_schedule(
                 n_steps = _reserve(plan, active, left, wanted) if wanted else 0
                 counters.page_table_writes += plan.flush(state.cache.block_table, counters) > 0
                 if n_steps:
+                    stepped = True
                     with counters.timer.phase("decode"):
                         held = [(_held(r, left[s]), left[s]) for s, r in active.items()]
                         for i in range(n_steps):
@@ -652,6 +677,14 @@ def run_schedule(
                 # No admission (the preempted request first) until a row finishes: resuming it at once would
                 # take back the pages the others need, and preempt again.
                 starved, blocked = False, True
+            # Between a decode step or a harvest and the next, a pass admits, preempts one row or lets go of the
+            # stage: at most about one pass per slot. Far more means the rules above stopped making progress.
+            idle = 0 if stepped or done else idle + 1
+            if idle > 4 * max_active + 16:
+                raise RuntimeError(
+                    f"the scheduler made no progress in {idle} passes (no decode step, no request finished) with "
+                    f"{len(active)} rows running, {len(queue)} requests waiting and {plan.ledger.free} of "
+                    f"{plan.ledger.capacity} pages free: this is a bug")
     finally:
         counters.kv_pages_peak = plan.ledger.peak
         plan.close()

@@ -42,7 +42,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from hybrid_engine.graphs.hooks import hook_fingerprint
 from hybrid_engine.model_access import ADAPTER_STATE
 
-__all__ = ["ADAPTER_STATE", "adapter_fingerprint", "config_fingerprint", "graph_fingerprint", "kernel_choices", "module_fingerprint", "precision_fingerprint", "weight_fingerprint"]
+__all__ = ["ADAPTER_STATE", "adapter_fingerprint", "config_fingerprint", "forward_fingerprint", "graph_fingerprint", "kernel_choices", "module_fingerprint", "precision_fingerprint", "weight_fingerprint"]
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -194,12 +194,19 @@ def kernel_choices() -> tuple:
             cuda.matmul.allow_fp16_reduced_precision_reduction, cuda.matmul.allow_bf16_reduced_precision_reduction)
 
 
-def graph_fingerprint(model: torch.nn.Module) -> tuple:
-    """Everything a captured decode step bakes in from the model: weights, hooks, precision, the module tree
+def forward_fingerprint(model: torch.nn.Module) -> tuple:
+    """What a forward computes with besides the weights' values and addresses: hooks, precision, the module tree
     and its host attributes (adapter state among them: :data:`ADAPTER_STATE` are plain attributes), the config,
-    and the attention implementation with the function registered for it."""
+    and the attention implementation with the function registered for it. An episode's kept K/V are reused only
+    while it is unchanged (:mod:`hybrid_engine.rollout.episodes`)."""
     config = getattr(model, "config", None)
     attn = getattr(config, "_attn_implementation", None)
     attn_function = ALL_ATTENTION_FUNCTIONS.get(attn) if isinstance(attn, str) else None
-    return (weight_fingerprint(model), hook_fingerprint(model), precision_fingerprint(model),
-            module_fingerprint(model), config_fingerprint(config), str(attn), id(attn_function))
+    return (hook_fingerprint(model), precision_fingerprint(model), module_fingerprint(model),
+            config_fingerprint(config), str(attn), id(attn_function))
+
+
+def graph_fingerprint(model: torch.nn.Module) -> tuple:
+    """Everything a captured decode step bakes in from the model: the weights' addresses and layouts
+    (:func:`weight_fingerprint`) and the :func:`forward_fingerprint`."""
+    return (weight_fingerprint(model), *forward_fingerprint(model))

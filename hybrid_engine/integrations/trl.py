@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 from hybrid_engine.decode.sampling import MIN_TEMPERATURE
 from hybrid_engine.distributed.inference_copy import InferenceCopy
 from hybrid_engine.generation.generate import unimplemented_generation_fields
-from hybrid_engine.integrations.trl_tools import ToolLoop, environment_reward
+from hybrid_engine.integrations.trl_tools import DEFAULT_TOOL_TIMEOUT, ToolLoop, environment_reward
 from hybrid_engine.model_access import is_zero3_partitioned
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 from hybrid_engine.rollout.types import is_int
@@ -222,7 +222,8 @@ class HybridEngineRolloutFunc:
 
     def __init__(self, config: RolloutConfig | None = None, *, tools: list[Any] | None = None,
                  environment_factory: Any = None, max_tool_calling_iterations: int | None = None,
-                 zero3_gathered_inference_copy: bool = False, **sampling: Any) -> None:
+                 tool_timeout: float | None = DEFAULT_TOOL_TIMEOUT, zero3_gathered_inference_copy: bool = False,
+                 **sampling: Any) -> None:
         if config is None:
             config = RolloutConfig(use_graph_capture=True)
         if not isinstance(config, RolloutConfig):
@@ -237,9 +238,11 @@ class HybridEngineRolloutFunc:
         #: The tool loop (``tools`` / ``environment_factory``; see :mod:`hybrid_engine.integrations.trl_tools`), or None.
         self.tool_loop: ToolLoop | None = None
         if tools is not None or environment_factory is not None:
-            self.tool_loop = ToolLoop(tools, environment_factory, max_tool_calling_iterations)
+            self.tool_loop = ToolLoop(tools, environment_factory, max_tool_calling_iterations, tool_timeout)
         elif max_tool_calling_iterations is not None:
             raise TypeError("make_rollout_func: max_tool_calling_iterations needs tools= or environment_factory=")
+        elif tool_timeout != DEFAULT_TOOL_TIMEOUT:
+            raise TypeError("make_rollout_func: tool_timeout needs tools= or environment_factory=")
         self.zero3_gathered_inference_copy = zero3_gathered_inference_copy
         #: The unpartitioned copy generated on under ZeRO-3 with ``zero3_gathered_inference_copy`` (else ``None``).
         self.inference_copy: InferenceCopy | None = None
@@ -500,7 +503,8 @@ def destroy_trainer_deepspeed(trainer: Any) -> None:
 
 def make_rollout_func(config: RolloutConfig | None = None, *, tools: list[Any] | None = None,
                       environment_factory: Any = None, max_tool_calling_iterations: int | None = None,
-                      zero3_gathered_inference_copy: bool = False, **sampling: Any) -> HybridEngineRolloutFunc:
+                      tool_timeout: float | None = DEFAULT_TOOL_TIMEOUT, zero3_gathered_inference_copy: bool = False,
+                      **sampling: Any) -> HybridEngineRolloutFunc:
     """A TRL ``rollout_func`` that generates with hybrid-engine on the trainer's model (graphs captured once).
 
     ``config`` is the rollout's :class:`~hybrid_engine.RolloutConfig` (``None``:
@@ -523,12 +527,14 @@ def make_rollout_func(config: RolloutConfig | None = None, *, tools: list[Any] |
     every turn on the same episodes, for conversational prompts; the result adds ``env_mask`` (0 on tool
     results, which get logprob 0 and no loss), ``completion_messages`` (the turns and tool messages, as TRL's
     own loop gives reward functions ``completions``) and, with environments, ``environments``.
-    ``max_tool_calling_iterations`` overrides ``trainer.args.max_tool_calling_iterations``. Pass them here, not
+    ``max_tool_calling_iterations`` overrides ``trainer.args.max_tool_calling_iterations``. ``tool_timeout``
+    (seconds, default 60; ``None``: none) bounds each tool call: one still running then is a tool failure the
+    model sees, as an exception is (:class:`~hybrid_engine.integrations.trl_tools.ToolLoop`). Pass them here, not
     to ``GRPOTrainer``. See :mod:`hybrid_engine.integrations.trl_tools`.
 
     Use: ``GRPOTrainer(model, reward_funcs, args=..., train_dataset=...,
     processing_class=tokenizer, rollout_func=make_rollout_func())``.
     """
     return HybridEngineRolloutFunc(config, tools=tools, environment_factory=environment_factory,
-                                   max_tool_calling_iterations=max_tool_calling_iterations,
+                                   max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout,
                                    zero3_gathered_inference_copy=zero3_gathered_inference_copy, **sampling)

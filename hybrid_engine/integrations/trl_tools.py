@@ -10,7 +10,8 @@ tool results are environment tokens (``env_mask`` 0, logprob 0, no loss in TRL).
 It behaves as TRL 1.16's own loop for the same tokenizer: prompts rendered with the tools' schemas; each turn
 parsed with TRL's ``parse_response`` (the tokenizer's response template, ``trl.chat_template_utils.
 add_response_schema`` when it has none); tools called with the parsed arguments, a failure returned to the
-model as ``{"error": ...}``; the results rendered as TRL renders them (the chat template's suffix after a
+model as ``{"error": ...}`` (a tool still running after ``tool_timeout`` seconds too: see
+:class:`ToolLoop`); the results rendered as TRL renders them (the chat template's suffix after a
 dummy assistant tool call, cut after its last EOS); a row's tool results dropped, and the row ended, once they
 would take its completion past ``max_completion_length`` (or the model's position limit); at most
 ``max_tool_calling_iterations`` rounds; later turns cut to the completion budget. Environments follow TRL's
@@ -26,8 +27,11 @@ logprobs back; tool results cross once, as the tokens :meth:`Episodes.append` ad
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
+import math
+import numbers
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -39,7 +43,13 @@ from hybrid_engine.decode.model_support import max_positions
 from hybrid_engine.rollout import RolloutRequest, SamplingConfig
 from hybrid_engine.rollout.types import is_int
 
-__all__ = ["ToolLoop", "environment_reward"]
+__all__ = ["DEFAULT_TOOL_TIMEOUT", "ToolLoop", "environment_reward"]
+
+#: Seconds a tool call may take before the model is told it failed (``make_rollout_func(tool_timeout=...)``).
+DEFAULT_TOOL_TIMEOUT = 60.0
+#: Seconds a timed-out (or interrupted) async tool gets to unwind after its cancellation before the loop stops
+#: waiting for it.
+_CANCEL_GRACE = 5.0
 
 _NOT_TOOLS = ("reset", "get_reward")  # environment methods that are not tools (as TRL)
 
@@ -90,21 +100,100 @@ def _check_iterations(value: Any) -> int | None:
     return value
 
 
+def _check_timeout(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"make_rollout_func: tool_timeout must be a number of seconds or None, got "
+                        f"{type(value).__name__} ({value!r})")
+    if math.isnan(value) or not 0 < value <= threading.TIMEOUT_MAX:
+        raise ValueError(f"make_rollout_func: tool_timeout must be a number of seconds > 0 (at most "
+                         f"{threading.TIMEOUT_MAX:g}), got {value!r}; pass None to wait for every tool as long as it "
+                         f"takes (default {DEFAULT_TOOL_TIMEOUT:g})")
+    return float(value)
+
+
+class ToolTimeout(Exception):
+    """A tool call still running after the loop's ``tool_timeout``: returned to the model as its failure."""
+
+    def __init__(self, name: str, timeout: float) -> None:
+        super().__init__(f"Tool {name} timed out after {timeout:g} seconds.")
+
+
 class _AsyncRunner:
-    """One event loop on a daemon thread for async tools (as TRL keeps one), started on first use."""
+    """One event loop on a daemon thread for async tools (as TRL keeps one), started on first use.
+
+    Each coroutine runs as a task with its own deadline; a task past it is cancelled, and given
+    :data:`_CANCEL_GRACE` seconds to unwind, and its result is a :class:`ToolTimeout`. A wait interrupted in the
+    caller's thread (``KeyboardInterrupt``) cancels every task on the loop and waits for them to end (within
+    the grace) before it propagates, so no tool is left running on the loop. A tool that catches its
+    cancellation and runs on cannot be stopped: it stays on the loop."""
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def gather(self, coros: list[Any]) -> list[Any]:
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The tools' event loop (``None`` before the first async tool)."""
+        return self._loop
+
+    def gather(self, named: list[tuple[str, Any]], timeout: float | None) -> list[Any]:
+        """The results of the ``(name, coroutine)`` pairs, in order; a failure is its exception (not raised)."""
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, name="hybrid-engine-tools", daemon=True).start()
 
-        async def _all() -> list[Any]:
-            return await asyncio.gather(*coros, return_exceptions=True)
+        async def one(name: str, coro: Any) -> Any:
+            task = asyncio.ensure_future(coro)
+            try:
+                done, _ = await asyncio.wait({task}, timeout=timeout)
+            finally:
+                if not task.done():  # past its deadline, or the whole wait was cancelled
+                    task.cancel()
+                    await asyncio.wait({task}, timeout=_CANCEL_GRACE)
+            return task.result() if task in done else ToolTimeout(name, timeout or 0.0)
 
-        return asyncio.run_coroutine_threadsafe(_all(), self._loop).result()
+        async def _all() -> list[Any]:
+            return await asyncio.gather(*(one(name, coro) for name, coro in named), return_exceptions=True)
+
+        try:
+            return asyncio.run_coroutine_threadsafe(_all(), self._loop).result()
+        except BaseException:  # interrupted while waiting: end the tools on the loop before giving up
+            cleanup = asyncio.run_coroutine_threadsafe(self._cancel_all(), self._loop)
+            with contextlib.suppress(Exception):  # the interrupt is what the caller hears of, not the cleanup
+                cleanup.result(timeout=2 * _CANCEL_GRACE)
+            raise
+
+    @staticmethod
+    async def _cancel_all() -> None:
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=_CANCEL_GRACE)
+
+
+def _call_sync(name: str, tool: Callable, arguments: dict[str, Any], timeout: float | None) -> Any:
+    """``tool(**arguments)``, in a worker thread when there is a ``timeout``: past it the call is a
+    :class:`ToolTimeout`, and the thread (which Python cannot stop) runs on as a daemon, its result dropped."""
+    if timeout is None:
+        return tool(**arguments)
+    done, box = threading.Event(), {}
+
+    def work() -> None:
+        try:
+            box["result"] = tool(**arguments)
+        except BaseException as exc:  # handed to the caller's thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name=f"hybrid-engine-tool-{name}", daemon=True).start()
+    if not done.wait(timeout):
+        raise ToolTimeout(name, timeout)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 @dataclasses.dataclass
@@ -122,12 +211,21 @@ class ToolLoop:
 
     Built by :func:`~hybrid_engine.integrations.trl.make_rollout_func` from ``tools`` and ``environment_factory``;
     :meth:`prepare` resets the environments for a call, :meth:`run` runs the loop on the rollout.
+
+    ``tool_timeout`` (seconds, ``None``: none) bounds each tool call; a call past it is a failure the model
+    sees as ``{"error": "Tool <name> timed out after <t> seconds."}``, as any other. An async tool is
+    cancelled on the tools' loop (nothing of it stays pending, unless it catches its cancellation). A sync tool
+    runs in a worker thread: past the timeout the loop stops waiting for it and goes on, but Python cannot stop
+    a thread, so the call runs on in the background (a daemon thread) and its result is dropped; a sync tool
+    that may hang, or that changes an environment, is best written async or given a deadline of its own.
     """
 
     def __init__(self, tools: Any = None, environment_factory: Any = None,
-                 max_tool_calling_iterations: int | None = None) -> None:
+                 max_tool_calling_iterations: int | None = None,
+                 tool_timeout: float | None = DEFAULT_TOOL_TIMEOUT) -> None:
         self.tools = _check_tools(tools)
         self.max_tool_calling_iterations = _check_iterations(max_tool_calling_iterations)
+        self.tool_timeout = _check_timeout(tool_timeout)
         self.environment_factory = environment_factory
         #: Environment instances, reused across calls (row ``i`` of a call gets ``pool[i]``); grows as needed.
         self.pool: list[Any] = []
@@ -248,7 +346,7 @@ class ToolLoop:
             name, arguments = call["function"]["name"], call["function"]["arguments"]
             try:
                 if name in sync:
-                    results.append((name, sync[name](**arguments)))
+                    results.append((name, _call_sync(name, sync[name], arguments, self.tool_timeout)))
                 elif name in asynchronous:
                     pending.append((name, asynchronous[name](**arguments)))
                 else:
@@ -257,7 +355,7 @@ class ToolLoop:
                 failures += 1
                 results.append((name, {"error": str(exc)}))
         if pending:
-            for (name, _), result in zip(pending, self._async.gather([c for _, c in pending])):
+            for (name, _), result in zip(pending, self._async.gather(pending, self.tool_timeout)):
                 if isinstance(result, BaseException):
                     failures += 1
                     result = {"error": str(result)}

@@ -44,7 +44,7 @@ from hybrid_engine.generation.timing import PhaseTimer
 from hybrid_engine.generation.token_ids import MAX_TOKEN_ID, token_ids
 from hybrid_engine.graphs.runner import DecodeGraphRunner
 from hybrid_engine.graphs.stats import CallStats, GraphStats
-from hybrid_engine.model_access import check_device, decode_model
+from hybrid_engine.model_access import check_device, decode_model, model_device
 from hybrid_engine.rollout.episodes import Episodes, TurnRows
 from hybrid_engine.rollout.types import (
     DEFAULT_MAX_BATCH_SIZE,
@@ -78,6 +78,13 @@ def _unwrap_model(engine: Any) -> PreTrainedModel:
     )
 
 
+#: A change of a rollout's exact mode after construction (``what``: the assignment, ``value``: the mode asked for).
+_EXACT_FIXED = ("{what} on a rollout built with exact_logprobs={built}: the mode is fixed when the rollout is built, "
+                "where the model is checked for it (a model the exact kernels do not cover, such as linear attention, "
+                "is refused there); build a new rollout for the other mode: "
+                "HybridEngineRollout(engine, config=RolloutConfig(exact_logprobs={value}))")
+
+
 #: The most tokens one call's batch may hold (2**31: a 16 GiB int64 tensor), a guard against a mistyped
 #: n_samples_per_prompt exhausting host memory before a single step runs.
 MAX_BATCH_ELEMENTS = 2**31
@@ -106,15 +113,47 @@ class HybridEngineRollout:
         self.total_graph_captures = 0
         engine_config = getattr(engine, "config", None)
         engine_exact = isinstance(engine_config, EngineConfig) and engine_config.hybrid_engine.exact_logprobs
-        #: Whether calls run the exact mode's batch-invariant kernels (:mod:`hybrid_engine.exact`).
-        self.exact_logprobs = engine_exact if config.exact_logprobs is None else config.exact_logprobs
-        if self.exact_logprobs:
+        exact = engine_exact if config.exact_logprobs is None else config.exact_logprobs
+        if exact:
             check_exact_support(self.model)
+        self._exact_logprobs: bool = exact
         self.runner = DecodeGraphRunner(
             self.model,
             config=engine_config if isinstance(engine_config, EngineConfig) else None,
             buckets=config.graph_batch_sizes,
         )
+
+    @property
+    def exact_logprobs(self) -> bool:
+        """Whether calls run the exact mode's batch-invariant kernels (:mod:`hybrid_engine.exact`). Fixed at
+        construction, where the model was checked for it (and graphs are captured in it)."""
+        return self._exact_logprobs
+
+    @exact_logprobs.setter
+    def exact_logprobs(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"HybridEngineRollout.exact_logprobs must be True or False, got {type(value).__name__} "
+                            f"({value!r})")
+        if value != self._exact_logprobs:
+            raise ValueError(_EXACT_FIXED.format(what=f"HybridEngineRollout.exact_logprobs = {value}", value=value,
+                                                 built=self._exact_logprobs))
+
+    @property
+    def config(self) -> RolloutConfig:
+        """The :class:`RolloutConfig` calls run with; may be replaced between calls (not its ``exact_logprobs``,
+        which is fixed at construction: ``None`` keeps the rollout's mode)."""
+        return self._config
+
+    @config.setter
+    def config(self, config: RolloutConfig) -> None:
+        if not isinstance(config, RolloutConfig):
+            raise TypeError(f"HybridEngineRollout: config must be a RolloutConfig, got {type(config).__name__}")
+        exact = self.__dict__.get("_exact_logprobs")  # None while the constructor sets it up
+        if exact is not None and config.exact_logprobs is not None and config.exact_logprobs != exact:
+            value = config.exact_logprobs
+            raise ValueError(_EXACT_FIXED.format(
+                what=f"HybridEngineRollout.config = RolloutConfig(exact_logprobs={value})", value=value, built=exact))
+        self._config = config
 
     # ---------------------------------------------------------------- setup
     def _special_ids(self) -> tuple[int, tuple[int, ...]]:
@@ -204,8 +243,11 @@ class HybridEngineRollout:
 
     def generate_turn(self, request: RolloutRequest, sampling: SamplingConfig, turn: TurnRows) -> RolloutBatch:
         """An episode turn (:meth:`Episodes.turn` calls it): ``generate`` with one output row per entry of
-        ``turn``, each continuing its prompt row on the pages an earlier call kept and keeping its own."""
-        with exclusive_generation(self.model, "HybridEngineRollout.generate"), gathered_for_inference(self.model):
+        ``turn``, each continuing its prompt row on the pages an earlier call kept and keeping its own.
+        ``turn.guard`` runs around the work under the model's lock: the episode checks the weights once its turn
+        has come (after any training call it waited for) and gives back what a failed call kept."""
+        with exclusive_generation(self.model, "HybridEngineRollout.generate"), gathered_for_inference(self.model), \
+                (turn.guard() if turn.guard is not None else contextlib.nullcontext()):
             return self._generate(request, sampling, turn)
 
     def _generate(self, request: RolloutRequest, sampling: SamplingConfig | None,
@@ -344,7 +386,7 @@ class HybridEngineRollout:
         before = runner.stats
         with self._inference_mode():
             budget = KVBudget(cfg.kv_page_size, cfg.kv_cache_tokens, cfg.kv_cache_bytes, "RolloutConfig.kv_cache",
-                              longest, max_new)
+                              longest, max_new, model_device(model))
             state = runner.prepare(rows=max_active, capacity=capacity, num_eos=len(eos_ids),
                                    graphs=cfg.use_graph_capture, budget=budget, prompt_width=prompt_width,
                                    top_logprobs=sampling.top_logprobs)

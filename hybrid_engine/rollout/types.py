@@ -84,7 +84,9 @@ class RolloutConfig:
     response token's logprob is then bit-for-bit what the engine's training forward in
     that mode (``hybrid_engine.exact_logprobs``, or :func:`hybrid_engine.exact_forward`)
     computes, whatever the batch, slot, bucket or admission round; ``None`` follows the
-    engine's ``hybrid_engine.exact_logprobs`` (off for a bare model).
+    engine's ``hybrid_engine.exact_logprobs`` (off for a bare model). The mode is fixed when the
+    rollout is built (the model is checked for it then): a config assigned to ``rollout.config``
+    later may leave it ``None`` or repeat it; for the other mode, build a new rollout.
     """
 
     use_graph_capture: bool = False
