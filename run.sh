@@ -59,10 +59,16 @@ fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || { [ -n "$lock" ] && [ "$lock" -nt "$stamp" ]; } \
    || [ "$cmd" = "test-latest" ]; then
   upgrade=()
-  [ "$cmd" = "test-latest" ] && upgrade=(--upgrade --upgrade-strategy eager)
   # torch first, pinned: an unpinned resolve would pull a multi-GB accelerator build.
   if ! "$py" -c "import torch" 2>/dev/null; then
     "$py" -m pip install "${pip_q[@]}" "${HYBRID_ENGINE_TORCH:-torch==2.13.0}"
+  fi
+  if [ "$cmd" = "test-latest" ]; then
+    # Everything to its newest allowed version but torch: an eager upgrade would replace the CPU build with
+    # a multi-GB accelerator one.
+    upgrade=(--upgrade --upgrade-strategy eager)
+    "$py" -c 'import torch; print("torch==" + torch.__version__)' > "$venv/torch-pin.txt"
+    constraints=(-c "$venv/torch-pin.txt")
   fi
   if [[ ",$extras," == *",deepspeed,"* ]] && { [ ${#upgrade[@]} -gt 0 ] || ! "$py" -c "import deepspeed" 2>/dev/null; }; then
     # DeepSpeed ships as a source archive whose build imports torch: build it against the torch
