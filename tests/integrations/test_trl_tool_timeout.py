@@ -142,11 +142,17 @@ def test_an_interrupted_call_leaves_nothing_pending_on_the_tools_loop():
         if t.started.wait(HARD):
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
-    sender = threading.Thread(target=interrupt, daemon=True)
-    sender.start()
-    with pytest.raises(KeyboardInterrupt):
-        loop.call_tools(0, [call("hang", x=1)])
-    sender.join(HARD)
+    # Python's own SIGINT handler: a process started in the background of a non-interactive shell (as CI may
+    # be) begins with SIGINT ignored, and Python then installs none.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        sender = threading.Thread(target=interrupt, daemon=True)
+        sender.start()
+        with pytest.raises(KeyboardInterrupt):
+            loop.call_tools(0, [call("hang", x=1)])
+        sender.join(HARD)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert t.cancelled.is_set()
     assert pending_tasks(loop) == set()
     assert in_thread(loop.call_tools, 0, [call("double", x=1)])[0][0]["content"] == "2"
