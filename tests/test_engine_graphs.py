@@ -755,6 +755,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_the_per_backend_matmul_precision_api_is_a_kernel_switch_too():
     """torch >= 2.9's ``torch.backends.<backend>.fp32_precision``: once set, torch's legacy
     ``get_float32_matmul_precision()`` raises, which made every ``generate`` call fail. It is read per

@@ -20,6 +20,7 @@ import dataclasses
 
 import pytest
 import torch
+from tiers import fast_first
 
 peft = pytest.importorskip("peft", reason="needs the peft extra")
 
@@ -122,7 +123,7 @@ def test_lora_trained_in_place_is_replayed_without_recapture(family):
     assert all(torch.equal(p, frozen[n]) for n, p in base.named_parameters() if "lora_" not in n)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", fast_first(FAMILIES))
 def test_merge_and_unmerge_recapture_and_match_eager(family):
     pm = _lora(family)
     base = pm.get_base_model()

@@ -41,6 +41,7 @@ def _graph_bytes(graph) -> int:
     return graph.static_bytes + graph.workspace_bytes
 
 
+@pytest.mark.slow
 def test_a_captured_admission_round_keeps_one_layers_kv_in_the_graph_pool():
     """8 layers: an admission round used to gather every layer's K/V of its rows at once, and its capture kept
     that (8x one layer's) in the pool; now it copies one page per request (the sample's own last page), one
