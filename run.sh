@@ -5,7 +5,7 @@
 # was asked.
 #   ./run.sh demo [options]   the main job: a small RL loop with graph-captured rollouts
 #   ./run.sh test [pytest options]   the whole test suite (-m "not slow": the fast tier)
-#   ./run.sh test-transformers-4.57   the cache, engine and rollout tests again on transformers 4.57
+#   ./run.sh test-transformers-4.57   the cache, engine, rollout and family tests again on transformers 4.57
 #                                     (in .venv-tf457), the oldest transformers we support
 #   ./run.sh test-latest [pytest options]   the family matrix and the integrations on the newest
 #                                     versions pyproject.toml allows (in .venv-latest, unlocked)
@@ -87,7 +87,8 @@ case "$cmd" in
   test-transformers-4.57)
     exec "$py" -m pytest -q tests/test_kv_cache.py tests/test_cache_api.py tests/test_model_step.py \
       tests/test_engine_generate.py tests/test_engine_graphs.py tests/test_engine_training.py \
-      tests/test_inference_copy.py tests/test_graph_runner.py tests/test_exact_kernels.py tests/rollout "$@" ;;
+      tests/test_inference_copy.py tests/test_graph_runner.py tests/test_exact_kernels.py tests/rollout \
+      tests/test_model_families.py "$@" ;;
   test-latest)
     "$py" -c "import torch, transformers, trl, deepspeed, peft; print('test-latest on torch', torch.__version__, \
 'transformers', transformers.__version__, 'trl', trl.__version__, 'deepspeed', deepspeed.__version__, \

@@ -5,12 +5,22 @@ chunked layers are masked per layer kind as transformers masks them, so sequence
 decode with graphs and equal transformers' ``generate``. Where a family's length limit cannot be masked
 (GPT-Neo's local layers, longrope's switch of factors), a longer sequence is refused by the rollout and
 handed to transformers by ``engine.generate``; within it the tokens equal transformers'.
+
+On transformers 4.57 the same file asserts what a user gets there: a family 4.57 lacks is skipped naming the
+version; where 4.57's own modeling code cannot be captured (MoE routing with nonzero()/torch.where, Gemma 2's
+host-tensor normalizer), one GraphRefusedWarning names its file and line and the call runs eagerly with the same
+tokens; state-layer families (4.57 has no linear-attention cache API) are refused by name, and ``engine.generate``
+hands them to transformers. Each such branch is taken by detecting the capability (or by the version, where
+detection is not cheap), so the newer versions' assertions stay as they were.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +28,8 @@ import transformers
 from packaging.version import Version
 from sampled_close import assert_rollouts_sampled_close
 from tiers import fast_first
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, cache_utils
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from hybrid_engine import initialize
 from hybrid_engine.decode.kv_pool import LayerSpec
@@ -56,9 +67,16 @@ LIMITED = {
 #: transformers 5.25 rewrote LongCat's experts (transformers' experts implementations, no nonzero() loop) and
 #: Falcon's attention (no host tensor in ``_split_heads``): both capture from then on.
 TF_5_25 = Version(transformers.__version__) >= Version("5.25.0")
+#: The 4.x line the project supports (transformers >= 4.57): its LongCat caches per-head K and V (no latent).
+TF_4_57 = Version(transformers.__version__) < Version("5")
+#: transformers' linear-attention cache API, through which the engine holds state layers (5.x); 4.57's state
+#: models keep their states in cache classes of their own, so the engine refuses them there.
+LINEAR_CACHE_API = hasattr(cache_utils, "LinearAttentionCacheLayerMixin")
 
 
 def tiny(model_type: str, **fields) -> torch.nn.Module:
+    if TF_4_57 and model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no model_type {model_type!r} (added in 5.x)")
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, **fields)
     return AutoModelForCausalLM.from_config(config).eval()
@@ -84,19 +102,85 @@ def rollout_tokens(model, ids, mask, new: int, graphs: bool, capacity: int | Non
     return batch.input_ids
 
 
+def experts_implemented(model: torch.nn.Module) -> bool:
+    """Whether the model's MoE experts dispatch through transformers' experts implementations (5.x's
+    ``use_experts_implementation``: batched, captured); 4.57's loops pick each expert's tokens with
+    nonzero()/torch.where, which no capture can record."""
+    # the decorator's forward (functools.wraps keeps the class's names; its code stays in integrations/moe.py)
+    return any(Path(type(m).forward.__code__.co_filename).parts[-2:] == ("integrations", "moe.py")
+               for m in model.modules() if hasattr(type(m).forward, "__code__"))
+
+
+#: model_type -> (whether the installed transformers' modeling code captures, where 4.57's refuses: its file,
+#: function and line). Gemma 2 scales its embeddings by a buffer in 5.x; 4.57 builds a host tensor per forward.
+OWN_CODE: dict[str, tuple[Callable[[torch.nn.Module], bool], str]] = {
+    "deepseek_v2": (experts_implemented, r"models/deepseek_v2/modeling_deepseek_v2\.py:\d+ in moe: `if num_tokens == 0:`"),
+    "deepseek_v3": (experts_implemented, r"models/deepseek_v3/modeling_deepseek_v3\.py:\d+ in moe: "
+                                         r"`token_indices, weight_indices = torch\.where\(mask\)`"),
+    "gpt_oss": (experts_implemented, r"models/gpt_oss/modeling_gpt_oss\.py:\d+ in forward: `expert_hit = .*\.nonzero\(\)`"),
+    "gemma2": (lambda m: hasattr(m.get_input_embeddings(), "embed_scale"),
+               r"models/gemma2/modeling_gemma2\.py:\d+ in forward: `normalizer = torch\.tensor\("),
+}
+
+
+def own_code_refusal(model: torch.nn.Module) -> str | None:
+    """Where the installed transformers' code for ``model`` refuses capture (a regex), ``None`` where it captures."""
+    captures, where = OWN_CODE.get(model.config.model_type, (lambda m: True, ""))
+    return None if captures(model) else where
+
+
+def graph_refusals(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, GraphRefusedWarning)]
+
+
+def assert_refused_where_own_code_is(model: torch.nn.Module, record: list[warnings.WarningMessage]) -> None:
+    """Where the installed transformers' code for ``model`` cannot be captured, the graphed call that ``record``
+    watched warned exactly once, naming that code, and went on eagerly (nothing checked where it captures)."""
+    where = own_code_refusal(model)
+    if where is not None:
+        [warned] = graph_refusals(record)
+        assert re.search(where, warned) and "continues eagerly" in warned
+
+
 def assert_decodes_as_transformers(model, ids, mask, new: int, max_out_tokens: int) -> torch.Tensor:
     """Greedy rollouts (graphs off and on) and ``engine.generate`` with graphs replayed equal transformers'
-    ``generate``; returns its tokens."""
+    ``generate``; returns its tokens. Where transformers' own code cannot be captured (4.57), ``engine.generate``
+    warns once naming it, runs eagerly and counts a fallback: the same tokens."""
     want = hf_greedy(model, ids, mask, new)
     for graphs in (False, True):
         assert torch.equal(rollout_tokens(model, ids, mask, new, graphs), want)
     engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True,
                                                                    "max_out_tokens": max_out_tokens}})
-    out = engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                          min_new_tokens=new, pad_token_id=0, eos_token_id=-1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                              min_new_tokens=new, pad_token_id=0, eos_token_id=-1)
     assert torch.equal(out, want)
-    assert engine.graph_stats.last_refusal_reason is None and engine.graph_stats.replays > 0
+    if own_code_refusal(model) is None:
+        assert engine.graph_stats.last_refusal_reason is None and engine.graph_stats.replays > 0
+    else:
+        assert engine.graph_stats.fallbacks > 0 and engine.graph_stats.replays == 0
+    assert_refused_where_own_code_is(model, record)
     return want
+
+
+def assert_state_layers_refused(model, ids, mask, new: int) -> None:
+    """Without transformers' linear-attention cache API (4.57) a state-layer family is refused by name, saying
+    it needs transformers >= 5, and ``engine.generate`` hands it to transformers: one warning, the same tokens."""
+    assert not LINEAR_CACHE_API and TF_4_57  # 5.x must decode them (the callers' other branch)
+    model_type = model.config.model_type
+    needs = rf"model_type '{model_type}' has state layers .*needs transformers >= 5; transformers " \
+            rf"{re.escape(transformers.__version__)} has none"
+    with pytest.raises(UnsupportedModelError, match=needs):
+        rollout_tokens(model, ids, mask, new, graphs=True)
+    engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = engine.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                              min_new_tokens=new, pad_token_id=0, eos_token_id=-1)
+    [warned] = graph_refusals(record)
+    assert re.search(needs, warned) and "delegated to transformers' generate" in warned
+    assert torch.equal(out, hf_greedy(model, ids, mask, new))
 
 
 @pytest.mark.parametrize("model_type", sorted(LIMITED))
@@ -201,11 +285,12 @@ def test_multi_head_latent_attention_runs_on_the_pool_with_graphs_and_matches_tr
 
 
 def test_longcat_runs_its_latent_on_the_pool_and_its_expert_routing_is_named_where_it_cannot_be_captured():
-    """LongCat's MoE picks experts with nonzero() (a data-dependent shape): eager, same tokens, one warning."""
+    """LongCat's MoE picks experts with nonzero() (a data-dependent shape): eager, same tokens, one warning.
+    transformers 4.57's LongCat caches per-head K and V (its routing: torch.where in ``moe``)."""
     model = tiny("longcat_flash", **{**MLA, "q_lora_rank": 16, "n_routed_experts": 4, "moe_topk": 2,
                                      "expert_ffn_hidden_size": 16, "ffn_hidden_size": 64, "zero_expert_num": 1,
                                      "num_layers": 2, "head_dim": 4})
-    assert set(layer_specs(model.config)) == {LayerSpec(1, 16, 4)}
+    assert set(layer_specs(model.config)) == ({LayerSpec(4, 12, 6)} if TF_4_57 else {LayerSpec(1, 16, 4)})
     ids, mask = prompts()
     rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,
                                                               eos_token_id=10**6))
@@ -215,9 +300,11 @@ def test_longcat_runs_its_latent_on_the_pool_and_its_expert_routing_is_named_whe
             batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=12, temperature=0.0))
         assert rollout.last_stats["graph_replays"] > 0 and rollout.last_stats["fallbacks"] == 0
     else:
-        with pytest.warns(GraphRefusedWarning, match=r"models/longcat_flash/modeling_longcat_flash\.py:\d+ in "
-                                                     r"forward: `expert_hit = .*nonzero"):
+        where = (r"in moe: `token_indices, weight_indices = torch\.where\(mask\)`" if TF_4_57 else
+                 r"in forward: `expert_hit = .*nonzero")
+        with pytest.warns(GraphRefusedWarning, match=rf"models/longcat_flash/modeling_longcat_flash\.py:\d+ {where}"):
             batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=12, temperature=0.0))
+        assert rollout.last_stats["fallbacks"] > 0
     assert torch.equal(batch.input_ids, hf_greedy(model, ids, mask, 12))
 
 
@@ -261,8 +348,11 @@ def test_windowed_layers_keep_a_ring_of_their_window_per_row_once_rows_reach_pas
     ids, mask = prompts(3, 12)
     rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,
                                                               eos_token_id=10**6))
-    batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=40, temperature=0.0))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        batch = rollout.generate(RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=40, temperature=0.0))
     assert torch.equal(batch.input_ids, hf_greedy(model, ids, mask, 40))
+    assert_refused_where_own_code_is(model, record)
     pool, slots = rollout.runner.kv_pool, rollout.runner.slots
     full = [s for s in pool.layers if not s.ring]
     assert pool.page_bytes == sum(s.heads * (s.key_dim + s.value_dim) for s in full) * 4 * pool.page_size
@@ -363,13 +453,17 @@ LINEAR_SOME = ("qwen3_5_text", "qwen3_next", "nemotron_h", "falcon_h1", "mamba2"
 def test_state_layers_keep_a_state_per_row_with_graphs_and_match_transformers(model_type):
     """They were refused ('layers of kind ... the paged K/V cache does not hold'; Mamba: an AttributeError). Each
     row keeps its conv and recurrent states in slot-indexed buffers; 12-token prompts (one left-padded) plus 30
-    tokens."""
+    tokens. transformers 4.57 has no linear-attention cache API: there they are refused by name."""
+    ids, mask = prompts(3, 12)
+    ids[1, :3], mask[1, :3] = 0, 0
+    if not LINEAR_CACHE_API:  # 4.57's Jamba and Zamba run on CPU only without their CUDA kernels
+        kernels = {"use_mamba_kernels": False} if model_type in ("jamba", "zamba") else {}
+        assert_state_layers_refused(tiny(model_type, **LINEAR[model_type], **kernels), ids, mask, 30)
+        return
     model = tiny(model_type, **LINEAR[model_type])
     assert layout_refusal(model.config) is None and any(linear_layers(model.config))
     # Layers with a state and no attention cache no K/V (Falcon-H1's parallel blocks have both).
     assert [s.key_dim == 0 for s in layer_specs(model.config)] == [not a for a in attention_layers(model.config)]
-    ids, mask = prompts(3, 12)
-    ids[1, :3], mask[1, :3] = 0, 0
     assert_decodes_as_transformers(model, ids, mask, 30, max_out_tokens=64)
 
 
@@ -381,6 +475,9 @@ def test_linear_attention_states_follow_rows_through_admission_compaction_and_pr
     model = tiny(model_type, **{**WINDOWED, **LINEAR}[model_type])
     ids, mask = prompts(5, 9)
     ids[2, :4], mask[2, :4] = 0, 0
+    if model_type in LINEAR and not LINEAR_CACHE_API:
+        assert_state_layers_refused(model, ids, mask, 6)
+        return
     request = RolloutRequest(ids, mask, max_new_tokens=[20, 6, 14, 9, 3])
     sampling = SamplingConfig(max_new_tokens=20, temperature=1.0, seed=5, n_samples_per_prompt=2)
 
@@ -390,12 +487,21 @@ def test_linear_attention_states_follow_rows_through_admission_compaction_and_pr
         return rollout.generate(request, sampling), rollout.last_stats
 
     eager, _ = run(False)
-    graphed, stats = run(True)
-    assert stats["graph_replays"] > 0 and stats["fallbacks"] == 0 and stats["compactions"] > 0
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        graphed, stats = run(True)
+    if own_code_refusal(model) is None:
+        assert stats["graph_replays"] > 0 and stats["fallbacks"] == 0 and stats["compactions"] > 0
+    else:  # 4.57's gpt-oss routing: eager steps, named once, counted
+        assert stats["graph_replays"] == 0 and stats["fallbacks"] > 0 and stats["compactions"] > 0
+    assert_refused_where_own_code_is(model, record)
     assert torch.equal(graphed.input_ids, eager.input_ids)
     assert torch.equal(graphed.response_logprobs, eager.response_logprobs)
-    short, stats = run(True, kv_page_size=4, kv_cache_tokens=64)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        short, stats = run(True, kv_page_size=4, kv_cache_tokens=64)
     assert stats["preemptions"] > 0
+    assert_refused_where_own_code_is(model, record)
     # A resumed row's states and K/V were prefilled again, in other batch shapes: logprobs that may differ in
     # the last float bits, so the samples are compared as sampled_close compares numerically different paths
     # (equal tokens with logprobs to 1e-5, or a flip float noise can make, teacher-forced), not by asking both
@@ -448,6 +554,9 @@ def test_sampled_logprobs_match_the_training_forward_and_a_trained_model_decodes
     model = tiny(model_type, **MATRIX[model_type])
     ids, mask = prompts(2, 10)
     ids[1, :2], mask[1, :2] = 0, 0
+    if model_type in LINEAR and not LINEAR_CACHE_API:
+        assert_state_layers_refused(model, ids, mask, 16)
+        return
     request = RolloutRequest(ids, mask)
     sampling = SamplingConfig(max_new_tokens=16, temperature=1.0, seed=4, n_samples_per_prompt=2)
     engine, *_ = initialize(model=model, config={"optimizer": {"type": "SGD", "params": {"lr": 0.5}}})

@@ -16,8 +16,9 @@ running the model:
   row may reach instead of refusing the model;
 * which layers are linear attention (:func:`linear_layers`: a per-row state,
   :mod:`hybrid_engine.decode.linear_states`, instead of K/V);
-* layouts the cache cannot hold (state-space layers, ALiBi), refused in one
-  sentence that names what is missing (:func:`layout_refusal`).
+* layouts the cache cannot hold (state-space layers, ALiBi; the state families on
+  a transformers without the linear-attention cache API, as 4.57), refused in
+  one sentence that names what is missing (:func:`layout_refusal`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ def layout_refusal(config: PretrainedConfig) -> str | None:
     """Why the paged K/V cache cannot hold ``config``'s layers at all, in one sentence; ``None`` when it can."""
     config = _text_config(config)
     model_type = getattr(config, "model_type", None)
+    if model_type in LINEAR_MODEL_TYPES and not _linear_cache_api():
+        # 4.57's state models keep their states in cache classes of their own and list their layers otherwise
+        # (or not at all), so this comes before the layer kinds, which would misread them.
+        return (f"model_type {model_type!r} has state layers (linear attention, Mamba mixers or short "
+                "convolutions), whose per-row state the paged cache holds through transformers' linear-attention "
+                f"cache API, which needs transformers >= 5; transformers {_transformers_version()} has none")
     layer_types = getattr(config, "layer_types", None) or ()
     kinds = sorted({k for k in layer_types
                     if k not in ATTENTION_LAYER_KINDS + STATELESS_LAYER_KINDS + LINEAR_LAYER_KINDS + HYBRID_LAYER_KINDS})
@@ -90,9 +97,6 @@ def layout_refusal(config: PretrainedConfig) -> str | None:
         return (f"model_type {model_type!r} has layers of kind {', '.join(map(repr, linear))} (config.layer_types), whose "
                 "per-sequence state the paged K/V cache does not hold: it holds linear-attention states only for "
                 f"the families verified against transformers ({', '.join(LINEAR_MODEL_TYPES)})")
-    if linear and not _linear_cache_api():
-        return (f"model_type {model_type!r} has linear-attention layers, whose per-row state the paged cache holds "
-                "through transformers' linear-attention cache API (transformers 5.x); this transformers has none")
     if not isinstance(getattr(config, "num_attention_heads", None), int) and not (
             layer_types and all(linear_layers(config)) and model_type in LINEAR_MODEL_TYPES):
         return (f"model_type {model_type!r} has no attention heads (no config.num_attention_heads): its layers keep "
@@ -107,6 +111,12 @@ def _linear_cache_api() -> bool:
     from transformers import cache_utils
 
     return hasattr(cache_utils, "LinearAttentionCacheLayerMixin")
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
 
 
 def attention_layers(config: PretrainedConfig) -> list[bool]:

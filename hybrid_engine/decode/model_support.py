@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hybrid_engine.decode.kv_cache import PagedKVCache
-from hybrid_engine.decode.layout import linear_layers
+from hybrid_engine.decode.layout import layout_refusal, linear_layers
 from hybrid_engine.decode.linear_states import Shapes
 from hybrid_engine.decode.npu_attention import NPU_GRAPH_ATTENTION
 from hybrid_engine.decode.step import _forward_signature, _model_dtype, decode_one_token, prefill
@@ -60,6 +60,11 @@ def check_model_supported(model: torch.nn.Module) -> None:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{type(model).__name__}: encoder-decoder models are not supported (decoder-only LMs only)")
+    # Layers the cache cannot hold come first: the most specific reason (a state model's forward may also take
+    # no cache, as Mamba's does on transformers 4.57).
+    reason = layout_refusal(config)
+    if reason is not None:
+        raise ValueError(f"{type(model).__name__}: {reason}")
     impl = _attn_implementation(model)
     if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
         raise ValueError(
