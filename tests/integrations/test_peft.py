@@ -151,9 +151,9 @@ def test_merge_and_unmerge_recapture_and_match_eager(family):
     pm.unmerge_adapter()  # in place again
     assert not layer.merged and weight.data_ptr() == ptr
     check(2)
-    pm.merge_adapter(safe_merge=True)  # re-allocates the merged weight: a weight change
-    assert layer.get_base_layer().weight.data_ptr() != ptr
-    check(3)
+    pm.merge_adapter(safe_merge=True)  # re-allocates the merged weight before peft 0.22, in place since
+    assert layer.merged and not torch.equal(layer.get_base_layer().weight, before)
+    check(3)  # either way a change the graphs must see (new storage, or the adapter's merged state)
     pm.unmerge_adapter()
     check(4)
     with pm.disable_adapter():  # the base model alone
