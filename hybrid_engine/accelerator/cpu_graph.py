@@ -280,26 +280,32 @@ def _end_global_mode() -> None:
         _wrap_host_reads(False)
 
 
+def _refuse_if_captured_elsewhere(others: Callable[[], list[_Recorder]], message: Callable[[str], str]) -> None:
+    """Raise :func:`_refused` of ``message(<the capturing threads' names>)`` if ``others()`` (read under the lock)
+    lists captures, after invalidating them: their end then sees it."""
+    with _captures_lock:
+        found = others()
+        if not found:
+            return
+        err = _refused(message(", ".join(sorted({repr(rec.thread.name) for rec in found}))))
+        for rec in found:
+            _invalidate(rec, err)
+    raise err
+
+
 def _refuse_during_global_captures(what: str) -> None:
     """Raise, and invalidate them, while another thread captures in global mode: a potentially unsafe call (a host
     read or wait) that CUDA fails in any thread then (cudaStreamCaptureModeGlobal)."""
     me = threading.current_thread()
-    with _captures_lock:  # invalidated before the capture can end: its end then sees it
-        others = [rec for rec in _captures.values() if rec.mode == "global" and rec.thread is not me]
-        if not others:
-            return
-        names = ", ".join(sorted({repr(rec.thread.name) for rec in others}))
-        err = _refused(
+    _refuse_if_captured_elsewhere(
+        lambda: [rec for rec in _captures.values() if rec.mode == "global" and rec.thread is not me],
+        lambda names: (
             f"{what} in thread {me.name!r} while thread {names} is capturing a graph in global capture mode "
             "(capture_error_mode='global', PyTorch's default): CUDA then refuses potentially unsafe calls (host "
             "reads, stream, event and device synchronisations) in every thread with \"operation not permitted when "
             "stream is capturing\" and invalidates the capture. Capture with capture_error_mode='thread_local' (what "
             "the accelerators request where the graph API takes a mode), or keep other threads from reading device "
-            "values while a capture runs (they may wait for graph_capture_lock(), which captures hold)."
-        )
-        for rec in others:
-            _invalidate(rec, err)
-    raise err
+            "values while a capture runs (they may wait for graph_capture_lock(), which captures hold)."))
 
 
 def _capture_on(stream: Any) -> _Recorder | None:
@@ -347,19 +353,11 @@ def _other_threads_captures() -> list[_Recorder]:
 
 def _refuse_during_other_captures(what: str, why: str) -> None:
     """Raise if another thread is capturing (and invalidate its captures): for device-wide calls."""
-    with _captures_lock:  # invalidated before the capture can end: its end then sees it
-        others = _other_threads_captures()
-        if not others:
-            return
-        names = ", ".join(sorted({repr(rec.thread.name) for rec in others}))
-        err = _refused(
-            f"{what} while thread {names} is capturing a graph: {why}. PyTorch allows one capture at a time per "
-            "process; the accelerator's synchronize() and empty_cache() wait for graph_capture_lock(), which "
-            "warm-ups and captures hold."
-        )
-        for rec in others:
-            _invalidate(rec, err)
-    raise err
+    _refuse_if_captured_elsewhere(
+        _other_threads_captures,
+        lambda names: (f"{what} while thread {names} is capturing a graph: {why}. PyTorch allows one capture at a "
+                       "time per process; the accelerator's synchronize() and empty_cache() wait for "
+                       "graph_capture_lock(), which warm-ups and captures hold."))
 
 
 def synchronize_device() -> None:
