@@ -27,6 +27,7 @@ import functools
 import importlib
 from typing import Any, NamedTuple
 
+import transformers
 from transformers import PretrainedConfig
 
 from hybrid_engine.decode.kv_pool import LayerSpec
@@ -85,7 +86,7 @@ def layout_refusal(config: PretrainedConfig) -> str | None:
         # (or not at all), so this comes before the layer kinds, which would misread them.
         return (f"model_type {model_type!r} has state layers (linear attention, Mamba mixers or short "
                 "convolutions), whose per-row state the paged cache holds through transformers' linear-attention "
-                f"cache API, which needs transformers >= 5; transformers {_transformers_version()} has none")
+                f"cache API, which needs transformers >= 5; transformers {transformers.__version__} has none")
     layer_types = getattr(config, "layer_types", None) or ()
     kinds = sorted({k for k in layer_types
                     if k not in ATTENTION_LAYER_KINDS + STATELESS_LAYER_KINDS + LINEAR_LAYER_KINDS + HYBRID_LAYER_KINDS})
@@ -111,12 +112,6 @@ def _linear_cache_api() -> bool:
     from transformers import cache_utils
 
     return hasattr(cache_utils, "LinearAttentionCacheLayerMixin")
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return str(transformers.__version__)
 
 
 def attention_layers(config: PretrainedConfig) -> list[bool]:
