@@ -378,8 +378,10 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} bytes ({nbytes / 2**30:.3g} GiB)"
 
 
-def _check_memory(have: str, knob: str, pages: int, page_size: int, page_bytes: int, device: torch.device) -> None:
-    """Refuse, before anything is allocated, a configured pool its device (or the host's ledger) cannot hold."""
+def _check_memory(name: str, value: int, knob: str, pages: int, page_size: int, page_bytes: int,
+                  device: torch.device) -> None:
+    """Refuse, before anything is allocated, a configured pool (``name=value``) its device (or the host's ledger)
+    cannot hold."""
     device = torch.device(device)
     pool, ledger = (pages + 1) * page_bytes, (pages + 1) * LEDGER_BYTES_PER_PAGE  # the null page comes on top
     bookkeeping = f"{_size(ledger)} of host bookkeeping"
@@ -391,8 +393,8 @@ def _check_memory(have: str, knob: str, pages: int, page_size: int, page_bytes: 
         memory = device_memory(where)
         if memory is not None and need > memory:
             raise ValueError(
-                f"{have} asks for a pool of {pages} pages of {page_size} tokens ({page_bytes} bytes a page): {what} "
-                f"on {where}, more than the {_size(memory)} it has in all; lower {have.split('=')[0]} to what the "
+                f"{name}={value} asks for a pool of {pages} pages of {page_size} tokens ({page_bytes} bytes a page): "
+                f"{what} on {where}, more than the {_size(memory)} it has in all; lower {name} to what the "
                 f"machine holds, or leave {knob}_tokens and {knob}_bytes unset (the pool then holds what the call's "
                 "rows need)")
 
@@ -418,18 +420,18 @@ def pool_pages(budget: KVBudget, *, page_bytes: int, slots: int, stage_rows: int
             "or windowed rings where rows reach past twice the window), so a byte budget has nothing to size; "
             f"leave {knob}_bytes unset, or bound the pool's pages with {knob}_tokens")
     if tokens is not None:
-        pages, fixed, have = tokens // page_size, True, f"{knob}_tokens={tokens}"
+        pages, name, value = tokens // page_size, f"{knob}_tokens", tokens
     elif nbytes is not None:
-        pages, fixed, have = nbytes // page_bytes, True, f"{knob}_bytes={nbytes}"
+        pages, name, value = nbytes // page_bytes, f"{knob}_bytes", nbytes
     else:
         return slots * pages_for(capacity, page_size) + stage_rows * pages_for(stage_width, page_size), False
     if pages < one:
         per_page = f" ({page_bytes} bytes a page)" if page_bytes else ""
         in_bytes = f" (or {knob}_bytes to {one * page_bytes})" if page_bytes else ""
         raise ValueError(
-            f"{have} holds {pages} pages of {page_size} tokens{per_page}, but one request of "
+            f"{name}={value} holds {pages} pages of {page_size} tokens{per_page}, but one request of "
             f"this call (a prompt of {longest_prompt} tokens and max_new_tokens {max_new}) needs up to {one} pages: "
             f"raise {knob}_tokens to at least {one * page_size}{in_bytes}")
     if device is not None:
-        _check_memory(have, knob, pages, page_size, page_bytes, device)
-    return pages, fixed
+        _check_memory(name, value, knob, pages, page_size, page_bytes, device)
+    return pages, True
