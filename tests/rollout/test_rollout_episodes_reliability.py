@@ -466,18 +466,24 @@ def test_a_turn_waiting_for_a_training_call_checks_the_weights_after_it(monkeypa
     _assert_turn_as_single_turn(rollout, episodes.close(), 1, (5, 5))
 
 
+class Pause:
+    """A forward pre-hook that, once ``armed``, stops the next forward: it sets ``inside`` and waits for
+    ``release`` (within :data:`WAIT`), so another thread acts while a turn is under way."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.inside, self.release, self.armed = threading.Event(), threading.Event(), False
+        model.register_forward_pre_hook(self)
+
+    def __call__(self, module, args) -> None:
+        if self.armed:
+            self.armed = False
+            self.inside.set()
+            assert self.release.wait(WAIT)
+
+
 def test_calls_on_rows_in_another_threads_turn_are_refused_and_others_go_ahead():
     model = build_model("tiny-llama", seed=2)
-    inside, release = threading.Event(), threading.Event()
-    armed = []
-
-    def pause(module, args):
-        if armed:
-            armed.clear()
-            inside.set()
-            assert release.wait(WAIT)
-
-    model.register_forward_pre_hook(pause)
+    pause = Pause(model)
     rollout = _rollout(model, graphs=False)
     request = left_padded_prompts([5, 3], seed=7)
     episodes = rollout.open_episodes(request, n_samples_per_prompt=2)
@@ -491,11 +497,11 @@ def test_calls_on_rows_in_another_threads_turn_are_refused_and_others_go_ahead()
         except BaseException as exc:
             errors.append(exc)
 
-    armed.append(True)
+    pause.armed = True
     thread = threading.Thread(target=turn, daemon=True)
     thread.start()
     try:
-        assert inside.wait(WAIT)
+        assert pause.inside.wait(WAIT)
         for call, arg in ((lambda: episodes.turn(_sampling(1), rows=[1, 2]), "rows"),
                           (lambda: episodes.turn(_sampling(1)), "rows"),
                           (lambda: episodes.append(0, [7]), "row"),
@@ -505,7 +511,7 @@ def test_calls_on_rows_in_another_threads_turn_are_refused_and_others_go_ahead()
         assert episodes.history(0) == before[0]  # the turn has not committed
         episodes.append(2, [7, 8])  # rows outside the turn go ahead
     finally:
-        release.set()
+        pause.release.set()
         thread.join(WAIT)
     assert not thread.is_alive() and not errors and results == [["length", "length"]]
     episodes.turn(_sampling(2), rows=[2, 3])
@@ -547,16 +553,7 @@ def test_drop_kv_from_another_thread_during_a_turn_drops_what_the_turn_keeps(mon
     from hybrid_engine.rollout import episodes as episodes_module
 
     model = build_model("tiny-llama", seed=2)
-    inside, release, waiting = threading.Event(), threading.Event(), threading.Event()
-    armed = []
-
-    def pause(module, args):
-        if armed:
-            armed.clear()
-            inside.set()
-            assert release.wait(WAIT)
-
-    model.register_forward_pre_hook(pause)
+    pause, waiting = Pause(model), threading.Event()
     rollout = _rollout(model, graphs=False)
     episodes = rollout.open_episodes(left_padded_prompts([5, 3], seed=7), n_samples_per_prompt=2)
     episodes.turn(_sampling(0))
@@ -577,16 +574,16 @@ def test_drop_kv_from_another_thread_during_a_turn_drops_what_the_turn_keeps(mon
         except BaseException as exc:
             errors.append(exc)
 
-    armed.append(True)
+    pause.armed = True
     turn = threading.Thread(target=run, args=(lambda: episodes.turn(_sampling(1)),), daemon=True)
     turn.start()
-    assert inside.wait(WAIT)
+    assert pause.inside.wait(WAIT)
     drop = threading.Thread(target=run, args=(episodes.drop_kv,), daemon=True)
     drop.start()
     try:
         assert waiting.wait(WAIT)
     finally:
-        release.set()
+        pause.release.set()
         turn.join(WAIT)
         drop.join(WAIT)
     assert not turn.is_alive() and not drop.is_alive() and not errors, errors
