@@ -92,7 +92,7 @@ def test_staged_batch_and_round_match_an_exact_prefill_and_share_prompt_pages(ar
     torch.testing.assert_close(stage.logits[:3], logits.float(), rtol=1e-5, atol=1e-5)
     first = logits.argmax(-1)
     assert staged.tokens.tolist() == [first[0], first[0], first[2], first[1]]  # slot s holds its request
-    assert staged.request_index.tolist() == [11, 12, 13, 10] and staged.seed.tolist() == [7] * 4
+    assert staged.stream.tolist() == [11, 12, 13, 10] and staged.seed.tolist() == [7] * 4
     assert not staged.finished.any() and staged.token_index.tolist() == [1] * 4
     lengths = mask.sum(-1).tolist()
     for slot, prompt in ((3, 1), (0, 0), (1, 0), (2, 2)):
@@ -136,7 +136,7 @@ def test_staged_batch_and_round_captured_equal_eager():
         assert graphed.finished.all() and not stage_g.logits.any()  # capture applied nothing
         for graph in graphs:
             acc.replay_graph(graph)
-    for name in ("tokens", "token_index", "seed", "request_index", "budget", "finished", "out_logprobs"):
+    for name in ("tokens", "token_index", "seed", "stream", "budget", "finished", "out_logprobs"):
         assert torch.equal(getattr(eager, name), getattr(graphed, name)), name
     assert torch.equal(eager.cache.block_table, graphed.cache.block_table)
     assert torch.equal(eager.pool.values[1], graphed.pool.values[1])
@@ -316,10 +316,10 @@ def test_python_int_counters_capture_as_device_fills():
     rows = torch.arange(3)
     graph = acc.create_graph()
     with torch.no_grad(), acc.capture_to_graph(graph):
-        tokens, _ = sample_tokens(logits, temperature=1.0, top_p=0.9, seed=seed, request_index=rows, token_index=4)
+        tokens, _ = sample_tokens(logits, temperature=1.0, top_p=0.9, seed=seed, stream=rows, token_index=4)
         u = counter_uniform(11, 3, 2)
     acc.replay_graph(graph)
-    want, _ = sample_tokens(logits, temperature=1.0, top_p=0.9, seed=seed, request_index=rows, token_index=4)
+    want, _ = sample_tokens(logits, temperature=1.0, top_p=0.9, seed=seed, stream=rows, token_index=4)
     assert torch.equal(tokens, want) and float(u) == float(counter_uniform(11, 3, 2))
     with pytest.raises(GraphCaptureError, match="host data"), acc.capture_to_graph(acc.create_graph()):
         torch.tensor(4) + seed  # what the old counter code did

@@ -51,7 +51,7 @@ def _draw(logits, n, *, temperature, top_p=1.0, top_k=-1, seed=1234, request=0):
         top_p=top_p,
         top_k=top_k,
         seed=torch.tensor(seed),
-        request_index=torch.full((n,), request),
+        stream=torch.full((n,), request),
         token_index=torch.arange(n),
     )
 
@@ -94,18 +94,18 @@ def test_counter_uniform_depends_on_every_counter():
     n = 1000
     base = {
         "seed": torch.tensor(1),
-        "request_index": torch.zeros(n, dtype=torch.long),
+        "stream": torch.zeros(n, dtype=torch.long),
         "token_index": torch.arange(n),
     }
     u = counter_uniform(**base)
     variants = [
         counter_uniform(**{**base, "seed": torch.tensor(2)}),
-        counter_uniform(**{**base, "request_index": torch.ones(n, dtype=torch.long)}),
+        counter_uniform(**{**base, "stream": torch.ones(n, dtype=torch.long)}),
         counter_uniform(**{**base, "token_index": torch.arange(n) + 1}),
-        counter_uniform(**base, stream=1),
+        counter_uniform(**base, draw=1),
     ]
     for v in variants:
-        # Independent streams agree only by chance (2**-24 per value).
+        # Independent draws agree only by chance (2**-24 per value).
         assert (u == v).sum().item() <= 1
     # Zero counters do not collapse to a fixed point.
     zero = counter_uniform(torch.tensor(0), torch.tensor(0), torch.tensor(0))
@@ -117,11 +117,11 @@ def test_counter_uniform_independent_of_batch_composition():
     seeds = torch.randint(0, 2**62, (64,), generator=g)
     req = torch.randint(0, 10_000, (64,), generator=g)
     tok = torch.randint(0, 4096, (64,), generator=g)
-    full = counter_uniform(seeds, req, tok, stream=3)
+    full = counter_uniform(seeds, req, tok, draw=3)
     perm = torch.randperm(64, generator=g)
-    assert torch.equal(counter_uniform(seeds[perm], req[perm], tok[perm], stream=3), full[perm])
+    assert torch.equal(counter_uniform(seeds[perm], req[perm], tok[perm], draw=3), full[perm])
     for r in (0, 17, 63):
-        alone = counter_uniform(seeds[r], req[r], tok[r], stream=3)
+        alone = counter_uniform(seeds[r], req[r], tok[r], draw=3)
         assert alone.shape == () and alone.item() == full[r].item()
     # Broadcasting a scalar seed matches an explicit per-row seed.
     assert torch.equal(
@@ -165,7 +165,7 @@ def test_ties_are_deterministic():
     tokens, _ = _draw(logits, 200, temperature=1.0, top_k=2)
     assert set(tokens.tolist()) == {1, 2}  # lower index wins ties at the top-k cut
     greedy, _ = sample_tokens(
-        logits[None], temperature=0, top_p=1.0, top_k=-1, seed=0, request_index=0, token_index=0
+        logits[None], temperature=0, top_p=1.0, top_k=-1, seed=0, stream=0, token_index=0
     )
     assert greedy.item() == 1
 
@@ -181,7 +181,7 @@ def test_greedy_is_argmax_with_untempered_logprob():
         top_p=0.5,
         top_k=3,
         seed=torch.tensor(0),
-        request_index=torch.arange(16),
+        stream=torch.arange(16),
         token_index=torch.zeros(16, dtype=torch.long),
     )
     assert torch.equal(tokens, logits.argmax(-1))
@@ -198,7 +198,7 @@ def test_logprobs_of_matches_sample_tokens(temperature, top_p, top_k):
     logits = (torch.randn(32, 100, generator=g) * 3).to(torch.bfloat16)
     kw = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     tokens, logprobs = sample_tokens(
-        logits, **kw, seed=torch.tensor(9), request_index=torch.arange(32), token_index=torch.arange(32) * 3
+        logits, **kw, seed=torch.tensor(9), stream=torch.arange(32), token_index=torch.arange(32) * 3
     )
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
     assert torch.isfinite(logprobs).all() and (logprobs <= 0).all()
@@ -224,10 +224,10 @@ def test_samples_independent_of_batch_order_and_seeded():
     req = torch.randint(0, 1000, (64,), generator=g)
     tok = torch.randint(0, 500, (64,), generator=g)
     kw = {"temperature": 0.9, "top_p": 0.95, "top_k": 50}
-    tokens, logprobs = sample_tokens(logits, **kw, seed=torch.tensor(11), request_index=req, token_index=tok)
+    tokens, logprobs = sample_tokens(logits, **kw, seed=torch.tensor(11), stream=req, token_index=tok)
     perm = torch.randperm(64, generator=g)
     t2, lp2 = sample_tokens(
-        logits[perm], **kw, seed=torch.tensor(11), request_index=req[perm], token_index=tok[perm]
+        logits[perm], **kw, seed=torch.tensor(11), stream=req[perm], token_index=tok[perm]
     )
     assert torch.equal(t2, tokens[perm]) and torch.equal(lp2, logprobs[perm])
     for r in (0, 31):
@@ -235,11 +235,11 @@ def test_samples_independent_of_batch_order_and_seeded():
             logits[r : r + 1],
             **kw,
             seed=torch.tensor(11),
-            request_index=req[r : r + 1],
+            stream=req[r : r + 1],
             token_index=tok[r : r + 1],
         )
         assert t1.item() == tokens[r].item() and lp1.item() == logprobs[r].item()
-    t3, _ = sample_tokens(logits, **kw, seed=torch.tensor(12), request_index=req, token_index=tok)
+    t3, _ = sample_tokens(logits, **kw, seed=torch.tensor(12), stream=req, token_index=tok)
     assert not torch.equal(t3, tokens)
 
 
@@ -259,7 +259,7 @@ def test_capture_replay_matches_eager(temperature, top_p, top_k):
     graph = acc.create_graph()
     with torch.no_grad(), acc.capture_to_graph(graph):
         out_tokens, out_lp = sample_tokens(
-            static_logits, **kw, seed=seed, request_index=req, token_index=static_tidx
+            static_logits, **kw, seed=seed, stream=req, token_index=static_tidx
         )
     assert graph.num_ops > 0
     seen = set()
@@ -270,7 +270,7 @@ def test_capture_replay_matches_eager(temperature, top_p, top_k):
         static_tidx.copy_(new_tidx)
         acc.replay_graph(graph)
         eager_tokens, eager_lp = sample_tokens(
-            new_logits, **kw, seed=seed, request_index=req, token_index=new_tidx
+            new_logits, **kw, seed=seed, stream=req, token_index=new_tidx
         )
         assert torch.equal(out_tokens, eager_tokens)
         assert torch.equal(out_lp, eager_lp)
@@ -296,7 +296,7 @@ def test_one_capture_per_sampling_mode_reads_the_knob_values_of_every_replay():
     t, p, k = KNOB_VALUES[0]
     with torch.no_grad(), acc.capture_to_graph(graph):
         out_tokens, out_lp = sample_tokens(static_logits, temperature=t, top_p=p, top_k=k, seed=seed,
-                                           request_index=req, token_index=tidx, knobs=knobs.for_rows(rows))
+                                           stream=req, token_index=tidx, knobs=knobs.for_rows(rows))
     logits = torch.randn(b, v, generator=g) * 3
     static_logits.copy_(logits)
     seen = set()
@@ -304,7 +304,7 @@ def test_one_capture_per_sampling_mode_reads_the_knob_values_of_every_replay():
         assert sampling_mode(t, p, k) == (True, True, True)
         knobs.set(t, p, k)
         acc.replay_graph(graph)
-        tokens, lp = sample_tokens(logits, temperature=t, top_p=p, top_k=k, seed=seed, request_index=req,
+        tokens, lp = sample_tokens(logits, temperature=t, top_p=p, top_k=k, seed=seed, stream=req,
                                    token_index=tidx)  # host values, no knobs: the same numbers
         assert torch.equal(out_tokens, tokens) and torch.equal(out_lp, lp)
         assert torch.equal(lp, logprobs_of(logits, tokens, temperature=t, top_p=p, top_k=k))
@@ -354,7 +354,7 @@ def test_validation_value_errors(args, name):
             top_p=args[1],
             top_k=args[2],
             seed=0,
-            request_index=0,
+            stream=0,
             token_index=0,
         )
 
@@ -379,6 +379,6 @@ def test_non_finite_logits_sample_an_index_in_range_with_a_nan_logprob(top_p, to
     logits = torch.full((3, 16), float("nan"))
     logits[1] = torch.arange(16.0)  # a healthy row in the same batch is sampled as ever
     tokens, logprobs = sample_tokens(logits, temperature=1.0, top_p=top_p, top_k=top_k, seed=torch.tensor(7),
-                                     request_index=torch.arange(3), token_index=torch.zeros(3, dtype=torch.int64))
+                                     stream=torch.arange(3), token_index=torch.zeros(3, dtype=torch.int64))
     assert ((tokens >= 0) & (tokens < 16)).all()
     assert torch.isnan(logprobs[0]) and torch.isnan(logprobs[2]) and torch.isfinite(logprobs[1])

@@ -6,7 +6,7 @@ shapes, and freezes every Python-side value at capture time. This module keeps
 one invariant that makes sampling correct under those rules:
 
     All randomness is a pure function of device-resident integer counters
-    ``(seed, request_index, token_index, stream)``.
+    ``(seed, stream, token_index, draw)``.
 
 There is no generator state to advance (a captured ``torch.rand`` would either
 replay the same numbers or depend on how many rows share the batch). Instead
@@ -41,14 +41,14 @@ import torch
 
 from hybrid_engine.accelerator.host_copy import device_tensor
 
-__all__ = ["LOGPROB_MODES", "MAX_SETTINGS", "MIN_TEMPERATURE", "RowKnobs", "SAMPLING_STREAM", "SamplingKnobs", "counter_uniform", "logprobs_of",
+__all__ = ["LOGPROB_MODES", "MAX_SETTINGS", "MIN_TEMPERATURE", "RowKnobs", "SAMPLING_DRAW", "SamplingKnobs", "counter_uniform", "logprobs_of",
            "sample_tokens", "sample_tokens_and_top", "sampling_mode", "union_mode", "validate_logprobs", "validate_sampling"]
 
 #: The smallest positive temperature (as vLLM's sampling epsilon): below it, scaled logits overflow float32.
 MIN_TEMPERATURE = 1e-5
 
-#: ``stream`` used by :func:`sample_tokens` for its one uniform per token.
-SAMPLING_STREAM = 0
+#: ``draw`` used by :func:`sample_tokens` for its one uniform per token.
+SAMPLING_DRAW = 0
 
 _MASK64 = (1 << 64) - 1
 
@@ -87,17 +87,17 @@ def _as_int64(x: torch.Tensor | int, like: torch.Tensor | None) -> torch.Tensor:
 
 def counter_uniform(
     seed: torch.Tensor | int,
-    request_index: torch.Tensor | int,
+    stream: torch.Tensor | int,
     token_index: torch.Tensor | int,
-    stream: int = 0,
+    draw: int = 0,
     *,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Uniform floats in ``[0, 1)`` that are a pure function of integer counters.
 
-    ``seed``, ``request_index`` and ``token_index`` are int64 tensors (scalars or
-    any broadcastable shapes; the result has their broadcast shape). ``stream``
-    selects an independent draw for the same counters (e.g. ``stream=1`` for a
+    ``seed``, ``stream`` (the request's sampler stream) and ``token_index`` are int64 tensors (scalars or
+    any broadcastable shapes; the result has their broadcast shape). ``draw``
+    selects an independent draw for the same counters (e.g. ``draw=1`` for a
     second uniform per token). With ``dtype=torch.float32`` the result carries
     24 random bits (every value is exactly ``k / 2**24``); with
     ``torch.float64`` it carries 53.
@@ -108,17 +108,17 @@ def counter_uniform(
     """
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"counter_uniform: dtype must be float32 or float64, got {dtype}")
-    if not isinstance(stream, numbers.Integral) or isinstance(stream, bool):
-        raise TypeError(f"counter_uniform: stream must be an int, got {type(stream).__name__}")
-    like = next((t for t in (seed, request_index, token_index) if isinstance(t, torch.Tensor)), None)
+    if not isinstance(draw, numbers.Integral) or isinstance(draw, bool):
+        raise TypeError(f"counter_uniform: draw must be an int, got {type(draw).__name__}")
+    like = next((t for t in (seed, stream, token_index) if isinstance(t, torch.Tensor)), None)
     s, r, t = torch.broadcast_tensors(
-        _as_int64(seed, like), _as_int64(request_index, like), _as_int64(token_index, like)
+        _as_int64(seed, like), _as_int64(stream, like), _as_int64(token_index, like)
     )
     # Absorb one counter per round; adding the golden gamma keeps 0 from being a fixed point.
     h = _mix(s + _DOMAIN)
     h = _mix(h + r + _GOLDEN)
     h = _mix(h + t + _GOLDEN)
-    h = _mix(h + _s64((int(stream) + 1) * _GOLDEN))
+    h = _mix(h + _s64((int(draw) + 1) * _GOLDEN))
     bits = 24 if dtype == torch.float32 else 53
     top = _shr(h, 64 - bits)
     return top.to(dtype) * (2.0**-bits)
@@ -303,14 +303,14 @@ def sample_tokens(
     top_p: float = 1.0,
     top_k: int = -1,
     seed: torch.Tensor | int,
-    request_index: torch.Tensor | int,
+    stream: torch.Tensor | int,
     token_index: torch.Tensor | int,
     knobs: RowKnobs | None = None,
     logprobs: str = "sampling",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`sample_tokens_and_top`, without the ranked alternatives."""
     tokens, chosen, _, _ = sample_tokens_and_top(
-        logits, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, request_index=request_index,
+        logits, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stream=stream,
         token_index=token_index, knobs=knobs, logprobs=logprobs, top=0)
     return tokens, chosen
 
@@ -322,7 +322,7 @@ def sample_tokens_and_top(
     top_p: float = 1.0,
     top_k: int = -1,
     seed: torch.Tensor | int,
-    request_index: torch.Tensor | int,
+    stream: torch.Tensor | int,
     token_index: torch.Tensor | int,
     knobs: RowKnobs | None = None,
     logprobs: str = "sampling",
@@ -333,8 +333,8 @@ def sample_tokens_and_top(
     Returns ``(tokens [B] int64, logprobs [B] float32, top_ids [B, top] int64,
     top_logprobs [B, top] float32)``: the ``top`` most likely ids of each row's
     distribution (the one its logprob is under), best first. Row ``b`` uses the
-    uniform ``counter_uniform(seed, request_index, token_index)[b]`` (stream
-    :data:`SAMPLING_STREAM`) and an inverse-CDF pick over the filtered
+    uniform ``counter_uniform(seed, stream, token_index)[b]`` (draw
+    :data:`SAMPLING_DRAW`) and an inverse-CDF pick over the filtered
     distribution, so its token depends only on its own logits and counters.
     ``temperature == 0`` is greedy: ``argmax`` (lowest index on ties). With
     ``knobs`` the filters read their values from those device tensors (see
@@ -363,7 +363,7 @@ def sample_tokens_and_top(
         ranked, ids = torch.sort(every, dim=-1, descending=True, stable=True)  # ties: the lower id first
         return tokens, chosen, ids[:, :top], ranked[:, :top]
     sorted_lp, sort_index, full_lp = _filtered_sorted_logprobs(logits, temperature, top_p, top_k, knobs)
-    u = counter_uniform(seed, request_index, token_index, SAMPLING_STREAM)
+    u = counter_uniform(seed, stream, token_index, SAMPLING_DRAW)
     u = u.expand(logits.shape[0]).unsqueeze(-1)
     cdf = torch.cumsum(sorted_lp.exp(), dim=-1)
     # First position whose CDF exceeds u * total (scaling by the total absorbs rounding),

@@ -8,7 +8,7 @@ once here and only ever updated in place:
 * the cache rows: a block table into the runner's page pool, ``write_pos`` and
   ``position`` per slot (:class:`~hybrid_engine.decode.kv_cache.PagedKVCache`);
 * per slot: the last token fed (``tokens``), the index of the next response
-  token (``token_index``), the RNG counters (``seed``, ``request_index``), the
+  token (``token_index``), the RNG counters (``seed``, ``stream``), the
   response budget (``budget``), the EOS floor (``min_tokens``: EOS is masked
   out while ``token_index < min_tokens``, a device comparison), the
   ``finished`` flag, and the output rows ``out_tokens``/``out_logprobs``
@@ -53,7 +53,7 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 16
 
 # Per-row tensors, all ``[S, ...]``: a bucket views ``[:n]`` of each, a move copies rows of each.
-_ROW_TENSORS = ("tokens", "token_index", "seed", "request_index", "budget", "min_tokens", "knob", "finished",
+_ROW_TENSORS = ("tokens", "token_index", "seed", "stream", "budget", "min_tokens", "knob", "finished",
                 "out_tokens", "out_logprobs", "out_top_ids", "out_top_logprobs")
 
 
@@ -79,7 +79,7 @@ def choose_tokens(
     eos_mask: torch.Tensor,
     suppress_eos: torch.Tensor,
     seed: torch.Tensor | int,
-    request_index: torch.Tensor,
+    stream: torch.Tensor,
     token_index: torch.Tensor | int,
     knobs: RowKnobs,
     top: int = 0,
@@ -95,7 +95,7 @@ def choose_tokens(
     temperature, top_p, top_k = sampling_key
     logits = logits.masked_fill(suppress_eos[:, None] & eos_mask, float("-inf"))
     return sample_tokens_and_top(logits, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                 request_index=request_index, token_index=token_index, knobs=knobs, top=top)
+                                 stream=stream, token_index=token_index, knobs=knobs, top=top)
 
 
 class DecodeSlots:
@@ -123,7 +123,7 @@ class DecodeSlots:
         self.tokens = torch.zeros(rows, **i64)
         self.token_index = torch.zeros(rows, **i64)
         self.seed = torch.zeros(rows, **i64)
-        self.request_index = torch.zeros(rows, **i64)
+        self.stream = torch.zeros(rows, **i64)
         self.budget = torch.ones(rows, **i64)
         self.min_tokens = torch.zeros(rows, **i64)
         self.knob = torch.zeros(rows, **i64)  # the index of the request's setting in ``knobs``
@@ -247,7 +247,7 @@ class DecodeSlots:
         logits = decode_one_token(model, self.cache, self.tokens, live)
         new_tokens, logprobs, top_ids, top_lp = choose_tokens(
             logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
-            seed=self.seed, request_index=self.request_index, token_index=self.token_index,
+            seed=self.seed, stream=self.stream, token_index=self.token_index,
             knobs=self.knobs.for_rows(self.knob), top=self.top_logprobs,
         )
         column = self.token_index.clamp(max=self.width - 1)[:, None]
@@ -277,7 +277,7 @@ class DecodeSlots:
         first_logprobs: torch.Tensor,
         *,
         seed: torch.Tensor,
-        request_index: torch.Tensor,
+        stream: torch.Tensor,
         budget: torch.Tensor,
         min_tokens: torch.Tensor,
         knob: torch.Tensor,
@@ -297,7 +297,7 @@ class DecodeSlots:
         self.tokens.index_copy_(0, slots, first_tokens)
         self.token_index.index_fill_(0, slots, 1)
         self.seed.index_copy_(0, slots, seed)
-        self.request_index.index_copy_(0, slots, request_index)
+        self.stream.index_copy_(0, slots, stream)
         self.budget.index_copy_(0, slots, budget)
         self.min_tokens.index_copy_(0, slots, min_tokens)
         self.knob.index_copy_(0, slots, knob)
@@ -307,7 +307,7 @@ class DecodeSlots:
         self.finished.index_copy_(0, slots, done)
 
     def resume(self, slot: int, out_tokens: torch.Tensor, out_logprobs: torch.Tensor, generated: int, *,
-               seed: int, request_index: int, budget: int, min_tokens: int,
+               seed: int, stream: int, budget: int, min_tokens: int,
                out_top: tuple[torch.Tensor, torch.Tensor] | None = None, knob: int = 0) -> None:
         """Go on with a preempted request in ``slot``, whose prompt and first ``generated - 1`` tokens were just
         prefilled: its output row gets back the tokens and logprobs it had (``out_tokens``/``out_logprobs``, its
@@ -320,7 +320,7 @@ class DecodeSlots:
             self.out_top_ids[slot, :width, :k].copy_(out_top[0])
             self.out_top_logprobs[slot, :width, :k].copy_(out_top[1])
         self.tokens[slot] = out_tokens[generated - 1]
-        for name, value in (("token_index", generated), ("seed", seed), ("request_index", request_index),
+        for name, value in (("token_index", generated), ("seed", seed), ("stream", stream),
                             ("budget", budget), ("min_tokens", min_tokens), ("knob", knob)):
             getattr(self, name)[slot] = value
         self.finished[slot] = False

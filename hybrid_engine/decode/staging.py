@@ -40,9 +40,9 @@ __all__ = ["META", "PromptStage", "StagedPrompts", "StagedRequests", "admission_
            "staged_width_within", "start_from_logits", "width_bucket"]
 
 #: The columns of one request's ``meta`` row, before its slot's block table row: the slot, the stage row of its
-#: prompt, its sampler counter (request index), its budget, its EOS floor, the seed, its prompt's real tokens,
+#: prompt, its sampler stream, its budget, its EOS floor, the seed, its prompt's real tokens,
 #: and the page copied (source) into its own last page (destination).
-META = ("slot", "row", "request_index", "budget", "min_tokens", "seed", "length", "copy_src", "copy_dst", "knob")
+META = ("slot", "row", "stream", "budget", "min_tokens", "seed", "length", "copy_src", "copy_dst", "knob")
 
 
 def width_bucket(width: int) -> int:
@@ -182,7 +182,7 @@ def admission_round(slots: DecodeSlots, staged: StagedRequests, sampling_key: tu
     (token 0 of its counters), and the slot is started.
     """
     meta = staged.meta
-    slot, row, request_index, budget, min_tokens, seed, length, copy_src, copy_dst, knob = meta[:, : len(META)].t()
+    slot, row, stream, budget, min_tokens, seed, length, copy_src, copy_dst, knob = meta[:, : len(META)].t()
     cache = slots.cache
     cache.block_table.index_copy_(0, slot, meta[:, len(META):])
     cache.pool.copy_pages(copy_src, copy_dst)
@@ -190,19 +190,19 @@ def admission_round(slots: DecodeSlots, staged: StagedRequests, sampling_key: tu
         cache.states.store.copy_rows(row, slot, source=staged.states)
     cache.write_pos.index_copy_(0, slot, length)
     cache.position.index_copy_(0, slot, length)
-    start_from_logits(slots, staged.logits, slot, row, request_index, budget, min_tokens, seed, sampling_key, knob)
+    start_from_logits(slots, staged.logits, slot, row, stream, budget, min_tokens, seed, sampling_key, knob)
 
 
 def start_from_logits(slots: DecodeSlots, logits: torch.Tensor, slot: torch.Tensor, source: torch.Tensor,
-                      request_index: torch.Tensor, budget: torch.Tensor, min_tokens: torch.Tensor,
+                      stream: torch.Tensor, budget: torch.Tensor, min_tokens: torch.Tensor,
                       seed: torch.Tensor, sampling_key: tuple[float, float, int], knob: torch.Tensor) -> None:
     """Start requests whose prompts are already in their slots (per-request device tensors): each one's first
     token is picked from its source row of the prefill ``logits`` with the decode step's sampler (token 0 of
     its counters). Capture-safe."""
     tokens, logprobs, top_ids, top_lp = choose_tokens(
         logits.index_select(0, source), sampling_key, eos_mask=slots.eos_mask, suppress_eos=min_tokens > 0,
-        seed=seed, request_index=request_index, token_index=0,
+        seed=seed, stream=stream, token_index=0,
         knobs=slots.knobs.for_rows(knob), top=slots.top_logprobs,
     )
-    slots.start(slot, tokens, logprobs, seed=seed, request_index=request_index, budget=budget,
+    slots.start(slot, tokens, logprobs, seed=seed, stream=stream, budget=budget,
                 min_tokens=min_tokens, first_top=(top_ids, top_lp), knob=knob)

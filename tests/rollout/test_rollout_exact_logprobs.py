@@ -144,11 +144,11 @@ def test_every_spelling_of_the_temperature_one_softmax_gives_the_same_bits():
                    {"temperature": 1.0, "top_p": 0.5, "logprobs": "full"},
                    {"temperature": 1.0, "top_k": 5, "logprobs": "full"}):
         assert torch.equal(logprobs_of(logits, tokens, **kwargs), want), kwargs
-    greedy, greedy_lp = sample_tokens(logits, temperature=0.0, seed=0, request_index=0, token_index=0)
+    greedy, greedy_lp = sample_tokens(logits, temperature=0.0, seed=0, stream=0, token_index=0)
     knobs = SamplingKnobs(torch.device("cpu"))
     knobs.set_table([(0.0, 1.0, -1), (1.0, 0.9, -1)])  # a greedy setting among sampled ones: a top-1 pick
     index = torch.zeros(64, dtype=torch.int64)
-    mixed, mixed_lp = sample_tokens(logits, temperature=1.0, top_p=0.5, top_k=1, seed=0, request_index=0,
+    mixed, mixed_lp = sample_tokens(logits, temperature=1.0, top_p=0.5, top_k=1, seed=0, stream=0,
                                     token_index=0, knobs=knobs.for_rows(index))
     assert torch.equal(mixed, greedy) and torch.equal(mixed_lp, greedy_lp)
     assert torch.equal(greedy_lp, torch.log_softmax(logits, dim=-1).gather(-1, greedy[:, None])[:, 0])
