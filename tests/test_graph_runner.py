@@ -24,7 +24,7 @@ from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_s
 from hybrid_engine.decode.step import prefill
 from hybrid_engine.engine import initialize
 from hybrid_engine.generation.pages import PagePlan
-from hybrid_engine.generation.scheduler import _steps_to_admission, _steps_to_shrink
+from hybrid_engine.generation.schedule_policy import _steps_to_admission, _steps_to_shrink
 from hybrid_engine.graphs.keys import AdmissionKey, PrefillKey, default_graph_buckets
 from hybrid_engine.graphs.policy import GraphRefusedWarning
 from hybrid_engine.graphs.runner import EXACT_PROMPT_ROWS, DecodeGraphRunner

@@ -55,7 +55,8 @@ from hybrid_engine.decode.model_support import check_model_supported, max_positi
 from hybrid_engine.decode.sampling import MIN_TEMPERATURE
 from hybrid_engine.distributed.ranks import rank_seed
 from hybrid_engine.exact.mode import exact_kernels
-from hybrid_engine.generation.scheduler import Counters, RequestSpec, gather_responses, run_schedule
+from hybrid_engine.generation.request import Request
+from hybrid_engine.generation.scheduler import Counters, gather_responses, run_schedule
 from hybrid_engine.generation.timing import PhaseTimer
 from hybrid_engine.generation.token_ids import token_id, token_ids
 from hybrid_engine.graphs.runner import DecodeGraphRunner
@@ -522,8 +523,8 @@ class GenerateFrontEnd:
             pad = plan.pad if plan.pad is not None else 0
             slots.set_special_ids(pad, tuple(plan.eos))
             slots.set_stop_sequences([()])  # transformers' stop_strings are handed to transformers
-            requests = [RequestSpec(request_index=b, prompt_index=b, budget=plan.new_tokens, rng_index=b,
-                                    prompt_len=lengths[b], min_tokens=plan.min_new_tokens) for b in range(batch)]
+            requests = [Request(row=b, prompt_index=b, budget=plan.new_tokens, stream=b,
+                                prompt_len=lengths[b], min_tokens=plan.min_new_tokens) for b in range(batch)]
             counters = Counters(timer=PhaseTimer(runner.accelerator, slots.device))
             out_tokens = run_schedule(
                 runner, requests, ids, plan.attention_mask, plan.sampling, seed,

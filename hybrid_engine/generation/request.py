@@ -45,9 +45,15 @@ class Request:
     slot: int | None = None  # its decode slot while RUNNING
     left: int = 0  # while RUNNING: an upper bound on the decode steps before it must have finished
     length: int | None = None  # tokens generated, once FINISHED
+    checked: int = 0  # a prefix of its response known to hold no stop string
 
     def seed_or(self, call_seed: int) -> int:
         return call_seed if self.seed is None else self.seed
+
+    def tokens_bound(self) -> int:
+        """While RUNNING: an upper bound on the tokens its row holds now (its prompt, and every token but the
+        last one generated)."""
+        return self.prompt_len + self.budget - self.left - 1
 
     @property
     def continues(self) -> bool:

@@ -1,10 +1,19 @@
-"""Slot scheduling for both generation paths: admission, shared prefill, pages, harvest, compaction, preemption.
+"""The executor of a generation call: runs a :class:`~hybrid_engine.generation.schedule_policy.SchedulePolicy`'s
+actions on the device, for both generation paths.
 
 ``engine.generate`` admits its whole batch at once (static batching);
 ``HybridEngineRollout`` refills slots as requests finish (continuous
 batching). Either way decode steps go to :meth:`DecodeGraphRunner.step` on the
 smallest bucket holding the live rows, reading the smallest span of pages
 holding the longest of them.
+
+What runs when is the policy's (:mod:`hybrid_engine.generation.schedule_policy`:
+admission, how far to decode before looking, harvest, compaction, preemption);
+this module carries each action out: admission rounds
+(:func:`_admission_round`), pages (:class:`~hybrid_engine.generation.pages.PagePlan`,
+consulted here and reported back), decode steps, the host read of the finish
+flags, stop-string cuts, harvest. The split keeps the device work in one place
+and the rules testable without a model.
 
 The host never looks at tokens while decoding. It knows, per active slot, an
 upper bound on the steps left (the budget minus the tokens generated when it
@@ -20,12 +29,10 @@ last looked), hence on the tokens the row holds, and reads the device
 * when the page pool cannot give the live rows their next step's pages.
 
 Host-built index tensors go the other way without a sync where the
-accelerator has pinned memory (:func:`_index`). Pages, preemption and resuming
-are :func:`run_schedule`'s; harvest and compaction are :func:`_harvest`'s and
-:func:`_compact`'s; admission rounds are :func:`_admission_round`'s. A request
-that continues a row of an earlier call (an episode's next turn) starts on the
-pages that call kept (:func:`_continue_round`), and a call may keep its rows'
-pages for the next (``kept``).
+accelerator has pinned memory (:func:`_index`). A request that continues a row
+of an earlier call (an episode's next turn) starts on the pages that call kept
+(:func:`_continue_round`), and a call may keep its rows' pages for the next
+(``kept``).
 
 A request's first token comes from the prefill logits through the decode
 step's sampler and counters, so where it runs (slot, round, bucket, span,
@@ -34,9 +41,8 @@ resumed or not) does not change what it samples.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -48,36 +54,30 @@ from hybrid_engine.decode.kv_pool import NULL_PAGE, HeldPages
 from hybrid_engine.decode.slots import DecodeSlots
 from hybrid_engine.decode.staging import start_from_logits
 from hybrid_engine.decode.step import extend, prefill
-from hybrid_engine.generation.pages import PagePlan
+from hybrid_engine.generation.pages import AdmittedPages, PagePlan
+from hybrid_engine.generation.request import Request
+from hybrid_engine.generation.schedule_policy import (
+    ADMISSION_COST,
+    Action,
+    Admit,
+    Admitted,
+    Compact,
+    Decode,
+    Done,
+    DropStage,
+    Harvest,
+    Look,
+    Preempt,
+    Reserve,
+    SchedulePolicy,
+    Seen,
+    may_stop_early,
+)
 from hybrid_engine.generation.stop_strings import StopStrings
 from hybrid_engine.generation.timing import PhaseTimer
 from hybrid_engine.graphs.runner import DecodeGraphRunner
 
-__all__ = ["ADMISSION_COST", "Counters", "RequestSpec", "gather_responses", "run_schedule"]
-
-#: What one admission round costs, in decode steps, for the continuous-batching admission rule
-#: (:func:`_steps_to_admission`). A round of staged prompts is about a quarter of a step on CPU (the
-#: prefill, paid once per prompt whenever it runs, is not part of it); on a GPU it is one replay of ~40 small
-#: kernels and two per layer (the K/V copy) beside a decode step's hundreds, so the value is not measured there
-#: but errs on the high side.
-ADMISSION_COST = 0.5
-
-
-@dataclass
-class RequestSpec:
-    request_index: int  # row of the output batch
-    prompt_index: int
-    budget: int
-    rng_index: int  # request counter of the sampler
-    prompt_len: int  # real prompt tokens
-    min_tokens: int = 0  # EOS is suppressed before this many tokens
-    resume_from: int = 0  # tokens it had generated when it was preempted (0: not preempted)
-    knob: int = 0  # the index of its sampling setting in the call's table (SamplingKnobs.set_table)
-    seed: int | None = None  # its own sampler seed (None: the call's)
-    held: HeldPages | None = None  # the pages an earlier call kept of its prompt's first tokens (it continues them)
-
-    def seed_or(self, call_seed: int) -> int:
-        return call_seed if self.seed is None else self.seed
+__all__ = ["ADMISSION_COST", "Counters", "gather_responses", "run_schedule"]
 
 
 @dataclass
@@ -98,7 +98,6 @@ class Counters:
     preemptions: int = 0
     kv_pages_peak: int = 0
     kv_pages_held_peak: int = 0  # the page-rounded tokens held when the pool was at its peak
-    page_table_writes: int = 0  # host-to-device copies of new block table entries
     bucket_steps: dict[int, int] = field(default_factory=dict)
     span_steps: dict[int, int] = field(default_factory=dict)
     lengths: dict[int, int] = field(default_factory=dict)
@@ -129,18 +128,18 @@ class _Staging:
     (:mod:`hybrid_engine.decode.staging`), and a round points slots at them; with shared prefill each prompt is
     prefilled once per call and its samples share its full pages."""
 
-    def __init__(self, rows: int, shared_prefill: bool, requests: Iterable[RequestSpec]) -> None:
+    def __init__(self, rows: int, shared_prefill: bool, requests: Iterable[Request]) -> None:
         self.rows = rows
         self.shared = shared_prefill
         self.row_of: dict[Hashable, int] = {}
         self.used: set[Hashable] = set()
         self.pending = Counter(self.unit(r) for r in requests if r.held is None)
 
-    def unit(self, req: RequestSpec) -> tuple[int, ...]:
+    def unit(self, req: Request) -> tuple[int, ...]:
         """What is prefilled for ``req``: its prompt, shared by its samples, or its own copy of it."""
-        return (req.prompt_index,) if self.shared else (req.prompt_index, req.request_index)
+        return (req.prompt_index,) if self.shared else (req.prompt_index, req.row)
 
-    def next_batch(self, upcoming: Iterable[RequestSpec], plan: PagePlan) -> list[tuple[int, ...]]:
+    def next_batch(self, upcoming: Iterable[Request], plan: PagePlan) -> list[tuple[int, ...]]:
         """The next units to prefill, each given its pages: those of the next requests of ``upcoming``, up to as
         many distinct units as the stage has rows and the pool has pages for (with ``n`` samples per prompt that
         covers about ``n`` times as many requests). The last batch's pages go back first.
@@ -185,8 +184,8 @@ def _admission_round(
     runner: DecodeGraphRunner,
     plan: PagePlan,
     slots: list[int],
-    reqs: list[RequestSpec],
-    queue: deque[RequestSpec],
+    reqs: list[Request],
+    queue: Iterable[Request],
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     results: Results,
@@ -200,15 +199,16 @@ def _admission_round(
 
     Continuous batching admits waiting requests into the lowest free slots in
     rounds; a round costs about ``ADMISSION_COST`` decode steps, so free slots
-    are held back until idling them would cost more (:func:`_steps_to_admission`).
+    are held back until idling them would cost more (the policy's rule).
 
     The round stops at the first request the pool has no pages for; it and the
-    ones after it are not started (the caller puts them back). ``staging``: the
+    ones after it are not started (the policy puts them back). ``staging``: the
     round reads prompts staged ahead, prefilling the next batch when a
     request's prompt is not staged (a round straddling batches runs as one part
     per batch); ``None``: the requests are prefilled eagerly at the batch's own
     width, as transformers prefills them (never graphed). Resumed requests
-    prefill their prompt and tokens so far, eagerly.
+    prefill their prompt and tokens so far, eagerly. ``queue``: the requests
+    waiting after ``reqs``, whose prompts a staged batch may take too.
     """
     counters.admission_rounds += 1
     if staging is None:
@@ -221,15 +221,13 @@ def _admission_round(
             runner.admission_round(part, sampling_key, counters)
             part.clear()
 
-    for i, (slot, req) in enumerate(zip(slots, reqs)):
-        if i < started:  # continued in the run of them below
-            continue
-        if req.held is not None and not req.resume_from:
+    while started < len(reqs):
+        slot, req = slots[started], reqs[started]
+        if req.continues:
             run_part()
-            run = next((j for j in range(i, len(reqs)) if reqs[j].held is None or reqs[j].resume_from), len(reqs))
-            n = _continue_round(runner, plan, slots[i:run], reqs[i:run], prompt_ids, prompt_mask, sampling_key,
-                                seed, counters)
-            started += n
+            run = next((j for j in range(started, len(reqs)) if not reqs[j].continues), len(reqs))
+            started += _continue_round(runner, plan, slots[started:run], reqs[started:run], prompt_ids,
+                                       prompt_mask, sampling_key, seed, counters)
             if started < run:
                 break
             continue
@@ -242,30 +240,52 @@ def _admission_round(
         unit = staging.unit(req)
         if unit not in staging.row_of:
             run_part()
-            batch = staging.next_batch(itertools.chain(reqs[started:], queue), plan)
-            if not batch:
+            if not _stage_batch(runner, plan, staging, itertools.chain(reqs[started:], queue), prompt_ids,
+                                prompt_mask, counters):
                 break
-            index = _index([u[0] for u in batch], prompt_ids.device, counters)
-            runner.prefill_prompts(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index),
-                                   [plan.unit_pages[u][0] for u in batch], counters)
-            counters.prefill_forwards += 1
-            counters.prefill_rows += len(batch)
-            counters.prefill_tokens += sum(plan.unit_pages[u][1] for u in batch)
         pages = plan.admit(slot, unit, last=staging.pending[unit] == 1)
         if pages is None:
             break
-        staging.pending[unit] -= 1
-        counters.kv_row_copies += unit in staging.used
-        staging.used.add(unit)
-        part.append([slot, staging.row_of[unit], req.rng_index, req.budget, req.min_tokens, req.seed_or(seed),
-                     req.prompt_len,
-                     pages.src, pages.dst, req.knob] + pages.table)
+        part.append(_staged_start(staging, unit, slot, req, pages, seed, counters))
         started += 1
     run_part()
     return started
 
 
-def _unstaged_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int], reqs: list[RequestSpec],
+def _stage_batch(runner: DecodeGraphRunner, plan: PagePlan, staging: _Staging, upcoming: Iterable[Request],
+                 prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, counters: Counters) -> bool:
+    """Prefill the next batch of prompts into the stage (:meth:`_Staging.next_batch`); ``False`` when not one
+    prompt got pages."""
+    batch = staging.next_batch(upcoming, plan)
+    if not batch:
+        return False
+    index = _index([u[0] for u in batch], prompt_ids.device, counters)
+    runner.prefill_prompts(prompt_ids.index_select(0, index), prompt_mask.index_select(0, index),
+                           [plan.unit_pages[u][0] for u in batch], counters)
+    counters.prefill_forwards += 1
+    counters.prefill_rows += len(batch)
+    counters.prefill_tokens += sum(plan.unit_pages[u][1] for u in batch)
+    return True
+
+
+def _staged_start(staging: _Staging, unit: tuple[int, ...], slot: int, req: Request, pages: AdmittedPages,
+                  seed: int, counters: Counters) -> list[int]:
+    """The round's ``meta`` row (:data:`~hybrid_engine.decode.staging.META`, then the block table row) that
+    starts ``req`` in ``slot`` from its staged ``unit``, which it now reads."""
+    staging.pending[unit] -= 1
+    counters.kv_row_copies += unit in staging.used
+    staging.used.add(unit)
+    return ([slot, staging.row_of[unit], req.stream, req.budget, req.min_tokens, req.seed_or(seed), req.prompt_len,
+             pages.src, pages.dst, req.knob] + pages.table)
+
+
+def _write_tables(cache: Any, rows: torch.Tensor, tables: list[list[int]], counters: Counters) -> None:
+    """Write the block table rows ``rows`` (their pages, then the null page)."""
+    cache.block_table.index_copy_(0, rows, _index([t + [NULL_PAGE] * (cache.max_pages - len(t)) for t in tables],
+                                                  rows.device, counters))
+
+
+def _unstaged_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int], reqs: list[Request],
                     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling_key: tuple[float, float, int],
                     seed: int, counters: Counters) -> int:
     """``engine.generate``'s admission: the requests that get pages are prefilled together, eagerly, at the
@@ -285,8 +305,7 @@ def _unstaged_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int],
     counters.prefill_rows += n
     counters.prefill_tokens += sum(r.prompt_len for r in reqs[:n])
     rows = _index(slots[:n], device, counters)
-    table = [pages + [NULL_PAGE] * (state.cache.max_pages - len(pages)) for pages in taken]
-    state.cache.block_table.index_copy_(0, rows, _index(table, device, counters))
+    _write_tables(state.cache, rows, taken, counters)
     index = _index([r.prompt_index for r in reqs[:n]], device, counters)
     logits = prefill(runner.model, state.cache, prompt_ids.index_select(0, index), prompt_mask.index_select(0, index),
                      rows=rows, checked=True)
@@ -294,17 +313,17 @@ def _unstaged_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int],
     return n
 
 
-def _start(state: DecodeSlots, logits: torch.Tensor, rows: torch.Tensor, reqs: list[RequestSpec],
+def _start(state: DecodeSlots, logits: torch.Tensor, rows: torch.Tensor, reqs: list[Request],
            sampling_key: tuple[float, float, int], seed: int, counters: Counters) -> None:
     """Start ``reqs`` in slots ``rows`` from their prompts' last ``logits`` (row ``i`` for request ``i``)."""
     device = state.device
-    meta = _index([[r.rng_index for r in reqs], [r.budget for r in reqs], [r.min_tokens for r in reqs],
+    meta = _index([[r.stream for r in reqs], [r.budget for r in reqs], [r.min_tokens for r in reqs],
                    [r.seed_or(seed) for r in reqs], [r.knob for r in reqs]], device, counters)
     start_from_logits(state, logits, rows, torch.arange(len(reqs), device=device), meta[0], meta[1], meta[2],
                       meta[3], sampling_key, meta[4])
 
 
-def _resume(runner: DecodeGraphRunner, plan: PagePlan, slot: int, req: RequestSpec, prompt_ids: torch.Tensor,
+def _resume(runner: DecodeGraphRunner, plan: PagePlan, slot: int, req: Request, prompt_ids: torch.Tensor,
             prompt_mask: torch.Tensor, results: Results, seed: int,
             counters: Counters) -> bool:
     """Resume a preempted request in ``slot``: prefill its prompt and all its tokens but the last (eagerly), and
@@ -317,21 +336,21 @@ def _resume(runner: DecodeGraphRunner, plan: PagePlan, slot: int, req: RequestSp
     device = state.device
     out_tokens, out_logprobs, top_ids, top_lp = results
     state.cache.block_table[slot].copy_(_index(pages + [NULL_PAGE] * (state.cache.max_pages - len(pages)), device, counters))
-    history = out_tokens[req.request_index, : generated - 1]
+    history = out_tokens[req.row, : generated - 1]
     ids = torch.cat([prompt_ids[req.prompt_index], history])[None]
     mask = torch.cat([prompt_mask[req.prompt_index], torch.ones_like(history)])[None]
     prefill(runner.model, state.cache, ids, mask, rows=_index([slot], device, counters), checked=True)
-    state.resume(slot, out_tokens[req.request_index], out_logprobs[req.request_index], generated,
+    state.resume(slot, out_tokens[req.row], out_logprobs[req.row], generated,
                  seed=req.seed_or(seed),
-                 request_index=req.rng_index, budget=req.budget, min_tokens=req.min_tokens,
-                 out_top=(top_ids[req.request_index], top_lp[req.request_index]), knob=req.knob)
+                 stream=req.stream, budget=req.budget, min_tokens=req.min_tokens,
+                 out_top=(top_ids[req.row], top_lp[req.row]), knob=req.knob)
     counters.prefill_forwards += 1
     counters.prefill_rows += 1
     counters.prefill_tokens += req.prompt_len + generated - 1
     return True
 
 
-def _continue_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int], reqs: list[RequestSpec],
+def _continue_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int], reqs: list[Request],
                     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling_key: tuple[float, float, int],
                     seed: int, counters: Counters) -> int:
     """Start requests that continue rows of an earlier call (``req.held``: the pages it kept of the first
@@ -361,8 +380,7 @@ def _continue_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int],
     new = [r.prompt_len - c for r, c in zip(reqs, cached)]
     width = max(new)
     rows = _index(slots[:n], device, counters)
-    cache.block_table.index_copy_(0, rows, _index([t + [NULL_PAGE] * (cache.max_pages - len(t)) for t in tables],
-                                                  device, counters))
+    _write_tables(cache, rows, tables, counters)
     start = _index(cached, device, counters)
     cache.write_pos.index_copy_(0, rows, start)
     cache.position.index_copy_(0, rows, start)
@@ -380,38 +398,10 @@ def _continue_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int],
     return n
 
 
-def _compact(state: DecodeSlots, plan: PagePlan, active: dict[int, RequestSpec], left: dict[int, int],
-             free: list[int], order: list[int], target: int, counters: Counters) -> list[int]:
-    """Move live rows at slots >= ``target`` into free slots below it; return the new free list.
-
-    Run when the live rows fit a smaller bucket: the rows move with their table rows, no K/V, so finished rows
-    stop costing compute."""
-    movers = sorted(s for s in active if s >= target)
-    holes = sorted(s for s in free if s < target)[: len(movers)]
-    device = state.device
-    state.move(_index(movers, device, counters), _index(holes, device, counters))
-    for src, dst in zip(movers, holes):
-        active[dst] = active.pop(src)
-        left[dst] = left.pop(src)
-        plan.move(src, dst)
-        order[order.index(src)] = dst
-    counters.compactions += 1
-    counters.rows_moved += len(movers)
-    return sorted((set(free) - set(holes)) | set(movers))
-
-
-def _may_stop_early(state: DecodeSlots, requests: Iterable[RequestSpec], strings: bool = False) -> bool:
-    """Whether a row may stop on EOS, a stop sequence or a stop string before its budget: then the host must
-    look, and rows end unevenly."""
-    return ((state.eos_reachable or state.has_stop_sequences or strings)
-            and any(r.min_tokens < r.budget for r in requests))
-
-
-def _cut_at_stop_strings(state: DecodeSlots, stop: StopStrings, active: dict[int, RequestSpec],
-                         generated: list[int], done: list[int], checked: dict[int, int],
-                         counters: Counters) -> list[int]:
+def _cut_at_stop_strings(state: DecodeSlots, stop: StopStrings, active: dict[int, Request],
+                         generated: list[int], done: list[int], counters: Counters) -> list[int]:
     """The slots done once stop strings are looked for (one more host read: the live rows' tokens); a row
-    that holds one gets its length cut in ``generated``. ``checked``: per request, a prefix known to hold none."""
+    that holds one gets its length cut in ``generated``. ``Request.checked``: a prefix known to hold none."""
     slots = list(active)
     longest = max(generated[s] for s in slots)
     if not longest:
@@ -421,65 +411,20 @@ def _cut_at_stop_strings(state: DecodeSlots, stop: StopStrings, active: dict[int
     ended = set(done)
     for slot, row in zip(slots, rows):
         req, n = active[slot], generated[slot]
-        cut = stop.cut(row[:n], checked.get(req.request_index, 0), req.min_tokens)
+        cut = stop.cut(row[:n], req.checked, req.min_tokens)
         if cut is not None:
             generated[slot] = cut
             ended.add(slot)
         elif n > req.min_tokens:
-            checked[req.request_index] = n
+            req.checked = n
     return [s for s in active if s in ended]
 
 
-def _steps_to_admission(room: int, waiting: int, left: dict[int, int], max_active: int, cost: float,
-                        cap: int | None) -> int:
-    """Continuous batching: in how many steps to admit waiting requests (0: now).
-
-    An admission round costs about ``cost`` decode steps (loading staged prompts
-    and the slot setup, whatever its rows; the prefill is paid once per prompt
-    whenever it runs). Holding ``room`` free slots for the ``w`` steps
-    until another slot is guaranteed free leaves them idle, about
-    ``room * w / max_active`` steps of wall time; so admit at the first moment
-    that is no cheaper, or when everything waiting fits. ``left`` holds upper
-    bounds on each live row's remaining steps; while rows may stop early on EOS
-    the host must look every ``cap`` steps anyway, so no plan reaches past that.
-    """
-    bounds = sorted(left.values())
-    now, done = 0, 0  # bounds[:done] are <= now: those slots are free by then
-    while True:
-        while done < len(bounds) and bounds[done] <= now:
-            done += 1
-        free = min(waiting, room + done)
-        if free >= waiting or done == len(bounds):
-            return now
-        nxt = bounds[done]  # the next slot guaranteed to free
-        w = nxt - now if cap is None else min(nxt - now, cap)
-        if free and free * w >= cost * max_active:
-            return now
-        if cap is not None and nxt > cap:
-            return cap
-        now = nxt
-
-def _steps_to_shrink(runner: DecodeGraphRunner, left: dict[int, int], bucket: int) -> int:
-    """Steps until a host sync can change what runs: the live rows fit a smaller bucket, or every slot
-    is done. ``left`` holds upper bounds, so the slots counted done are done."""
-    bounds = sorted(left.values())
-    for done, steps in enumerate(bounds, start=1):
-        remaining = len(bounds) - done
-        if remaining == 0 or runner.bucket_for(remaining) < bucket:
-            return steps
-    return bounds[-1]
-
-
-def _held(req: RequestSpec, left: int) -> int:
-    """An upper bound on the tokens a row holds now (its prompt, and every token but the last one generated)."""
-    return req.prompt_len + req.budget - left - 1
-
-
-def _reserve(plan: PagePlan, active: dict[int, RequestSpec], left: dict[int, int], n_steps: int) -> int:
-    """Give every live row the pages of its next ``n_steps`` steps, or of as many steps as the pool allows
-    (nothing is taken for steps that do not fit); returns the steps reserved (0: not even one)."""
+def _reserve(plan: PagePlan, reqs: list[Request], n_steps: int) -> int:
+    """Give every running request the pages of its next ``n_steps`` steps, or of as many steps as the pool
+    allows (nothing is taken for steps that do not fit); returns the steps reserved (0: not even one)."""
     def missing(n: int) -> int:
-        return sum(plan.missing(s, _held(r, left[s]) + min(n, left[s])) for s, r in active.items())
+        return sum(plan.missing(r.slot, r.tokens_bound() + min(n, r.left)) for r in reqs)
 
     free = plan.room(missing(n_steps))
     if missing(n_steps) > free:
@@ -488,15 +433,15 @@ def _reserve(plan: PagePlan, active: dict[int, RequestSpec], left: dict[int, int
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if missing(mid) <= free else (lo, mid - 1)
         n_steps = lo
-    for s, r in active.items():
-        if not plan.grow(s, _held(r, left[s]) + min(n_steps, left[s])):
+    for r in reqs:
+        if not plan.grow(r.slot, r.tokens_bound() + min(n_steps, r.left)):
             raise RuntimeError("page reservation exceeded the free pages it counted")  # a bug, not an input
     return n_steps
 
 
 def run_schedule(
     runner: DecodeGraphRunner,
-    requests: list[RequestSpec],
+    requests: list[Request],
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     sampling_key: tuple[float, float, int],
@@ -539,9 +484,10 @@ def run_schedule(
     stops making progress raises a ``RuntimeError`` (a bug) instead of spinning.
 
     ``kept`` (a dict, filled in): every finished request keeps the pages of the tokens it holds past the call
-    (:class:`~hybrid_engine.decode.kv_pool.HeldPages`, by request index) for a later request that continues it
-    (``RequestSpec.held``); the caller releases them.
+    (:class:`~hybrid_engine.decode.kv_pool.HeldPages`, by request row) for a later request that continues it
+    (``Request.held``); the caller releases them.
     """
+
     state = runner.slots
     device = state.device
     plan = PagePlan(runner.ledger, runner.kv_pool.page_size, state.cache.max_pages)
@@ -555,154 +501,146 @@ def run_schedule(
                       torch.zeros(num_requests, width, dtype=torch.float32, device=device),
                       torch.zeros(num_requests, width, top_logprobs, dtype=torch.int64, device=device),
                       torch.zeros(num_requests, width, top_logprobs, dtype=torch.float32, device=device))
-    queue = deque(requests)
-    free = list(range(max_active))
-    active: dict[int, RequestSpec] = {}  # slot -> request
-    left: dict[int, int] = {}  # slot -> upper bound on decode steps before it must have finished
-    order: list[int] = []  # active slots, oldest admission first (the newest is preempted first)
+    policy: SchedulePolicy | None = None
     try:
-        # Rows can finish at different times (EOS, unequal budgets, more requests than slots): the call may
-        # compact into every smaller bucket, so those are captured up front too.
         strings = stop_strings is not None
-        checked: dict[int, int] = {}  # request -> a prefix of its response known to hold no stop string
-        shrink = (_may_stop_early(state, requests, strings) or len({r.budget for r in requests}) > 1
-                  or len(requests) > max_active)
-        if any(r.budget > 1 for r in requests):  # some row decodes at all
-            spans = runner.spans_between(min(r.prompt_len for r in requests) + 1,
-                                         max(r.prompt_len + r.budget for r in requests) - 1)
-            runner.capture_buckets(runner.bucket_for(min(max_active, len(requests))), spans, sampling_key, shrink)
-        if staged and len(requests) > 1:  # rounds of every size this call may admit (single rounds need no graph)
-            runner.capture_rounds(runner.bucket_for(min(max_active, len(requests))), sampling_key)
-            state.release(torch.arange(state.rows, device=device))
-        starved = False
-        blocked = False  # a round found no pages for its next request: admit again once pages are freed
-        retried = False  # with nothing running, a round started nothing and the stage let go of its prompts
-        idle = 0  # loop passes in a row that neither decoded nor harvested
-        while queue or active:
-            stepped = False
-            room = min(len(queue), max_active - len(active), len(free))
-            cap = sync_interval if _may_stop_early(state, active.values(), strings) else None
-            if room and not starved and not (blocked and active) and (not active or (continuous and _steps_to_admission(
-                    room, len(queue), left, max_active, ADMISSION_COST, cap) == 0)):
-                slots, free = free[:room], free[room:]
-                reqs = [queue.popleft() for _ in range(room)]
-                with counters.timer.phase("prefill"):
-                    started = _admission_round(runner, plan, slots, reqs, queue, prompt_ids, prompt_mask,
-                                               results, sampling_key, seed, staging=staging,
-                                               counters=counters)
-                queue.extendleft(reversed(reqs[started:]))  # no pages for them yet: first in line
-                free = sorted(free + slots[started:])
-                blocked = started < len(reqs)
-                for slot, req in zip(slots[:started], reqs[:started]):
-                    active[slot] = req
-                    left[slot] = req.budget - max(1, req.resume_from)
-                    order.append(slot)
-                counters.peak_active_batch = max(counters.peak_active_batch, len(active))
-                if not active:
-                    # A staged batch leaves its first samples their pages (_Staging.next_batch), but pages it
-                    # holds can keep a resumed request out: let go of them, once. A second round that starts
-                    # nothing on an otherwise empty pool would be staged the same way again, forever.
-                    if staging is not None and staging.row_of and not retried:
-                        staging.drop(plan)
-                        blocked, retried = False, True
-                        continue
-                    raise RuntimeError(
-                        f"admission made no progress: with nothing running, a round could not start request "
-                        f"{reqs[0].request_index} (a prompt of {reqs[0].prompt_len} tokens, budget {reqs[0].budget}, "
-                        f"resumed at {reqs[0].resume_from}) with {plan.ledger.free} of {plan.ledger.capacity} pages "
-                        f"free; the pool holds one request, which the front end checks up front: this is a bug")
-                retried = False
-
-            if not starved:
-                target = runner.bucket_for(len(active))
-                if max(active) >= target:
-                    free = _compact(state, plan, active, left, free, order, target, counters)
-                bucket = runner.bucket_for(max(active) + 1)
-                cap = sync_interval if _may_stop_early(state, active.values(), strings) else None
-                if blocked:  # pages come back when a row finishes: look then
-                    n_steps = min((v for v in left.values() if v > 0), default=1)
-                elif continuous and queue:
-                    room = min(len(queue), max_active - len(active), len(free))
-                    n_steps = _steps_to_admission(room, len(queue), left, max_active, ADMISSION_COST, cap)
-                else:
-                    n_steps = _steps_to_shrink(runner, left, bucket)
-                if cap is not None:
-                    n_steps = min(n_steps, cap)
-                wanted = max(0, n_steps)
-                n_steps = _reserve(plan, active, left, wanted) if wanted else 0
-                counters.page_table_writes += plan.flush(state.cache.block_table, counters) > 0
-                if n_steps:
-                    stepped = True
-                    with counters.timer.phase("decode"):
-                        held = [(_held(r, left[s]), left[s]) for s, r in active.items()]
-                        for i in range(n_steps):
-                            span = runner.span_for(max(h + min(i, lft) for h, lft in held) + 1)
-                            runner.step(bucket, span, sampling_key)
-                            counters.span_steps[span] = counters.span_steps.get(span, 0) + 1
-                    counters.decode_steps += n_steps
-                    counters.bucket_steps[bucket] = counters.bucket_steps.get(bucket, 0) + n_steps
-                    for slot in left:
-                        left[slot] = max(0, left[slot] - n_steps)
-                elif wanted:
-                    starved = True  # no page for the next step: look, harvest, then preempt if still short
-
-            # One host read of the per-slot flags: what scheduling needs, nothing per token.
-            flags = torch.stack([state.finished.to(torch.int64), state.token_index]).cpu()
-            counters.host_syncs += 1
-            finished_flags, generated = flags[0].tolist(), flags[1].tolist()
-            done = [slot for slot in active if finished_flags[slot]]
-            if strings:
-                done = _cut_at_stop_strings(state, stop_strings, active, generated, done, checked, counters)
-            for slot in active:
-                left[slot] = active[slot].budget - generated[slot]
-            if plan.ledger.in_use == plan.ledger.peak:  # at the peak: how much of it the tokens held need
-                held = {s: r.prompt_len + generated[s] - 1 for s, r in active.items()}
-                counters.kv_pages_held_peak = max(counters.kv_pages_held_peak, plan.held_pages(held))
-            if done:
-                _harvest(state, plan, done, active, left, order, results, width, counters,
-                         generated, kept)
-                free = sorted(free + done)
-                starved = blocked = False
-            elif starved and len(active) == 1 and staging is not None and staging.row_of:
-                staging.drop(plan)  # the staged prompts' pages go before the last running request's progress
-                starved = False
-            elif starved:
-                victim = order[-1]
-                req = active[victim]
-                _harvest(state, plan, [victim], active, left, order, results, width, counters,
-                         None)
-                queue.appendleft(dataclasses.replace(req, resume_from=generated[victim]))
-                free = sorted(free + [victim])
-                counters.preemptions += 1
-                # No admission (the preempted request first) until a row finishes: resuming it at once would
-                # take back the pages the others need, and preempt again.
-                starved, blocked = False, True
-            # Between a decode step or a harvest and the next, a pass admits, preempts one row or lets go of the
-            # stage: at most about one pass per slot. Far more means the rules above stopped making progress.
-            idle = 0 if stepped or done else idle + 1
-            if idle > 4 * max_active + 16:
-                raise RuntimeError(
-                    f"the scheduler made no progress in {idle} passes (no decode step, no request finished) with "
-                    f"{len(active)} rows running, {len(queue)} requests waiting and {plan.ledger.free} of "
-                    f"{plan.ledger.capacity} pages free: this is a bug")
+        _capture(runner, requests, sampling_key, max_active=max_active, staged=staged,
+                 shrink=may_stop_early(_can_stop(state, strings), requests))
+        policy = SchedulePolicy(requests, runner, max_active=max_active, continuous=continuous,
+                                sync_interval=sync_interval, can_stop=_can_stop(state, strings),
+                                keep_pages=kept is not None,
+                                describe_pages=lambda: f"{plan.ledger.free} of {plan.ledger.capacity} pages free")
+        executor = _Executor(runner, plan, staging, prompt_ids, prompt_mask, results, sampling_key, seed,
+                             counters=counters, stop_strings=stop_strings, kept=kept)
+        reply = None
+        while not isinstance(action := policy.next(reply), Done):
+            reply = executor.execute(action)
     finally:
+        if policy is not None:
+            counters.peak_active_batch = max(counters.peak_active_batch, policy.peak)
         counters.kv_pages_peak = plan.ledger.peak
         plan.close()
     return results
 
 
-def _harvest(state: DecodeSlots, plan: PagePlan, done: list[int], active: dict[int, RequestSpec],
-             left: dict[int, int], order: list[int], results: Results,
-             width: int, counters: Counters, generated: list[int] | None,
-             kept: dict[int, HeldPages] | None = None) -> None:
-    """Copy ``done`` slots' output rows into the result rows and free the slots and their pages; ``generated``
-    (the host's read of ``token_index``) records their lengths (``None``: preempted, not finished). With
-    ``kept``, finished rows keep the pages of the tokens they hold (their prompt and all but the last token).
+def _can_stop(state: DecodeSlots, strings: bool) -> bool:
+    """Whether any row may end before its budget: a reachable EOS id, stop sequences or stop strings."""
+    return bool(state.eos_reachable or state.has_stop_sequences or strings)
+
+
+def _capture(runner: DecodeGraphRunner, requests: list[Request], sampling_key: tuple[float, float, int], *,
+             max_active: int, staged: bool, shrink: bool) -> None:
+    """Capture up front the decode graphs (and staged admission rounds) the call may replay. ``shrink``: rows
+    can finish at different times (EOS, unequal budgets, more requests than slots), so the call may compact
+    into every smaller bucket, and those are captured too."""
+    shrink = shrink or len({r.budget for r in requests}) > 1 or len(requests) > max_active
+    top = runner.bucket_for(min(max_active, len(requests)))
+    if any(r.budget > 1 for r in requests):  # some row decodes at all
+        spans = runner.spans_between(min(r.prompt_len for r in requests) + 1,
+                                     max(r.prompt_len + r.budget for r in requests) - 1)
+        runner.capture_buckets(top, spans, sampling_key, shrink)
+    if staged and len(requests) > 1:  # rounds of every size this call may admit (single rounds need no graph)
+        runner.capture_rounds(top, sampling_key)
+        runner.slots.release(torch.arange(runner.slots.rows, device=runner.slots.device))
+
+
+class _Executor:
+    """Runs one call's scheduling actions on ``runner``'s slots: prefill and admission rounds, page reservation
+    (through ``plan``, whose answers go back to the policy), decode steps, host reads of the finish flags,
+    harvest into ``results``."""
+
+    def __init__(self, runner: DecodeGraphRunner, plan: PagePlan, staging: _Staging | None,
+                 prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, results: Results,
+                 sampling_key: tuple[float, float, int], seed: int, *, counters: Counters,
+                 stop_strings: StopStrings | None, kept: dict[int, HeldPages] | None) -> None:
+        self.runner, self.state, self.plan, self.staging = runner, runner.slots, plan, staging
+        self.prompt_ids, self.prompt_mask, self.results = prompt_ids, prompt_mask, results
+        self.sampling_key, self.seed, self.counters = sampling_key, seed, counters
+        self.stop_strings, self.kept = stop_strings, kept
+
+    def execute(self, action: Action) -> Admitted | Seen | int | None:
+        """Carry out ``action``; its reply for the policy (``None`` where it has none)."""
+        match action:
+            case Admit():
+                return self.admit(action)
+            case Reserve():
+                n_steps = _reserve(self.plan, action.requests, action.steps)
+                self.plan.flush(self.state.cache.block_table, self.counters)
+                return n_steps
+            case Decode():
+                self.decode(action)
+            case Look():
+                return self.look(action.requests)
+            case Compact():
+                self.compact(action.movers, action.holes)
+            case Harvest():
+                _harvest(self.state, self.plan, action.slots, action.requests, self.results, self.counters,
+                         finished=True, kept=self.kept if action.keep else None)
+            case Preempt():
+                _harvest(self.state, self.plan, [action.slot], [action.request], self.results, self.counters,
+                         finished=False)
+                self.counters.preemptions += 1
+            case DropStage():
+                assert self.staging is not None, "only a staged call drops its stage"
+                self.staging.drop(self.plan)
+            case _:
+                raise TypeError(f"unknown scheduling action {action!r}")
+        return None
+
+    def admit(self, action: Admit) -> Admitted:
+        with self.counters.timer.phase("prefill"):
+            started = _admission_round(self.runner, self.plan, action.slots, action.requests, action.waiting,
+                                       self.prompt_ids, self.prompt_mask, self.results, self.sampling_key,
+                                       self.seed, staging=self.staging, counters=self.counters)
+        return Admitted(started, self.staging is not None and bool(self.staging.row_of))
+
+    def decode(self, action: Decode) -> None:
+        counters = self.counters
+        with counters.timer.phase("decode"):
+            for span in action.spans:
+                self.runner.step(action.bucket, span, self.sampling_key)
+                counters.span_steps[span] = counters.span_steps.get(span, 0) + 1
+        n_steps = len(action.spans)
+        counters.decode_steps += n_steps
+        counters.bucket_steps[action.bucket] = counters.bucket_steps.get(action.bucket, 0) + n_steps
+
+    def look(self, requests: list[Request]) -> Seen:
+        """One host read of the per-slot flags: what scheduling needs, nothing per token."""
+        state, plan, counters = self.state, self.plan, self.counters
+        flags = torch.stack([state.finished.to(torch.int64), state.token_index]).cpu()
+        counters.host_syncs += 1
+        finished_flags, generated = flags[0].tolist(), flags[1].tolist()
+        active = {r.slot: r for r in requests}
+        done = [slot for slot in active if finished_flags[slot]]
+        if self.stop_strings is not None:
+            done = _cut_at_stop_strings(state, self.stop_strings, active, generated, done, counters)
+        if plan.ledger.in_use == plan.ledger.peak:  # at the peak: how much of it the tokens held need
+            held = {s: r.prompt_len + generated[s] - 1 for s, r in active.items()}
+            counters.kv_pages_held_peak = max(counters.kv_pages_held_peak, plan.held_pages(held))
+        return Seen(done, generated)
+
+    def compact(self, movers: list[int], holes: list[int]) -> None:
+        """Move the rows of ``movers`` into ``holes``: with their table rows, no K/V."""
+        device = self.state.device
+        self.state.move(_index(movers, device, self.counters), _index(holes, device, self.counters))
+        for src, dst in zip(movers, holes):
+            self.plan.move(src, dst)
+        self.counters.compactions += 1
+        self.counters.rows_moved += len(movers)
+
+
+def _harvest(state: DecodeSlots, plan: PagePlan, slots: list[int], reqs: list[Request], results: Results,
+             counters: Counters, *, finished: bool, kept: dict[int, HeldPages] | None = None) -> None:
+    """Copy ``slots``' output rows (those of ``reqs``) into the result rows and free the slots and their pages;
+    ``finished``: they ended (``Request.length`` holds their lengths, recorded), else they were preempted.
+    With ``kept``, finished rows keep the pages of the tokens they hold (their prompt and all but the last
+    token).
 
     The result rows are device tensors: a harvest makes no host transfer."""
     device = state.device
-    done_slots = _index(done, device, counters)
-    rows = _index([active[s].request_index for s in done], device, counters)
+    width = results.tokens.shape[1]
+    done_slots = _index(slots, device, counters)
+    rows = _index([r.row for r in reqs], device, counters)
     # Only the columns kept are gathered (the slots' output rows span the whole cache).
     results.tokens.index_copy_(0, rows, state.out_tokens[:, :width].index_select(0, done_slots))
     results.logprobs.index_copy_(0, rows, state.out_logprobs[:, :width].index_select(0, done_slots))
@@ -711,18 +649,14 @@ def _harvest(state: DecodeSlots, plan: PagePlan, done: list[int], active: dict[i
         results.top_ids.index_copy_(0, rows, state.out_top_ids[:, :width, :top].index_select(0, done_slots))
         results.top_logprobs.index_copy_(0, rows,
                                          state.out_top_logprobs[:, :width, :top].index_select(0, done_slots))
-    for slot in done:
-        req = active[slot]
-        if generated is not None:
-            counters.lengths[req.request_index] = generated[slot]
-        del active[slot]
-        del left[slot]
-        order.remove(slot)
-        if generated is not None and kept is not None:
-            kept[req.request_index] = plan.keep(slot, req.prompt_len + generated[slot] - 1)
+    for slot, req in zip(slots, reqs):
+        if finished:
+            counters.lengths[req.row] = req.length
+        if finished and kept is not None:
+            kept[req.row] = plan.keep(slot, req.prompt_len + req.length - 1)
         else:
             plan.free_slot(slot)
-    if generated is not None:
+    if finished:
         counters.harvests += 1
     state.release(done_slots)
 

@@ -38,7 +38,8 @@ from hybrid_engine.distributed.ranks import rank_seed
 from hybrid_engine.distributed.zero3 import gathered_for_inference
 from hybrid_engine.exact.mode import check_exact_support, exact_kernels
 from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_generation, exclusive_generation
-from hybrid_engine.generation.scheduler import Counters, RequestSpec, gather_responses, run_schedule
+from hybrid_engine.generation.request import Request
+from hybrid_engine.generation.scheduler import Counters, gather_responses, run_schedule
 from hybrid_engine.generation.stop_strings import StopStrings
 from hybrid_engine.generation.timing import PhaseTimer
 from hybrid_engine.generation.token_ids import MAX_TOKEN_ID, token_ids
@@ -365,16 +366,16 @@ class HybridEngineRollout:
         seeds = [None if request.seed is None or s is None else rank_seed(s) for s in request.seed or [None] * num_prompts]
         if turn is None:
             requests = [
-                RequestSpec(request_index=i * n + j, prompt_index=i, budget=min(budgets[i], max_new),
-                            rng_index=uids[i] * n + j, prompt_len=prompt_lengths[i], knob=knob_of[i], seed=seeds[i])
+                Request(row=i * n + j, prompt_index=i, budget=min(budgets[i], max_new),
+                        stream=uids[i] * n + j, prompt_len=prompt_lengths[i], knob=knob_of[i], seed=seeds[i])
                 for i in range(num_prompts)
                 for j in range(n)
             ]
         else:
             row_budgets = turn.budgets or [max_new] * len(turn.rng)
             requests = [
-                RequestSpec(request_index=r, prompt_index=i, budget=min(budgets[i], max_new, b), rng_index=rng,
-                            prompt_len=prompt_lengths[i], knob=knob_of[i], seed=seeds[i], held=held)
+                Request(row=r, prompt_index=i, budget=min(budgets[i], max_new, b), stream=rng,
+                        prompt_len=prompt_lengths[i], knob=knob_of[i], seed=seeds[i], held=held)
                 for r, (i, rng, held, b) in enumerate(zip(turn.prompt_of, turn.rng, turn.held, row_budgets))
             ]
         # Concurrency: max_batch_size, else the largest explicit bucket, else DEFAULT_MAX_BATCH_SIZE.

@@ -14,7 +14,8 @@ import pytest
 import torch
 from rollout_helpers import NO_EOS, assert_batches_identical
 
-from hybrid_engine.generation.scheduler import ADMISSION_COST, _steps_to_admission, gather_responses
+from hybrid_engine.generation.schedule_policy import ADMISSION_COST, _steps_to_admission
+from hybrid_engine.generation.scheduler import gather_responses
 from hybrid_engine.graphs.keys import AdmissionKey, PrefillKey
 from hybrid_engine.graphs.runner import EXACT_PROMPT_ROWS, PREFILL_TOKEN_BUDGET
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
