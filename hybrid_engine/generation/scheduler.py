@@ -28,6 +28,20 @@ last looked), hence on the tokens the row holds, and reads the device
   EOS (a reachable EOS id, past its ``min_tokens``);
 * when the page pool cannot give the live rows their next step's pages.
 
+Pages (:mod:`hybrid_engine.generation.pages`): before a run of steps every
+live row is given the pages those steps reach (fewer steps when the pool is
+short); harvested rows give theirs back. When not even one step fits, the
+rows that finished are harvested, then the most recently admitted request
+is preempted: its tokens so far go to the result rows, its pages are freed,
+and it is requeued at the front, to resume by prefilling its prompt plus
+the tokens it had (eagerly) and going on from its next token with the same
+sampler counters: it never errors and never loses a request. Admission
+waits for pages, a round admitting only the requests that fit. The stage
+takes no more prompts than leave their first samples the pages they need
+(:meth:`_Staging.next_batch`), so with nothing running a round always starts
+a request when the pool holds one, as the front end checks; a loop that
+stops making progress raises a ``RuntimeError`` (a bug) instead of spinning.
+
 Host-built index tensors go the other way without a sync where the
 accelerator has pinned memory (:func:`_index`). A request that continues a row
 of an earlier call (an episode's next turn) starts on the pages that call kept
@@ -50,6 +64,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hybrid_engine.accelerator.host_copy import device_tensor
+from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import NULL_PAGE, HeldPages
 from hybrid_engine.decode.slots import DecodeSlots
 from hybrid_engine.decode.staging import start_from_logits
@@ -111,6 +126,14 @@ class Results(NamedTuple):
     logprobs: torch.Tensor
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
+
+    @classmethod
+    def zeros(cls, rows: int, width: int, top: int, device: torch.device) -> Results:
+        """Result rows for ``rows`` requests, filled in by harvests."""
+        return cls(torch.zeros(rows, width, dtype=torch.int64, device=device),
+                   torch.zeros(rows, width, dtype=torch.float32, device=device),
+                   torch.zeros(rows, width, top, dtype=torch.int64, device=device),
+                   torch.zeros(rows, width, top, dtype=torch.float32, device=device))
 
 
 def _index(values: list[Any], device: torch.device, counters: Counters) -> torch.Tensor:
@@ -180,21 +203,10 @@ class _Staging:
         self.row_of = {}
 
 
-def _admission_round(
-    runner: DecodeGraphRunner,
-    plan: PagePlan,
-    slots: list[int],
-    reqs: list[Request],
-    queue: Iterable[Request],
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    results: Results,
-    sampling_key: tuple[float, float, int],
-    seed: int,
-    *,
-    staging: _Staging | None,
-    counters: Counters,
-) -> int:
+def _admission_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int], reqs: list[Request],
+                     queue: Iterable[Request], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, results: Results,
+                     sampling_key: tuple[float, float, int], seed: int, *, staging: _Staging | None,
+                     counters: Counters) -> int:
     """Start ``reqs`` in ``slots`` (one admission round), prefilling what they need; returns how many started.
 
     Continuous batching admits waiting requests into the lowest free slots in
@@ -279,7 +291,7 @@ def _staged_start(staging: _Staging, unit: tuple[int, ...], slot: int, req: Requ
              pages.src, pages.dst, req.knob] + pages.table)
 
 
-def _write_tables(cache: Any, rows: torch.Tensor, tables: list[list[int]], counters: Counters) -> None:
+def _write_tables(cache: PagedKVCache, rows: torch.Tensor, tables: list[list[int]], counters: Counters) -> None:
     """Write the block table rows ``rows`` (their pages, then the null page)."""
     cache.block_table.index_copy_(0, rows, _index([t + [NULL_PAGE] * (cache.max_pages - len(t)) for t in tables],
                                                   rows.device, counters))
@@ -469,38 +481,20 @@ def run_schedule(
     :meth:`DecodeGraphRunner.admission_round` (graph replay where allowed);
     otherwise requests are prefilled eagerly at their own width, as transformers does.
 
-    Pages (:mod:`hybrid_engine.generation.pages`): before a run of steps every
-    live row is given the pages those steps reach (fewer steps when the pool is
-    short); harvested rows give theirs back. When not even one step fits, the
-    rows that finished are harvested, then the most recently admitted request
-    is preempted: its tokens so far go to the result rows, its pages are freed,
-    and it is requeued at the front, to resume by prefilling its prompt plus
-    the tokens it had (eagerly) and going on from its next token with the same
-    sampler counters: it never errors and never loses a request. Admission
-    waits for pages, a round admitting only the requests that fit. The stage
-    takes no more prompts than leave their first samples the pages they need
-    (:meth:`_Staging.next_batch`), so with nothing running a round always starts
-    a request when the pool holds one, as the front end checks; a loop that
-    stops making progress raises a ``RuntimeError`` (a bug) instead of spinning.
+    Pages, preemption and the no-progress errors: see the module docstring.
 
     ``kept`` (a dict, filled in): every finished request keeps the pages of the tokens it holds past the call
     (:class:`~hybrid_engine.decode.kv_pool.HeldPages`, by request row) for a later request that continues it
     (``Request.held``); the caller releases them.
     """
-
     state = runner.slots
-    device = state.device
     plan = PagePlan(runner.ledger, runner.kv_pool.page_size, state.cache.max_pages)
     staging = _Staging(runner.stage.rows, shared_prefill, requests) if staged else None
     # Every slot starts free, whatever an interrupted earlier call left live.
-    state.release(torch.arange(state.rows, device=device))
+    state.release(torch.arange(state.rows, device=state.device))
     # The values the graphs of this sampling mode read; several settings: sampling_key is their union_mode.
     state.knobs.set_table(settings or [sampling_key], logprobs=logprobs)
-    num_requests = len(requests)
-    results = Results(torch.zeros(num_requests, width, dtype=torch.int64, device=device),
-                      torch.zeros(num_requests, width, dtype=torch.float32, device=device),
-                      torch.zeros(num_requests, width, top_logprobs, dtype=torch.int64, device=device),
-                      torch.zeros(num_requests, width, top_logprobs, dtype=torch.float32, device=device))
+    results = Results.zeros(len(requests), width, top_logprobs, state.device)
     policy: SchedulePolicy | None = None
     try:
         strings = stop_strings is not None
