@@ -7,6 +7,11 @@ output row, and preemption made a new copy of the request. Here it is one
 its resume point after a preemption and its length once finished are fields
 of the same object, so no two containers can disagree about it.
 
+Pages are not a field: the pages a running request's slot holds are the
+call's :class:`~hybrid_engine.generation.pages.PagePlan`'s (one owner for the
+page ledger); ``held`` is what an earlier call kept of a row this request
+continues (an episode's next turn).
+
 Names: ``row`` is the request's row of the call's output batch; ``stream`` is
 the sampler's counter stream (:func:`~hybrid_engine.decode.sampling.counter_uniform`),
 which fixes what it samples wherever and whenever it runs.

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 from hybrid_engine.generation.request import Request, Status
 
-__all__ = ["ADMISSION_COST", "Admit", "Admitted", "Compact", "Decode", "Done", "DropStage", "Harvest", "Look",
+__all__ = ["ADMISSION_COST", "Action", "Admit", "Admitted", "Compact", "Decode", "Done", "DropStage", "Harvest", "Look",
            "Preempt", "Reserve", "SchedulePolicy", "Seen", "Sizes", "may_stop_early"]
 
 #: What one admission round costs, in decode steps, for the continuous-batching admission rule
