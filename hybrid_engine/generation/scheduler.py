@@ -497,29 +497,21 @@ def run_schedule(
     results = Results.zeros(len(requests), width, top_logprobs, state.device)
     policy: SchedulePolicy | None = None
     try:
-        strings = stop_strings is not None
+        # The special ids and stop sets were set before the call: whether a row can stop early is fixed.
+        can_stop = bool(state.eos_reachable or state.has_stop_sequences or stop_strings is not None)
         _capture(runner, requests, sampling_key, max_active=max_active, staged=staged,
-                 shrink=may_stop_early(_can_stop(state, strings), requests))
+                 shrink=may_stop_early(can_stop, requests))
         policy = SchedulePolicy(requests, runner, max_active=max_active, continuous=continuous,
-                                sync_interval=sync_interval, can_stop=_can_stop(state, strings),
-                                keep_pages=kept is not None,
+                                sync_interval=sync_interval, can_stop=can_stop, keep_pages=kept is not None,
                                 describe_pages=lambda: f"{plan.ledger.free} of {plan.ledger.capacity} pages free")
-        executor = _Executor(runner, plan, staging, prompt_ids, prompt_mask, results, sampling_key, seed,
-                             counters=counters, stop_strings=stop_strings, kept=kept)
-        reply = None
-        while not isinstance(action := policy.next(reply), Done):
-            reply = executor.execute(action)
+        _Executor(runner, plan, staging, prompt_ids, prompt_mask, results, sampling_key, seed,
+                  counters=counters, stop_strings=stop_strings, kept=kept).run(policy)
     finally:
         if policy is not None:
             counters.peak_active_batch = max(counters.peak_active_batch, policy.peak)
         counters.kv_pages_peak = plan.ledger.peak
         plan.close()
     return results
-
-
-def _can_stop(state: DecodeSlots, strings: bool) -> bool:
-    """Whether any row may end before its budget: a reachable EOS id, stop sequences or stop strings."""
-    return bool(state.eos_reachable or state.has_stop_sequences or strings)
 
 
 def _capture(runner: DecodeGraphRunner, requests: list[Request], sampling_key: tuple[float, float, int], *,
@@ -551,6 +543,12 @@ class _Executor:
         self.prompt_ids, self.prompt_mask, self.results = prompt_ids, prompt_mask, results
         self.sampling_key, self.seed, self.counters = sampling_key, seed, counters
         self.stop_strings, self.kept = stop_strings, kept
+
+    def run(self, policy: SchedulePolicy) -> None:
+        """Execute the policy's actions, each reply going back to it, until it is done."""
+        reply = None
+        while not isinstance(action := policy.next(reply), Done):
+            reply = self.execute(action)
 
     def execute(self, action: Action) -> Admitted | Seen | int | None:
         """Carry out ``action``; its reply for the policy (``None`` where it has none)."""
