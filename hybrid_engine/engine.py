@@ -330,6 +330,13 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         """Graph counters of ``generate`` (captures, replays, refusal reason, memory): :class:`GraphStats`."""
         return self._front_end.stats()
 
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        """The last ``generate`` call's counters on the fast path, with the keys of
+        :class:`~hybrid_engine.graphs.stats.CallStats` (the schema of ``HybridEngineRollout.last_stats``); ``{}``
+        before the first. A call delegated to transformers' ``generate`` leaves it as it was."""
+        return self._front_end.last_stats
+
     def graph_refusal_reason(self) -> str | None:
         """Why graphs would be refused for a ``generate`` call now, or ``None``."""
         return self._front_end.gate_reason()
