@@ -32,7 +32,7 @@ from hybrid_engine.decode.model_support import check_model_supported
 from hybrid_engine.distributed.zero3 import gathered_for_inference
 from hybrid_engine.exact.mode import check_exact_support, exact_kernels
 from hybrid_engine.generation.call import empty_call_stats, run_call
-from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_generation, exclusive_generation
+from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_generation, exclusive_model_call
 from hybrid_engine.generation.plan import plan_rollout
 from hybrid_engine.generation.stop_strings import StopStrings
 from hybrid_engine.generation.token_ids import MAX_TOKEN_ID, token_ids
@@ -188,13 +188,13 @@ class HybridEngineRollout:
     def release(self) -> None:
         """Free the decode slots and every graph (the next call re-allocates and recaptures). Waits for a
         ``generate`` running in another thread on this model, as ``generate`` calls wait for each other."""
-        with exclusive_generation(self.model, "HybridEngineRollout.release"):
+        with exclusive_model_call(self.model, "HybridEngineRollout.release"):
             self.runner.release()
 
     def invalidate_graphs(self) -> None:
         """Drop every graph (the buffers stay); the next call captures again. Needed only after a change the
         graph fingerprint cannot see, such as a module-level function patched (:mod:`hybrid_engine.graphs.fingerprint`)."""
-        with exclusive_generation(self.model, "HybridEngineRollout.invalidate_graphs"):
+        with exclusive_model_call(self.model, "HybridEngineRollout.invalidate_graphs"):
             self.runner.invalidate()
 
     @property
@@ -227,7 +227,7 @@ class HybridEngineRollout:
         (:func:`hybrid_engine.distributed.ranks.rank_seed`). On a ZeRO-3 model the call gathers the parameters
         once (collective: every rank must call) and decodes eagerly on them.
         """
-        with exclusive_generation(self.model, "HybridEngineRollout.generate"), gathered_for_inference(self.model):
+        with exclusive_model_call(self.model, "HybridEngineRollout.generate"), gathered_for_inference(self.model):
             return self._generate(request, sampling)
 
     def generate_turn(self, request: RolloutRequest, sampling: SamplingConfig, turn: TurnRows) -> RolloutBatch:
@@ -235,7 +235,7 @@ class HybridEngineRollout:
         ``turn``, each continuing its prompt row on the pages an earlier call kept and keeping its own.
         ``turn.guard`` runs around the work under the model's lock: the episode checks the weights once its turn
         has come (after any training call it waited for) and gives back what a failed call kept."""
-        with exclusive_generation(self.model, "HybridEngineRollout.generate"), gathered_for_inference(self.model), \
+        with exclusive_model_call(self.model, "HybridEngineRollout.generate"), gathered_for_inference(self.model), \
                 (turn.guard() if turn.guard is not None else contextlib.nullcontext()):
             return self._generate(request, sampling, turn)
 
