@@ -45,7 +45,7 @@ from hybrid_engine.distributed.inference_copy import InferenceCopy
 from hybrid_engine.distributed.world import rank, world_size
 from hybrid_engine.distributed.zero3 import gathered_for_inference
 from hybrid_engine.exact.mode import check_exact_support, exact_forward
-from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_generation, exclusive_generation
+from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_generation, exclusive_model_call
 from hybrid_engine.generation.generate import GenerateFrontEnd
 from hybrid_engine.graphs.stats import GraphStats
 from hybrid_engine.model_access import decode_model
@@ -184,7 +184,7 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         """The training forward of ``module`` (through DeepSpeed's engine under ZeRO). Waits for a generation
         running in another thread on this model (:mod:`hybrid_engine.generation.call_context`). With
         ``hybrid_engine.exact_logprobs``, it runs as :func:`~hybrid_engine.exact.exact_forward`."""
-        with exclusive_generation(self.inference_module, "HybridEngine.forward"):
+        with exclusive_model_call(self.inference_module, "HybridEngine.forward"):
             if self.config.hybrid_engine.exact_logprobs:
                 return exact_forward(self.inference_module, *args, forward=self.training_backend.forward, **kwargs)
             return self.training_backend.forward(*args, **kwargs)
@@ -192,7 +192,7 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
     def train(self, mode: bool = True) -> HybridEngine:
         """Train mode (``eval()``: eval mode) for the model, as ``nn.Module.train``; waits for a generation running
         in another thread, which has the model in eval mode until it returns."""
-        with exclusive_generation(self.inference_module, "HybridEngine.train" if mode else "HybridEngine.eval"):
+        with exclusive_model_call(self.inference_module, "HybridEngine.train" if mode else "HybridEngine.eval"):
             return super().train(mode)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -204,7 +204,7 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         for name, value in (("retain_graph", retain_graph), ("scale_wrt_gas", scale_wrt_gas)):
             if not isinstance(value, bool):
                 raise TypeError(f"engine.backward: {name} must be True or False, got {value!r}")
-        with exclusive_generation(self.inference_module, "HybridEngine.backward"):
+        with exclusive_model_call(self.inference_module, "HybridEngine.backward"):
             return self.training_backend.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
@@ -213,7 +213,7 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
             raise TypeError(f"engine.step: lr_kwargs must be a dict or None, got {type(lr_kwargs).__name__}")
         # Held for the whole update: no generation in another thread sees half-updated weights.
-        with exclusive_generation(self.inference_module, "HybridEngine.step"):
+        with exclusive_model_call(self.inference_module, "HybridEngine.step"):
             if self.training_backend.is_gradient_accumulation_boundary():  # before anything steps
                 check_lr_kwargs(self.lr_scheduler, lr_kwargs)
             steps = self.training_backend.global_steps
@@ -281,7 +281,7 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         The engine's graphs are dropped and recaptured by the next ``generate``
         (loading may re-allocate; rollouts compare weight addresses before replaying).
         """
-        with exclusive_generation(self.inference_module, "HybridEngine.load_checkpoint"):
+        with exclusive_model_call(self.inference_module, "HybridEngine.load_checkpoint"):
             result = checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
                                      load_optimizer_states=load_optimizer_states,
                                      load_lr_scheduler_states=load_lr_scheduler_states,
@@ -302,7 +302,7 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         (:mod:`hybrid_engine.generation.call_context`). See :mod:`hybrid_engine.generation.generate` for the paths
         and :mod:`hybrid_engine.graphs.policy` for when graphs are refused.
         """
-        with exclusive_generation(self.inference_module, "HybridEngine.generate"), eval_for_generation(self.module):
+        with exclusive_model_call(self.inference_module, "HybridEngine.generate"), eval_for_generation(self.module):
             with decode_grad_mode(), gathered_for_inference(self.inference_module):
                 return self._front_end.generate(*args, **kwargs)
 
@@ -314,7 +314,7 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         ``deepspeed.comm.destroy_process_group()``). The engine cannot train or
         generate with DeepSpeed afterwards.
         """
-        with exclusive_generation(self.inference_module, "HybridEngine.destroy"):  # after a running generate
+        with exclusive_model_call(self.inference_module, "HybridEngine.destroy"):  # after a running generate
             self._front_end.runner.release()
         if isinstance(self.training_backend, DeepSpeedTraining):
             self.training_backend.destroy()
@@ -322,13 +322,20 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
     def invalidate_graphs(self) -> None:
         """Drop ``generate``'s graphs; the next call captures again. Needed only after a change the graph
         fingerprint cannot see, such as a module-level function patched (:mod:`hybrid_engine.graphs.fingerprint`)."""
-        with exclusive_generation(self.inference_module, "HybridEngine.invalidate_graphs"):
+        with exclusive_model_call(self.inference_module, "HybridEngine.invalidate_graphs"):
             self._front_end.runner.invalidate()
 
     @property
     def graph_stats(self) -> GraphStats:
         """Graph counters of ``generate`` (captures, replays, refusal reason, memory): :class:`GraphStats`."""
         return self._front_end.stats()
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        """The last ``generate`` call's counters on the fast path, with the keys of
+        :class:`~hybrid_engine.graphs.stats.CallStats` (the schema of ``HybridEngineRollout.last_stats``); ``{}``
+        before the first. A call delegated to transformers' ``generate`` leaves it as it was."""
+        return self._front_end.last_stats
 
     def graph_refusal_reason(self) -> str | None:
         """Why graphs would be refused for a ``generate`` call now, or ``None``."""

@@ -264,6 +264,31 @@ def test_check_model_supported():
         PagedKVCache(longrope, 1, 16)
 
 
+def test_check_model_supported_is_cached_until_what_it_read_changes(monkeypatch):
+    """A supported model is checked once (no probe cache per call); a change of its config, attention
+    implementation or forward is checked again."""
+    import hybrid_engine.decode.model_support as support
+
+    model = build_model("tiny-llama")
+    model.config.model_type = "my-llama"  # outside the known types: each check probes with a forward
+    probes = []
+    real = support.prefill
+    monkeypatch.setattr(support, "prefill", lambda *a, **k: probes.append(1) or real(*a, **k))
+    for _ in range(3):
+        check_model_supported(model)
+    assert len(probes) == 1
+    model.config.rope_parameters["rope_theta"] = 500.0  # changed in place, inside a nested field
+    check_model_supported(model)
+    assert len(probes) == 2
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        check_model_supported(model)
+    model.config._attn_implementation = "sdpa"
+    model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no cache here"))  # a new forward
+    with pytest.raises(TypeError, match="rejected past_key_values"):
+        check_model_supported(model)
+
+
 def test_eager_attention_parity():
     model = build_model("tiny-llama", attn_implementation="eager")
     ids, mask = prompts(3)

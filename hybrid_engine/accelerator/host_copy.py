@@ -26,7 +26,11 @@ def device_tensor(values: Sequence[Any], device: torch.device, dtype: torch.dtyp
                   counters: CountsHostSyncs | None = None) -> torch.Tensor:
     """``values`` as a ``dtype`` tensor on ``device``, copied from pinned memory without waiting for the
     stream; a pageable copy where pinning is not available, counted in ``counters.host_syncs``."""
-    host = torch.tensor(values, dtype=dtype)
+    return host_to_device(torch.tensor(values, dtype=dtype), device, counters)
+
+
+def host_to_device(host: torch.Tensor, device: torch.device, counters: CountsHostSyncs | None = None) -> torch.Tensor:
+    """A host tensor built by the caller onto ``device``, as :func:`device_tensor` copies its values."""
     if device.type == "cpu":
         return host
     try:

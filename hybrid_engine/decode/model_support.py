@@ -8,6 +8,7 @@ before any work.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
@@ -46,8 +47,26 @@ def max_positions(config: Any) -> int | None:
     return None
 
 
+#: Models found supported, with what the finding depends on (:func:`_support_key`); a finding is reused while
+#: that is unchanged. Weak: a model's entry goes with it.
+_SUPPORTED: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _support_key(model: torch.nn.Module) -> Any:
+    """What :func:`check_model_supported` reads: the model's class and forward, its config (a deep copy of its
+    fields, compared by value, so a field changed in place is seen), attention implementation, dtype and device."""
+    param = next(model.parameters(), None)
+    forward = getattr(model.forward, "__func__", model.forward)
+    return (type(model), forward, copy.deepcopy(vars(model.config)), _attn_implementation(model),
+            None if param is None else (param.dtype, param.device))
+
+
 def check_model_supported(model: torch.nn.Module) -> None:
     """Raise ``TypeError``/``ValueError`` with a clear message unless ``model`` can run on a PagedKVCache.
+
+    A model found supported is not checked again while its class, forward, config, attention implementation,
+    dtype and device stay as they were (the check allocates a probe cache, and for a model type outside the
+    known ones runs a probe forward: once per model, not per call).
 
     Requirements: a decoder-only HF model whose forward takes an external ``Cache``
     (``cache=``/``past_key_values=``) and an attention implementation that honours
@@ -57,6 +76,18 @@ def check_model_supported(model: torch.nn.Module) -> None:
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"check_model_supported: expected a transformers PreTrainedModel, got {type(model).__name__}")
+    try:
+        key = _support_key(model)
+        if _SUPPORTED.get(model) == key:
+            return
+    except Exception:  # a config field that cannot be copied or compared: check every time
+        key = None
+    _check_model(model)
+    if key is not None:
+        _SUPPORTED[model] = key
+
+
+def _check_model(model: PreTrainedModel) -> None:
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{type(model).__name__}: encoder-decoder models are not supported (decoder-only LMs only)")

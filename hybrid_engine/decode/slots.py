@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from hybrid_engine.accelerator.host_copy import device_tensor
+from hybrid_engine.accelerator.host_copy import device_tensor, host_to_device
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import KVPool
 from hybrid_engine.decode.model_support import state_shapes
@@ -142,6 +142,7 @@ class DecodeSlots:
         # One set per sampling setting of the call (a row's ``knob`` picks both).
         self.stop_ids = torch.full((MAX_SETTINGS, MAX_STOP_SEQUENCES, MAX_STOP_LENGTH), -1, **i64)
         self.has_stop_sequences = False
+        self._stop_sets: list[tuple[tuple[int, ...], ...]] = [()]  # what stop_ids holds (nothing yet)
         #: The token fed to rows that are not live (what they emit is never read): the pad id where the
         #: embedding has it, else 0, since configs may carry any int there (old Llama ones: -1).
         self.pad_id = torch.zeros((), **i64)
@@ -216,14 +217,18 @@ class DecodeSlots:
         row stops once its last tokens are one of its set's (they stay in its response, as an EOS does)."""
         if not 1 <= len(sets) <= MAX_SETTINGS:
             raise ValueError(f"1 to {MAX_SETTINGS} stop sets, got {len(sets)}")
-        table = []
         for sequences in sets:
             if len(sequences) > MAX_STOP_SEQUENCES or any(not 1 <= len(q) <= MAX_STOP_LENGTH for q in sequences):
                 raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences of 1 to {MAX_STOP_LENGTH} tokens each")
-            rows = [[-1] * (MAX_STOP_LENGTH - len(q)) + list(q) for q in sequences]
-            table.append(rows + [[-1] * MAX_STOP_LENGTH] * (MAX_STOP_SEQUENCES - len(rows)))
-        table += [table[-1]] * (MAX_SETTINGS - len(table))
-        self.stop_ids.copy_(device_tensor(table, self.device))
+        if sets == self._stop_sets:
+            return  # the table the graphs read already holds them
+        table = torch.full((MAX_SETTINGS, MAX_STOP_SEQUENCES, MAX_STOP_LENGTH), -1, dtype=torch.int64)
+        for knob, sequences in enumerate(sets):
+            for i, q in enumerate(sequences):
+                table[knob, i, MAX_STOP_LENGTH - len(q):] = torch.tensor(q, dtype=torch.int64)
+        table[len(sets):] = table[len(sets) - 1]  # unused knobs repeat the last set
+        self.stop_ids.copy_(host_to_device(table, self.device))
+        self._stop_sets = list(sets)
         self.has_stop_sequences = any(sets)
 
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["decode_grad_mode", "eval_for_generation", "exclusive_generation"]
+__all__ = ["decode_grad_mode", "eval_for_generation", "exclusive_model_call"]
 
 
 class _ModelLock:
@@ -95,7 +95,7 @@ def _lock_of(model: torch.nn.Module) -> _ModelLock:
 
 
 @contextlib.contextmanager
-def exclusive_generation(model: torch.nn.Module, caller: str) -> Iterator[None]:
+def exclusive_model_call(model: torch.nn.Module, caller: str) -> Iterator[None]:
     """Hold ``model``'s lock for the block, as ``caller`` (see the module docstring): generations and the
     engine's training calls on ``model`` run one at a time."""
     with _lock_of(model).hold(caller):

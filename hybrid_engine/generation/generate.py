@@ -37,10 +37,10 @@ pick identical tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import operator
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -48,16 +48,21 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from hybrid_engine.config.schema import EngineConfig, HybridEngineConfig
-from hybrid_engine.decode.kv_pool import KVBudget
+from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.decode.layout import exact_length
 from hybrid_engine.decode.model_support import check_model_supported, max_positions
 from hybrid_engine.decode.sampling import MIN_TEMPERATURE
 from hybrid_engine.distributed.ranks import rank_seed
 from hybrid_engine.exact.mode import exact_kernels
-from hybrid_engine.generation.request import Request
-from hybrid_engine.generation.scheduler import Counters, gather_responses, run_schedule
-from hybrid_engine.generation.timing import PhaseTimer
+from hybrid_engine.generation.call import run_call
+from hybrid_engine.generation.plan import (
+    GENERATE,
+    CallPlan,
+    check_batch_size,
+    check_generate_length,
+    check_positions,
+    plan_generate,
+)
 from hybrid_engine.generation.token_ids import token_id, token_ids
 from hybrid_engine.graphs.runner import DecodeGraphRunner
 from hybrid_engine.graphs.stats import GraphStats
@@ -139,50 +144,12 @@ def _count(name: str, value: Any) -> int:
     raise TypeError(f"generate(): {name} must be an int, got {type(value).__name__}")
 
 
-#: ``hybrid_engine.max_out_tokens``'s default, which any model may keep (even one with fewer positions).
-_DEFAULT_MAX_OUT_TOKENS = HybridEngineConfig.model_fields["max_out_tokens"].default
-
-
-def check_cache_length(max_out_tokens: int, limit: int | None) -> None:
-    """Refuse a ``hybrid_engine.max_out_tokens`` beyond the model's position limit ``limit`` (the default is always
-    accepted), before the decode cache is allocated at that length: no row ever uses more positions than that."""
-    allowed = None if limit is None else max(limit, _DEFAULT_MAX_OUT_TOKENS)
-    if allowed is not None and max_out_tokens > allowed:
-        default = f" (the default, {_DEFAULT_MAX_OUT_TOKENS}, is accepted for any model)" if allowed > limit else ""
-        raise ValueError(
-            f"hybrid_engine.max_out_tokens={max_out_tokens} is more than the model's position limit {limit}: the "
-            f"decode cache is allocated at max_out_tokens per row at the first generate, and no row can use more "
-            f"than {limit} positions; set max_out_tokens to the longest prompt plus new tokens you generate, at "
-            f"most {allowed}{default}"
-        )
-
-
 GRAPHS_OFF = "hybrid_engine.enable_graph_capture is off (or hybrid_engine.enabled is false), so decode runs eagerly."
 
 
 #: generate()'s counts of sequences, each an int >= 1 (what each counts, for the error).
 _SEARCH_COUNTS = {"num_beams": "the beams kept per prompt", "num_return_sequences": "the sequences returned per prompt",
                   "num_beam_groups": "the groups the beams are split into"}
-
-
-#: The most tokens one call's rows may hold (2**31: a 16 GiB int64 tensor), a guard against a mistyped
-#: num_beams or num_return_sequences exhausting memory before a single step runs (as rollouts guard theirs).
-MAX_BATCH_ELEMENTS = 2**31
-
-
-#: Host syncs to notice finished rows while some row can still stop on EOS (as rollouts default to).
-SYNC_INTERVAL = 4
-
-
-@dataclasses.dataclass
-class _Plan:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    new_tokens: int
-    min_new_tokens: int
-    sampling: tuple[float, float, int]  # (temperature, top_p, top_k); temperature 0 is greedy
-    eos: list[int]
-    pad: int | None
 
 
 def _default_max_new_tokens(config: Any, gen: Any, width: int) -> int:
@@ -244,6 +211,8 @@ class GenerateFrontEnd:
         self.model = model
         self.config = config
         self.runner = DecodeGraphRunner(model, config=config)
+        #: The last fast-path call's :class:`~hybrid_engine.graphs.stats.CallStats` dict (``{}`` before one).
+        self.last_stats: dict[str, Any] = {}
         if not config.hybrid_engine.enable_graph_capture:
             self.runner.note_refusal(GRAPHS_OFF, warn=False)
 
@@ -347,21 +316,13 @@ class GenerateFrontEnd:
         max_new = _count("max_new_tokens", self._max_new_tokens(width, kwargs))
         if max_new <= 0:
             return  # refused with the fast path's message, or transformers'
-        limit = max_positions(self.model.config)
         longest = width if mask is None else int(mask.to(torch.int64).sum(-1).max())
-        if limit is not None and longest + max_new - 1 > limit:
-            raise ValueError(
-                f"generate(): the longest prompt ({longest} tokens) + max_new_tokens {max_new} needs "
-                f"{longest + max_new - 1} positions, more than the model's {limit}; shorten the prompt or "
-                "lower max_new_tokens"
-            )
+        check_positions(GENERATE, longest, max_new, max_positions(self.model.config), fed=False)
         rows = batch * max(beams, counts.get("num_return_sequences", 1))
-        if rows * (width + max_new) > MAX_BATCH_ELEMENTS:
-            raise ValueError(
-                f"generate(): {batch} prompts x num_beams {beams} x num_return_sequences "
-                f"{counts.get('num_return_sequences', 1)} = {rows} rows of {width} prompt + {max_new} new tokens "
-                f"would be more than {MAX_BATCH_ELEMENTS} tokens in one call; lower num_beams or "
-                "num_return_sequences, or split the batch")
+        check_batch_size(f"generate(): {batch} prompts x num_beams {beams} x num_return_sequences "
+                         f"{counts.get('num_return_sequences', 1)} = {{rows}} rows of {{width}} prompt + {{max_new}} new "
+                         "tokens would be more than {limit} tokens in one call; lower num_beams or "
+                         "num_return_sequences, or split the batch", rows, width, max_new)
 
     def _max_new_tokens(self, width: int, kwargs: dict[str, Any]) -> Any:
         """The call's new-token count as transformers resolves it, unchecked: max_new_tokens (the call's, then
@@ -394,24 +355,8 @@ class GenerateFrontEnd:
             warnings.warn(f"generate(): min_new_tokens ({min_new}) is larger than max_new_tokens ({max_new}): "
                           f"{max_new} tokens are generated, none of them EOS", UserWarning, stacklevel=4)
             min_new = max_new
-        limit = max_positions(self.model.config)
-        if limit is not None:
-            # Positions count real tokens (padding takes none), and the last new token is never fed back.
-            longest = width if mask is None else int(mask.to(torch.int64).sum(-1).max())
-            if longest + max_new - 1 > limit:
-                raise ValueError(
-                    f"generate(): the longest prompt ({longest} tokens) + max_new_tokens {max_new} needs "
-                    f"{longest + max_new - 1} positions, more than the model's {limit}; shorten the prompt or "
-                    "lower max_new_tokens"
-                )
-        total = width + max_new
-        cap = self.config.hybrid_engine.max_out_tokens
-        check_cache_length(cap, limit)
-        if total > cap:
-            raise ValueError(
-                f"generate(): prompt length {width} + max_new_tokens {max_new} = {total} exceeds "
-                f"hybrid_engine.max_out_tokens={cap}; raise max_out_tokens or generate fewer tokens"
-            )
+        longest = width if mask is None else int(mask.to(torch.int64).sum(-1).max())
+        check_generate_length(self.config, width, max_new, longest, max_positions(self.model.config))
         return max_new, min_new
 
     def _unsupported(self, kwargs: dict[str, Any], mask: torch.Tensor | None) -> str | None:
@@ -469,7 +414,10 @@ class GenerateFrontEnd:
             return (input_ids != pad).long()
         return None
 
-    def _plan(self, input_ids, mask, kwargs, max_new, min_new) -> _Plan:
+    def _plan(self, input_ids: torch.Tensor, mask: torch.Tensor | None, kwargs: dict[str, Any], max_new: int,
+              min_new: int, seed_of: Any) -> CallPlan:
+        """The fast path's :class:`CallPlan`: ids and mask on the model's device, the call's sampling knobs, special
+        ids, and a seed (``seed_of()``, drawn only when the call samples)."""
         gen = self.model.generation_config
         device = model_device(self.model)
         ids = input_ids.to(device=device, dtype=torch.long)
@@ -477,10 +425,13 @@ class GenerateFrontEnd:
         mask = (torch.ones_like(ids) if mask is None else mask).to(device=device, dtype=torch.long)
         do_sample = bool(kwargs.get("do_sample", _effective(gen, "do_sample")))
         sampling = _sampling_knobs(gen, kwargs) if do_sample else (0.0, 1.0, -1)
-        return _Plan(ids, mask, max_new, min_new, sampling, eos, pad)
+        seed = seed_of() if sampling[0] > 0 else 0
+        return plan_generate(self.config, ids, mask, max_new=max_new, min_new=min_new, sampling=sampling, eos=eos,
+                             pad=pad, seed=seed)
 
     # ----------------------------------------------------------------- run
     def generate(self, *args: Any, **kwargs: Any) -> Any:
+        t_start = time.perf_counter()
         if kwargs.get("inputs_embeds") is not None:  # the fast path starts from token ids
             self.runner.note_refusal("generate(inputs_embeds=...) is not covered by the fast decode path; delegated "
                                      "to transformers' generate, which runs eagerly.",
@@ -496,41 +447,14 @@ class GenerateFrontEnd:
                 kwargs["attention_mask"] = mask
             return self.model.generate(input_ids=input_ids, **kwargs)
         max_new, min_new = self._lengths(input_ids, effective, kwargs)
-        plan = self._plan(input_ids, effective, kwargs, max_new, min_new)
         # One seed per call, from torch's global generator (torch.manual_seed makes it reproducible), made
         # distinct per data-parallel rank (ranks usually seed alike).
-        seed = rank_seed(int(torch.randint(0, 2**62, (1,)).item())) if plan.sampling[0] > 0 else 0
-        try:
-            return self._run(plan, seed)
-        finally:
-            if self.config.hybrid_engine.release_inference_cache:
-                self.runner.release()
-
-    def _run(self, plan: _Plan, seed: int) -> torch.Tensor:
-        ids = plan.input_ids
-        batch = ids.shape[0]
-        enabled = self.config.hybrid_engine.enable_graph_capture
-        capacity = self.config.hybrid_engine.max_out_tokens
-        runner = self.runner
+        plan = self._plan(input_ids, effective, kwargs, max_new, min_new,
+                          lambda: rank_seed(int(torch.randint(0, 2**62, (1,)).item())))
         he = self.config.hybrid_engine
-        lengths = plan.attention_mask.sum(-1).tolist()
-        budget = KVBudget(he.kv_page_size, he.kv_cache_tokens, he.kv_cache_bytes, "hybrid_engine.kv_cache",
-                          max(lengths), plan.new_tokens, ids.device)
+        if not plan.graphs:
+            self.runner.note_refusal(GRAPHS_OFF, warn=False)
         with exact_kernels(self.model, he.exact_logprobs):  # before prepare: graphs are keyed by the mode
-            slots = runner.prepare(rows=batch, capacity=capacity, num_eos=len(plan.eos), graphs=enabled, budget=budget)
-            if not enabled:
-                runner.note_refusal(GRAPHS_OFF, warn=False)
-            pad = plan.pad if plan.pad is not None else 0
-            slots.set_special_ids(pad, tuple(plan.eos))
-            slots.set_stop_sequences([()])  # transformers' stop_strings are handed to transformers
-            requests = [Request(row=b, prompt_index=b, budget=plan.new_tokens, stream=b,
-                                prompt_len=lengths[b], min_tokens=plan.min_new_tokens) for b in range(batch)]
-            counters = Counters(timer=PhaseTimer(runner.accelerator, slots.device))
-            out_tokens = run_schedule(
-                runner, requests, ids, plan.attention_mask, plan.sampling, seed,
-                width=plan.new_tokens, max_active=batch, continuous=False, shared_prefill=False, staged=False,
-                sync_interval=SYNC_INTERVAL, counters=counters,
-            ).tokens
-        runner.note_call_pages(counters.kv_pages_peak, counters.preemptions)
-        responses, _, _ = gather_responses(out_tokens, counters.lengths, pad)
-        return torch.cat([ids, responses], dim=1)
+            out = run_call(self.runner, plan, t_start=t_start, release=he.release_inference_cache)
+        self.last_stats = out.stats
+        return torch.cat([plan.prompt_ids, out.responses], dim=1)

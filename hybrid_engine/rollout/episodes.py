@@ -83,7 +83,7 @@ from typing import Any
 import torch
 
 from hybrid_engine.decode.kv_pool import HeldPages
-from hybrid_engine.generation.call_context import exclusive_generation
+from hybrid_engine.generation.call_context import exclusive_model_call
 from hybrid_engine.graphs.fingerprint import forward_fingerprint
 from hybrid_engine.rollout.types import RolloutRequest, SamplingConfig, is_int
 
@@ -345,7 +345,7 @@ class Episodes:
     def drop_kv(self) -> None:
         """Forget the K/V every row kept (each one's next turn prefills its whole history). Changed weights,
         hooks, adapters and modes are detected (see the module docstring); this is for anything else."""
-        with exclusive_generation(self.rollout.model, "Episodes.drop_kv"), self._lock:
+        with exclusive_model_call(self.rollout.model, "Episodes.drop_kv"), self._lock:
             self._drops += 1
             for r in range(self.num_rows):
                 self._stamp[r] = None  # a turn in flight on the row drops what it took too
@@ -539,7 +539,7 @@ class Episodes:
             for r in rows:
                 self._busy[r] = "close"
         try:
-            with exclusive_generation(self.rollout.model, "Episodes.close"), self._lock:
+            with exclusive_model_call(self.rollout.model, "Episodes.close"), self._lock:
                 for r in rows:
                     _release(self._held[r:r + 1])
                     self._held[r] = None

@@ -228,11 +228,6 @@ class SamplingConfig:
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "top_k", int(self.top_k))
 
-    @property
-    def sampling_key(self) -> tuple[float, float, int]:
-        """The knobs as host values (a captured graph freezes only their :func:`~hybrid_engine.decode.sampling.sampling_mode`)."""
-        return (self.temperature, self.top_p, self.top_k)
-
 
 @dataclass
 class RolloutRequest:

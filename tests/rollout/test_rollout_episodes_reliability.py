@@ -21,6 +21,7 @@ from sampled_close import assert_sampled_close
 from test_rollout_episode_kv import ROWS, TOOL, _assert_turn_as_single_turn, _rollout, _run, _sampling
 
 from hybrid_engine.decode.kv_pool import PageLedger
+from hybrid_engine.generation import call as call_module
 from hybrid_engine.generation import call_context, pages, scheduler
 from hybrid_engine.graphs.runner import DecodeGraphRunner
 from hybrid_engine.rollout import HybridEngineRollout, RolloutRequest, SamplingConfig
@@ -363,9 +364,9 @@ MOMENTS = {  # (owner, name, static)
     "hold": (PageLedger, "hold", False),
     "step": (DecodeGraphRunner, "step", False),
     "sampler": (__import__("hybrid_engine.decode.slots", fromlist=["x"]), "sample_tokens_and_top", False),
-    "gather": (rollout_module, "gather_responses", False),
+    "gather": (call_module, "gather_responses", False),
     "assemble": (HybridEngineRollout, "_assemble", True),
-    "stats": (HybridEngineRollout, "_stats", False),
+    "stats": (call_module, "_call_stats", False),
     "eos_ids": (HybridEngineRollout, "_special_ids", False),
 }
 
@@ -429,7 +430,7 @@ def test_a_turn_waiting_for_a_training_call_checks_the_weights_after_it(monkeypa
     for r in range(ROWS):
         episodes.append(r, TOOL[r % 3])
     held, waiting, done = threading.Event(), threading.Event(), threading.Event()
-    original = rollout_module.exclusive_generation
+    original = rollout_module.exclusive_model_call
 
     @contextlib.contextmanager
     def announced(model_, caller):
@@ -437,13 +438,13 @@ def test_a_turn_waiting_for_a_training_call_checks_the_weights_after_it(monkeypa
         with original(model_, caller):
             yield
 
-    monkeypatch.setattr(rollout_module, "exclusive_generation", announced)
+    monkeypatch.setattr(rollout_module, "exclusive_model_call", announced)
     new = _scaled(model)
     errors = []
 
     def trainer():
         try:
-            with call_context.exclusive_generation(model, "HybridEngine.step"):
+            with call_context.exclusive_model_call(model, "HybridEngine.step"):
                 held.set()
                 assert waiting.wait(WAIT)
                 for name, p in model.named_parameters():
@@ -557,7 +558,7 @@ def test_drop_kv_from_another_thread_during_a_turn_drops_what_the_turn_keeps(mon
     rollout = _rollout(model, graphs=False)
     episodes = rollout.open_episodes(left_padded_prompts([5, 3], seed=7), n_samples_per_prompt=2)
     episodes.turn(_sampling(0))
-    original = episodes_module.exclusive_generation
+    original = episodes_module.exclusive_model_call
 
     @contextlib.contextmanager
     def announced(model_, caller):
@@ -565,7 +566,7 @@ def test_drop_kv_from_another_thread_during_a_turn_drops_what_the_turn_keeps(mon
         with original(model_, caller):
             yield
 
-    monkeypatch.setattr(episodes_module, "exclusive_generation", announced)
+    monkeypatch.setattr(episodes_module, "exclusive_model_call", announced)
     errors = []
 
     def run(call):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from rollout_helpers import NO_EOS, left_padded_prompts
 
+import hybrid_engine
 from hybrid_engine.graphs.stats import CallStats
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 from hybrid_engine.tiny_models import build_model
@@ -94,3 +95,17 @@ def test_a_refused_call_leaves_the_last_calls_stats(model):
     with pytest.raises(ValueError, match="position limit"):
         rollout.generate(left_padded_prompts([3], seed=5), too_long)
     assert rollout.last_stats == before
+
+
+def test_engine_generate_reports_the_rollout_schema():
+    """engine.generate's last_stats: the same keys as a rollout's, filled by the one executor."""
+    engine = hybrid_engine.initialize(model=build_model("tiny-llama", seed=3), config={"hybrid_engine": {"enabled": True,
+                                                                            "max_out_tokens": 64}})[0]
+    assert engine.last_stats == {}
+    ids = torch.randint(3, 100, (3, 5))
+    out = engine.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+                          do_sample=False)
+    stats = engine.last_stats
+    assert set(stats) == KEYS
+    assert stats["tokens_generated"] == 3 * 4 == (out.shape[1] - 5) * 3 and stats["num_sequences"] == 3
+    assert stats["decode_steps"] == 3 and stats["prefill_forwards"] == 1 and stats["profile"] is None
