@@ -176,7 +176,7 @@ def test_prefill_batches_run_their_exact_prompt_count_up_to_eight_then_decode_bu
     for _ in range(3):  # warm-up, capture, replay
         batch = rollout.generate(request, SamplingConfig(max_new_tokens=5))
         assert torch.equal(batch.input_ids, eager.input_ids)
-    graphs = rollout.runner._graphs
+    graphs = rollout.runner.graph_keys
     assert [k.prompts for k in graphs if isinstance(k, PrefillKey)] == [3]
     assert sorted(k.requests for k in graphs if isinstance(k, AdmissionKey)) == [1, 2, 4]
     assert rollout.last_stats["admission_graph_replays"] == 2
@@ -250,7 +250,7 @@ def test_a_prompt_whose_samples_span_several_rounds_is_prefilled_once():
             # A batch holds as many distinct prompts as the stage has rows (4, however many samples): here both.
             assert st["admission_rounds"] >= 3 and st["prefill_forwards"] == 1 and st["prefill_rows"] == 2
             assert st["kv_row_copies"] == 12 - 2
-        assert [k.prompts for k in rollout.runner._graphs if isinstance(k, PrefillKey)] == [2]
+        assert [k.prompts for k in rollout.runner.graph_keys if isinstance(k, PrefillKey)] == [2]
 
 
 # ------------------------------------------------------------ the accelerator
@@ -276,7 +276,7 @@ def test_cpu_model_on_a_gpu_host_never_gets_gpu_graphs():
     engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
     ids, mask = prompts(2, 4)
     out = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5)
-    runner = engine._front_end.runner
+    runner = engine.generate_runner
     assert isinstance(runner.accelerator, CPUAccelerator) and runner.accelerator is not cuda
     assert engine.graph_stats.captures == 1 and log == []
     set_accelerator(CPUAccelerator())
@@ -371,5 +371,5 @@ def test_one_graph_per_bucket_and_sampling_mode_serves_every_temperature_of_a_sc
         outputs.append(batch.response_logprobs)
     assert captures[0] > 0 and captures[2:] == [0, 0, 0]
     assert len({tuple(o.flatten().tolist()) for o in outputs[1:]}) == 4  # every call sampled with its own knobs
-    modes = {key.sampling for key in graphed.runner._graphs if not isinstance(key, PrefillKey)}  # prefill: no sampling
+    modes = {key.sampling for key in graphed.runner.graph_keys if not isinstance(key, PrefillKey)}  # prefill: no sampling
     assert modes == {(True, True, True)}

@@ -69,17 +69,15 @@ def graph_greedy(acc, model, cache, ids, mask, per_span: bool = False, n_new: in
         if per_span:  # the pages the longest row reads, with the token this step writes
             key = -(-(int(cache.write_pos.max()) + 1) // cache.page_size)
         if key not in graphs:
-            cache.span_pages = key or None
             graph = acc.create_graph()
             with acc.capture_to_graph(graph):
-                logits = decode_one_token(model, cache, static_tok)
+                logits = decode_one_token(model, cache, static_tok, span=key or None)
             graphs[key] = (graph, logits)
         graph, logits = graphs[key]
         acc.replay_graph(graph)
         tok = logits.argmax(-1)
         static_tok.copy_(tok)
         out.append(tok)
-    cache.span_pages = None
     return torch.stack(out, 1)
 
 
@@ -217,9 +215,8 @@ def test_decode_past_capacity_raises():
         decode_one_token(model, cache, tok)
     cache.reset()
     prefill(model, cache, ids, mask)
-    cache.span_pages = 1  # 4 tokens a row: the prompt fills them
-    with pytest.raises(ValueError, match="span"):
-        decode_one_token(model, cache, tok)
+    with pytest.raises(ValueError, match="span"):  # 4 tokens a row: the prompt fills them
+        decode_one_token(model, cache, tok, span=1)
 
 
 def test_prefill_rejects_bad_input():
