@@ -25,7 +25,7 @@ the pages a row reads are table data.
 
 Host-side checks (shapes, dtype, bounds) read device values, so they run only
 outside capture. ``get_seq_length``/``get_query_offset`` answer a 0-dim device
-tensor inside a model step (:attr:`answer_on_device`) and while capturing.
+tensor inside a model step (while a :class:`ForwardIndices` is set) and while capturing.
 Works with transformers 4.57 and 5.x. Two kinds of layers keep per-row data
 instead of pages (:attr:`states`, :mod:`hybrid_engine.decode.linear_states`):
 state layers (5.x: linear attention, Mamba mixers), read and written through
