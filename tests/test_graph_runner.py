@@ -435,3 +435,20 @@ def test_the_policy_combines_static_and_learnt_refusals():
     handle.remove()
     assert hooked.refusal() is None and other.known_hook_refusal() is None
     assert "cannot capture" in GraphPolicy(model, CPUAccelerator(emulate_graphs=False)).refusal()
+
+
+def test_a_runner_let_go_of_frees_its_page_pool_without_the_cyclic_collector():
+    """The buffers call back into the runner through a weak reference: no cycle keeps the pool alive."""
+    import gc
+    import weakref
+
+    runner = DecodeGraphRunner(build_model("tiny-llama", seed=1))
+    _capture_one_bucket(runner, 8)
+    assert runner.graph_keys
+    pool = weakref.ref(runner.kv_pool)
+    gc.disable()
+    try:
+        del runner
+        assert pool() is None
+    finally:
+        gc.enable()
