@@ -70,8 +70,11 @@ class GraphRefusedWarning(UserWarning):
     """Graphs were refused or a capture failed; decoding runs eagerly (same tokens)."""
 
 
-def _capability(accelerator: Any) -> str | None:
-    if accelerator.create_graph() is not None:
+def _capability(accelerator: Any, can_capture: bool | None = None) -> str | None:
+    """Why ``accelerator`` cannot capture (``None``: it can); ``can_capture`` as it says, else probed."""
+    if can_capture is None:
+        can_capture = accelerator.create_graph() is not None
+    if can_capture:
         return None
     detail = getattr(accelerator, "graph_unavailable_reason", None)
     return f"The accelerator cannot capture graphs{f' ({detail})' if detail else ''}, so decode must run eagerly."
@@ -162,13 +165,9 @@ def validate_graph_capture_support(config: ConfigSource, accelerator: Any = None
         from hybrid_engine.accelerator import get_accelerator
 
         accelerator = get_accelerator()
-    can_capture = getattr(accelerator, "supports_graph_capture", None)
-    if can_capture is None:
-        can_capture = accelerator.create_graph() is not None
-    if not can_capture:
-        reason = getattr(accelerator, "graph_unavailable_reason", None)
-        detail = f" ({reason})" if reason else ""
-        return f"The accelerator cannot capture graphs{detail}, so decode must run eagerly."
+    reason = _capability(accelerator, getattr(accelerator, "supports_graph_capture", None))
+    if reason is not None:
+        return reason
     if cfg.zero_optimization.stage == 3 and not cfg.hybrid_engine.zero3_gathered_inference_copy:
         return ZERO3_REFUSAL
     if cfg.hybrid_engine.release_inference_cache:
