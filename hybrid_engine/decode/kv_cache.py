@@ -489,6 +489,16 @@ class PagedKVCache(Cache):
         view._owns_pool = self._owns_pool
         return view
 
+    def forward_view(self, block_table: torch.Tensor, write_pos: torch.Tensor, position: torch.Tensor,
+                     states: StateView | None = None) -> "PagedKVCache":
+        """A cache over some rows, given by their block table rows, write positions and position ids (tensors the
+        caller made), sharing this cache's pool and host counters: what a prefill or an extend runs its forward
+        on, so that the forward's writes land in those rows' pages."""
+        view = PagedKVCache.__new__(PagedKVCache)
+        view._setup(self.pool, block_table, write_pos, position, self._capacity, self._host, states=states,
+                    linear=self._linear)
+        return view
+
     def _rows(self, rows: torch.Tensor | Any, name: str, checked: bool = False) -> torch.Tensor:
         """``rows`` as an int64 device tensor; its range is checked (two host reads) unless ``checked``."""
         rows = torch.as_tensor(rows, dtype=torch.int64, device=self.device)

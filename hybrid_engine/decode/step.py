@@ -235,10 +235,8 @@ def prefill(
         input_ids, attention_mask = pack_rows(pack_order(attention_mask), input_ids, attention_mask)
         last = lengths - 1
     # The forward runs on a view of the target rows whose lengths read 0: the prompt is all there is.
-    target = PagedKVCache.__new__(PagedKVCache)
     states = None if cache.states is None else cache.states.sub(slice(0, n) if rows is None else rows)
-    target._setup(cache.pool, table, torch.zeros_like(lengths), torch.zeros_like(lengths), cache.capacity,
-                  cache._host, states=states, linear=cache.is_linear)
+    target = cache.forward_view(table, torch.zeros_like(lengths), torch.zeros_like(lengths), states)
     real = attention_mask.bool()
     target.set_forward(ForwardIndices(
         write_slots=target.token_slots(prompt_position_ids(attention_mask), keep=real).flatten(), kv_len=t,
@@ -272,11 +270,10 @@ def extend(model: PreTrainedModel, cache: PagedKVCache, input_ids: torch.Tensor,
     table = cache.block_table.index_select(0, rows)
     cached = cache.write_pos.index_select(0, rows)
     start = cache.position.index_select(0, rows)
-    target = PagedKVCache.__new__(PagedKVCache)
     if cache.states is not None:
         raise ValueError("extend: rows with state layers or windowed rings cannot continue on kept pages (their "
                          "states are not kept); prefill the whole history")
-    target._setup(cache.pool, table, cached, start, cache.capacity, cache._host)
+    target = cache.forward_view(table, cached, start)
     real = attention_mask.bool()
     new = attention_mask.to(torch.int64).sum(-1)
     offset = torch.arange(t, device=device)[None, :] - (t - new)[:, None]  # 0 at each row's first new token
