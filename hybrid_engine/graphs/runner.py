@@ -240,11 +240,13 @@ class DecodeGraphRunner:
         self.policy.accelerator = acc = accelerator_for(model_device(self.model))
         slots = self.buffers.allocate(rows=rows, capacity=capacity, num_eos=num_eos, budget=budget,
                                       prompt_width=prompt_width, top_logprobs=top_logprobs)
-        # What the graphs froze: the storage they read (its epoch), the accelerator, the model.
-        fingerprint = (self.buffers.epoch, acc, graph_fingerprint(self.model))
-        if fingerprint != self._fingerprint:
-            self.invalidate()
-            self._fingerprint = fingerprint
+        if graphs:
+            # What the graphs froze: the storage they read (its epoch), the accelerator, the model. Checked by
+            # the calls that may replay them only (an eager call replays nothing: the next graph call checks).
+            fingerprint = (self.buffers.epoch, acc, graph_fingerprint(self.model))
+            if fingerprint != self._fingerprint:
+                self.invalidate()
+                self._fingerprint = fingerprint
         self._start_call(graphs)
         return slots
 
