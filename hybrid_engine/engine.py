@@ -47,6 +47,7 @@ from hybrid_engine.distributed.zero3 import gathered_for_inference
 from hybrid_engine.exact.mode import check_exact_support, exact_forward
 from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_generation, exclusive_model_call
 from hybrid_engine.generation.generate import GenerateFrontEnd
+from hybrid_engine.graphs.runner import DecodeGraphRunner
 from hybrid_engine.graphs.stats import GraphStats
 from hybrid_engine.model_access import decode_model
 from hybrid_engine.training import checkpoint
@@ -324,6 +325,11 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         fingerprint cannot see, such as a module-level function patched (:mod:`hybrid_engine.graphs.fingerprint`)."""
         with exclusive_model_call(self.inference_module, "HybridEngine.invalidate_graphs"):
             self._front_end.runner.invalidate()
+
+    @property
+    def generate_runner(self) -> DecodeGraphRunner:
+        """The graph runner ``generate`` decodes on (its buffers, graphs and policy), for inspection."""
+        return self._front_end.runner
 
     @property
     def graph_stats(self) -> GraphStats:

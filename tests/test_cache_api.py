@@ -135,7 +135,7 @@ def test_the_state_layer_calls_of_5_25_keep_each_rows_state():
     assert cache.get_recurrent_states_to_keep(0) == 0 and cache.get_recurrent_states_to_keep() == 0
     first, last = torch.ones(2, 3), torch.full((2, 3), 7.0)
     assert torch.equal(cache.update_recurrent_state([first, last], 0), last)
-    cache.fresh = False
+    assert not cache.fresh  # outside a prefill: the states are continued
     assert torch.equal(cache.get_recurrent_state(0), last)
     with pytest.raises(NotImplementedError, match="past states"):
         cache.activate_past_recording(recurrent_states_to_keep=2)

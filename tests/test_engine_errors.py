@@ -219,7 +219,7 @@ def test_max_out_tokens_past_the_position_limit_is_refused_before_the_cache_is_a
     with pytest.raises(ValueError, match=r"max_out_tokens=10000000 is more than the model's position limit 512.*"
                                          r"at most 512"):
         engine.generate(ids, max_new_tokens=4)
-    assert engine._front_end.runner.slots is None  # refused before anything was allocated
+    assert engine.generate_runner.slots is None  # refused before anything was allocated
     for cap in (512, 513):  # the limit itself, and one past it
         engine, *_ = initialize(model=model, config={"hybrid_engine": {"max_out_tokens": cap}})
         if cap > 512:

@@ -205,10 +205,10 @@ def test_stats_fields_and_to_dict():
     gen(graph, *prompts(2, 3), n=4)
     s = graph.graph_stats
     assert s.capture_seconds > 0 and s.cache_memory_bytes > 0 and s.graph_keys == 1
-    runner = graph._front_end.runner
+    runner = graph.generate_runner
     # The emulated pool's bytes are reported on CPU too. The step writes into preallocated buffers, so
     # they are workspace, which graphs sharing the pool share: a smaller bucket's graph adds nothing.
-    assert s.graph_memory_bytes == runner.accelerator.graph_memory_bytes(runner._pool) > 0
+    assert s.graph_memory_bytes == runner.accelerator.graph_memory_bytes(runner.graph_memory) > 0
     gen(graph, *prompts(1, 3), n=4)
     assert graph.graph_stats.graph_keys == 2 and graph.graph_stats.graph_memory_bytes == s.graph_memory_bytes
 
@@ -229,7 +229,7 @@ def test_zero3_refused_by_validator_and_by_engine_gate():
     # The runner's policy goes through the same validator (ZeRO-3 training itself: tests/distributed).
     model = build_model("tiny-gpt2")
     graph, eager = engines(model)
-    graph._front_end.config = graph._front_end.runner.config = load_config(cfg)
+    graph.generate_runner.config = load_config(cfg)
     ids, mask = prompts(2, 3)
     with pytest.warns(GraphRefusedWarning, match="ZeRO stage 3") as rec:
         out = gen(graph, ids, mask, n=3)
@@ -368,8 +368,8 @@ def test_capture_does_not_disturb_the_eager_state_it_falls_back_to(monkeypatch):
     expected = gen(eager, ids, mask, n=6)
     real = scheduler.DecodeSlots.step
 
-    def step_then_sync(self, m, key):
-        real(self, m, key)  # the whole step's work is issued ...
+    def step_then_sync(self, m, key, span=None):
+        real(self, m, key, span)  # the whole step's work is issued ...
         if get_accelerator().is_current_stream_capturing():
             self.token_index.sum().item()  # ... then a host read fails the capture
 
@@ -862,7 +862,7 @@ def test_release_inference_cache_frees_the_buffers_after_each_call():
         graph, eager = engines(build_model("tiny-gpt2"), release_inference_cache=True)
         ids, mask = prompts(2, 3)
         assert torch.equal(gen(graph, ids, mask), gen(eager, ids, mask))
-    assert graph._front_end.runner.slots is None and graph.graph_stats.cache_memory_bytes == 0
+    assert graph.generate_runner.slots is None and graph.graph_stats.cache_memory_bytes == 0
 
 
 def test_generate_under_autocast_equals_transformers_and_a_change_recaptures():

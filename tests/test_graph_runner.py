@@ -176,7 +176,7 @@ def test_prefill_batches_run_their_exact_prompt_count_up_to_eight_then_decode_bu
     for _ in range(3):  # warm-up, capture, replay
         batch = rollout.generate(request, SamplingConfig(max_new_tokens=5))
         assert torch.equal(batch.input_ids, eager.input_ids)
-    graphs = rollout.runner._graphs
+    graphs = rollout.runner.graph_keys
     assert [k.prompts for k in graphs if isinstance(k, PrefillKey)] == [3]
     assert sorted(k.requests for k in graphs if isinstance(k, AdmissionKey)) == [1, 2, 4]
     assert rollout.last_stats["admission_graph_replays"] == 2
@@ -250,7 +250,7 @@ def test_a_prompt_whose_samples_span_several_rounds_is_prefilled_once():
             # A batch holds as many distinct prompts as the stage has rows (4, however many samples): here both.
             assert st["admission_rounds"] >= 3 and st["prefill_forwards"] == 1 and st["prefill_rows"] == 2
             assert st["kv_row_copies"] == 12 - 2
-        assert [k.prompts for k in rollout.runner._graphs if isinstance(k, PrefillKey)] == [2]
+        assert [k.prompts for k in rollout.runner.graph_keys if isinstance(k, PrefillKey)] == [2]
 
 
 # ------------------------------------------------------------ the accelerator
@@ -276,7 +276,7 @@ def test_cpu_model_on_a_gpu_host_never_gets_gpu_graphs():
     engine, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
     ids, mask = prompts(2, 4)
     out = engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5)
-    runner = engine._front_end.runner
+    runner = engine.generate_runner
     assert isinstance(runner.accelerator, CPUAccelerator) and runner.accelerator is not cuda
     assert engine.graph_stats.captures == 1 and log == []
     set_accelerator(CPUAccelerator())
@@ -371,5 +371,84 @@ def test_one_graph_per_bucket_and_sampling_mode_serves_every_temperature_of_a_sc
         outputs.append(batch.response_logprobs)
     assert captures[0] > 0 and captures[2:] == [0, 0, 0]
     assert len({tuple(o.flatten().tolist()) for o in outputs[1:]}) == 4  # every call sampled with its own knobs
-    modes = {key.sampling for key in graphed.runner._graphs if not isinstance(key, PrefillKey)}  # prefill: no sampling
+    modes = {key.sampling for key in graphed.runner.graph_keys if not isinstance(key, PrefillKey)}  # prefill: no sampling
     assert modes == {(True, True, True)}
+
+
+# ------------------------------------------------------------ buffers and their epoch
+def test_the_buffers_epoch_changes_exactly_when_storage_moves():
+    """Buffers that fit are kept at the same addresses (same epoch); growth, reallocation and release each
+    change the epoch."""
+    from hybrid_engine.graphs.buffers import DecodeBuffers
+
+    moves = []
+    buffers = DecodeBuffers(build_model("tiny-llama", seed=1), on_move=lambda: moves.append(buffers.epoch))
+    slots = buffers.allocate(rows=2, capacity=8, num_eos=1)
+    first, pool = buffers.epoch, buffers.kv_pool
+    assert buffers.allocate(rows=2, capacity=8, num_eos=1) is slots and buffers.epoch == first
+    assert buffers.allocate(rows=1, capacity=4, num_eos=1) is slots and buffers.kv_pool is pool  # smaller fits
+    grown = buffers.allocate(rows=2, capacity=64, num_eos=1)
+    assert grown is not slots and grown.capacity == 64 and buffers.epoch > first
+    second = buffers.epoch
+    buffers.allocate(rows=2, capacity=64, num_eos=1, prompt_width=8)  # a prompt stage: new storage
+    assert buffers.stage is not None and buffers.epoch > second
+    third = buffers.epoch
+    buffers.release()
+    assert buffers.slots is None and buffers.kv_pool is None and buffers.epoch == third + 1
+    assert moves and moves[-1] == buffers.epoch  # the holder hears of every move, after the epoch changed
+
+
+def _capture_one_bucket(runner: DecodeGraphRunner, capacity: int) -> None:
+    slots = runner.prepare(rows=2, capacity=capacity, num_eos=1, graphs=True)
+    slots.set_special_ids(0, (2,))
+    runner.capture_buckets(2, [1], GREEDY, shrink=False)
+
+
+def test_graphs_captured_against_old_storage_never_replay():
+    """The epoch is part of what a call checks before replaying: storage that moved drops every graph, even
+    where nothing else told the runner (no on_move hook)."""
+    runner = DecodeGraphRunner(build_model("tiny-llama", seed=1))
+    _capture_one_bucket(runner, 8)
+    keys = runner.graph_keys
+    assert keys and all(runner.graph(k) is not None for k in keys) and runner.stats.captures == 1
+    _capture_one_bucket(runner, 8)  # same storage: the graph is kept
+    assert runner.graph_keys == keys and runner.stats.captures == 1 and runner.stats.invalidations == 0
+    runner.buffers._on_move = None  # the epoch alone must keep stale graphs from replaying
+    runner.prepare(rows=2, capacity=64, num_eos=1, graphs=True)  # the slots grow: new addresses
+    assert runner.graph_keys == () and runner.graph(keys[0]) is None and runner.stats.invalidations == 1
+
+
+def test_the_policy_combines_static_and_learnt_refusals():
+    from hybrid_engine.graphs.policy import MAX_CAPTURE_FAILURES, GraphPolicy
+
+    model = build_model("tiny-llama", seed=1)
+    policy = GraphPolicy(model, CPUAccelerator(emulate_graphs=True))
+    assert policy.refusal() is None
+    assert all(policy.capture_failed() is None for _ in range(MAX_CAPTURE_FAILURES - 1))
+    assert "disabled" in policy.capture_failed() and "disabled" in policy.refusal()
+    hooked = GraphPolicy(model, CPUAccelerator(emulate_graphs=True))
+    handle = model.model.layers[0].register_forward_hook(lambda *a: None)
+    hooked.refuse_hooks(handle.id, "that hook")
+    assert hooked.refusal() == "that hook"
+    other = GraphPolicy(model, CPUAccelerator(emulate_graphs=True))  # another runner of the same model
+    assert other.refusal() is None and other.known_hook_refusal() == "that hook" and other.refusal() == "that hook"
+    handle.remove()
+    assert hooked.refusal() is None and other.known_hook_refusal() is None
+    assert "cannot capture" in GraphPolicy(model, CPUAccelerator(emulate_graphs=False)).refusal()
+
+
+def test_a_runner_let_go_of_frees_its_page_pool_without_the_cyclic_collector():
+    """The buffers call back into the runner through a weak reference: no cycle keeps the pool alive."""
+    import gc
+    import weakref
+
+    runner = DecodeGraphRunner(build_model("tiny-llama", seed=1))
+    _capture_one_bucket(runner, 8)
+    assert runner.graph_keys
+    pool = weakref.ref(runner.kv_pool)
+    gc.disable()
+    try:
+        del runner
+        assert pool() is None
+    finally:
+        gc.enable()

@@ -8,7 +8,7 @@ import torch
 import torch.utils._python_dispatch
 from transformers.cache_utils import Cache
 
-from hybrid_engine.decode.kv_cache import PagedKVCache
+from hybrid_engine.decode.kv_cache import ForwardIndices, PagedKVCache
 from hybrid_engine.decode.kv_pool import (
     NULL_PAGE,
     KVBudget,
@@ -30,12 +30,11 @@ def states(cache: PagedKVCache, q_len: int) -> torch.Tensor:
     return torch.randn(cache.batch_size, cache.num_kv_heads, q_len, cache.head_dim)
 
 
-def decode_indices(cache: PagedKVCache, live: torch.Tensor | None = None) -> None:
+def decode_indices(cache: PagedKVCache, live: torch.Tensor | None = None, span: int | None = None) -> None:
     """What decode_one_token sets before a forward: each row writes at its length, reads its span."""
     keep = None if live is None else live[:, None]
-    cache.write_slots = cache.token_slots(cache.write_pos[:, None], keep=keep).flatten()
-    cache.read_slots = cache.span_slots()
-    cache.fresh, cache.kv_len = False, cache.span_tokens()
+    cache.set_forward(ForwardIndices(write_slots=cache.token_slots(cache.write_pos[:, None], keep=keep).flatten(),
+                                     kv_len=cache.span_tokens(span), read_slots=cache.span_slots(span)))
 
 
 # ---------------------------------------------------------------------- pool and ledger
@@ -132,10 +131,9 @@ def test_transformers_cache_api():
     assert cache.get_max_cache_shape() == 8 and cache.max_cache_len == 8 and cache.max_batch_size == 3
     assert cache.get_mask_sizes(1, 0) == (8, 0)  # 5.x form (query_length, layer_idx): the whole table
     assert cache.get_mask_sizes(torch.arange(1), 0) == (8, 0)  # 4.57 form (cache_position, layer_idx)
-    cache.span_pages = 1
-    assert cache.get_mask_sizes(1, 1) == (4, 0)
-    cache.kv_len = 7  # what the current forward returns
-    assert cache.get_mask_sizes(1, 0) == (7, 0)
+    decode_indices(cache, span=1)
+    assert cache.get_mask_sizes(1, 1) == (4, 0)  # what the current forward returns: its span
+    cache.set_forward(None)
     assert cache.get_seq_length() == 0 and cache.get_query_offset(0) == 0
     cache.write_pos.copy_(torch.tensor([2, 5, 1]))
     assert cache.get_seq_length() == 5 and isinstance(cache.get_seq_length(), int)
@@ -157,8 +155,7 @@ def test_update_writes_each_row_through_its_table_and_gathers_its_span_in_logica
     assert torch.equal(pool.keys[1][4 * 4 + 2], k[2, :, 0])  # row 2, logical 6: page 4, offset 2
     assert pool.keys[0].abs().sum() == 0  # other layer untouched
     assert cache.write_pos.tolist() == [0, 3, 6]  # update does not advance
-    cache.span_pages = 1
-    decode_indices(cache)
+    decode_indices(cache, span=1)
     keys, _ = cache.update(k, v, 0)
     assert keys.shape[2] == 4  # the span: one page a row
 
@@ -178,8 +175,8 @@ def test_fresh_prefill_returns_its_own_states_and_writes_real_tokens_only():
     cache = make(batch=2, capacity=8, page_size=4)
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     logical = ((mask.cumsum(-1) - 1) * mask).clamp(min=0)
-    cache.write_slots = cache.token_slots(logical, keep=mask.bool()).flatten()
-    cache.fresh = True
+    cache.set_forward(ForwardIndices(write_slots=cache.token_slots(logical, keep=mask.bool()).flatten(), kv_len=5,
+                                     fresh=True))
     k = torch.randn(2, cache.num_kv_heads, 5, cache.head_dim)
     keys, _ = cache.update(k, k, 0)
     assert keys is k
@@ -194,16 +191,14 @@ def test_bounds_and_layout_checks_outside_capture():
     with pytest.raises(ValueError, match="capacity=8; the cache is full"):
         cache.check_room(1)
     cache.write_pos.copy_(torch.tensor([0, 4]))
-    cache.span_pages = 1
     with pytest.raises(ValueError, match="span=4"):
-        cache.check_room(1)
-    cache.span_pages = None
+        cache.check_room(1, span=1)
     decode_indices(cache)
     with pytest.raises(ValueError, match="dtype"):
         cache.update(states(cache, 1).double(), states(cache, 1).double(), 0)
     with pytest.raises(ValueError, match="layout"):
         cache.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 0)
-    cache.write_slots = None
+    cache.set_forward(None)
     with pytest.raises(ValueError, match="no write slots"):
         cache.update(states(cache, 1), states(cache, 1), 0)
 

@@ -69,17 +69,15 @@ def graph_greedy(acc, model, cache, ids, mask, per_span: bool = False, n_new: in
         if per_span:  # the pages the longest row reads, with the token this step writes
             key = -(-(int(cache.write_pos.max()) + 1) // cache.page_size)
         if key not in graphs:
-            cache.span_pages = key or None
             graph = acc.create_graph()
             with acc.capture_to_graph(graph):
-                logits = decode_one_token(model, cache, static_tok)
+                logits = decode_one_token(model, cache, static_tok, span=key or None)
             graphs[key] = (graph, logits)
         graph, logits = graphs[key]
         acc.replay_graph(graph)
         tok = logits.argmax(-1)
         static_tok.copy_(tok)
         out.append(tok)
-    cache.span_pages = None
     return torch.stack(out, 1)
 
 
@@ -217,9 +215,8 @@ def test_decode_past_capacity_raises():
         decode_one_token(model, cache, tok)
     cache.reset()
     prefill(model, cache, ids, mask)
-    cache.span_pages = 1  # 4 tokens a row: the prompt fills them
-    with pytest.raises(ValueError, match="span"):
-        decode_one_token(model, cache, tok)
+    with pytest.raises(ValueError, match="span"):  # 4 tokens a row: the prompt fills them
+        decode_one_token(model, cache, tok, span=1)
 
 
 def test_prefill_rejects_bad_input():
@@ -326,3 +323,26 @@ def test_a_padding_query_sees_its_own_slot_so_fp16_eager_attention_makes_no_nan(
     logits = prefill(model, cache, ids, mask)
     assert torch.isfinite(logits).all()
     assert not build_prefill_mask(mask, 8, torch.float16).amax(-1).lt(0).any()  # no row masked throughout
+
+
+def test_a_decode_step_reads_one_set_of_indices_set_for_it_and_cleared_after():
+    """Every layer's cache update in a step sees the same ForwardIndices (its span's K/V length and read
+    slots); none is left on the cache after the step."""
+    model = tiny("llama")
+    ids, mask = prompts(2, length=3)
+    cache = PagedKVCache(model.config, 2, 8, page_size=4, dtype=model.dtype)
+    tok = prefill(model, cache, ids, mask).argmax(-1)
+    assert cache.forward_indices is None  # the prefill ran on a view of the rows
+    seen = []
+    real_update = cache.update
+
+    def update(key_states, value_states, layer_idx, *args, **kwargs):
+        seen.append(cache.forward_indices)
+        assert cache.get_seq_length().dim() == 0  # a device tensor inside the step: no host read
+        return real_update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    cache.update = update
+    decode_one_token(model, cache, tok, span=1)
+    assert len(seen) == model.config.num_hidden_layers and all(f is seen[0] for f in seen)
+    assert seen[0].kv_len == 4 and seen[0].read_slots.numel() == 2 * 4 and not seen[0].fresh
+    assert cache.forward_indices is None and isinstance(cache.get_seq_length(), int)

@@ -38,7 +38,7 @@ from conftest import left_padded_prompts as prompts
 from sampled_close import assert_greedy_close, assert_rollouts_sampled_close
 
 from hybrid_engine.accelerator import CPUAccelerator, is_capturing, set_accelerator
-from hybrid_engine.decode.kv_cache import PagedKVCache
+from hybrid_engine.decode.kv_cache import ForwardIndices, PagedKVCache
 from hybrid_engine.decode.npu_attention import (
     NPU_GRAPH_ATTENTION,
     npu_graph_attention_forward,
@@ -465,7 +465,7 @@ def test_failed_capture_restores_counters_at_the_runner():
     slots = runner.prepare(rows=2, capacity=8, num_eos=1, graphs=True,
                            budget=KVBudget(16, None, None, "RolloutConfig.kv_cache", 4, 4))
     view = slots.cache.rows_view(0, 2)
-    view.write_slots, view.fresh = torch.zeros(2, dtype=torch.int64), True  # both rows write the null page
+    view.set_forward(ForwardIndices(write_slots=torch.zeros(2, dtype=torch.int64), kv_len=1, fresh=True))  # the null page
 
     def step():
         view.update(torch.zeros(2, 2, 1, 16), torch.zeros(2, 2, 1, 16), 0)

@@ -312,10 +312,10 @@ def arm(where, model, monkeypatch, exc):
     elif where == "capture":
         real_step = DecodeSlots.step
 
-        def step(self, m, key):
+        def step(self, m, key, span=None):
             if get_accelerator().is_current_stream_capturing():
                 once()
-            return real_step(self, m, key)
+            return real_step(self, m, key, span)
 
         monkeypatch.setattr(DecodeSlots, "step", step)
     elif where == "replay":

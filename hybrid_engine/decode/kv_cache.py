@@ -13,17 +13,19 @@ token is written at) and ``position`` (its next position id). A row's tokens
 sit at logical indices ``0..write_pos-1`` with no padding between them, so a
 query attends keys ``j <= write_pos`` and nothing else needs a mask.
 
-A forward sets two device index tensors before it runs (the step functions in
-:mod:`hybrid_engine.decode.step` compute them): ``write_slots`` (the pool slot
-of every new token; padding and finished rows write the null page) and, unless
-``fresh`` (a prefill attends over its own new states), ``read_slots``: the
-slots of the first ``span_pages`` pages of every row, gathered in logical
-order. What a capture freezes is the span (a host int: one graph per span
-bucket) and the shapes; the pages a row reads are table data.
+What one forward reads besides the tables travels as one
+:class:`ForwardIndices`, set in one place (:meth:`PagedKVCache.set_forward`,
+called by the step functions of :mod:`hybrid_engine.decode.step`, which
+compute it) and cleared after: ``write_slots`` (the pool slot of every new
+token; padding and finished rows write the null page) and, unless ``fresh`` (a
+prefill attends over its own new states), ``read_slots``: the slots of the
+first ``span`` pages of every row, gathered in logical order. What a capture
+freezes is the span (a host int: one graph per span bucket) and the shapes;
+the pages a row reads are table data.
 
 Host-side checks (shapes, dtype, bounds) read device values, so they run only
 outside capture. ``get_seq_length``/``get_query_offset`` answer a 0-dim device
-tensor inside a model step (:attr:`answer_on_device`) and while capturing.
+tensor inside a model step (while a :class:`ForwardIndices` is set) and while capturing.
 Works with transformers 4.57 and 5.x. Two kinds of layers keep per-row data
 instead of pages (:attr:`states`, :mod:`hybrid_engine.decode.linear_states`):
 state layers (5.x: linear attention, Mamba mixers), read and written through
@@ -33,6 +35,7 @@ longer than twice their window, which keep a ring of their window.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
@@ -45,7 +48,26 @@ from hybrid_engine.decode.kv_pool import DEFAULT_PAGE_SIZE, NULL_PAGE, KVPool, p
 from hybrid_engine.decode.layout import exact_length, layer_specs, linear_layers
 from hybrid_engine.decode.linear_states import Shapes, StateStore, StateView
 
-__all__ = ["PagedKVCache"]
+__all__ = ["ForwardIndices", "PagedKVCache"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardIndices:
+    """The device indices and host values one forward over a :class:`PagedKVCache` reads (module docstring).
+
+    Computed by the step functions from device state before the forward; a captured step freezes their
+    addresses and the host values (``kv_len``, ``fresh``), never their contents.
+    """
+
+    write_slots: torch.Tensor  # [rows * T]: the pool slot of every new token
+    kv_len: int  # the K/V length ``update`` returns (what the 4D mask spans)
+    read_slots: torch.Tensor | None = None  # [rows * span tokens]: what ``update`` gathers (None when fresh)
+    fresh: bool = False  # a prefill: ``update`` returns the new states themselves (a prompt attends to itself)
+    # Ring layers only: the new tokens' positions [B, T], which of them are real, and (a prefill) each row's
+    # length, so that a ring keeps the row's last tokens.
+    token_pos: torch.Tensor | None = None
+    token_keep: torch.Tensor | None = None
+    token_len: torch.Tensor | None = None
 
 
 class _HostCounters:
@@ -201,35 +223,29 @@ class PagedKVCache(Cache):
         self._owns_states = False
         #: Per layer: the tokens a windowed layer keeps per row, in a ring of the states (``None``: paged).
         self.rings = [s.ring for s in pool.layers]
-        #: Device tensors set by the step functions for ring layers: the new tokens' positions ``[B, T]``, which
-        #: of them are real, and (a prefill) each row's length, so that a ring keeps the row's last tokens.
-        self.token_pos: torch.Tensor | None = None
-        self.token_keep: torch.Tensor | None = None
-        self.token_len: torch.Tensor | None = None
         self.block_table = block_table
         self.write_pos = write_pos
         self.position = position
         self._capacity = capacity
         self._batch_size = block_table.shape[0]
         super().__init__(layers=[_PagedKVLayer(self, i) for i in range(len(pool.layers))])
-        #: Host int: how many pages of each row attention reads (``None``: all ``max_pages``). Frozen in a
-        #: capture, so the runner keys decode graphs by it (span buckets).
-        self.span_pages: int | None = None
-        #: Host int set by the step functions: the K/V length the current forward returns.
-        self.kv_len: int | None = None
-        #: Host flag set by prefill: ``update`` returns the new states themselves (a prompt attends to itself).
-        self.fresh = False
-        #: Device indices of the current forward (see the module docstring).
-        self.write_slots: torch.Tensor | None = None
-        self.read_slots: torch.Tensor | None = None
+        #: The current forward's indices (``None``: no forward runs; see :meth:`set_forward`).
+        self.forward_indices: ForwardIndices | None = None
         #: Read write positions on the host to bounds-check each write (outside capture only).
         #: Owners that validate lengths up front (the engines) turn it off: it costs a sync per step.
         self.bounds_checks = True
-        #: Set around a model forward by :mod:`hybrid_engine.decode.step`: sequence-length queries get a device
-        #: tensor, as while capturing, so an eager step reads nothing on the host either.
-        self.answer_on_device = False
         self._host = host if host is not None else _HostCounters()
         self._owns_pool = False
+
+    def set_forward(self, indices: ForwardIndices | None) -> None:
+        """Set the indices of the forward about to run (``None``: it ran). While they are set, sequence-length
+        queries answer a device tensor, as while capturing, so an eager step reads nothing on the host either."""
+        self.forward_indices = indices
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the current forward is a prefill (attends over its own new states)."""
+        return self.forward_indices is not None and self.forward_indices.fresh
 
     @property
     def num_updates(self) -> int:
@@ -313,9 +329,9 @@ class PagedKVCache(Cache):
     def is_croppable(self) -> bool:
         return False
 
-    def span_tokens(self) -> int:
-        """Tokens of each row that a decode step reads: ``span_pages`` pages (all pages when unset)."""
-        return (self.max_pages if self.span_pages is None else self.span_pages) * self.page_size
+    def span_tokens(self, span: int | None = None) -> int:
+        """Tokens of each row that a step over ``span`` pages reads (``None``: all pages)."""
+        return (self.max_pages if span is None else span) * self.page_size
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return self._capacity
@@ -324,17 +340,18 @@ class PagedKVCache(Cache):
         return self._capacity
 
     def get_mask_sizes(self, query_length_or_cache_position: Any = None, layer_idx: int = 0) -> tuple[int, int]:
-        """``(kv_length, kv_offset)``: the K/V length the current forward returns, offset 0.
+        """``(kv_length, kv_offset)``: the K/V length the current forward returns (outside one: the whole table),
+        offset 0.
 
         Accepts both the 4.57 form ``(cache_position, layer_idx)`` and the 5.x form ``(query_length, layer_idx)``.
         """
-        return (self.kv_len if self.kv_len is not None else self.span_tokens()), 0
+        return (self.forward_indices.kv_len if self.forward_indices is not None else self.span_tokens()), 0
 
     def get_seq_length(self, layer_idx: int | None = 0) -> Any:
-        """``max(write_pos)``: a 0-dim device tensor inside a model step (:attr:`answer_on_device`, set by
+        """``max(write_pos)``: a 0-dim device tensor inside a model step (:attr:`forward` set, by
         :mod:`hybrid_engine.decode.step`) and while capturing; a host int otherwise."""
         longest = self.write_pos.max()
-        if self.answer_on_device or is_capturing():
+        if self.forward_indices is not None or is_capturing():
             return longest
         return int(longest)
 
@@ -362,9 +379,10 @@ class PagedKVCache(Cache):
         slots = self.block_table.gather(1, page_index) * self.page_size + logical.remainder(self.page_size)
         return slots if keep is None else torch.where(keep, slots, NULL_PAGE * self.page_size)
 
-    def span_slots(self) -> torch.Tensor:
-        """The pool slots of every row's first ``span_pages`` pages, ``[rows * span_tokens]`` (capture-safe)."""
-        span = self.max_pages if self.span_pages is None else self.span_pages
+    def span_slots(self, span: int | None = None) -> torch.Tensor:
+        """The pool slots of every row's first ``span`` pages (``None``: all), ``[rows * span_tokens]``
+        (capture-safe)."""
+        span = self.max_pages if span is None else span
         return self.pool.page_slots(self.block_table[:, :span]).flatten()
 
     # ----------------------------------------------------------------- update
@@ -376,8 +394,8 @@ class PagedKVCache(Cache):
         cache_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``[B, H, q_len, D]`` states at ``write_slots``; return them (``fresh``), else the rows' spans
-        gathered from the pool as ``[B, H, span_tokens, D]``."""
+        """Write ``[B, H, q_len, D]`` states at the forward's ``write_slots``; return them (``fresh``), else the
+        rows' spans gathered from the pool (its ``read_slots``) as ``[B, H, span_tokens, D]``."""
         if torch.is_autocast_enabled(key_states.device.type):
             # Autocast mixes dtypes (bf16 projections, fp32 RoPE): store each in the cache's dtype, as exactly as
             # transformers' DynamicCache keeps them, since attention under autocast casts its inputs down anyway.
@@ -388,12 +406,13 @@ class PagedKVCache(Cache):
             return self._update_ring(key_states, value_states, layer_idx, self.rings[layer_idx])
         b, h, t = key_states.shape[:3]
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        keys.index_copy_(0, self.write_slots, key_states.transpose(1, 2).reshape(b * t, h, keys.shape[2]))
-        values.index_copy_(0, self.write_slots, value_states.transpose(1, 2).reshape(b * t, h, values.shape[2]))
+        forward = self.forward_indices
+        keys.index_copy_(0, forward.write_slots, key_states.transpose(1, 2).reshape(b * t, h, keys.shape[2]))
+        values.index_copy_(0, forward.write_slots, value_states.transpose(1, 2).reshape(b * t, h, values.shape[2]))
         self.num_updates += 1
-        if self.fresh:
+        if forward.fresh:
             return key_states, value_states
-        read = self.read_slots
+        read = forward.read_slots
         span = read.numel() // b
         return (keys.index_select(0, read).view(b, span, h, keys.shape[2]).transpose(1, 2),
                 values.index_select(0, read).view(b, span, h, values.shape[2]).transpose(1, 2))
@@ -403,14 +422,15 @@ class PagedKVCache(Cache):
         """A windowed layer: position ``p`` of a row goes to slot ``p % ring`` of its ring (a prefill writes only
         each row's last ``ring`` tokens); a step reads the whole ring, which :func:`~hybrid_engine.decode.step.
         build_ring_mask` masks by the position each slot holds."""
-        pos, keep = self.token_pos, self.token_keep
-        if self.token_len is not None:
-            keep = keep & (pos >= self.token_len[:, None] - ring)
+        forward = self.forward_indices
+        pos, keep = forward.token_pos, forward.token_keep
+        if forward.token_len is not None:
+            keep = keep & (pos >= forward.token_len[:, None] - ring)
         slot = pos.remainder(ring)
         self.states.write_ring(("ring", layer_idx, 0), slot, keep, key_states.transpose(1, 2))
         self.states.write_ring(("ring", layer_idx, 1), slot, keep, value_states.transpose(1, 2))
         self.num_updates += 1
-        if self.fresh:
+        if forward.fresh:
             return key_states, value_states
         return (self.states.read(("ring", layer_idx, 0)).transpose(1, 2),
                 self.states.read(("ring", layer_idx, 1)).transpose(1, 2))
@@ -430,19 +450,20 @@ class PagedKVCache(Cache):
                 f"PagedKVCache.update: key/value states have dtypes {key_states.dtype}/{value_states.dtype}, the "
                 f"cache holds {self.dtype}; build the cache with dtype=model.dtype"
             )
-        if self.write_slots is None or self.write_slots.numel() != self._batch_size * q_len:
+        forward = self.forward_indices
+        if forward is None or forward.write_slots.numel() != self._batch_size * q_len:
             raise ValueError("PagedKVCache.update: no write slots for this forward; run the model through "
                              "hybrid_engine.decode.step.prefill or decode_one_token")
-        if not self.fresh and (self.read_slots is None or self.read_slots.numel() % self._batch_size):
+        if not forward.fresh and (forward.read_slots is None or forward.read_slots.numel() % self._batch_size):
             raise ValueError("PagedKVCache.update: no read slots for this forward")
 
-    def check_room(self, q_len: int) -> None:
+    def check_room(self, q_len: int, span: int | None = None) -> None:
         """Outside capture, with ``bounds_checks``: refuse ``q_len`` more tokens in a row past the capacity or
-        the span (one host read)."""
+        ``span`` pages (``None``: all; one host read)."""
         if is_capturing() or not self.bounds_checks:
             return
         end = int(self.write_pos.max()) + q_len
-        limit = min(self._capacity, self.span_tokens())
+        limit = min(self._capacity, self.span_tokens(span))
         if end > limit:
             what = "capacity" if limit == self._capacity else "span"
             raise ValueError(
@@ -466,6 +487,16 @@ class PagedKVCache(Cache):
                         slice(start, stop)), linear=self._linear)
         view.bounds_checks = self.bounds_checks
         view._owns_pool = self._owns_pool
+        return view
+
+    def forward_view(self, block_table: torch.Tensor, write_pos: torch.Tensor, position: torch.Tensor,
+                     states: StateView | None = None) -> "PagedKVCache":
+        """A cache over some rows, given by their block table rows, write positions and position ids (tensors the
+        caller made), sharing this cache's pool and host counters: what a prefill or an extend runs its forward
+        on, so that the forward's writes land in those rows' pages."""
+        view = PagedKVCache.__new__(PagedKVCache)
+        view._setup(self.pool, block_table, write_pos, position, self._capacity, self._host, states=states,
+                    linear=self._linear)
         return view
 
     def _rows(self, rows: torch.Tensor | Any, name: str, checked: bool = False) -> torch.Tensor:

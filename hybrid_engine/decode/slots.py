@@ -246,10 +246,11 @@ class DecodeSlots:
         return (hit.all(dim=-1) & ~wild.all(dim=-1)).any(dim=-1)
 
     # ------------------------------------------------------------------ step
-    def step(self, model: PreTrainedModel, sampling_key: tuple[float, float, int]) -> None:
-        """One decode step for every slot, entirely in device tensors (this is what gets captured)."""
+    def step(self, model: PreTrainedModel, sampling_key: tuple[float, float, int], span: int | None = None) -> None:
+        """One decode step for every slot reading ``span`` pages a row (``None``: all), entirely in device tensors
+        (this is what gets captured)."""
         live = ~self.finished
-        logits = decode_one_token(model, self.cache, self.tokens, live)
+        logits = decode_one_token(model, self.cache, self.tokens, live, span)
         new_tokens, logprobs, top_ids, top_lp = choose_tokens(
             logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
             seed=self.seed, stream=self.stream, token_index=self.token_index,

@@ -9,7 +9,7 @@ its samples are admitted in, and :func:`admission_round` admits a round of
 requests whose prompts are staged, sharing their full pages.
 
 What a capture freezes: the number of prompt rows (exact up to
-:data:`~hybrid_engine.graphs.runner.EXACT_PROMPT_ROWS`, then the decode
+:data:`~hybrid_engine.graphs.buffers.EXACT_PROMPT_ROWS`, then the decode
 buckets) and the staged width for a prefill; the number of request rows (decode
 buckets) and the sampling mode for a round. Everything per batch or round is
 device data in the stage: the prompts (right-aligned), their block tables, and
@@ -166,7 +166,7 @@ def prefill_staged(model: PreTrainedModel, staged: StagedPrompts) -> None:
     The batch is the distinct prompts of the next requests of the queue; the host has given each prompt its
     pages and written them into the stage's block table (:meth:`PromptStage.stage_prompts`). The logits kept are
     the last position's, in float32. Prompt rows are bounded by a token budget
-    (:data:`~hybrid_engine.graphs.runner.PREFILL_TOKEN_BUDGET`), as vLLM bounds a step's prefill tokens: a
+    (:data:`~hybrid_engine.graphs.buffers.PREFILL_TOKEN_BUDGET`), as vLLM bounds a step's prefill tokens: a
     captured prefill keeps its activations in the graph pool for good."""
     staged.logits.copy_(prefill(model, staged.cache, staged.ids, staged.mask, checked=True))
 

@@ -12,8 +12,13 @@ graph once and replayed for every later step, so it obeys the capture rules:
   here from device state and passed explicitly, so transformers' mask-building
   code returns early, and ``get_seq_length`` (OPT asks at every forward) is
   answered with a device tensor in every step, eager or captured;
-* the only host values frozen into a capture are shapes and ``cache.span_pages``
-  (how many pages of each row attention reads: one graph per span bucket).
+* the only host values frozen into a capture are shapes and the ``span`` (how
+  many pages of each row attention reads: one graph per span bucket).
+
+Each step function computes the forward's indices and hands them to the cache
+in one :class:`~hybrid_engine.decode.kv_cache.ForwardIndices`
+(:meth:`~hybrid_engine.decode.kv_cache.PagedKVCache.set_forward`); nothing
+else is set on the cache for a forward.
 
 ``prefill`` writes a left-padded (or right-aligned) prompt batch into any rows
 of the cache; the prompt attends to its own new states, so its numerics do not
@@ -33,7 +38,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hybrid_engine.accelerator import is_capturing
-from hybrid_engine.decode.kv_cache import PagedKVCache
+from hybrid_engine.decode.kv_cache import ForwardIndices, PagedKVCache
 from hybrid_engine.decode.layout import FULL, AttentionKind, attention_kinds
 from hybrid_engine.exact.mode import exact_ops, uses_exact_attention
 from hybrid_engine.exact.rows import pack_order, pack_rows
@@ -174,12 +179,8 @@ def _forward(
         kwargs["cache_position"] = cache_position
     if takes_logits_to_keep and last is None:
         kwargs["logits_to_keep"] = 1
-    cache.answer_on_device = True  # eager steps answer length queries as captured ones do: no host read
-    try:
-        with exact_ops() if uses_exact_attention(model) else contextlib.nullcontext():
-            out = model(**kwargs)
-    finally:
-        cache.answer_on_device = False
+    with exact_ops() if uses_exact_attention(model) else contextlib.nullcontext():
+        out = model(**kwargs)
     logits = out[0] if isinstance(out, tuple) else out.logits  # a tuple under config.return_dict=False
     if last is None:
         return logits[:, -1]
@@ -234,14 +235,12 @@ def prefill(
         input_ids, attention_mask = pack_rows(pack_order(attention_mask), input_ids, attention_mask)
         last = lengths - 1
     # The forward runs on a view of the target rows whose lengths read 0: the prompt is all there is.
-    target = PagedKVCache.__new__(PagedKVCache)
     states = None if cache.states is None else cache.states.sub(slice(0, n) if rows is None else rows)
-    target._setup(cache.pool, table, torch.zeros_like(lengths), torch.zeros_like(lengths), cache.capacity,
-                  cache._host, states=states, linear=cache.is_linear)
+    target = cache.forward_view(table, torch.zeros_like(lengths), torch.zeros_like(lengths), states)
     real = attention_mask.bool()
-    target.write_slots = target.token_slots(prompt_position_ids(attention_mask), keep=real).flatten()
-    target.token_pos, target.token_keep, target.token_len = prompt_position_ids(attention_mask), real, lengths
-    target.fresh, target.kv_len = True, t
+    target.set_forward(ForwardIndices(
+        write_slots=target.token_slots(prompt_position_ids(attention_mask), keep=real).flatten(), kv_len=t,
+        fresh=True, token_pos=prompt_position_ids(attention_mask), token_keep=real, token_len=lengths))
     dtype = _model_dtype(model)
     mask4d = layer_masks(model, lambda kind: build_prefill_mask(attention_mask, t, dtype, kind), attention_mask)
     logits = _forward(model, target, input_ids, mask4d, prompt_position_ids(attention_mask),
@@ -271,21 +270,19 @@ def extend(model: PreTrainedModel, cache: PagedKVCache, input_ids: torch.Tensor,
     table = cache.block_table.index_select(0, rows)
     cached = cache.write_pos.index_select(0, rows)
     start = cache.position.index_select(0, rows)
-    target = PagedKVCache.__new__(PagedKVCache)
     if cache.states is not None:
         raise ValueError("extend: rows with state layers or windowed rings cannot continue on kept pages (their "
                          "states are not kept); prefill the whole history")
-    target._setup(cache.pool, table, cached, start, cache.capacity, cache._host)
+    target = cache.forward_view(table, cached, start)
     real = attention_mask.bool()
     new = attention_mask.to(torch.int64).sum(-1)
     offset = torch.arange(t, device=device)[None, :] - (t - new)[:, None]  # 0 at each row's first new token
     logical = torch.where(real, cached[:, None] + offset, 0)
-    target.write_slots = target.token_slots(logical, keep=real).flatten()
-    target.span_pages = span
-    target.read_slots = target.span_slots()
-    target.fresh, target.kv_len = False, target.span_tokens()
+    kv_len = target.span_tokens(span)
+    target.set_forward(ForwardIndices(write_slots=target.token_slots(logical, keep=real).flatten(), kv_len=kv_len,
+                                      read_slots=target.span_slots(span)))
     dtype = _model_dtype(model)
-    mask4d = layer_masks(model, lambda kind: build_decode_mask(logical, target.kv_len, dtype, kind))
+    mask4d = layer_masks(model, lambda kind: build_decode_mask(logical, kv_len, dtype, kind))
     logits = _forward(model, target, input_ids, mask4d, torch.where(real, start[:, None] + offset, 0),
                       logical.max(0).values)
     cache.write_pos.index_copy_(0, rows, cached + new)
@@ -310,11 +307,11 @@ def _check_prompts(cache: PagedKVCache, input_ids: torch.Tensor, attention_mask:
 
 @torch.no_grad()
 def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.Tensor,
-                     live: torch.Tensor | None = None) -> torch.Tensor:
+                     live: torch.Tensor | None = None, span: int | None = None) -> torch.Tensor:
     """One decode step for every row: feed ``tokens [B]``, return ``[B, V]`` logits (model dtype).
 
     Row ``b`` writes its token at logical index ``write_pos[b]`` and attends
-    over its first ``cache.span_pages`` pages (all of them when unset), masked
+    over its first ``span`` pages (all of them when ``None``), masked
     by its length; ``write_pos`` and ``position`` then advance by one in place.
     ``live`` (bool ``[B]``): rows that are not live write the null page and do
     not advance (finished or free slots of a captured bucket). Capture-safe:
@@ -322,29 +319,31 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
     """
     if not is_capturing():
         _check_tokens(cache, tokens)
-        cache.check_room(1)
+        cache.check_room(1, span)
     write_pos = cache.write_pos
     keep = None if live is None else live[:, None]
-    cache.write_slots = cache.token_slots(write_pos[:, None], keep=keep).flatten()
-    cache.read_slots = cache.span_slots()
+    write_slots = cache.token_slots(write_pos[:, None], keep=keep).flatten()
+    read_slots = cache.span_slots(span)
     rings = any(cache.rings)  # windowed layers read their rings (all of them, or none: layer_specs)
+    token_pos = token_keep = None
     if rings:  # only ring layers read them: no extra work in other models' steps
-        cache.token_pos = write_pos[:, None]
-        cache.token_keep = torch.ones_like(cache.token_pos, dtype=torch.bool) if keep is None else keep
-    span = cache.span_tokens()
-    cache.fresh, cache.kv_len = False, span
+        token_pos = write_pos[:, None]
+        token_keep = torch.ones_like(token_pos, dtype=torch.bool) if keep is None else keep
+    kv_len = cache.span_tokens(span)
     dtype = _model_dtype(model)
 
     def build(kind: AttentionKind) -> torch.Tensor:
         if rings and (kind.window or kind.chunk):
             return build_ring_mask(write_pos, kind.window or kind.chunk, dtype, kind)
-        return build_decode_mask(write_pos, span, dtype, kind)
+        return build_decode_mask(write_pos, kv_len, dtype, kind)
 
     mask4d = layer_masks(model, build)
+    cache.set_forward(ForwardIndices(write_slots=write_slots, kv_len=kv_len, read_slots=read_slots,
+                                     token_pos=token_pos, token_keep=token_keep))
     try:
         logits = _forward(model, cache, tokens[:, None], mask4d, cache.position[:, None], write_pos[:1])
     finally:  # the indices are this forward's temporaries: nothing outlives a captured step but its outputs
-        cache.write_slots = cache.read_slots = cache.token_pos = cache.token_keep = None
+        cache.set_forward(None)
     step = 1 if live is None else live.to(torch.int64)
     write_pos.add_(step)
     cache.position.add_(step)

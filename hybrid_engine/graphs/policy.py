@@ -1,8 +1,9 @@
 """The one graph policy: may a model's decode steps be captured now, and if not, why.
 
 Both front ends (``engine.generate`` and ``HybridEngineRollout``) ask the
-:class:`~hybrid_engine.graphs.runner.DecodeGraphRunner`, and the runner asks
-:func:`refusal_reason` here, so a refusal reads the same on either path:
+:class:`~hybrid_engine.graphs.runner.DecodeGraphRunner`, whose
+:class:`GraphPolicy` asks :func:`refusal_reason` here, so a refusal reads the
+same on either path:
 
 * the accelerator of the model's device cannot capture (found by probing, never
   by device name);
@@ -25,14 +26,20 @@ runs the steps it warms up and captures with ``"npu_graph"``
 kernel, ``sdpa`` models are refused up front. Eager steps keep the model's own
 choice, and ``eager`` attention (matmul and softmax) captures as it is.
 
-The runner adds what it learns at run time: repeated capture failures, and a
-forward hook that cannot be captured (named in the reason). Every reason is a
-sentence for the user; it is warned once, as a :class:`GraphRefusedWarning`,
+What is learnt at run time is policy too, kept by one :class:`GraphPolicy`
+per runner: repeated capture failures (:data:`MAX_CAPTURE_FAILURES`), a graph
+attention that failed its first run, and a forward hook that cannot be captured
+(named in the reason; shared by every runner of the same model, so no other
+runner tries that hook set again). :meth:`GraphPolicy.refusal` is the whole
+answer to "may graphs run now", static and learnt. Every reason is a sentence
+for the user; it is warned once per policy, as a :class:`GraphRefusedWarning`,
 and decoding runs eagerly with identical output.
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -41,9 +48,11 @@ from hybrid_engine.config.loading import ConfigSource, load_config
 from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.decode.npu_attention import NPU_GRAPH_ATTENTION, npu_graph_available
 from hybrid_engine.exact.mode import EXACT_ATTENTION
+from hybrid_engine.graphs.hooks import hook_fingerprint, hook_registered
 from hybrid_engine.model_access import is_zero3_partitioned
+from hybrid_engine.user_warnings import user_stacklevel
 
-__all__ = ["CAPTURABLE_ATTENTION", "GraphRefusedWarning", "NPU_SWITCHED_ATTENTION", "ZERO3_REFUSAL", "graph_attention", "graph_capture_requested", "refusal_reason", "validate_graph_capture_support"]
+__all__ = ["CAPTURABLE_ATTENTION", "GraphPolicy", "GraphRefusedWarning", "MAX_CAPTURE_FAILURES", "NPU_SWITCHED_ATTENTION", "ZERO3_REFUSAL", "graph_attention", "graph_capture_requested", "refusal_reason", "validate_graph_capture_support"]
 
 #: Attention implementations whose decode kernels capture and honour the decode cache's 4D mask.
 CAPTURABLE_ATTENTION = ("eager", "sdpa", NPU_GRAPH_ATTENTION, EXACT_ATTENTION)
@@ -53,12 +62,19 @@ CAPTURABLE_ATTENTION = ("eager", "sdpa", NPU_GRAPH_ATTENTION, EXACT_ATTENTION)
 NPU_SWITCHED_ATTENTION = ("sdpa",)
 
 
+#: Capture failures after which a runner stops trying graphs.
+MAX_CAPTURE_FAILURES = 3
+
+
 class GraphRefusedWarning(UserWarning):
     """Graphs were refused or a capture failed; decoding runs eagerly (same tokens)."""
 
 
-def _capability(accelerator: Any) -> str | None:
-    if accelerator.create_graph() is not None:
+def _capability(accelerator: Any, can_capture: bool | None = None) -> str | None:
+    """Why ``accelerator`` cannot capture (``None``: it can); ``can_capture`` as it says, else probed."""
+    if can_capture is None:
+        can_capture = accelerator.create_graph() is not None
+    if can_capture:
         return None
     detail = getattr(accelerator, "graph_unavailable_reason", None)
     return f"The accelerator cannot capture graphs{f' ({detail})' if detail else ''}, so decode must run eagerly."
@@ -149,13 +165,9 @@ def validate_graph_capture_support(config: ConfigSource, accelerator: Any = None
         from hybrid_engine.accelerator import get_accelerator
 
         accelerator = get_accelerator()
-    can_capture = getattr(accelerator, "supports_graph_capture", None)
-    if can_capture is None:
-        can_capture = accelerator.create_graph() is not None
-    if not can_capture:
-        reason = getattr(accelerator, "graph_unavailable_reason", None)
-        detail = f" ({reason})" if reason else ""
-        return f"The accelerator cannot capture graphs{detail}, so decode must run eagerly."
+    reason = _capability(accelerator, getattr(accelerator, "supports_graph_capture", None))
+    if reason is not None:
+        return reason
     if cfg.zero_optimization.stage == 3 and not cfg.hybrid_engine.zero3_gathered_inference_copy:
         return ZERO3_REFUSAL
     if cfg.hybrid_engine.release_inference_cache:
@@ -169,3 +181,89 @@ def validate_graph_capture_support(config: ConfigSource, accelerator: Any = None
             "is not graph-captured; set hybrid_engine.inference_tp_size to 1 to use graph capture."
         )
     return None
+
+
+#: A hook set a capture refused: (hook fingerprint, handle id of the hook that could not be captured, reason).
+HookRefusal = tuple[tuple, int | None, str]
+
+
+#: Per model, the hook set a capture refused, shared by every runner of that model (an engine's and a
+#: rollout's): a refusal known in advance never goes through a capture again, each of which on CUDA invalidates
+#: a stream capture.
+_REFUSED_HOOK_SETS: weakref.WeakKeyDictionary[torch.nn.Module, HookRefusal] = weakref.WeakKeyDictionary()
+
+
+def _still_registered(model: torch.nn.Module, refusal: HookRefusal | None) -> bool:
+    """Whether the refused hook set is still what ``model`` has registered (the hook may be one the
+    fingerprint leaves out, so its handle is checked too)."""
+    return (refusal is not None and refusal[0] == hook_fingerprint(model)
+            and hook_registered(model, refusal[1]))
+
+
+class GraphPolicy:
+    """May ``model``'s decode steps run as graphs now: the static reasons (:func:`refusal_reason`) and what
+    this policy learnt at run time, in one :meth:`refusal`.
+
+    ``accelerator`` and ``config`` may be re-assigned (the runner follows the model's device). Learnt refusals
+    last for the policy's life (capture failures, a failed graph attention) or while a refused hook set stays
+    registered.
+    """
+
+    def __init__(self, model: torch.nn.Module, accelerator: Any, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.accelerator = accelerator
+        self.config = config
+        self._failures = 0
+        self._disabled: str | None = None
+        self._bad_hooks: HookRefusal | None = None
+        self._warned: set[str] = set()
+
+    def refusal(self) -> str | None:
+        """Why graphs may not run now (``None``: they may). The whole policy, static and learnt."""
+        reason = refusal_reason(self.model, self.accelerator, self.config)
+        if reason is not None:
+            return reason
+        if self._disabled is not None:
+            return self._disabled
+        if _still_registered(self.model, self._bad_hooks):
+            return self._bad_hooks[2]
+        return None
+
+    def graph_attention(self) -> str | None:
+        """The attention implementation graphed steps run with (:func:`graph_attention`; ``None``: the model's)."""
+        return graph_attention(self.model, self.accelerator)
+
+    def disable(self, reason: str) -> None:
+        """Graphs are off for good (for this policy), for ``reason``."""
+        self._disabled = reason
+
+    def capture_failed(self) -> str | None:
+        """Count a capture failure; after :data:`MAX_CAPTURE_FAILURES` graphs are disabled, and the reason is
+        returned (else ``None``)."""
+        self._failures += 1
+        if self._failures < MAX_CAPTURE_FAILURES:
+            return None
+        self._disabled = (f"Graphs were disabled for this engine after {self._failures} capture "
+                          "failures; decode runs eagerly.")
+        return self._disabled
+
+    def refuse_hooks(self, handle_id: int | None, reason: str) -> None:
+        """The hook registered under ``handle_id`` could not be captured: refuse graphs while this hook set is
+        registered, for every runner of the model."""
+        self._bad_hooks = (hook_fingerprint(self.model), handle_id, reason)
+        _REFUSED_HOOK_SETS[self.model] = self._bad_hooks
+
+    def known_hook_refusal(self) -> str | None:
+        """The reason another runner of this model could not capture the hook set registered now (adopted by
+        this policy), else ``None``."""
+        known = _REFUSED_HOOK_SETS.get(self.model)
+        if not _still_registered(self.model, known):
+            return None
+        self._bad_hooks = known
+        return known[2]
+
+    def warn(self, reason: str) -> None:
+        """Warn ``reason`` as a :class:`GraphRefusedWarning`, once per policy."""
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(reason, GraphRefusedWarning, stacklevel=user_stacklevel())

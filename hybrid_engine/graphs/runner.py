@@ -2,21 +2,26 @@
 
 Both generation paths run on this runner: ``engine.generate``
 (:mod:`hybrid_engine.generation.generate`) and each ``HybridEngineRollout``
-(:mod:`hybrid_engine.rollout.rollout`) build an instance of their own, with
-its own buffers, pool and graphs, and drive it through the slot scheduler
-(:mod:`hybrid_engine.generation.scheduler`). It owns the device state the
-graphs read and write (the decode slots, the admission stage, the K/V page
-pool), the graphs, the policy (:meth:`DecodeGraphRunner.refusal` is the whole
-answer to "may graphs run now") and one :class:`GraphStats`.
+(:mod:`hybrid_engine.rollout.rollout`) build an instance of their own and drive
+it through the slot scheduler (:mod:`hybrid_engine.generation.scheduler`). The
+runner only captures and replays; it holds three parts:
+
+* :class:`~hybrid_engine.graphs.buffers.DecodeBuffers`: the device storage the
+  graphs read and write (page pool and ledger, decode slots, prompt stage), its
+  sizing and growth, and the bucket and span ladders;
+* :class:`~hybrid_engine.graphs.policy.GraphPolicy`: may graphs run now (static
+  reasons and what was learnt: capture failures, uncapturable hooks);
+* the graphs, their one memory pool and one :class:`GraphStats`.
 
 Graph-safety invariants kept here:
 
 * What a capture froze is checked before a call replays anything: the
-  weights' addresses, the registered hooks and the attention implementation
+  buffers' epoch (any storage moved), the accelerator, the weights'
+  addresses, the registered hooks and the attention implementation
   (:func:`~hybrid_engine.graphs.fingerprint.graph_fingerprint`). A change drops
   every graph, and the call recaptures.
 * One capture at a time per process, on a stream of the runner's own, into a
-  pool handle the runner holds (:meth:`DecodeGraphRunner._capture`).
+  graph memory pool the runner holds (:meth:`DecodeGraphRunner._capture`).
 * Capture applies none of its work (CUDA semantics), so a capture that fails
   leaves the device state as it was, and the runner puts back the host state
   the captured Python advanced before it failed
@@ -42,7 +47,6 @@ import os
 import sysconfig
 import time
 import traceback
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -54,27 +58,18 @@ from hybrid_engine.accelerator import accelerator_for
 from hybrid_engine.accelerator.base import graph_capture_lock
 from hybrid_engine.accelerator.host_copy import CountsHostSyncs
 from hybrid_engine.config.schema import EngineConfig
-from hybrid_engine.decode.kv_pool import (
-    DEFAULT_PAGE_SIZE,
-    KVBudget,
-    KVPool,
-    LayerSpec,
-    PageLedger,
-    pages_for,
-    pool_pages,
-)
-from hybrid_engine.decode.layout import attention_layers, exact_length, layer_specs
+from hybrid_engine.decode.kv_pool import KVBudget, KVPool, PageLedger
+from hybrid_engine.decode.layout import attention_layers
 from hybrid_engine.decode.sampling import sampling_mode
-from hybrid_engine.decode.slots import DecodeSlots, vocab_sizes
+from hybrid_engine.decode.slots import DecodeSlots
 from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_staged
-from hybrid_engine.exact.mode import uses_exact_attention
+from hybrid_engine.graphs.buffers import EXACT_PROMPT_ROWS, PREFILL_TOKEN_BUDGET, DecodeBuffers
 from hybrid_engine.graphs.fingerprint import graph_fingerprint
-from hybrid_engine.graphs.hooks import HookCaptureError, attributed_hooks, hook_fingerprint, hook_registered
-from hybrid_engine.graphs.keys import AdmissionKey, GraphKey, PrefillKey, RunKey, default_graph_buckets
-from hybrid_engine.graphs.policy import GraphRefusedWarning, graph_attention, refusal_reason
+from hybrid_engine.graphs.hooks import HookCaptureError, attributed_hooks
+from hybrid_engine.graphs.keys import AdmissionKey, GraphKey, PrefillKey, RunKey
+from hybrid_engine.graphs.policy import MAX_CAPTURE_FAILURES, GraphPolicy
 from hybrid_engine.graphs.stats import GraphStats
 from hybrid_engine.model_access import attention_implementation, model_device
-from hybrid_engine.user_warnings import user_stacklevel
 
 __all__ = ["DecodeGraphRunner", "EXACT_PROMPT_ROWS", "MAX_CAPTURE_FAILURES", "PREFILL_TOKEN_BUDGET"]
 
@@ -104,25 +99,6 @@ def failing_line(exc: BaseException) -> str:
     return f" at {path}:{f.lineno} in {f.name}:{code}"
 
 
-#: Capture failures after which a runner stops trying graphs.
-MAX_CAPTURE_FAILURES = 3
-
-
-#: Prefill batches of up to this many prompts run at their exact count (above it, in the decode buckets):
-#: a padding row costs a whole prefill of the staged width, where a decode step's padding row costs one token.
-EXACT_PROMPT_ROWS = 8
-
-
-#: Prompt tokens (rows x staged width) one staged prefill batch holds at most, as vLLM's
-#: ``max_num_batched_tokens`` bounds a step's prefill: the admission stage has
-#: ``min(slots, max(EXACT_PROMPT_ROWS, PREFILL_TOKEN_BUDGET // staged width))`` prompt rows (rounded down to a
-#: prompt-row bucket). A captured prefill keeps its activations in the graph pool for good, so with one prompt row
-#: per slot the pool would grow with slots x width (3x the slots' own K/V at 256 slots of 256-token prompts on a
-#: tiny model); bounded, more prompts than fit are prefilled in more batches, each prompt still once per call.
-#: At least :data:`EXACT_PROMPT_ROWS` prompts a batch, however wide they are.
-PREFILL_TOKEN_BUDGET = 8192
-
-
 logger = logging.getLogger(__name__)
 
 
@@ -130,222 +106,170 @@ class DecodeGraphRunner:
     """Runs decode steps for one model: eagerly, or by replaying the step captured for the bucket.
 
     ``config`` (an engine's) adds its gates to the policy. ``buckets`` fixes the
-    batch buckets (``None``: :func:`default_graph_buckets`, unbounded).
+    batch buckets (``None``: :func:`~hybrid_engine.graphs.keys.default_graph_buckets`, unbounded).
 
-    * The buffers: one :class:`~hybrid_engine.decode.slots.DecodeSlots`
-      allocated at the largest bucket a call needs (it only grows, as
-      gpt-fast's caches do); bucket ``n`` runs on its ``[:n]`` head, at the
-      same addresses.
+    * The buffers (:attr:`buffers`, a :class:`~hybrid_engine.graphs.buffers.DecodeBuffers`);
+      ``slots``, ``stage``, ``kv_pool`` and ``ledger`` read through to them.
+    * The policy (:attr:`policy`, a :class:`~hybrid_engine.graphs.policy.GraphPolicy`).
     * The graphs, keyed by :class:`GraphKey` for decode steps,
       :class:`PrefillKey` for prompts prefilled ahead into the admission stage
       and :class:`AdmissionKey` for admission rounds from it
       (:mod:`hybrid_engine.decode.staging`: continuous batching admits often,
       and an eager forward costs several replayed steps), all captured into
-      one shared memory pool on the runner's graph stream.
+      one shared graph memory pool on the runner's graph stream
+      (:attr:`graph_keys`, :meth:`graph`).
     * One warm-up per key (its first run is eager, on the graph stream; the
-      next one captures), one capture-failure policy.
+      next one captures).
     """
 
     def __init__(self, model: PreTrainedModel, *, config: EngineConfig | None = None,
                  buckets: tuple[int, ...] | None = None) -> None:
         self.model = model
-        self.config = config
-        self.buckets = tuple(sorted(set(buckets))) if buckets else None
-        self.accelerator = accelerator_for(model_device(model))
-        self.slots: DecodeSlots | None = None
-        self.stage: PromptStage | None = None
+        #: The device storage the graphs read and write; a reallocation drops the graphs first (memory) and
+        #: changes its epoch (what :meth:`prepare` checks).
+        self.buffers = DecodeBuffers(model, buckets, on_move=_weak_call(self.invalidate))
+        #: May graphs run now (static reasons and learnt ones).
+        self.policy = GraphPolicy(model, accelerator_for(model_device(model)), config)
         #: Whether the current call may use graphs (set by :meth:`prepare`).
         self.use_graphs = False
         self._graphs: dict[RunKey, Any] = {}
         self._warm: set[RunKey] = set()
-        self._prompt_width = 0
-        #: The K/V page pool the slots and the stage point into, and its host ledger (built by :meth:`prepare`).
-        self.kv_pool: KVPool | None = None
-        self.ledger: PageLedger | None = None
-        self._spans_used: set[int] = set()
-        self._pool: Any = None
+        self._graph_memory: Any = None  # the accelerator's handle on the graphs' shared memory pool
         self._fingerprint: tuple | None = None
-        self._failures = 0
-        self._disabled: str | None = None
-        # (hook fingerprint, handle id of the hook that could not be captured, reason): graphs stay refused
-        # while both hold (the hook may be one the fingerprint leaves out, so its handle is checked too).
-        self._bad_hooks: tuple[tuple, int | None, str] | None = None
         self._call_eager = False
-        self._warned: set[str] = set()
         self._stats = GraphStats()
         self._graph_streams: dict[tuple[Any, torch.device], Any] = {}  # (accelerator, device) -> its stream
         #: Attention implementation the graphed steps of this call run with (``None``: the model's own).
         self._graph_attn: str | None = None
         self._switch_logged = False
 
+    # ------------------------------------------------ the buffers, read through
+    @property
+    def slots(self) -> DecodeSlots | None:
+        return self.buffers.slots
+
+    @property
+    def stage(self) -> PromptStage | None:
+        return self.buffers.stage
+
+    @property
+    def kv_pool(self) -> KVPool | None:
+        return self.buffers.kv_pool
+
+    @property
+    def ledger(self) -> PageLedger | None:
+        return self.buffers.ledger
+
+    @property
+    def buckets(self) -> tuple[int, ...] | None:
+        return self.buffers.buckets
+
+    @property
+    def prompt_width(self) -> int:
+        """The width this call's prompts are staged at (0 before any staged call)."""
+        return self.buffers.prompt_width
+
+    def bucket_for(self, n: int) -> int:
+        """The smallest bucket holding ``n`` rows."""
+        return self.buffers.bucket_for(n)
+
+    def prompt_rows_for(self, n: int) -> int:
+        """The prompt rows a prefill batch of ``n`` prompts runs (:meth:`DecodeBuffers.prompt_rows_for`)."""
+        return self.buffers.prompt_rows_for(n)
+
+    def span_for(self, tokens: int) -> int:
+        """The span bucket for rows of up to ``tokens`` tokens (:meth:`DecodeBuffers.span_for`)."""
+        return self.buffers.span_for(tokens)
+
+    def spans_between(self, shortest: int, longest: int) -> list[int]:
+        """The span buckets rows of ``shortest`` to ``longest`` tokens read."""
+        return self.buffers.spans_between(shortest, longest)
+
     # ---------------------------------------------------------------- policy
+    @property
+    def accelerator(self) -> Any:
+        """The accelerator of the model's device (followed by :meth:`prepare`)."""
+        return self.policy.accelerator
+
+    @property
+    def config(self) -> EngineConfig | None:
+        """The engine config whose gates the policy applies (``None``: none)."""
+        return self.policy.config
+
+    @config.setter
+    def config(self, config: EngineConfig | None) -> None:
+        self.policy.config = config
+
     def refusal(self) -> str | None:
-        """Why graphs may not run now (``None``: they may). The whole policy, static and learnt."""
-        reason = refusal_reason(self.model, self.accelerator, self.config)
-        if reason is not None:
-            return reason
-        if self._disabled is not None:
-            return self._disabled
-        if self._bad_hooks is not None:
-            hooks, handle_id, reason = self._bad_hooks
-            if hooks == hook_fingerprint(self.model) and hook_registered(self.model, handle_id):
-                return reason
-        return None
+        """Why graphs may not run now (``None``: they may): :meth:`GraphPolicy.refusal`."""
+        return self.policy.refusal()
 
     def note_refusal(self, reason: str | None, *, warn: bool = True) -> None:
         """Record why this call runs without graphs (``None``: it does not); warn once per reason."""
         self._stats.last_refusal_reason = reason
-        if reason is not None and warn and reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(reason, GraphRefusedWarning, stacklevel=user_stacklevel())
+        if reason is not None and warn:
+            self.policy.warn(reason)
 
-    def bucket_for(self, n: int) -> int:
-        """The smallest bucket holding ``n`` rows."""
-        sizes = self.buckets or default_graph_buckets(n)
-        return next((s for s in sizes if s >= n), n)
+    # ---------------------------------------------------------------- graphs
+    @property
+    def graph_keys(self) -> tuple[RunKey, ...]:
+        """The keys of the graphs held now, in capture order (decode, prefill and admission keys)."""
+        return tuple(self._graphs)
 
-    def prompt_rows_for(self, n: int) -> int:
-        """The prompt rows a prefill batch of ``n`` prompts runs: ``n`` up to :data:`EXACT_PROMPT_ROWS`,
-        else the smallest decode bucket holding them."""
-        return n if n <= EXACT_PROMPT_ROWS else self.bucket_for(n)
+    def graph(self, key: RunKey) -> Any | None:
+        """The graph captured for ``key`` (``None``: none held)."""
+        return self._graphs.get(key)
 
-    def _stage_rows(self, slots: int, width: int) -> int:
-        """The admission stage's prompt rows for ``slots`` slots at staged ``width``: as many as the slots, at most
-        :data:`PREFILL_TOKEN_BUDGET` tokens (at least :data:`EXACT_PROMPT_ROWS` rows), and a count that
-        :meth:`prompt_rows_for` keeps (rounded down to a bucket), so any batch of up to that many prompts fits."""
-        limit = min(slots, max(EXACT_PROMPT_ROWS, PREFILL_TOKEN_BUDGET // width))
-        if self.prompt_rows_for(limit) > limit:  # between two buckets: the largest bucket below it
-            sizes = self.buckets or default_graph_buckets(limit)
-            limit = max([EXACT_PROMPT_ROWS] + [b for b in sizes if b <= limit])
-        return limit
+    @property
+    def graph_memory(self) -> Any:
+        """The accelerator's handle on the graphs' shared memory pool (``None``: none yet)."""
+        return self._graph_memory
 
     # ------------------------------------------------------------- lifecycle
     def prepare(self, *, rows: int, capacity: int, num_eos: int, graphs: bool, budget: KVBudget | None = None,
                 prompt_width: int | None = None, top_logprobs: int = 0) -> DecodeSlots:
-        """Start a call: a page pool, slots for ``rows`` concurrent rows, graphs checked against what they froze.
+        """Start a call: buffers for it (:meth:`DecodeBuffers.allocate`), graphs checked against what they froze.
 
-        The pool holds what ``budget`` says (:func:`~hybrid_engine.decode.kv_pool.pool_pages`;
-        the null page comes on top; ``None``: unconfigured, pages of
-        :data:`~hybrid_engine.decode.kv_pool.DEFAULT_PAGE_SIZE`). Unconfigured, it only grows, by half at
-        least, so calls a little larger each time rebuild it (and recapture)
-        rarely; a configured budget makes it exactly that size. The
-        slots' rows reach ``capacity`` tokens, and their output rows span it too:
-        a call with a few more new tokens than any before it keeps the buffers
-        and the graphs whenever it fits. ``graphs`` says whether the caller wants
-        graphs; the policy may still refuse (warned once, recorded in
-        ``last_refusal_reason``). ``prompt_width`` (the width prompts are staged
-        at) sets up :meth:`prefill_prompts` and :meth:`admission_round`: request
-        rows for a round on every slot, prompt rows within
-        :data:`PREFILL_TOKEN_BUDGET` (:meth:`_stage_rows`).
+        Buffers that fit are kept with their graphs; a call with a few more new
+        tokens than any before it keeps them whenever it fits. ``graphs`` says
+        whether the caller wants graphs; the policy may still refuse (warned
+        once, recorded in ``last_refusal_reason``). ``prompt_width`` (the width
+        prompts are staged at) sets up :meth:`prefill_prompts` and
+        :meth:`admission_round`.
         """
-        device = model_device(self.model)
-        acc = accelerator_for(device)
-        if acc is not self.accelerator:
-            self.invalidate()
-            self.accelerator = acc
-        model = self.model
-        dtype = next(model.parameters()).dtype
-        if budget is None:
-            budget = KVBudget(DEFAULT_PAGE_SIZE, None, None, "kv_cache", 1, 1)
-        need = self.bucket_for(rows)
-        slots = self.slots
-        vocab = vocab_sizes(model)
-        limit = exact_length(model.config)
-        window = None if limit is None else limit.tokens
-        same_kind = slots is not None and slots.device == device and slots.dtype == dtype
-        if same_kind and capacity > slots.capacity:  # grow by half at least: calls a little longer each time (a
-            # response-length schedule) then rebuild the buffers and recapture a few times, not every call
-            grown = max(capacity, slots.capacity + slots.capacity // 2)
-            # never past a sliding window the call itself fits in
-            capacity = grown if window is None else max(capacity, min(grown, window))
-        if same_kind:
-            need, capacity = max(need, slots.rows), max(capacity, slots.capacity)
-            num_eos = max(num_eos, slots.num_eos_slots)
-            top_logprobs = max(top_logprobs, slots.top_logprobs)
-        stage_width = max(prompt_width or 0, self.stage.width if self.stage is not None else 0)
-        # Windowed layers keep rings of their window per row where the rows reach past twice it (not in the exact
-        # mode, whose attention sums key blocks in position order).
-        specs = layer_specs(model.config, capacity=None if uses_exact_attention(model) else capacity)
-        page_bytes = sum(s.paged_elements for s in specs) * dtype.itemsize * budget.page_size
-        pages, fixed = pool_pages(budget, page_bytes=page_bytes, slots=need, capacity=capacity,
-                                  stage_rows=self._stage_rows(need, stage_width) if prompt_width else 0,
-                                  stage_width=stage_width)
-        if not fixed and self.ledger is not None:  # rows kept for later calls hold pages on top of this call's
-            pages += self.ledger.held_pages
-        self._prepare_pool(specs, pages + 1, budget.page_size, fixed, device, dtype)
-        pool = self.kv_pool
-        slots = self.slots
-        if slots is None or not slots.fits(need, capacity, capacity, num_eos, pool, vocab, top_logprobs):
-            self.invalidate()
-            self.slots = slots = None  # free the old buffers before allocating the new ones
-            self.slots = slots = DecodeSlots(model, need, capacity, capacity, num_eos=num_eos, pool=pool,
-                                             top_logprobs=top_logprobs)
-        # Checked on allocation too: the config may have changed since.
-        if limit is not None and limit.tokens < slots.capacity:
-            raise ValueError(
-                f"the model's config now has {limit.why}, which makes the paged cache exact only up to "
-                f"{limit.tokens} tokens, less than the decode cache's capacity {slots.capacity}; use a capacity of at most "
-                f"{limit.tokens}"
-            )
-        if prompt_width is not None:
-            self._prompt_width = prompt_width
-            stage = self.stage
-            # Prompt rows within the token budget at the stage's width (it only grows), request rows for a
-            # round as many as the slots: a batch of this call's narrower prompts stays within the budget too.
-            reusable = stage is not None and stage.pool is pool
-            stage_width = max(prompt_width, stage.width) if reusable else prompt_width
-            max_pages = slots.cache.max_pages
-            if stage is None or not stage.fits(self._stage_rows(need, stage_width), prompt_width, pool, vocab[0],
-                                               need, max_pages):
-                requests = max(need, slots.rows)
+        self.policy.accelerator = acc = accelerator_for(model_device(self.model))
+        slots = self.buffers.allocate(rows=rows, capacity=capacity, num_eos=num_eos, budget=budget,
+                                      prompt_width=prompt_width, top_logprobs=top_logprobs)
+        if graphs:
+            # What the graphs froze: the storage they read (its epoch), the accelerator, the model. Checked by
+            # the calls that may replay them only (an eager call replays nothing: the next graph call checks).
+            fingerprint = (self.buffers.epoch, acc, graph_fingerprint(self.model))
+            if fingerprint != self._fingerprint:
                 self.invalidate()
-                self.stage = None
-                self.stage = PromptStage(model, self._stage_rows(requests, stage_width), stage_width, pool=pool,
-                                         requests=requests, max_pages=max_pages)
-        fingerprint = graph_fingerprint(model)
-        if fingerprint != self._fingerprint:
-            self.invalidate()
-            self._fingerprint = fingerprint
+                self._fingerprint = fingerprint
+        self._start_call(graphs)
+        return slots
+
+    def _start_call(self, graphs: bool) -> None:
+        """Whether this call replays graphs (the caller asks, the policy answers), and with which attention."""
         self._call_eager = False
         self.use_graphs = False
         self._graph_attn = None
-        if graphs:
-            reason = self.refusal()
-            self.note_refusal(reason)
-            self.use_graphs = reason is None
-            if reason is not None:
-                self._stats.fallbacks += 1  # the whole call runs eagerly
-            else:
-                self._graph_attn = graph_attention(model, self.accelerator)
-                if self._graph_attn is not None and not self._switch_logged:
-                    self._switch_logged = True
-                    logger.info(
-                        "Graphed decode steps on %s run attention with %r instead of the model's %r (its kernels "
-                        "cannot be captured there); eager steps keep %r.", self.accelerator.device_name(),
-                        self._graph_attn, model.config._attn_implementation, model.config._attn_implementation)
-        return slots
-
-    def _prepare_pool(self, specs: list[LayerSpec], num_pages: int, page_size: int, fixed: bool,
-                      device: torch.device, dtype: torch.dtype) -> None:
-        """Keep the page pool when the call fits it (exactly its size when ``fixed``), else build a new one."""
-        pool = self.kv_pool
-        same_kind = (pool is not None and pool.device == device and pool.dtype == dtype
-                     and pool.page_size == page_size and pool.layers == tuple(specs))
-        if same_kind and (pool.num_pages == num_pages if fixed else pool.num_pages >= num_pages):
+        if not graphs:
             return
-        if same_kind and not fixed:
-            num_pages = max(num_pages, pool.num_pages + pool.num_pages // 2)
-        ledger = self.ledger
-        # Rows kept for later calls (episodes between turns) move into a larger pool of the same layout.
-        carry = same_kind and ledger is not None and ledger.held_rows and num_pages >= pool.num_pages
-        self.release()  # the slots and the stage point into the old pool: free them before allocating
-        self.kv_pool = KVPool(specs, num_pages, page_size, device=device, dtype=dtype)
-        if carry:
-            self.kv_pool.copy_from(pool)
-            ledger.grow(num_pages)
-            self.ledger = ledger
-        else:
-            self.ledger = PageLedger(num_pages)
+        reason = self.refusal()
+        self.note_refusal(reason)
+        self.use_graphs = reason is None
+        if reason is not None:
+            self._stats.fallbacks += 1  # the whole call runs eagerly
+            return
+        self._graph_attn = self.policy.graph_attention()
+        if self._graph_attn is not None and not self._switch_logged:
+            self._switch_logged = True
+            impl = self.model.config._attn_implementation
+            logger.info("Graphed decode steps on %s run attention with %r instead of the model's %r (its kernels "
+                        "cannot be captured there); eager steps keep %r.", self.accelerator.device_name(),
+                        self._graph_attn, impl, impl)
 
     def invalidate(self) -> None:
         """Drop every graph and the graph memory pool (the buffers stay); the next steps warm up and capture
@@ -354,36 +278,21 @@ class DecodeGraphRunner:
             self._stats.invalidations += 1
         self._graphs.clear()
         self._warm.clear()
-        self._pool = None
+        self._graph_memory = None
         self._stats.graph_memory_bytes = 0
 
     def release(self) -> None:
         """Drop the graphs and the buffers, the page pool included (the next call allocates and captures
         again)."""
-        self.invalidate()
-        self.slots = None
-        self.stage = None
-        self.kv_pool = None
-        self.ledger = None
+        self.buffers.release()  # a new epoch; its on_move drops the graphs
 
     # ------------------------------------------------------------------ runs
-    def span_for(self, tokens: int) -> int:
-        """The span bucket (pages each row's attention reads) for rows of up to ``tokens`` tokens: the next
-        power of two pages, within the slots' pages."""
-        pages = max(1, pages_for(tokens, self.kv_pool.page_size))
-        return min(1 << (pages - 1).bit_length(), self.slots.cache.max_pages)
-
     def step(self, bucket: int, span: int, sampling_key: tuple[float, float, int]) -> None:
         """One decode step on slots ``[:bucket]`` reading ``span`` pages a row: replay its graph, or warm up /
         capture it, or run eagerly."""
         view = self.slots.head(bucket)
-        self._spans_used.add(span)
-
-        def run() -> None:
-            view.cache.span_pages = span
-            view.step(self.model, sampling_key)
-
-        self._run(GraphKey(bucket, span, sampling_mode(*sampling_key)), run)
+        self._run(GraphKey(bucket, span, sampling_mode(*sampling_key)),
+                  lambda: view.step(self.model, sampling_key, span))
 
     def prefill_prompts(self, ids: torch.Tensor, mask: torch.Tensor, tables: list[list[int]],
                         counters: CountsHostSyncs | None = None) -> None:
@@ -394,7 +303,7 @@ class DecodeGraphRunner:
         """
         # Every batch of a call is staged at the call's prompt width, so the graphs depend on the call's
         # shape only and stay few over a long run.
-        width = self._prompt_width
+        width = self.prompt_width
         ids, mask = ids[:, -width:], mask[:, -width:]  # only left padding is cut: width >= every real prompt
         prompts = self.prompt_rows_for(ids.shape[0])
         staged = self.stage.stage_prompts(ids, mask, tables, prompts, width, counters)
@@ -418,15 +327,6 @@ class DecodeGraphRunner:
         self._run(AdmissionKey(requests, sampling_mode(*sampling_key)),
                   lambda: admission_round(self.slots, staged, sampling_key))
 
-    def spans_between(self, shortest: int, longest: int) -> list[int]:
-        """The span buckets rows of ``shortest`` to ``longest`` tokens read."""
-        spans, span = [], self.span_for(shortest)
-        while True:
-            spans.append(span)
-            if span >= self.span_for(longest):
-                return spans
-            span = self.span_for(span * self.kv_pool.page_size + 1)
-
     def capture_buckets(self, top: int, spans: list[int], sampling_key: tuple[float, float, int],
                         shrink: bool) -> None:
         """Warm up and capture, up front and largest first, every decode graph a call may replay.
@@ -443,7 +343,7 @@ class DecodeGraphRunner:
         """
         if not self.use_graphs:
             return
-        sizes = self.buckets or default_graph_buckets(top)
+        sizes = self.buffers.buckets_up_to(top)
         for bucket in sorted((b for b in sizes if b == top or (shrink and b < top)), reverse=True):
             for span in sorted(spans, reverse=True):
                 key = GraphKey(bucket, span, sampling_mode(*sampling_key))
@@ -452,8 +352,7 @@ class DecodeGraphRunner:
                 view = self.slots.head(bucket)
 
                 def step(view: DecodeSlots = view, span: int = span) -> None:
-                    view.cache.span_pages = span
-                    view.step(self.model, sampling_key)
+                    view.step(self.model, sampling_key, span)
 
                 if key not in self._warm and not self._warm_up(key, step):
                     return
@@ -470,7 +369,7 @@ class DecodeGraphRunner:
         """
         if not self.use_graphs or self.stage is None:
             return
-        sizes = self.buckets or default_graph_buckets(top)
+        sizes = self.buffers.buckets_up_to(top)
         for requests in sorted((b for b in sizes if b <= top), reverse=True):
             key = AdmissionKey(requests, sampling_mode(*sampling_key))
             if key in self._graphs or self._call_eager:
@@ -488,8 +387,8 @@ class DecodeGraphRunner:
     def _warm_up(self, key: RunKey, run: Callable[[], None]) -> bool:
         """The one warm-up: a real run on the graph stream, so lazy kernels and workspaces exist before capture.
 
-        ``False`` when the attention graphed steps switch to (:func:`graph_attention`) failed here, its
-        first run: graphs are then off for this runner and nothing of the run is left to undo, so the
+        ``False`` when the attention graphed steps switch to (:meth:`GraphPolicy.graph_attention`) failed here,
+        its first run: graphs are then off for this runner and nothing of the run is left to undo, so the
         caller runs the step eagerly with the model's own attention. Any other error is the step's own.
         Holds the capture lock: another thread's capture must not see this work on the device meanwhile.
         """
@@ -503,11 +402,12 @@ class DecodeGraphRunner:
             if self._graph_attn is None:
                 raise
             self._restore_host_state(saved)
-            self._disabled = (f"Graphs refused: the graph-mode attention {self._graph_attn!r} failed in its first "
-                              f"run ({type(exc).__name__}: {exc}); decode runs eagerly with the model's own "
-                              "attention.")
+            reason = (f"Graphs refused: the graph-mode attention {self._graph_attn!r} failed in its first "
+                      f"run ({type(exc).__name__}: {exc}); decode runs eagerly with the model's own "
+                      "attention.")
+            self.policy.disable(reason)
             self.invalidate()
-            self._capture_failed(self._disabled)
+            self._capture_failed(reason)
             return False
         self._warm.add(key)
         self._stats.warmups += isinstance(key, GraphKey)
@@ -550,88 +450,87 @@ class DecodeGraphRunner:
         Holds :func:`~hybrid_engine.accelerator.base.graph_capture_lock`, as each warm-up does: CUDA capture
         belongs to a stream, not a thread, so another thread's work on a shared stream would be recorded into the
         graph, or break it; and it runs on the runner's graph stream for the model's device. Captures go into a
-        pool handle the runner holds (:meth:`~hybrid_engine.accelerator.base.Accelerator.graph_pool_handle`): a
-        capture that fails has its pool ended and released by the accelerator (on CUDA a failed capture otherwise
-        leaves the caching allocator "recording" for the rest of the process), and the next capture starts a
-        fresh handle. A refusal known in advance (a hook set that any runner of the same model could not capture)
-        keeps the step off the capture altogether."""
+        graph memory pool the runner holds (:meth:`~hybrid_engine.accelerator.base.Accelerator.graph_pool_handle`):
+        a capture that fails has its pool ended and released by the accelerator (on CUDA a failed capture
+        otherwise leaves the caching allocator "recording" for the rest of the process), and the next capture
+        starts a fresh handle. A refusal known in advance (a hook set that any runner of the same model could not
+        capture: :meth:`GraphPolicy.known_hook_refusal`) keeps the step off the capture altogether."""
         with graph_capture_lock(), self.accelerator.on_device(self.slots.device):
             return self._capture_on_device(key, run)
 
     def _capture_on_device(self, key: RunKey, run: Callable[[], None]) -> Any | None:
         acc = self.accelerator
-        known = _refused_hook_set(self.model)
+        known = self.policy.known_hook_refusal()
         if known is not None:  # another runner of this model could not capture this hook set: don't try again
-            self._bad_hooks = known
-            self._capture_failed(known[2])
+            self._capture_failed(known)
             return None
         t0 = time.perf_counter()
         # Where the backend cannot size a pool, the memory it reserves while capturing: the pool keeps its
         # segments, while the capture's allocations are all freed again by its end.
         mem0 = acc.memory_reserved()
         graph = acc.create_graph()
-        if self._pool is None:  # a handle held here: after a failed capture, graph.pool() cannot name the pool
-            self._pool = acc.graph_pool_handle()
+        if self._graph_memory is None:  # a handle held here: after a failed capture, graph.pool() cannot name it
+            self._graph_memory = acc.graph_pool_handle()
         saved = self._host_state()
         try:
             try:
                 with self._graph_attention(), _uncached_autocast(self.slots.device), attributed_hooks(self.model), \
-                        acc.capture_to_graph(graph, pool=self._pool, stream=self._graph_stream()):
+                        acc.capture_to_graph(graph, pool=self._graph_memory, stream=self._graph_stream()):
                     run()
             except BaseException:
                 self._restore_host_state(saved)  # the eager fallback starts where the step started
-                self._pool = None  # a fresh handle next time, also after an interrupt (see _capture_failed)
+                self._graph_memory = None  # a fresh handle next time, also after an interrupt (_capture_failed)
                 raise
         except HookCaptureError as exc:
             reason = (f"Graphs refused: {exc}. Decoding runs eagerly while this hook is registered; keep the "
                       "hook's work on the device (no .item(), .tolist() or printing of values) to use graphs.")
-            self._bad_hooks = (hook_fingerprint(self.model), exc.handle_id, reason)
-            _REFUSED_HOOK_SETS[self.model] = self._bad_hooks
+            self.policy.refuse_hooks(exc.handle_id, reason)
             logger.debug("Capture of %s refused a hook", key, exc_info=True)
             self._capture_failed(reason)
             return None
         except Exception as exc:  # any backend's capture error: fall back, never crash the call
             logger.debug("Capture of %s failed", key, exc_info=True)  # the whole traceback, for a diagnosis
-            self._failures += 1
             reason = (f"Graph capture failed ({type(exc).__name__}: {exc}){failing_line(exc)}; this call "
                       "continues eagerly with the same tokens. Counted in fallbacks.")
-            if self._failures >= MAX_CAPTURE_FAILURES:
-                self._disabled = (f"Graphs were disabled for this engine after {self._failures} capture "
-                                  "failures; decode runs eagerly.")
-                reason += " " + self._disabled
+            disabled = self.policy.capture_failed()
+            if disabled is not None:
+                reason += " " + disabled
                 self.invalidate()
             self._capture_failed(reason)
             return None
         self._graphs[key] = graph
-        if self._pool is None:  # a backend without pool handles: the first graph's pool, shared from now on
-            self._pool = acc.graph_pool(graph)
+        if self._graph_memory is None:  # a backend without pool handles: the first graph's pool, shared from now on
+            self._graph_memory = acc.graph_pool(graph)
+        self._count_capture(key, time.perf_counter() - t0, mem0)
+        return graph
+
+    def _count_capture(self, key: RunKey, seconds: float, mem0: int) -> None:
         s = self._stats
         if isinstance(key, GraphKey):
             s.captures += 1
         else:
             s.admission_captures += 1
-        s.capture_seconds += time.perf_counter() - t0
-        pool_bytes = acc.graph_memory_bytes(self._pool)
+        s.capture_seconds += seconds
+        acc = self.accelerator
+        pool_bytes = acc.graph_memory_bytes(self._graph_memory)
         s.graph_memory_bytes = pool_bytes if pool_bytes is not None else (
             s.graph_memory_bytes + max(0, acc.memory_reserved() - mem0))
-        return graph
 
     @contextlib.contextmanager
     def _graph_attention(self) -> Iterator[None]:
         """Run the block with the attention implementation graphed steps need (the model's own is put back).
 
-        Where the backend needs other attention kernels to capture (:func:`graph_attention`: ``"npu_graph"`` on an
-        Ascend NPU), the warm-up and the capture run with them, and the model's ``_attn_implementation`` is put
-        back right after, so eager steps keep the model's choice and the fingerprint, taken outside the switch,
-        stays stable."""
+        Where the backend needs other attention kernels to capture (:meth:`GraphPolicy.graph_attention`:
+        ``"npu_graph"`` on an Ascend NPU), the warm-up and the capture run with them, and the model's
+        ``_attn_implementation`` is put back right after, so eager steps keep the model's choice and the
+        fingerprint, taken outside the switch, stays stable."""
         with attention_implementation(getattr(self.model, "config", None), self._graph_attn):
             yield
 
     def _host_state(self) -> list[tuple[Any, Any]]:
         """Host-side counters a captured step or admission advances: those of the slots' and stage's caches
         (:meth:`~hybrid_engine.decode.kv_cache.PagedKVCache.host_state`)."""
-        caches = [b.cache for b in (self.slots, self.stage) if b is not None]
-        return [(c, c.host_state()) for c in caches]
+        return [(c, c.host_state()) for c in self.buffers.caches()]
 
     @staticmethod
     def _restore_host_state(saved: list[tuple[Any, Any]]) -> None:
@@ -642,7 +541,7 @@ class DecodeGraphRunner:
         # The accelerator ended and released the failed capture's reference on the pool. The next capture takes
         # a fresh handle all the same: where no graph holds the old pool its use count fell to zero, and CUDA's
         # allocator asserts on a capture into it (the graphs captured keep theirs).
-        self._pool = None
+        self._graph_memory = None
         self._stats.fallbacks += 1
         self._call_eager = True
         self.note_refusal(reason)
@@ -657,17 +556,14 @@ class DecodeGraphRunner:
         s.admission_graph_keys = len(self._graphs) - len(decode)
         s.buckets = tuple(sorted({k.bucket for k in decode}))
         s.span_buckets = tuple(sorted({k.span for k in decode}))
-        s.cache_memory_bytes = sum(b.memory_bytes() for b in (self.slots, self.stage) if b is not None)
+        s.cache_memory_bytes = self.buffers.memory_bytes()
         pool = self.kv_pool
         if pool is not None:
-            s.cache_memory_bytes += pool.memory_bytes()
             s.kv_page_size = pool.page_size
             s.kv_pages_total = pool.num_pages - 1
             s.kv_bytes_peak = s.kv_pages_peak * pool.page_bytes
         if self.slots is not None:
-            sizes = self.buckets or default_graph_buckets(self.slots.rows)
-            spans = self.slots.cache.max_pages.bit_length() + 1  # 1, 2, 4, ... pages, and the whole row
-            s.graph_key_bound = len([b for b in sizes if b <= self.slots.rows]) * spans
+            s.graph_key_bound = self.buffers.key_bound()
         return s
 
     def note_call_pages(self, peak: int, preemptions: int) -> None:
@@ -676,19 +572,18 @@ class DecodeGraphRunner:
         self._stats.preemptions += preemptions
 
 
-#: Per model, the hook set a capture refused (hook fingerprint, handle id of the hook, reason), shared by every
-#: runner of that model (an engine's and a rollout's): a refusal known in advance never goes through a capture
-#: again, each of which on CUDA invalidates a stream capture.
-_REFUSED_HOOK_SETS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, int | None, str]] = \
-    weakref.WeakKeyDictionary()
+def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` called through a weak reference to its object: the buffers call back into the runner without
+    a reference cycle, which would keep the page pool alive after the runner is gone until Python's cyclic
+    collector happened to run."""
+    ref = weakref.WeakMethod(method)
 
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
 
-def _refused_hook_set(model: torch.nn.Module) -> tuple[tuple, int | None, str] | None:
-    """The refused hook set of ``model`` while it is still what is registered, else ``None``."""
-    known = _REFUSED_HOOK_SETS.get(model)
-    if known is not None and known[0] == hook_fingerprint(model) and hook_registered(model, known[1]):
-        return known
-    return None
+    return call
 
 
 @contextlib.contextmanager

@@ -372,7 +372,7 @@ def test_a_fixed_cache_capacity_stages_prompts_at_few_widths():
     widths = []
     for max_new in (20, 50, 60, 70, 90):  # room for the prompts: 280, 250, 240, 230, 210
         rollout.generate(request, SamplingConfig(max_new_tokens=max_new))
-        widths.append(rollout.runner._prompt_width)
+        widths.append(rollout.runner.prompt_width)
     assert widths == [256, 192, 192, 192, 192]  # was [256, 250, 240, 230, 210]
 
 
@@ -415,7 +415,7 @@ def test_a_long_varied_run_reaches_a_plateau_of_captures_and_every_graph_held_is
         for i, (lengths, sampling) in enumerate(shapes):
             batch = rollout.generate(left_padded_prompts(lengths, seed=i), sampling)
             s = rollout.graph_stats
-            assert s.graph_keys + s.admission_graph_keys == len(rollout.runner._graphs)  # nothing held uncounted
+            assert s.graph_keys + s.admission_graph_keys == len(rollout.runner.graph_keys)  # nothing held uncounted
             assert rollout.runner.ledger.in_use == 0  # a call gives back every page it took
             engine.train()
             loss = engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask,

@@ -56,7 +56,7 @@ def test_a_captured_admission_round_keeps_one_layers_kv_in_the_graph_pool():
         assert_batches_identical(rollout.generate(request, sampling), eager)
     assert rollout.last_stats["admission_graph_replays"] >= 2
     stage = rollout.runner.stage.cache
-    admissions = {k: g for k, g in rollout.runner._graphs.items() if isinstance(k, AdmissionKey)}
+    admissions = {k: rollout.runner.graph(k) for k in rollout.runner.graph_keys if isinstance(k, AdmissionKey)}
     assert admissions
     for key, graph in admissions.items():
         one_layer = key.requests * 2 * stage.num_kv_heads * stage.page_size * stage.head_dim * 4  # float32 K and V
@@ -83,7 +83,7 @@ def test_with_samples_per_prompt_a_prefill_batch_fills_a_stage_bounded_by_the_to
     for _ in range(3):
         assert_batches_identical(rollout.generate(request, sampling), eager)
         assert rollout.last_stats["prefill_rows"] == 24 and rollout.last_stats["prefill_forwards"] == 2
-    prefills = [k for k in rollout.runner._graphs if isinstance(k, PrefillKey)]
+    prefills = [k for k in rollout.runner.graph_keys if isinstance(k, PrefillKey)]
     assert max(k.prompts for k in prefills) * max(k.width for k in prefills) <= PREFILL_TOKEN_BUDGET
     assert rollout.last_stats["admission_graph_captures"] == 0  # replayed throughout
 
@@ -121,7 +121,7 @@ def test_one_sample_per_prompt_on_256_slots_prefills_within_the_token_budget(con
     stats = rollout.last_stats
     assert stats["prefill_rows"] == 300 and stats["prefill_forwards"] == 3  # 128 + 128 + 44
     assert stats["admission_graph_replays"] >= stats["prefill_forwards"] + stats["admission_rounds"]
-    assert all(k.prompts * k.width <= PREFILL_TOKEN_BUDGET for k in rollout.runner._graphs if isinstance(k, PrefillKey))
+    assert all(k.prompts * k.width <= PREFILL_TOKEN_BUDGET for k in rollout.runner.graph_keys if isinstance(k, PrefillKey))
 
 
 # ---------------------------------------------------------------------------------------------- output buffers
