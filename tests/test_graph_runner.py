@@ -38,8 +38,8 @@ def pool_for(model, pages=32, page_size=4):
     return KVPool(layer_specs(model.config), pages, page_size, device=torch.device("cpu"), dtype=torch.float32)
 
 
-def slots_for(model, pool, rows=4, capacity=32, width=8):
-    slots = DecodeSlots(model, rows, capacity, width, num_eos=1, pool=pool)
+def slots_for(model, pool, rows=4, capacity=32):
+    slots = DecodeSlots(model, rows, capacity, num_eos=1, pool=pool)
     slots.set_special_ids(0, (2,))
     return slots
 

@@ -327,6 +327,7 @@ def sample_tokens_and_top(
     knobs: RowKnobs | None = None,
     logprobs: str = "sampling",
     top: int = 0,
+    checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` ``[B, V]``; capture-safe.
 
@@ -350,8 +351,9 @@ def sample_tokens_and_top(
     bit for bit ``log_softmax(logits.float())``, and ``logprobs_of`` at
     temperature 0 or 1 (every full softmax here reduces in vocabulary order).
     """
-    validate_sampling(temperature, top_p, top_k)
-    validate_logprobs(logprobs)
+    if not checked:  # ``checked``: the caller's plan checked the knobs once (a decode step's sampler)
+        validate_sampling(temperature, top_p, top_k)
+        validate_logprobs(logprobs)
     if logits.dim() != 2:
         raise ValueError(f"sample_tokens: logits must be [B, V], got shape {tuple(logits.shape)}")
     if temperature == 0:

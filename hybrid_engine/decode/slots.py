@@ -12,7 +12,8 @@ once here and only ever updated in place:
   response budget (``budget``), the EOS floor (``min_tokens``: EOS is masked
   out while ``token_index < min_tokens``, a device comparison), the
   ``finished`` flag, and the output rows ``out_tokens``/``out_logprobs``
-  ``[S, width]`` that the step scatters into at ``token_index``;
+  ``[S, capacity + 1]`` that the step scatters into at ``token_index`` (rows that are not live write the
+  spare last column, so the step reads no old value to keep);
 * the EOS ids and mask, the stop sequences (matched against each row's last
   tokens in the step, so stopping needs no host read), the pad id and the
   sampling knobs' values, all written before a call.
@@ -23,7 +24,7 @@ addresses, so graphs of every bucket share one allocation, and a request moves
 to a smaller bucket by moving its row: its table entry, not its K/V.
 
 What a capture freezes: the bucket size, the span of pages attention reads,
-the output width (shapes), and the sampling mode (which ops run). No position,
+the capacity (shapes), the sampling mode and whether the call has stop sequences (which ops run). No position,
 length, counter, page or knob value is a host value, so one graph serves every
 decode position and every temperature. The eager path runs exactly the same
 :meth:`DecodeSlots.step`, so eager and graph results are bit-identical.
@@ -81,8 +82,9 @@ def choose_tokens(
     seed: torch.Tensor | int,
     stream: torch.Tensor,
     token_index: torch.Tensor | int,
-    knobs: RowKnobs,
+    knobs: RowKnobs | None,
     top: int = 0,
+    checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(tokens [B], logprobs [B], top_ids [B, top], top_logprobs [B, top])`` from ``logits [B, V]``; EOS is
     masked out on rows where ``suppress_eos``.
@@ -95,7 +97,7 @@ def choose_tokens(
     temperature, top_p, top_k = sampling_key
     logits = logits.masked_fill(suppress_eos[:, None] & eos_mask, float("-inf"))
     return sample_tokens_and_top(logits, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                 stream=stream, token_index=token_index, knobs=knobs, top=top)
+                                 stream=stream, token_index=token_index, knobs=knobs, top=top, checked=checked)
 
 
 class DecodeSlots:
@@ -106,7 +108,6 @@ class DecodeSlots:
         model: PreTrainedModel,
         rows: int,
         capacity: int,
-        width: int,
         *,
         num_eos: int,
         pool: KVPool,
@@ -114,7 +115,6 @@ class DecodeSlots:
     ) -> None:
         self.rows = rows
         self.capacity = capacity
-        self.width = width
         device = pool.device
         self.cache = PagedKVCache(model.config, rows, capacity, pool=pool, state_shapes=state_shapes(model))
         # Lengths and pages are planned on the host before every step: skip the per-step host read.
@@ -128,13 +128,14 @@ class DecodeSlots:
         self.min_tokens = torch.zeros(rows, **i64)
         self.knob = torch.zeros(rows, **i64)  # the index of the request's setting in ``knobs``
         self.finished = torch.ones(rows, dtype=torch.bool, device=device)
-        self.out_tokens = torch.zeros(rows, width, **i64)
-        self.out_logprobs = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        # One spare column past the width: where rows that are not live write a step's output.
+        self.out_tokens = torch.zeros(rows, capacity + 1, **i64)
+        self.out_logprobs = torch.zeros(rows, capacity + 1, dtype=torch.float32, device=device)
         #: The ``top_logprobs`` most likely ids of each position's distribution and their logprobs (``[S, width,
         #: 0]`` when none are asked for: the step then ranks nothing).
         self.top_logprobs = top_logprobs
-        self.out_top_ids = torch.zeros(rows, width, top_logprobs, **i64)
-        self.out_top_logprobs = torch.zeros(rows, width, top_logprobs, dtype=torch.float32, device=device)
+        self.out_top_ids = torch.zeros(rows, capacity + 1, top_logprobs, **i64)
+        self.out_top_logprobs = torch.zeros(rows, capacity + 1, top_logprobs, dtype=torch.float32, device=device)
         self.num_eos_slots = max(MIN_EOS_SLOTS, num_eos)
         self.eos_ids = torch.full((self.num_eos_slots,), -1, **i64)
         self.eos_mask = torch.zeros(logits_width(model), dtype=torch.bool, device=device)
@@ -165,11 +166,11 @@ class DecodeSlots:
     def pool(self) -> KVPool:
         return self.cache.pool
 
-    def fits(self, rows: int, capacity: int, width: int, num_eos: int, pool: KVPool,
+    def fits(self, rows: int, capacity: int, num_eos: int, pool: KVPool,
              vocab: tuple[int, int], top_logprobs: int = 0) -> bool:
         """Whether a call needing these sizes can run on these slots as they are (``vocab``:
         :func:`vocab_sizes`, which ``resize_token_embeddings`` changes)."""
-        return (self.rows >= rows and self.capacity >= capacity and self.width >= width
+        return (self.rows >= rows and self.capacity >= capacity
                 and self.num_eos_slots >= num_eos and self.pool is pool and self.vocab == vocab
                 and self.top_logprobs >= top_logprobs)
 
@@ -232,7 +233,8 @@ class DecodeSlots:
         self.has_stop_sequences = any(sets)
 
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
-        return (tokens[:, None] == self.eos_ids[None, :]).any(dim=-1)
+        """``[B]`` bool: whether each token is an EOS id (one lookup in the vocabulary-sized mask)."""
+        return self.eos_mask[tokens]
 
     def ends_in_a_stop_sequence(self, out_tokens: torch.Tensor, last: torch.Tensor, knob: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool: whether row ``b`` of ``out_tokens`` ends, at column ``last[b]``, in a sequence of stop set
@@ -254,25 +256,25 @@ class DecodeSlots:
         new_tokens, logprobs, top_ids, top_lp = choose_tokens(
             logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
             seed=self.seed, stream=self.stream, token_index=self.token_index,
-            knobs=self.knobs.for_rows(self.knob), top=self.top_logprobs,
+            knobs=self.knobs.for_rows(self.knob) if sampling_key[0] > 0 else None, top=self.top_logprobs,
+            checked=True,
         )
-        column = self.token_index.clamp(max=self.width - 1)[:, None]
-        old_tok = self.out_tokens.gather(1, column)
-        old_lp = self.out_logprobs.gather(1, column)
-        self.out_tokens.scatter_(1, column, torch.where(live[:, None], new_tokens[:, None], old_tok))
-        self.out_logprobs.scatter_(1, column, torch.where(live[:, None], logprobs[:, None].float(), old_lp))
+        # Live rows write at their token index; the others into the spare last column, which nothing reads.
+        column = torch.where(live, self.token_index.clamp(max=self.capacity - 1), self.capacity)[:, None]
+        self.out_tokens.scatter_(1, column, new_tokens[:, None])
+        self.out_logprobs.scatter_(1, column, logprobs[:, None].float())
         if self.top_logprobs:
             at = column[:, :, None].expand(-1, 1, self.top_logprobs)
-            kept = live[:, None, None]
-            self.out_top_ids.scatter_(1, at, torch.where(kept, top_ids[:, None], self.out_top_ids.gather(1, at)))
-            self.out_top_logprobs.scatter_(
-                1, at, torch.where(kept, top_lp[:, None].float(), self.out_top_logprobs.gather(1, at)))
+            self.out_top_ids.scatter_(1, at, top_ids[:, None])
+            self.out_top_logprobs.scatter_(1, at, top_lp[:, None].float())
         self.tokens.copy_(torch.where(live, new_tokens, self.pad_id))
         self.token_index.add_(live.to(torch.int64))
-        # A stop sequence ends a row only past min_tokens, as an EOS can.
-        stopped = self.ends_in_a_stop_sequence(self.out_tokens, column[:, 0], self.knob) \
-            & (self.token_index > self.min_tokens)
-        done = live & (self.is_eos(new_tokens) | stopped | (self.token_index >= self.budget))
+        done = self.is_eos(new_tokens) | (self.token_index >= self.budget)
+        if self.has_stop_sequences:  # a host value the graph key holds (GraphKey.stops)
+            # A stop sequence ends a row only past min_tokens, as an EOS can.
+            done |= self.ends_in_a_stop_sequence(self.out_tokens, column[:, 0], self.knob) \
+                & (self.token_index > self.min_tokens)
+        done &= live
         self.finished.logical_or_(done)
 
     # ------------------------------------------------------------- admission

@@ -223,11 +223,11 @@ class DecodeBuffers:
     def _allocate_slots(self, need: int, capacity: int, num_eos: int, top_logprobs: int) -> DecodeSlots:
         """Keep the slots when the call fits them, else allocate new ones (the old ones freed first)."""
         slots, pool = self.slots, self.kv_pool
-        if slots is None or not slots.fits(need, capacity, capacity, num_eos, pool, vocab_sizes(self.model),
+        if slots is None or not slots.fits(need, capacity, num_eos, pool, vocab_sizes(self.model),
                                            top_logprobs):
             self._moving()
             self.slots = slots = None  # free the old buffers before allocating the new ones
-            self.slots = slots = DecodeSlots(self.model, need, capacity, capacity, num_eos=num_eos, pool=pool,
+            self.slots = slots = DecodeSlots(self.model, need, capacity, num_eos=num_eos, pool=pool,
                                              top_logprobs=top_logprobs)
         return slots
 
