@@ -328,7 +328,8 @@ def sample_tokens_and_top(
     logprobs: str = "sampling",
     top: int = 0,
     checked: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    want_logprobs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` ``[B, V]``; capture-safe.
 
     Returns ``(tokens [B] int64, logprobs [B] float32, top_ids [B, top] int64,
@@ -337,7 +338,8 @@ def sample_tokens_and_top(
     uniform ``counter_uniform(seed, stream, token_index)[b]`` (draw
     :data:`SAMPLING_DRAW`) and an inverse-CDF pick over the filtered
     distribution, so its token depends only on its own logits and counters.
-    ``temperature == 0`` is greedy: ``argmax`` (lowest index on ties). With
+    ``temperature == 0`` is greedy: ``argmax`` (lowest index on ties); there, with ``want_logprobs=False`` and
+    no ``top``, no log-softmax is computed and the logprobs are ``None``. With
     ``knobs`` the filters read their values from those device tensors (see
     :func:`_filtered_sorted_logprobs` for the filtering rules): pass knobs set
     to the same values.
@@ -358,6 +360,8 @@ def sample_tokens_and_top(
         raise ValueError(f"sample_tokens: logits must be [B, V], got shape {tuple(logits.shape)}")
     if temperature == 0:
         tokens = torch.argmax(logits, dim=-1)
+        if not want_logprobs and top == 0:  # ``want_logprobs=False``: the caller reads no logprob (``None``)
+            return tokens, None, tokens.new_empty(tokens.shape[0], 0), logits.new_empty(tokens.shape[0], 0).float()
         every = torch.log_softmax(logits.float(), dim=-1)
         chosen = every.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         if top == 0:

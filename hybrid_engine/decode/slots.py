@@ -85,7 +85,8 @@ def choose_tokens(
     knobs: RowKnobs | None,
     top: int = 0,
     checked: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    want_logprobs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``(tokens [B], logprobs [B], top_ids [B, top], top_logprobs [B, top])`` from ``logits [B, V]``; EOS is
     masked out on rows where ``suppress_eos``.
 
@@ -97,7 +98,8 @@ def choose_tokens(
     temperature, top_p, top_k = sampling_key
     logits = logits.masked_fill(suppress_eos[:, None] & eos_mask, float("-inf"))
     return sample_tokens_and_top(logits, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                 stream=stream, token_index=token_index, knobs=knobs, top=top, checked=checked)
+                                 stream=stream, token_index=token_index, knobs=knobs, top=top, checked=checked,
+                                 want_logprobs=want_logprobs)
 
 
 class DecodeSlots:
@@ -143,6 +145,8 @@ class DecodeSlots:
         # One set per sampling setting of the call (a row's ``knob`` picks both).
         self.stop_ids = torch.full((MAX_SETTINGS, MAX_STOP_SEQUENCES, MAX_STOP_LENGTH), -1, **i64)
         self.has_stop_sequences = False
+        #: Whether steps report logprobs (host-side, in the graph key): ``engine.generate`` returns none.
+        self.logprobs_wanted = True
         self._stop_sets: list[tuple[tuple[int, ...], ...]] = [()]  # what stop_ids holds (nothing yet)
         #: The token fed to rows that are not live (what they emit is never read): the pad id where the
         #: embedding has it, else 0, since configs may carry any int there (old Llama ones: -1).
@@ -232,6 +236,11 @@ class DecodeSlots:
         self._stop_sets = list(sets)
         self.has_stop_sequences = any(sets)
 
+    def set_outputs(self, *, logprobs: bool) -> None:
+        """Whether the next call's steps report their tokens' logprobs (outside capture; greedy steps without
+        them skip a log-softmax over the vocabulary)."""
+        self.logprobs_wanted = logprobs
+
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool: whether each token is an EOS id (one lookup in the vocabulary-sized mask)."""
         return self.eos_mask[tokens]
@@ -257,12 +266,13 @@ class DecodeSlots:
             logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
             seed=self.seed, stream=self.stream, token_index=self.token_index,
             knobs=self.knobs.for_rows(self.knob) if sampling_key[0] > 0 else None, top=self.top_logprobs,
-            checked=True,
+            checked=True, want_logprobs=self.logprobs_wanted,
         )
         # Live rows write at their token index; the others into the spare last column, which nothing reads.
         column = torch.where(live, self.token_index.clamp(max=self.capacity - 1), self.capacity)[:, None]
         self.out_tokens.scatter_(1, column, new_tokens[:, None])
-        self.out_logprobs.scatter_(1, column, logprobs[:, None].float())
+        if logprobs is not None:
+            self.out_logprobs.scatter_(1, column, logprobs[:, None].float())
         if self.top_logprobs:
             at = column[:, :, None].expand(-1, 1, self.top_logprobs)
             self.out_top_ids.scatter_(1, at, top_ids[:, None])

@@ -40,6 +40,7 @@ class GraphKey(NamedTuple):
     span: int  # pages of each row attention reads (a power of two, or the row's whole table)
     sampling: tuple[bool, bool, bool]  # :func:`~hybrid_engine.decode.sampling.sampling_mode`; the values are device data
     stops: bool = False  # whether the step matches stop sequences (a call with any; the sequences are device data)
+    logprobs: bool = True  # whether the step reports its tokens' logprobs (engine.generate returns none)
 
 
 class PrefillKey(NamedTuple):

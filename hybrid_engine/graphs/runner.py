@@ -291,7 +291,8 @@ class DecodeGraphRunner:
         """One decode step on slots ``[:bucket]`` reading ``span`` pages a row: replay its graph, or warm up /
         capture it, or run eagerly."""
         view = self.slots.head(bucket)
-        self._run(GraphKey(bucket, span, sampling_mode(*sampling_key), self.slots.has_stop_sequences),
+        self._run(GraphKey(bucket, span, sampling_mode(*sampling_key), self.slots.has_stop_sequences,
+                          self.slots.logprobs_wanted),
                   lambda: view.step(self.model, sampling_key, span))
 
     def prefill_prompts(self, ids: torch.Tensor, mask: torch.Tensor, tables: list[list[int]],
@@ -346,7 +347,8 @@ class DecodeGraphRunner:
         sizes = self.buffers.buckets_up_to(top)
         for bucket in sorted((b for b in sizes if b == top or (shrink and b < top)), reverse=True):
             for span in sorted(spans, reverse=True):
-                key = GraphKey(bucket, span, sampling_mode(*sampling_key), self.slots.has_stop_sequences)
+                key = GraphKey(bucket, span, sampling_mode(*sampling_key), self.slots.has_stop_sequences,
+                          self.slots.logprobs_wanted)
                 if key in self._graphs or self._call_eager:
                     continue
                 view = self.slots.head(bucket)
