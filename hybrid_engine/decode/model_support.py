@@ -19,7 +19,7 @@ from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.layout import layout_refusal, linear_layers
 from hybrid_engine.decode.linear_states import Shapes
 from hybrid_engine.decode.npu_attention import NPU_GRAPH_ATTENTION
-from hybrid_engine.decode.step import _forward_signature, _model_dtype, decode_one_token, prefill
+from hybrid_engine.decode.step import _forward_signature, decode_one_token, model_dtype, prefill
 
 __all__ = ["SUPPORTED_ATTN_IMPLEMENTATIONS", "SUPPORTED_MODEL_TYPES", "check_model_supported", "max_positions",
            "state_shapes"]
@@ -105,14 +105,14 @@ def _check_model(model: PreTrainedModel) -> None:
         )
     _forward_signature(model)  # TypeError when the forward takes no cache
     try:
-        PagedKVCache(config, 1, 2, device=next(model.parameters()).device, dtype=_model_dtype(model))
+        PagedKVCache(config, 1, 2, device=next(model.parameters()).device, dtype=model_dtype(model))
     except ValueError as exc:
         raise ValueError(f"{type(model).__name__}: {exc}") from exc
     model_type = getattr(config, "model_type", None)
     if model_type in SUPPORTED_MODEL_TYPES:
         return
     device = next(model.parameters()).device
-    probe = PagedKVCache(config, 1, 2, device=device, dtype=_model_dtype(model))
+    probe = PagedKVCache(config, 1, 2, device=device, dtype=model_dtype(model))
     ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
     try:
         prefill(model, probe, ids, torch.ones_like(ids))
@@ -138,7 +138,7 @@ def state_shapes(model: torch.nn.Module) -> Shapes:
     (cached per model and dtype)."""
     if not any(linear_layers(model.config)):
         return {}
-    dtype = _model_dtype(model)
+    dtype = model_dtype(model)
     device = next(model.parameters()).device
     found = _SHAPES.get(model)
     if found is not None and found[0] == (dtype, device):

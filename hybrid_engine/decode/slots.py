@@ -35,15 +35,18 @@ produce is recorded.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers import PreTrainedModel
 
 from hybrid_engine.accelerator.host_copy import device_tensor, host_to_device
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import KVPool
+from hybrid_engine.decode.layout import AttentionKind, attention_kinds
 from hybrid_engine.decode.model_support import state_shapes
 from hybrid_engine.decode.sampling import MAX_SETTINGS, RowKnobs, SamplingKnobs, sample_tokens_and_top
-from hybrid_engine.decode.step import decode_one_token
+from hybrid_engine.decode.step import decode_one_token, model_dtype
 
 __all__ = ["DecodeSlots", "choose_tokens", "logits_width", "vocab_sizes"]
 
@@ -102,6 +105,17 @@ def choose_tokens(
                                  want_logprobs=want_logprobs)
 
 
+@dataclasses.dataclass
+class CallSettings:
+    """What a call sets on the host for its steps (:meth:`DecodeSlots.begin_call`, ``set_stop_sequences``); a
+    captured step freezes them, so the graph key holds the first two."""
+
+    stops: bool = False  # the call has stop sequences: steps match them
+    logprobs: bool = True  # steps report their tokens' logprobs
+    mask_kinds: dict[str | None, AttentionKind | None] | None = None  # None: read off the config each step
+    dtype: torch.dtype | None = None  # the model's dtype (None: read each step)
+
+
 class DecodeSlots:
     """Device state for ``rows`` decode slots sharing one paged KV cache (see the module docstring)."""
 
@@ -144,10 +158,9 @@ class DecodeSlots:
         # Right-aligned, -1 before a shorter sequence's first token (it matches anything); all -1: unused.
         # One set per sampling setting of the call (a row's ``knob`` picks both).
         self.stop_ids = torch.full((MAX_SETTINGS, MAX_STOP_SEQUENCES, MAX_STOP_LENGTH), -1, **i64)
-        self.has_stop_sequences = False
-        #: Whether steps report logprobs (host-side, in the graph key): ``engine.generate`` returns none.
-        self.logprobs_wanted = True
         self._stop_sets: list[tuple[tuple[int, ...], ...]] = [()]  # what stop_ids holds (nothing yet)
+        #: The call's host settings, one object shared with every bucket's view (views outlive calls).
+        self.call = CallSettings()
         #: The token fed to rows that are not live (what they emit is never read): the pad id where the
         #: embedding has it, else 0, since configs may carry any int there (old Llama ones: -1).
         self.pad_id = torch.zeros((), **i64)
@@ -225,6 +238,7 @@ class DecodeSlots:
         for sequences in sets:
             if len(sequences) > MAX_STOP_SEQUENCES or any(not 1 <= len(q) <= MAX_STOP_LENGTH for q in sequences):
                 raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences of 1 to {MAX_STOP_LENGTH} tokens each")
+        self.call.stops = any(sets)
         if sets == self._stop_sets:
             return  # the table the graphs read already holds them
         table = torch.full((MAX_SETTINGS, MAX_STOP_SEQUENCES, MAX_STOP_LENGTH), -1, dtype=torch.int64)
@@ -234,12 +248,24 @@ class DecodeSlots:
         table[len(sets):] = table[len(sets) - 1]  # unused knobs repeat the last set
         self.stop_ids.copy_(host_to_device(table, self.device))
         self._stop_sets = list(sets)
-        self.has_stop_sequences = any(sets)
 
-    def set_outputs(self, *, logprobs: bool) -> None:
-        """Whether the next call's steps report their tokens' logprobs (outside capture; greedy steps without
-        them skip a log-softmax over the vocabulary)."""
-        self.logprobs_wanted = logprobs
+    def begin_call(self, model: PreTrainedModel, *, logprobs: bool) -> None:
+        """Settle the next call's host settings (outside capture): whether its steps report their tokens'
+        logprobs (greedy steps without them skip a log-softmax over the vocabulary), and what the steps'
+        attention masks are built for (read off the model's config once a call, not once a step)."""
+        self.call.logprobs = logprobs
+        self.call.mask_kinds = attention_kinds(model.config)
+        self.call.dtype = model_dtype(model)
+
+    @property
+    def has_stop_sequences(self) -> bool:
+        """Whether the call has stop sequences (host-side, in the graph key: ``GraphKey.stops``)."""
+        return self.call.stops
+
+    @property
+    def logprobs_wanted(self) -> bool:
+        """Whether the call's steps report logprobs (host-side, in the graph key: ``GraphKey.logprobs``)."""
+        return self.call.logprobs
 
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool: whether each token is an EOS id (one lookup in the vocabulary-sized mask)."""
@@ -261,12 +287,13 @@ class DecodeSlots:
         """One decode step for every slot reading ``span`` pages a row (``None``: all), entirely in device tensors
         (this is what gets captured)."""
         live = ~self.finished
-        logits = decode_one_token(model, self.cache, self.tokens, live, span)
+        call = self.call
+        logits = decode_one_token(model, self.cache, self.tokens, live, span, kinds=call.mask_kinds, dtype=call.dtype)
         new_tokens, logprobs, top_ids, top_lp = choose_tokens(
             logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
             seed=self.seed, stream=self.stream, token_index=self.token_index,
             knobs=self.knobs.for_rows(self.knob) if sampling_key[0] > 0 else None, top=self.top_logprobs,
-            checked=True, want_logprobs=self.logprobs_wanted,
+            checked=True, want_logprobs=call.logprobs,
         )
         # Live rows write at their token index; the others into the spare last column, which nothing reads.
         column = torch.where(live, self.token_index.clamp(max=self.capacity - 1), self.capacity)[:, None]
@@ -280,7 +307,7 @@ class DecodeSlots:
         self.tokens.copy_(torch.where(live, new_tokens, self.pad_id))
         self.token_index.add_(live.to(torch.int64))
         done = self.is_eos(new_tokens) | (self.token_index >= self.budget)
-        if self.has_stop_sequences:  # a host value the graph key holds (GraphKey.stops)
+        if call.stops:  # a host value the graph key holds (GraphKey.stops)
             # A stop sequence ends a row only past min_tokens, as an EOS can.
             done |= self.ends_in_a_stop_sequence(self.out_tokens, column[:, 0], self.knob) \
                 & (self.token_index > self.min_tokens)

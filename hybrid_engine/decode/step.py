@@ -30,6 +30,7 @@ depend on the pool. It is captured only through the prompt stage
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -67,7 +68,7 @@ def _forward_signature(model: torch.nn.Module) -> tuple[str, bool, bool]:
     return sig
 
 
-def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
     dtype = getattr(model, "dtype", None)
     return dtype if isinstance(dtype, torch.dtype) else next(model.parameters()).dtype
 
@@ -78,7 +79,7 @@ def build_decode_mask(write_pos: torch.Tensor, span: int, dtype: torch.dtype,
     decode step; ``[B, T]``: :func:`extend`): query ``q`` of a row sees its logical keys ``j <= q`` (what the row
     holds and the tokens being written; a key's logical index is its position), within the last ``kind.window``
     positions or the query's ``kind.chunk``; 0 there, ``finfo(dtype).min`` elsewhere."""
-    keys = torch.arange(span, device=write_pos.device)[None, None, :]
+    keys = _arange(span, write_pos.device)[None, None, :]
     query = (write_pos[:, None] if write_pos.dim() == 1 else write_pos)[:, :, None]
     return _additive(keys <= query, keys, query, kind, dtype)[:, None, :, :]
 
@@ -91,9 +92,22 @@ def _additive(allowed: torch.Tensor, keys: torch.Tensor, query: torch.Tensor, ki
         allowed = allowed & (keys > query - kind.window)
     if kind.chunk is not None:
         allowed = allowed & (keys >= query - query % kind.chunk)
-    zero = torch.zeros((), dtype=dtype, device=query.device)
-    neg = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=query.device)
+    zero, neg = _mask_values(dtype, query.device)
     return torch.where(allowed, zero, neg)
+
+
+@functools.lru_cache(maxsize=64)
+def _mask_values(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """0 and ``finfo(dtype).min`` as 0-dim ``dtype`` tensors on ``device``: made once, read by every step's mask
+    (never written, so a captured step may read them)."""
+    return (torch.zeros((), dtype=dtype, device=device),
+            torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device))
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` on ``device``, made once (never written)."""
+    return torch.arange(n, device=device)
 
 
 def build_ring_mask(write_pos: torch.Tensor, ring: int, dtype: torch.dtype, kind: AttentionKind) -> torch.Tensor:
@@ -141,11 +155,15 @@ def prompt_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def layer_masks(model: PreTrainedModel, build: Callable[[AttentionKind], torch.Tensor],
-                padding: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor | None]:
+                padding: torch.Tensor | None = None, kinds: dict[str | None, AttentionKind | None] | None = None
+                ) -> torch.Tensor | dict[str, torch.Tensor | None]:
     """The ``attention_mask`` a forward takes: one 4D mask, or one per layer type (models with sliding or
     chunked layers among full ones take a dict), each built once by ``build``. Linear-attention layers take
-    ``padding``, the 2-D mask of a prefill's real tokens (``None``: a decode step's single real token)."""
-    kinds = attention_kinds(model.config)
+    ``padding``, the 2-D mask of a prefill's real tokens (``None``: a decode step's single real token).
+    ``kinds``: :func:`~hybrid_engine.decode.layout.attention_kinds` of the model's config, when the caller read
+    it already (``None``: read here)."""
+    if kinds is None:
+        kinds = attention_kinds(model.config)
     if None in kinds:
         return build(kinds[None])
     if all(kind is None for kind in kinds.values()):  # only linear layers (Mamba): the padding mask alone
@@ -241,7 +259,7 @@ def prefill(
     target.set_forward(ForwardIndices(
         write_slots=target.token_slots(prompt_position_ids(attention_mask), keep=real).flatten(), kv_len=t,
         fresh=True, token_pos=prompt_position_ids(attention_mask), token_keep=real, token_len=lengths))
-    dtype = _model_dtype(model)
+    dtype = model_dtype(model)
     mask4d = layer_masks(model, lambda kind: build_prefill_mask(attention_mask, t, dtype, kind), attention_mask)
     logits = _forward(model, target, input_ids, mask4d, prompt_position_ids(attention_mask),
                       torch.arange(t, device=device), last)
@@ -281,7 +299,7 @@ def extend(model: PreTrainedModel, cache: PagedKVCache, input_ids: torch.Tensor,
     kv_len = target.span_tokens(span)
     target.set_forward(ForwardIndices(write_slots=target.token_slots(logical, keep=real).flatten(), kv_len=kv_len,
                                       read_slots=target.span_slots(span)))
-    dtype = _model_dtype(model)
+    dtype = model_dtype(model)
     mask4d = layer_masks(model, lambda kind: build_decode_mask(logical, kv_len, dtype, kind))
     logits = _forward(model, target, input_ids, mask4d, torch.where(real, start[:, None] + offset, 0),
                       logical.max(0).values)
@@ -307,7 +325,9 @@ def _check_prompts(cache: PagedKVCache, input_ids: torch.Tensor, attention_mask:
 
 @torch.no_grad()
 def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.Tensor,
-                     live: torch.Tensor | None = None, span: int | None = None) -> torch.Tensor:
+                     live: torch.Tensor | None = None, span: int | None = None, *,
+                     kinds: dict[str | None, AttentionKind | None] | None = None,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
     """One decode step for every row: feed ``tokens [B]``, return ``[B, V]`` logits (model dtype).
 
     Row ``b`` writes its token at logical index ``write_pos[b]`` and attends
@@ -315,7 +335,8 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
     by its length; ``write_pos`` and ``position`` then advance by one in place.
     ``live`` (bool ``[B]``): rows that are not live write the null page and do
     not advance (finished or free slots of a captured bucket). Capture-safe:
-    the checks that need host reads run only outside capture.
+    the checks that need host reads run only outside capture. ``kinds`` and ``dtype``: the model's mask kinds
+    and dtype, when the caller read them once for its call (``None``: read here).
     """
     if not is_capturing():
         _check_tokens(cache, tokens)
@@ -330,14 +351,14 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
         token_pos = write_pos[:, None]
         token_keep = torch.ones_like(token_pos, dtype=torch.bool) if keep is None else keep
     kv_len = cache.span_tokens(span)
-    dtype = _model_dtype(model)
+    dtype = dtype or model_dtype(model)
 
     def build(kind: AttentionKind) -> torch.Tensor:
         if rings and (kind.window or kind.chunk):
             return build_ring_mask(write_pos, kind.window or kind.chunk, dtype, kind)
         return build_decode_mask(write_pos, kv_len, dtype, kind)
 
-    mask4d = layer_masks(model, build)
+    mask4d = layer_masks(model, build, kinds=kinds)
     cache.set_forward(ForwardIndices(write_slots=write_slots, kv_len=kv_len, read_slots=read_slots,
                                      token_pos=token_pos, token_keep=token_keep))
     try:

@@ -103,3 +103,22 @@ def test_each_prompt_stops_on_its_own_sequences(graphs):
 def rollout_of(model, graphs: bool) -> HybridEngineRollout:
     return HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=graphs, pad_token_id=0,
                                                            eos_token_id=10_000, max_batch_size=4))
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_smaller_bucket_used_before_without_stops_honours_the_next_calls_stops(graphs):
+    """The slots of a bucket below the largest are a view kept across calls: what a call sets up (its stop
+    sequences, whether it reads logprobs) must reach the views made by earlier calls too."""
+    model = build_model("tiny-llama", seed=3)
+    ids, mask = left_padded_prompts(4, 6, seed=7)
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=graphs, pad_token_id=0,
+                                                              eos_token_id=10_000, max_batch_size=4))
+    plain = SamplingConfig(max_new_tokens=16, temperature=1.0, seed=9)
+    rollout.generate(RolloutRequest(ids, mask), plain)  # 4 slots
+    two = RolloutRequest(ids[:2], mask[:2])
+    full = responses(rollout.generate(two, plain))  # bucket 2: a view of the 4 slots, made without stops
+    stops = (tuple(full[0][4:6]), (full[1][7],))
+    want = [cut(r, stops) for r in full]
+    assert want != full
+    assert responses(rollout.generate(two, dataclasses.replace(plain, stop_token_ids=stops))) == want
+    assert responses(rollout.generate(two, plain)) == full
