@@ -248,9 +248,9 @@ def test_capture_failure_falls_back_to_eager(model, monkeypatch):
     eager = run(model, _good_request(), SAMPLING, graphs=False, eos=2)[0]
     real = decode_state.decode_one_token
 
-    def syncing_decode(m, cache, tokens, live=None, span=None):
+    def syncing_decode(m, cache, tokens, live=None, span=None, **kw):
         int(cache.write_pos.max())  # a host read: forbidden while capturing
-        return real(m, cache, tokens, live, span)
+        return real(m, cache, tokens, live, span, **kw)
 
     monkeypatch.setattr(decode_state, "decode_one_token", syncing_decode)
     rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=True, pad_token_id=0, eos_token_id=2))
