@@ -85,15 +85,15 @@ fi
 case "$cmd" in
   test) exec "$py" -m pytest -q "$@" ;;
   test-transformers-4.57)
-    exec "$py" -m pytest -q tests/test_kv_cache.py tests/test_cache_api.py tests/test_model_step.py \
-      tests/test_engine_generate.py tests/test_engine_graphs.py tests/test_engine_training.py \
-      tests/test_inference_copy.py tests/test_graph_runner.py tests/test_exact_kernels.py tests/rollout \
-      tests/test_model_families.py "$@" ;;
+    exec "$py" -m pytest -q tests/decode/test_kv_cache.py tests/decode/test_cache_api.py tests/decode/test_model_step.py \
+      tests/engine/test_engine_generate.py tests/engine/test_engine_graphs.py tests/engine/test_engine_training.py \
+      tests/distributed/test_inference_copy.py tests/graphs/test_graph_runner.py tests/exact/test_exact_kernels.py tests/rollout \
+      tests/decode/test_model_families.py "$@" ;;
   test-latest)
     "$py" -c "import torch, transformers, trl, deepspeed, peft; print('test-latest on torch', torch.__version__, \
 'transformers', transformers.__version__, 'trl', trl.__version__, 'deepspeed', deepspeed.__version__, \
 'peft', peft.__version__)"
-    exec "$py" -m pytest -q tests/test_cache_api.py tests/test_kv_cache.py tests/test_model_families.py \
+    exec "$py" -m pytest -q tests/decode/test_cache_api.py tests/decode/test_kv_cache.py tests/decode/test_model_families.py \
       tests/integrations "$@" ;;
   *) exec "$py" -m hybrid_engine "$cmd" "$@" ;;
 esac

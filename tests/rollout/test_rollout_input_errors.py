@@ -21,7 +21,7 @@ from hybrid_engine.tiny_models import build_model, build_tokenizer
 
 NO_EOS = 10**6
 #: State-layer models (Qwen3.5, Mamba2) need transformers' linear-attention cache API (5.x); before it they are
-#: refused by name (tests/test_model_families.py), so the cases below that build one do not apply.
+#: refused by name (tests/decode/test_model_families.py), so the cases below that build one do not apply.
 needs_state_layers = pytest.mark.skipif(
     not hasattr(cache_utils, "LinearAttentionCacheLayerMixin"),
     reason=f"transformers {transformers.__version__} has no linear-attention cache API (state-layer models refused)")

@@ -763,7 +763,7 @@ def test_the_per_backend_matmul_precision_api_is_a_kernel_switch_too():
     process-wide and cannot be undone.)"""
     if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
         pytest.skip("this torch has no per-backend fp32_precision")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run([sys.executable, "-c", _NEW_PRECISION_API], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -285,7 +285,7 @@ def test_bench_cpu_graph_replay_script(tmp_path, bad):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "bench" / "cpu_graph_replay.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "cpu_graph_replay.py"
     out = tmp_path / "replay.json"
     argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--vocab", "64", "--batch", "1", "--iters", "2",
             "--json", str(out), *(bad or [])]

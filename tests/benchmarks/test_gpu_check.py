@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # rehearses bench/gpu_check.sh in processes (tests/tiers.py)
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.sh"
 STEPS = ("info", "parity", "capture_faults", "decode_gpt2", "continuous", "rlhf_opt13b", "decode_opt13b")
 
 
