@@ -209,12 +209,16 @@ class GenerateFrontEnd:
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig):
         self.model = model
-        self.config = config
         self.runner = DecodeGraphRunner(model, config=config)
         #: The last fast-path call's :class:`~hybrid_engine.graphs.stats.CallStats` dict (``{}`` before one).
         self.last_stats: dict[str, Any] = {}
         if not config.hybrid_engine.enable_graph_capture:
             self.runner.note_refusal(GRAPHS_OFF, warn=False)
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's config: the one its runner's graph policy holds (one reference, not two)."""
+        return self.runner.config
 
     # --------------------------------------------------------------- stats
     def gate_reason(self) -> str | None:

@@ -560,6 +560,8 @@ class DecodeGraphRunner:
         s.span_buckets = tuple(sorted({k.span for k in decode}))
         s.cache_memory_bytes = self.buffers.memory_bytes()
         pool = self.kv_pool
+        if self.ledger is not None:
+            s.kv_pages_peak = self.ledger.peak  # the ledger's own, reset when a call plans its pages
         if pool is not None:
             s.kv_page_size = pool.page_size
             s.kv_pages_total = pool.num_pages - 1
@@ -568,9 +570,9 @@ class DecodeGraphRunner:
             s.graph_key_bound = self.buffers.key_bound()
         return s
 
-    def note_call_pages(self, peak: int, preemptions: int) -> None:
-        """Record a call's page peak (the stats report the last call's) and its preemptions (cumulative)."""
-        self._stats.kv_pages_peak = peak
+    def note_preemptions(self, preemptions: int) -> None:
+        """Count a call's preemptions (cumulative in the stats; the scheduler decides them, the runner never
+        sees one)."""
         self._stats.preemptions += preemptions
 
 
