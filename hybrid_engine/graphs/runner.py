@@ -63,6 +63,7 @@ from hybrid_engine.decode.layout import attention_layers
 from hybrid_engine.decode.sampling import sampling_mode
 from hybrid_engine.decode.slots import DecodeSlots
 from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_staged
+from hybrid_engine.decode.step import extend, prefill
 from hybrid_engine.graphs.buffers import EXACT_PROMPT_ROWS, PREFILL_TOKEN_BUDGET, DecodeBuffers
 from hybrid_engine.graphs.fingerprint import graph_fingerprint
 from hybrid_engine.graphs.hooks import HookCaptureError, attributed_hooks
@@ -180,6 +181,26 @@ class DecodeGraphRunner:
     def span_for(self, tokens: int) -> int:
         """The span bucket for rows of up to ``tokens`` tokens (:meth:`DecodeBuffers.span_for`)."""
         return self.buffers.span_for(tokens)
+
+    def prefill_rows(self, rows: torch.Tensor, tables: torch.Tensor, ids: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+        """Prefill left-padded prompts ``ids [n, T]`` into slots ``rows`` on the pages of ``tables`` (their block
+        table rows), eagerly at the batch's exact width (never captured: as transformers prefills); the logits of
+        each prompt's last token."""
+        cache = self.slots.cache
+        cache.block_table.index_copy_(0, rows, tables)
+        return prefill(self.model, cache, ids, mask, rows=rows, checked=True)
+
+    def extend_rows(self, rows: torch.Tensor, tables: torch.Tensor, start: torch.Tensor, ids: torch.Tensor,
+                    mask: torch.Tensor, span: int) -> torch.Tensor:
+        """Continue slots ``rows`` whose first ``start`` tokens are on the pages of ``tables`` already (kept by an
+        earlier call): prefill the tokens after them (``ids``, left-padded), eagerly, reading ``span`` pages a
+        row; the logits of each row's last token."""
+        cache = self.slots.cache
+        cache.block_table.index_copy_(0, rows, tables)
+        cache.write_pos.index_copy_(0, rows, start)
+        cache.position.index_copy_(0, rows, start)
+        return extend(self.model, cache, ids, mask, rows, span)
 
     def spans_between(self, shortest: int, longest: int) -> list[int]:
         """The span buckets rows of ``shortest`` to ``longest`` tokens read."""
