@@ -83,7 +83,8 @@ class HybridEngine(DeepSpeedHybridEngineAPI, DeepSpeedEngineInterface, nn.Module
             check_exact_support(self.inference_module)
         self._latency_init()
         self._routed_generate: list[tuple[nn.Module, Any]] = []
-        if config.hybrid_engine.enabled:
+        he = config.hybrid_engine
+        if he.enabled and "enabled" in he.model_fields_set:  # DeepSpeed's switch, given (not implied by graphs)
             self._route_module_generate()
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -338,7 +339,7 @@ class HybridEngine(DeepSpeedHybridEngineAPI, DeepSpeedEngineInterface, nn.Module
 
     # ------------------------------------------- module.generate routed here (DeepSpeed's hybrid engine does)
     def _route_module_generate(self) -> None:
-        """With ``hybrid_engine.enabled``, as DeepSpeed's hybrid engine: ``module.generate`` (and the unwrapped
+        """With ``hybrid_engine.enabled: true`` given in the config, as DeepSpeed's hybrid engine: ``module.generate`` (and the unwrapped
         model's, under a PEFT wrapper) becomes :meth:`generate`, so a trainer calling
         ``engine.module.generate(...)`` gets the fast path. What the fast path delegates goes to the model's own
         ``generate``, taken before the swap (no recursion). :meth:`destroy` puts them back."""
