@@ -14,7 +14,14 @@ import torch
 
 import hybrid_engine
 from hybrid_engine.tiny_models import PAD_ID, build_model
-from tests.integrations.dschat_step3 import PlainTrainer, Step3Trainer, ValueModel, actor_config, actor_model, prompts
+from tests.integrations.dschat_step3 import (
+    PlainTrainer,
+    Step3Trainer,
+    ValueModel,
+    actor_config,
+    actor_model,
+    prompts,
+)
 from tests.sampled_close import assert_greedy_close
 
 ITERATIONS = 3
