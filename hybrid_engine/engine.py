@@ -201,7 +201,7 @@ class HybridEngine(DeepSpeedHybridEngineAPI, DeepSpeedEngineInterface, nn.Module
         """Train mode (``eval()``: eval mode) for the model, as ``nn.Module.train``; waits for a generation running
         in another thread, which has the model in eval mode until it returns."""
         with exclusive_model_call(self.inference_module, "HybridEngine.train" if mode else "HybridEngine.eval"):
-            if "_iters" in self.__dict__:  # DeepSpeed's hybrid-engine timing (nn.Module.__init__ calls train too)
+            if "_iters" in self.__dict__:  # DeepSpeed's hybrid-engine timing, once __init__ has set its fields
                 self._latency_train() if mode else self._latency_eval()
             return super().train(mode)
 
@@ -339,8 +339,8 @@ class HybridEngine(DeepSpeedHybridEngineAPI, DeepSpeedEngineInterface, nn.Module
 
     # ------------------------------------------- module.generate routed here (DeepSpeed's hybrid engine does)
     def _route_module_generate(self) -> None:
-        """With ``hybrid_engine.enabled: true`` given in the config, as DeepSpeed's hybrid engine: ``module.generate`` (and the unwrapped
-        model's, under a PEFT wrapper) becomes :meth:`generate`, so a trainer calling
+        """With ``hybrid_engine.enabled: true`` given in the config, as DeepSpeed's hybrid engine:
+        ``module.generate`` (and the unwrapped model's, under a PEFT wrapper) becomes :meth:`generate`, so a trainer calling
         ``engine.module.generate(...)`` gets the fast path. What the fast path delegates goes to the model's own
         ``generate``, taken before the swap (no recursion). :meth:`destroy` puts them back."""
         own = self.inference_module.generate  # transformers' (or the instance's own), before any swap
