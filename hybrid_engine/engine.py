@@ -340,8 +340,8 @@ class HybridEngine(DeepSpeedHybridEngineAPI, DeepSpeedEngineInterface, nn.Module
     # ------------------------------------------- module.generate routed here (DeepSpeed's hybrid engine does)
     def _route_module_generate(self) -> None:
         """With ``hybrid_engine.enabled: true`` given in the config, as DeepSpeed's hybrid engine:
-        ``module.generate`` (and the unwrapped model's, under a PEFT wrapper) becomes :meth:`generate`, so a trainer calling
-        ``engine.module.generate(...)`` gets the fast path. What the fast path delegates goes to the model's own
+        ``module.generate`` (and the unwrapped model's, under a PEFT wrapper) becomes :meth:`generate`, so a
+        trainer calling ``engine.module.generate(...)`` gets the fast path. What the fast path delegates goes to the model's own
         ``generate``, taken before the swap (no recursion). :meth:`destroy` puts them back."""
         own = self.inference_module.generate  # transformers' (or the instance's own), before any swap
         self._front_end.delegate = own if self._inference_copy is None else None
