@@ -30,7 +30,6 @@ depend on the pool. It is captured only through the prompt stage
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -96,18 +95,34 @@ def _additive(allowed: torch.Tensor, keys: torch.Tensor, query: torch.Tensor, ki
     return torch.where(allowed, zero, neg)
 
 
-@functools.lru_cache(maxsize=64)
 def _mask_values(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """0 and ``finfo(dtype).min`` as 0-dim ``dtype`` tensors on ``device``: made once, read by every step's mask
     (never written, so a captured step may read them)."""
-    return (torch.zeros((), dtype=dtype, device=device),
-            torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device))
+    return _constant(("mask", dtype, device), lambda: (torch.zeros((), dtype=dtype, device=device),
+                                                       torch.full((), torch.finfo(dtype).min, dtype=dtype,
+                                                                  device=device)))
 
 
-@functools.lru_cache(maxsize=64)
 def _arange(n: int, device: torch.device) -> torch.Tensor:
     """``arange(n)`` on ``device``, made once (never written)."""
-    return torch.arange(n, device=device)
+    return _constant(("arange", n, device), lambda: torch.arange(n, device=device))
+
+
+_CONSTANTS: dict[tuple, Any] = {}
+
+
+def _constant(key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()``, kept under ``key`` when made outside a capture. One made while capturing is not kept: a
+    capture runs none of its work, so its tensors hold their values only after a replay (on CUDA, in the graph's
+    private memory), and an eager step reading them would read garbage."""
+    value = _CONSTANTS.get(key)
+    if value is None:
+        value = make()
+        if not is_capturing():
+            if len(_CONSTANTS) > 256:  # spans and dtypes are few; bound it anyway
+                _CONSTANTS.clear()
+            _CONSTANTS[key] = value
+    return value
 
 
 def build_ring_mask(write_pos: torch.Tensor, ring: int, dtype: torch.dtype, kind: AttentionKind) -> torch.Tensor:

@@ -346,3 +346,25 @@ def test_a_decode_step_reads_one_set_of_indices_set_for_it_and_cleared_after():
     assert len(seen) == model.config.num_hidden_layers and all(f is seen[0] for f in seen)
     assert seen[0].kv_len == 4 and seen[0].read_slots.numel() == 2 * 4 and not seen[0].fresh
     assert cache.forward_indices is None and isinstance(cache.get_seq_length(), int)
+
+
+def test_a_step_captured_before_any_eager_one_leaves_no_constant_an_eager_step_reads(cpu_graphs, monkeypatch):
+    """The mask's constants are made once and kept, but never from inside a capture: a capture runs none of its
+    work, so a tensor it made holds its value only after a replay, and a later eager step would read garbage."""
+    import hybrid_engine.decode.step as step_module
+
+    monkeypatch.setattr(step_module, "_CONSTANTS", {})
+    model = tiny("gpt2")
+    ids, mask = prompts(2)
+    tokens = torch.tensor([5, 7])
+    graph_cache, eager_cache = (PagedKVCache(model.config, 2, CAPACITY, dtype=model.dtype) for _ in range(2))
+    prefill(model, graph_cache, ids, mask)
+    prefill(model, eager_cache, ids, mask)
+    graph = cpu_graphs.create_graph()
+    with cpu_graphs.capture_to_graph(graph):  # the first step of the process: its constants are made here
+        captured = decode_one_token(model, graph_cache, tokens)
+    assert step_module._CONSTANTS == {}
+    eager = decode_one_token(model, eager_cache, tokens)
+    cpu_graphs.replay_graph(graph)
+    assert torch.equal(eager, captured)
+    assert step_module._CONSTANTS  # made eagerly: kept

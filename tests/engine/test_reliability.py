@@ -291,7 +291,7 @@ class Injected(RuntimeError):
 def arm(where, model, monkeypatch, exc):
     """Raise ``exc`` once at ``where``; return a flag list that records the firing."""
     import hybrid_engine.decode.staging as admission
-    import hybrid_engine.generation.scheduler as scheduler
+    import hybrid_engine.graphs.runner as runner_module
     from hybrid_engine.accelerator import CPUGraph, get_accelerator
     from hybrid_engine.decode.slots import DecodeSlots
 
@@ -306,7 +306,7 @@ def arm(where, model, monkeypatch, exc):
             raise exc
 
     if where == "prefill":
-        for mod in (scheduler, admission):
+        for mod in (runner_module, admission):
             real = mod.prefill
             monkeypatch.setattr(mod, "prefill", lambda *a, _real=real, **k: (once(), _real(*a, **k))[1])
     elif where == "capture":
