@@ -48,6 +48,7 @@ def run_call(runner: DecodeGraphRunner, plan: CallPlan, *, t_start: float, profi
     after the call (``hybrid_engine.release_inference_cache``), also when it fails."""
     try:
         before = runner.stats
+        runner.wake(auto=True)  # asleep (sleep()): the pages come back at the same addresses, graphs kept
         state = runner.prepare(rows=plan.max_active, capacity=plan.capacity, num_eos=len(plan.eos_ids),
                                graphs=plan.graphs, budget=plan.budget, prompt_width=plan.prompt_width,
                                top_logprobs=plan.top_logprobs)
@@ -127,6 +128,7 @@ def _call_stats(runner: DecodeGraphRunner, c: Counters, total_s: float, before: 
         rows_moved=c.rows_moved,
         bucket_steps=dict(c.bucket_steps),
         num_sequences=rows,
+        wakes=after.wakes - before.wakes,
         profile=_profile(runner, prefill_ms, c.prefill_forwards, decode_ms, c.decode_steps, capture_ms, after)
         if profiling else None,
     )

@@ -36,6 +36,7 @@ from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_gen
 from hybrid_engine.generation.plan import plan_rollout
 from hybrid_engine.generation.stop_strings import StopStrings
 from hybrid_engine.generation.token_ids import MAX_TOKEN_ID, token_ids
+from hybrid_engine.graphs import handoff
 from hybrid_engine.graphs.runner import DecodeGraphRunner
 from hybrid_engine.graphs.stats import GraphStats
 from hybrid_engine.model_access import check_device, decode_model, model_device
@@ -111,6 +112,7 @@ class HybridEngineRollout:
             config=engine_config if isinstance(engine_config, EngineConfig) else None,
             buckets=config.graph_batch_sizes,
         )
+        self._graphs_asked = False  # a sleep asked for "graphs" (kept: sleeping_tags says so)
 
     @property
     def exact_logprobs(self) -> bool:
@@ -196,6 +198,32 @@ class HybridEngineRollout:
         graph fingerprint cannot see, such as a module-level function patched (:mod:`hybrid_engine.graphs.fingerprint`)."""
         with exclusive_model_call(self.model, "HybridEngineRollout.invalidate_graphs"):
             self.runner.invalidate()
+
+    # ------------------------------------------------------------ sleep/wake
+    def sleep(self, tags: Any = None) -> None:
+        """Release this rollout's memory between rollouts, every graph kept: ``"kv_cache"`` (the page pool, at
+        the same addresses; contents discarded, kept episode pages evicted first) and ``"graphs"`` (kept on every
+        backend so far: :attr:`sleeping_tags` says so). ``None``: both. Waits for a running call on this model;
+        the next ``generate`` wakes what it needs (``last_stats["wakes"]``). See ``docs/memory-handoff.md``."""
+        tags = handoff.check_tags(tags, "HybridEngineRollout.sleep", default=handoff.ROLLOUT_TAGS,
+                                  allowed=handoff.ROLLOUT_TAGS)
+        with exclusive_model_call(self.model, "HybridEngineRollout.sleep"):
+            self._graphs_asked = handoff.sleep_runners([self.runner], tags) or self._graphs_asked
+
+    def wake(self, tags: Any = None) -> None:
+        """Take back what :meth:`sleep` released (``None``: everything asleep), at the same addresses: the next
+        call captures nothing new."""
+        handoff.check_tags(tags, "HybridEngineRollout.wake", default=handoff.ROLLOUT_TAGS,
+                           allowed=handoff.ROLLOUT_TAGS)
+        with exclusive_model_call(self.model, "HybridEngineRollout.wake"):
+            handoff.wake_runners([self.runner])
+            self._graphs_asked = False
+
+    @property
+    def sleeping_tags(self) -> handoff.SleepingTags:
+        """The tags asleep now; ``.kept``: those asked to sleep that keep their memory, and why."""
+        asleep, kept = handoff.runners_sleeping([self.runner], self._graphs_asked)
+        return handoff.SleepingTags(asleep, kept)
 
     @property
     def graph_stats(self) -> GraphStats:
