@@ -51,7 +51,7 @@ from hybrid_engine.graphs.handoff import SleepingTags
 from hybrid_engine.graphs.runner import DecodeGraphRunner
 from hybrid_engine.graphs.stats import GraphStats
 from hybrid_engine.model_access import decode_model
-from hybrid_engine.rollout.handoff import HandoffStats, MemoryHandoff
+from hybrid_engine.rollout.handoff import HandoffStats, MemoryHandoff, sleep_optimizer_during_generation
 from hybrid_engine.training import checkpoint
 from hybrid_engine.training.deepspeed import DeepSpeedTraining
 from hybrid_engine.training.deepspeed import build as build_deepspeed_training
@@ -308,6 +308,8 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         and :mod:`hybrid_engine.graphs.policy` for when graphs are refused.
         """
         with exclusive_model_call(self.inference_module, "HybridEngine.generate"), eval_for_generation(self.module):
+            if self.config.hybrid_engine.sleep_between_phases:  # issue 41: the optimizer sleeps during rollouts
+                sleep_optimizer_during_generation(self)
             with decode_grad_mode(), gathered_for_inference(self.inference_module):
                 return self._front_end.generate(*args, **kwargs)
 

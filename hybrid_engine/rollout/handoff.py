@@ -19,7 +19,7 @@ from typing import Any
 from hybrid_engine.generation.call_context import exclusive_model_call
 from hybrid_engine.graphs import handoff
 
-__all__ = ["HandoffStats", "MemoryHandoff"]
+__all__ = ["HandoffStats", "MemoryHandoff", "sleep_optimizer_during_generation"]
 
 
 @dataclasses.dataclass
@@ -38,6 +38,15 @@ class HandoffStats:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def sleep_optimizer_during_generation(engine: Any) -> None:
+    """``sleep_between_phases``: the optimizer's memory of ``engine`` (a ``HybridEngine``; anything else has
+    none) goes to the host for the generation call about to run; the next training call wakes it. The caller
+    holds the model's call lock."""
+    opt = getattr(getattr(engine, "training_backend", None), "handoff", None)
+    if opt is not None:
+        opt.sleep()
 
 
 class MemoryHandoff:

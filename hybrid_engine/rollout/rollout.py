@@ -41,6 +41,7 @@ from hybrid_engine.graphs.runner import DecodeGraphRunner
 from hybrid_engine.graphs.stats import GraphStats
 from hybrid_engine.model_access import check_device, decode_model, model_device
 from hybrid_engine.rollout.episodes import Episodes, TurnRows
+from hybrid_engine.rollout.handoff import sleep_optimizer_during_generation
 from hybrid_engine.rollout.types import (
     DEFAULT_MAX_BATCH_SIZE,
     RolloutBatch,
@@ -293,7 +294,10 @@ class HybridEngineRollout:
                             stop_strings=stop_strings, turn=turn, max_rows=DEFAULT_MAX_BATCH_SIZE,
                             device=model_device(model))
         runner = self.runner
-        release = runner.config is not None and runner.config.hybrid_engine.release_inference_cache
+        he = runner.config.hybrid_engine if runner.config is not None else None
+        release = he is not None and (he.release_inference_cache or he.sleep_between_phases)
+        if he is not None and he.sleep_between_phases:
+            sleep_optimizer_during_generation(self.engine)
         with self._inference_mode():
             out = run_call(runner, plan, t_start=t_start, profiling=self.config.enable_profiling, release=release)
             if turn is not None:

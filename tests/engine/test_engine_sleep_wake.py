@@ -109,3 +109,65 @@ def test_bad_sleep_requests_are_refused_and_the_engine_stays_usable():
         bare.sleep(["kv_cache", "optimizer"])
     assert bare.sleeping_tags == frozenset()  # refused before anything slept
     _train(engine, 1)
+
+
+def _rl_loop(engine, rollout, steps: int = 3):
+    """Generate with the engine and the rollout, then train on it, ``steps`` times; every output and loss."""
+    outs, losses = [], []
+    ids = _ids(4)
+    mask = torch.ones_like(ids)
+    request, sampling = RolloutRequest(ids, mask), SamplingConfig(max_new_tokens=4, temperature=1.0, seed=2)
+    for s in range(steps):
+        torch.manual_seed(s)
+        outs.append(engine.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=True, top_k=0,
+                                    pad_token_id=0, eos_token_id=NO_EOS))
+        outs.append(rollout.generate(request, sampling).input_ids)
+        asleep = engine.sleeping_tags
+        engine.train()
+        loss = engine(input_ids=outs[-1], labels=outs[-1]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().clone())
+    return outs, losses, asleep
+
+
+def _phase_engine(**he):
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "bf16": {"enabled": True},
+              "hybrid_engine": {"enable_graph_capture": True, **he}}
+    engine, *_ = initialize(model=build_model("tiny-llama", seed=3), config=config)
+    rollout = HybridEngineRollout(engine, config=RolloutConfig(use_graph_capture=True, pad_token_id=0,
+                                                               eos_token_id=NO_EOS, max_batch_size=2))
+    return engine, rollout
+
+
+def test_sleep_between_phases_gives_the_same_rl_loop_and_captures_nothing_more():
+    plain_engine, plain_rollout = _phase_engine()
+    plain_outs, plain_losses, plain_asleep = _rl_loop(plain_engine, plain_rollout)
+    engine, rollout = _phase_engine(sleep_between_phases=True)
+    outs, losses, asleep = _rl_loop(engine, rollout)
+    assert plain_asleep == frozenset()
+    assert asleep == {"kv_cache", "optimizer"}  # after the rollouts: both pools asleep, the optimizer too
+    for a, b in zip(outs, plain_outs):
+        assert torch.equal(a, b)
+    for a, b in zip(losses, plain_losses):
+        assert torch.equal(a, b)
+    for (n, p), q in zip(engine.module.named_parameters(), plain_engine.module.named_parameters()):
+        assert torch.equal(p, q[1]), n
+    assert engine.graph_stats.captures == plain_engine.graph_stats.captures
+    assert rollout.graph_stats.captures == plain_rollout.graph_stats.captures
+    stats = engine.handoff_stats
+    assert stats.optimizer_wakes == 3  # each training step woke it
+    assert stats.kv_cache_wakes == 4  # the engine's and the rollout's pools, woken by calls 2 and 3
+    assert engine.sleeping_tags == {"kv_cache"}  # training woke the optimizer; the pools sleep on
+
+
+def test_release_inference_cache_is_the_hand_off_with_graphs_kept():
+    engine, rollout = _phase_engine(release_inference_cache=True)
+    plain_engine, plain_rollout = _phase_engine()
+    outs, _, asleep = _rl_loop(engine, rollout, steps=3)
+    plain_outs, _, _ = _rl_loop(plain_engine, plain_rollout, steps=3)
+    for a, b in zip(outs, plain_outs):
+        assert torch.equal(a, b)
+    assert asleep == {"kv_cache"}  # the optimizer is not part of release_inference_cache
+    assert engine.graph_stats.captures == plain_engine.graph_stats.captures > 0
+    assert engine.graph_stats.last_refusal_reason is None and engine.last_stats["wakes"] == 1
