@@ -126,7 +126,10 @@ class ZeroHandoff:
             engine.offload_states(include=self._states(), device=OffloadDeviceEnum.cpu, pin_memory=True,
                                   non_blocking=False)
         except Exception as exc:  # DeepSpeed names its own limit (device, optimizer, stage): pass it on
-            raise RuntimeError(f"engine.sleep('optimizer'): DeepSpeed's offload_states refused: {exc}") from exc
+            stage = int(engine.zero_optimization_stage())
+            raise RuntimeError(
+                f"engine.sleep('optimizer') at ZeRO stage {stage}: DeepSpeed's offload_states refused: {exc}; "
+                "nothing was moved: leave 'optimizer' out of the tags (the rollout memory still sleeps)") from exc
         self.asleep = True
 
     def wake(self, *, auto: bool = False) -> bool:

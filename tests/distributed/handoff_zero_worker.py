@@ -59,6 +59,11 @@ def main() -> None:
         result["losses"], result["tags"] = train(engine, True)
     except Exception as exc:  # noqa: BLE001 - the test asserts on the message
         result["error"] = f"{type(exc).__name__}: {exc}"
+        result["tags_after_error"] = sorted(engine.sleeping_tags)
+        ids = torch.randint(4, 384, (2, 8), generator=torch.Generator().manual_seed(rank()))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)  # still trains
+        engine.step()
+        result["trained_after_error"] = True
     result["weights_equal"] = all(torch.equal(p, q) for p, q in zip(plain.module.parameters(),
                                                                      engine.module.parameters()))
     result["addresses_kept"] = addresses == [p.data_ptr() for p in engine.module.parameters()]

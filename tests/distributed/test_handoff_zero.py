@@ -19,6 +19,16 @@ pytestmark = pytest.mark.slow  # launches ranks (tests/tiers.py)
 WORKER = Path(__file__).with_name("handoff_zero_worker.py")
 
 
+def test_zero_3_refusal_names_deepspeeds_limit_and_leaves_the_engine_training(tmp_path):
+    proc = run_ranks([str(WORKER), "3", str(tmp_path)], nproc=2, timeout_s=240)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    for r in range(2):
+        d = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        # DeepSpeed 0.19 offloads stage-3 states only for its FusedAdam (CUDA); the message is DeepSpeed's own.
+        assert "at ZeRO stage 3: DeepSpeed's offload_states refused" in d["error"], d.get("error")
+        assert d["tags_after_error"] == [] and d["trained_after_error"]
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_optimizer_sleep_trains_bit_identically(tmp_path, stage):
     proc = run_ranks([str(WORKER), str(stage), str(tmp_path)], nproc=2, timeout_s=240)
