@@ -54,8 +54,13 @@ def memory_bytes(acc: Any, device: torch.device) -> int:
 def _run_loop(args: argparse.Namespace, acc: Any, device: torch.device, dtype: torch.dtype,
               phases: bool) -> dict[str, Any]:
     from hybrid_engine import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig, initialize
-    from hybrid_engine.benchmarks.toy_grpo import group_advantages, make_prompts, policy_loss, rewards_of, \
-        without_dropout
+    from hybrid_engine.benchmarks.toy_grpo import (
+        group_advantages,
+        make_prompts,
+        policy_loss,
+        rewards_of,
+        without_dropout,
+    )
 
     model = C.build_bench_model(args, dtype, device, seed=args.seed)
     without_dropout(model)
