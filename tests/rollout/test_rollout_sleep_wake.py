@@ -186,3 +186,48 @@ def test_bad_tags_are_refused_and_the_rollout_stays_usable():
     rollout.sleep(["graphs"])  # graphs alone: nothing released (kept), the pool stays
     assert rollout.sleeping_tags == frozenset() and not rollout.runner.sleeping
     assert_batches_identical(rollout.generate(request, SAMPLING), reference)
+
+
+def test_sleep_waits_for_a_running_call_and_refuses_to_nest_inside_one():
+    """A sleep from another thread waits for the running generate (its every forward sees the pool awake); a
+    sleep from inside the call (a hook) is the call lock's nesting error, and the rollout stays usable."""
+    import threading
+    import time
+
+    model = build_model("tiny-llama", seed=0)
+    rollout = HybridEngineRollout(model, config=RolloutConfig(use_graph_capture=False, pad_token_id=0,
+                                                              eos_token_id=NO_EOS, max_batch_size=4))
+    request = left_padded_prompts([5, 9, 3], seed=1)
+    reference = rollout.generate(request, SAMPLING)
+    started, go, seen = threading.Event(), threading.Event(), []
+
+    def hook(module, args, output):
+        seen.append(rollout.runner.sleeping)
+        if not started.is_set():
+            started.set()
+            go.wait(timeout=60)
+
+    handle = model.register_forward_hook(hook)
+    out: dict = {}
+    caller = threading.Thread(target=lambda: out.setdefault("batch", rollout.generate(request, SAMPLING)))
+    sleeper = threading.Thread(target=rollout.sleep)
+    caller.start()
+    assert started.wait(timeout=60)
+    sleeper.start()
+    time.sleep(0.05)  # a nudge, not a measurement: a sleep that did not wait would now run inside the call
+    go.set()
+    caller.join(timeout=120)
+    sleeper.join(timeout=120)
+    handle.remove()
+    assert not any(seen) and len(seen) > 1  # every forward of the call saw the pool awake
+    assert_batches_identical(out["batch"], reference)
+    assert rollout.sleeping_tags == {"kv_cache"}  # the sleep ran, after the call
+
+    def nested(module, args, output):
+        rollout.sleep()
+
+    handle = model.register_forward_hook(nested)
+    with pytest.raises(RuntimeError, match="HybridEngineRollout.sleep: this model is in use"):
+        rollout.generate(request, SAMPLING)
+    handle.remove()
+    assert_batches_identical(rollout.generate(request, SAMPLING), reference)
