@@ -15,9 +15,10 @@ because zeros read from a released page would hide the bug (CUDA faults there).
 On wake the whole arena is filled with NaN, so anything that relies on contents
 kept across a sleep, or on a page nobody re-zeroed, fails visibly.
 
-Devices without such storage (accelerators here: no VMM allocator yet) get
-plain ``torch.zeros`` storage (:func:`make_arena` returns ``None``); their
-owners drop and recapture instead.
+On CUDA, where ``cuda-bindings`` is installed and its probe passes, the storage
+is CUDA VMM (:mod:`hybrid_engine.accelerator.cuda_vmm`: not yet run on a GPU).
+Other devices get plain ``torch.zeros`` storage (:func:`make_arena` returns
+``None``); their owners drop and recapture instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import sys
 
 import torch
 
+from hybrid_engine.accelerator import cuda_vmm
+
 __all__ = ["HostArena", "make_arena", "supports_release"]
 
 _ALIGN = 64  # bytes: every tensor carved from an arena starts on a cache line
@@ -34,7 +37,10 @@ _ALIGN = 64  # bytes: every tensor carved from an arena starts on a cache line
 
 def supports_release(device: torch.device) -> bool:
     """Whether :func:`make_arena` gives ``device`` releasable storage at fixed addresses."""
-    return torch.device(device).type == "cpu" and hasattr(mmap, "MADV_DONTNEED") and sys.platform != "win32"
+    device = torch.device(device)
+    if device.type == "cuda":
+        return cuda_vmm.vmm_unavailable(device) is None
+    return device.type == "cpu" and hasattr(mmap, "MADV_DONTNEED") and sys.platform != "win32"
 
 
 class HostArena:
@@ -96,6 +102,8 @@ class HostArena:
         return list(self._tensors)
 
 
-def make_arena(nbytes: int, device: torch.device) -> HostArena | None:
+def make_arena(nbytes: int, device: torch.device) -> HostArena | cuda_vmm.VmmArena | None:
     """Releasable storage of ``nbytes`` for ``device``, or ``None`` where there is none (plain tensors then)."""
-    return HostArena(nbytes) if supports_release(device) else None
+    if not supports_release(device):
+        return None
+    return cuda_vmm.VmmArena(nbytes, device) if torch.device(device).type == "cuda" else HostArena(nbytes)
