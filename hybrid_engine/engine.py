@@ -41,6 +41,7 @@ from torch import nn
 
 from hybrid_engine.config.loading import ConfigSource, load_config
 from hybrid_engine.config.schema import EngineConfig
+from hybrid_engine.distributed.deepspeed_import import REPLACES_DEEPSPEED_INITIALIZE, remember_initialize
 from hybrid_engine.distributed.inference_copy import InferenceCopy
 from hybrid_engine.distributed.world import rank, world_size
 from hybrid_engine.distributed.zero3 import gathered_for_inference
@@ -56,13 +57,14 @@ from hybrid_engine.training import checkpoint
 from hybrid_engine.training.deepspeed import DeepSpeedTraining
 from hybrid_engine.training.deepspeed import build as build_deepspeed_training
 from hybrid_engine.training.deepspeed_interface import DeepSpeedEngineInterface
+from hybrid_engine.training.hybrid_engine_api import DeepSpeedHybridEngineAPI
 from hybrid_engine.training.local import LocalTraining, build_optimizer, build_scheduler, check_lr_kwargs
 from hybrid_engine.training.precision import MasterWeights
 
 __all__ = ["HybridEngine", "initialize"]
 
 
-class HybridEngine(DeepSpeedEngineInterface, nn.Module):
+class HybridEngine(DeepSpeedHybridEngineAPI, DeepSpeedEngineInterface, nn.Module):
     """Wraps ``module`` (a causal LM) for training and fast rollout generation.
 
     Built by :func:`initialize` or :meth:`from_deepspeed`; ``training_backend``
@@ -81,6 +83,11 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         self._front_end = GenerateFrontEnd(self.inference_module, config)
         if config.hybrid_engine.exact_logprobs:
             check_exact_support(self.inference_module)
+        self._latency_init()
+        self._routed_generate: list[tuple[nn.Module, Any]] = []
+        he = config.hybrid_engine
+        if he.enabled and "enabled" in he.model_fields_set:  # DeepSpeed's switch, given (not implied by graphs)
+            self._route_module_generate()
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "module" and "module" in self.__dict__.get("_modules", {}):
@@ -196,6 +203,8 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         """Train mode (``eval()``: eval mode) for the model, as ``nn.Module.train``; waits for a generation running
         in another thread, which has the model in eval mode until it returns."""
         with exclusive_model_call(self.inference_module, "HybridEngine.train" if mode else "HybridEngine.eval"):
+            if "_iters" in self.__dict__:  # DeepSpeed's hybrid-engine timing, once __init__ has set its fields
+                self._latency_train() if mode else self._latency_eval()
             return super().train(mode)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -223,6 +232,7 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
             self.training_backend.step(lr_kwargs=lr_kwargs)
             if self._inference_copy is not None and self.training_backend.global_steps != steps:
                 self._inference_copy.refresh()  # in place: graphs on the copy replay the new weights
+        self._latency_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         self.training_backend.zero_grad(set_to_none=set_to_none)
@@ -307,11 +317,17 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         (:mod:`hybrid_engine.generation.call_context`). See :mod:`hybrid_engine.generation.generate` for the paths
         and :mod:`hybrid_engine.graphs.policy` for when graphs are refused.
         """
+        self._latency_generate_start(args, kwargs)
         with exclusive_model_call(self.inference_module, "HybridEngine.generate"), eval_for_generation(self.module):
             if self.config.hybrid_engine.sleep_between_phases:  # issue 41: the optimizer sleeps during rollouts
                 sleep_optimizer_during_generation(self)
             with decode_grad_mode(), gathered_for_inference(self.inference_module):
-                return self._front_end.generate(*args, **kwargs)
+                if self.zero_stage == 3:
+                    self._latency_gathered()
+                try:
+                    return self._front_end.generate(*args, **kwargs)
+                finally:
+                    self._latency_generate_end()
 
     def destroy(self) -> None:
         """Release the engine's decode buffers and graphs and, under ZeRO, DeepSpeed's engine state.
@@ -323,8 +339,31 @@ class HybridEngine(DeepSpeedEngineInterface, nn.Module):
         """
         with exclusive_model_call(self.inference_module, "HybridEngine.destroy"):  # after a running generate
             self._front_end.runner.release()
+            self._restore_module_generate()
         if isinstance(self.training_backend, DeepSpeedTraining):
             self.training_backend.destroy()
+
+    # ------------------------------------------- module.generate routed here (DeepSpeed's hybrid engine does)
+    def _route_module_generate(self) -> None:
+        """With ``hybrid_engine.enabled: true`` given in the config, as DeepSpeed's hybrid engine:
+        ``module.generate`` (and the unwrapped model's, under a PEFT wrapper) becomes :meth:`generate`, so a
+        trainer calling ``engine.module.generate(...)`` gets the fast path. What the fast path delegates goes to the model's own
+        ``generate``, taken before the swap (no recursion). :meth:`destroy` puts them back."""
+        own = self.inference_module.generate  # transformers' (or the instance's own), before any swap
+        self._front_end.delegate = own if self._inference_copy is None else None
+        for target in dict.fromkeys([self.module, decode_model(self.module)]):
+            if callable(getattr(target, "generate", None)):
+                self._routed_generate.append((target, target.__dict__.get("generate", _NOT_SET)))
+                target.__dict__["generate"] = self.generate  # plain instance attribute: no nn.Module registration
+
+    def _restore_module_generate(self) -> None:
+        for target, previous in reversed(self._routed_generate):
+            if previous is _NOT_SET:
+                target.__dict__.pop("generate", None)
+            else:
+                target.__dict__["generate"] = previous
+        self._routed_generate.clear()
+        self._front_end.delegate = None
 
     def invalidate_graphs(self) -> None:
         """Drop ``generate``'s graphs; the next call captures again. Needed only after a change the graph
@@ -475,6 +514,13 @@ def initialize(
         training = _local_training(model, optimizer, cfg, lr_scheduler, model_parameters)
     engine = HybridEngine(model, cfg, training)
     return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+setattr(initialize, REPLACES_DEEPSPEED_INITIALIZE, True)  # `deepspeed.initialize = initialize` must not recurse
+remember_initialize()  # DeepSpeed's own, if it is imported (and still its own)
+
+#: No instance attribute was there before the engine routed ``generate``.
+_NOT_SET = object()
 
 
 def _data_parallel_ranks(mpu: Any) -> int:

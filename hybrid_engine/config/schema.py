@@ -511,7 +511,9 @@ class HybridEngineConfig(BaseModel):
     def _enabled_gates_graph_capture(self) -> HybridEngineConfig:
         if "enabled" not in self.model_fields_set:
             if self.enable_graph_capture:  # asking for graphs implies the engine is on: a dump loads back the same
-                self.enabled = True
+                # Not marked as set: only an explicit ``enabled: true`` (DeepSpeed's switch) routes the model's
+                # own ``generate`` to the engine (HybridEngine._route_module_generate).
+                self.__dict__["enabled"] = True
         elif not self.enabled and self.enable_graph_capture:
             if _ALIAS_TARGET in self.model_fields_set:
                 warnings.warn(

@@ -74,7 +74,7 @@ def run_call(runner: DecodeGraphRunner, plan: CallPlan, *, t_start: float, profi
         with runner.accelerator.on_device(state.device):  # the model's device, not the current one
             runner.accelerator.synchronize()
         total_s = time.perf_counter() - t_start
-        runner.note_call_pages(counters.kv_pages_peak, counters.preemptions)
+        runner.note_preemptions(counters.preemptions)
         stats = _call_stats(runner, counters, total_s, before, runner.stats, len(requests),
                             runner.bucket_for(plan.max_active), profiling)
         ok = True

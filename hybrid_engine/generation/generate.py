@@ -19,7 +19,10 @@ Paths, decided once per call before any decode step:
   slot scheduler (:mod:`hybrid_engine.generation.scheduler`), with transformers'
   semantics: EOS is suppressed below ``min_new_tokens`` (a device comparison in
   the step), rows that emitted EOS are padded with ``pad_token_id``, and the
-  output ends once every row has finished. Steps replay the graph captured
+  output ends once every row has finished. ``synced_gpus=True`` (DeepSpeed-Chat
+  passes it under ZeRO-3) stays on this path: no step makes a collective call
+  (under ZeRO-3 each rank's call gathers the parameters once, on entry), so a
+  rank whose rows finish early has no peer to keep stepping for. Steps replay the graph captured
   for the batch bucket and sampling mode when the graph policy allows it, and
   run the same step eagerly otherwise, so any length, EOS, greedy or sampled
   decoding replays graphs, and changing the prompt width or the length reuses
@@ -90,7 +93,9 @@ _FAST_KWARGS: dict[str, Any] = {
     "output_logits": False,
     "output_attentions": False,
     "output_hidden_states": False,
-    "synced_gpus": False,
+    # Any value: a fast-path call makes no collective per step (under ZeRO-3 every rank's call gathers the
+    # parameters once, on entry, and decodes locally), so a rank that finishes early has nothing to step on for.
+    "synced_gpus": None,
 }
 # generate()'s own parameters besides the prompt: None is what transformers takes when they are not passed.
 _GENERATE_PARAMS = ("generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
@@ -209,12 +214,19 @@ class GenerateFrontEnd:
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig):
         self.model = model
-        self.config = config
         self.runner = DecodeGraphRunner(model, config=config)
         #: The last fast-path call's :class:`~hybrid_engine.graphs.stats.CallStats` dict (``{}`` before one).
         self.last_stats: dict[str, Any] = {}
+        #: Transformers' ``generate`` for delegated calls, when the model's own ``generate`` attribute has been
+        #: routed to the engine (``None``: ``model.generate``). Without it a delegated call would come back here.
+        self.delegate: Any = None
         if not config.hybrid_engine.enable_graph_capture:
             self.runner.note_refusal(GRAPHS_OFF, warn=False)
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's config: the one its runner's graph policy holds (one reference, not two)."""
+        return self.runner.config
 
     # --------------------------------------------------------------- stats
     def gate_reason(self) -> str | None:
@@ -430,13 +442,19 @@ class GenerateFrontEnd:
                              pad=pad, seed=seed)
 
     # ----------------------------------------------------------------- run
+    def _transformers_generate(self, *args: Any, **kwargs: Any) -> Any:
+        return (self.delegate or self.model.generate)(*args, **kwargs)
+
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         t_start = time.perf_counter()
         if kwargs.get("inputs_embeds") is not None:  # the fast path starts from token ids
             self.runner.note_refusal("generate(inputs_embeds=...) is not covered by the fast decode path; delegated "
                                      "to transformers' generate, which runs eagerly.",
                                      warn=self.config.hybrid_engine.enable_graph_capture)
-            return self.model.generate(*args, **kwargs)
+            return self._transformers_generate(*args, **kwargs)
+        synced = kwargs.get("synced_gpus")
+        if synced is not None and not isinstance(synced, bool):
+            raise TypeError(f"generate(): synced_gpus must be True or False, got {synced!r}")
         input_ids, mask = self._validate(args, kwargs)
         effective = mask if mask is not None else self._inferred_mask(input_ids, kwargs)
         self._check_search_counts(input_ids, effective, kwargs)
@@ -445,7 +463,7 @@ class GenerateFrontEnd:
             self.runner.note_refusal(reason, warn=self.config.hybrid_engine.enable_graph_capture)
             if mask is not None:
                 kwargs["attention_mask"] = mask
-            return self.model.generate(input_ids=input_ids, **kwargs)
+            return self._transformers_generate(input_ids=input_ids, **kwargs)
         max_new, min_new = self._lengths(input_ids, effective, kwargs)
         # One seed per call, from torch's global generator (torch.manual_seed makes it reproducible), made
         # distinct per data-parallel rank (ranks usually seed alike).

@@ -32,7 +32,8 @@ from hybrid_engine.distributed.ranks import rank_seed
 from hybrid_engine.generation.request import Request
 from hybrid_engine.generation.stop_strings import StopStrings
 
-__all__ = ["CallNames", "CallPlan", "MAX_BATCH_ELEMENTS", "check_positions", "plan_generate", "plan_rollout"]
+__all__ = ["GENERATE", "MAX_BATCH_ELEMENTS", "ROLLOUT", "CallNames", "CallPlan", "check_batch_size", "check_cache_length",
+           "check_generate_length", "check_positions", "knob_table", "plan_generate", "plan_rollout"]
 
 
 #: The most tokens one call's rows may hold (2**31: a 16 GiB int64 tensor), a guard against a mistyped

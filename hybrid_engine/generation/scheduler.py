@@ -68,7 +68,6 @@ from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import NULL_PAGE, HeldPages
 from hybrid_engine.decode.slots import DecodeSlots
 from hybrid_engine.decode.staging import start_from_logits
-from hybrid_engine.decode.step import extend, prefill
 from hybrid_engine.generation.pages import AdmittedPages, PagePlan
 from hybrid_engine.generation.request import Request
 from hybrid_engine.generation.schedule_policy import (
@@ -291,10 +290,9 @@ def _staged_start(staging: _Staging, unit: tuple[int, ...], slot: int, req: Requ
              pages.src, pages.dst, req.knob] + pages.table)
 
 
-def _write_tables(cache: PagedKVCache, rows: torch.Tensor, tables: list[list[int]], counters: Counters) -> None:
-    """Write the block table rows ``rows`` (their pages, then the null page)."""
-    cache.block_table.index_copy_(0, rows, _index([t + [NULL_PAGE] * (cache.max_pages - len(t)) for t in tables],
-                                                  rows.device, counters))
+def _tables(cache: PagedKVCache, tables: list[list[int]], counters: Counters) -> torch.Tensor:
+    """Block table rows on the device: each row's pages, then the null page."""
+    return _index([t + [NULL_PAGE] * (cache.max_pages - len(t)) for t in tables], cache.device, counters)
 
 
 def _unstaged_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int], reqs: list[Request],
@@ -317,10 +315,9 @@ def _unstaged_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int],
     counters.prefill_rows += n
     counters.prefill_tokens += sum(r.prompt_len for r in reqs[:n])
     rows = _index(slots[:n], device, counters)
-    _write_tables(state.cache, rows, taken, counters)
     index = _index([r.prompt_index for r in reqs[:n]], device, counters)
-    logits = prefill(runner.model, state.cache, prompt_ids.index_select(0, index), prompt_mask.index_select(0, index),
-                     rows=rows, checked=True)
+    logits = runner.prefill_rows(rows, _tables(state.cache, taken, counters), prompt_ids.index_select(0, index),
+                                 prompt_mask.index_select(0, index))
     _start(state, logits, rows, reqs[:n], sampling_key, seed, counters)
     return n
 
@@ -347,11 +344,10 @@ def _resume(runner: DecodeGraphRunner, plan: PagePlan, slot: int, req: Request, 
     state = runner.slots
     device = state.device
     out_tokens, out_logprobs, top_ids, top_lp = results
-    state.cache.block_table[slot].copy_(_index(pages + [NULL_PAGE] * (state.cache.max_pages - len(pages)), device, counters))
     history = out_tokens[req.row, : generated - 1]
     ids = torch.cat([prompt_ids[req.prompt_index], history])[None]
     mask = torch.cat([prompt_mask[req.prompt_index], torch.ones_like(history)])[None]
-    prefill(runner.model, state.cache, ids, mask, rows=_index([slot], device, counters), checked=True)
+    runner.prefill_rows(_index([slot], device, counters), _tables(state.cache, [pages], counters), ids, mask)
     state.resume(slot, out_tokens[req.row], out_logprobs[req.row], generated,
                  seed=req.seed_or(seed),
                  stream=req.stream, budget=req.budget, min_tokens=req.min_tokens,
@@ -392,16 +388,12 @@ def _continue_round(runner: DecodeGraphRunner, plan: PagePlan, slots: list[int],
     new = [r.prompt_len - c for r, c in zip(reqs, cached)]
     width = max(new)
     rows = _index(slots[:n], device, counters)
-    _write_tables(cache, rows, tables, counters)
-    start = _index(cached, device, counters)
-    cache.write_pos.index_copy_(0, rows, start)
-    cache.position.index_copy_(0, rows, start)
     index = _index([r.prompt_index for r in reqs[:n]], device, counters)
     pad = width - _index(new, device, counters)
     ids = prompt_ids.index_select(0, index)[:, -width:]
     mask = (torch.arange(width, device=device)[None, :] >= pad[:, None]).to(prompt_mask.dtype)
-    logits = extend(runner.model, cache, ids, mask, rows,
-                    runner.span_for(max(r.prompt_len for r in reqs[:n])))
+    logits = runner.extend_rows(rows, _tables(cache, tables, counters), _index(cached, device, counters), ids, mask,
+                                runner.span_for(max(r.prompt_len for r in reqs[:n])))
     _start(state, logits, rows, reqs[:n], sampling_key, seed, counters)
     counters.prefill_forwards += 1
     counters.prefill_rows += n

@@ -19,7 +19,9 @@ disagree with eager decoding without any error:
 * the module tree and each module's plain attributes: a submodule swapped or
   its ``forward`` patched on the instance or its class, a norm's ``eps``, a tensor
   attribute that is neither a parameter nor a buffer re-assigned, and
-  the state of an adapter layer (:func:`adapter_fingerprint`).
+  the state of an adapter layer (:func:`adapter_fingerprint`). A plain attribute
+  *added* after the module was first seen (a trainer's ``module._num_params``) is
+  no part of it: no captured code read it (one that shadows a class attribute is).
 
 :func:`graph_fingerprint` covers them all; the runner compares it before each
 call's replays and recaptures when it changed. A module-level function patched
@@ -33,6 +35,8 @@ captured is named (:mod:`hybrid_engine.graphs.hooks`).
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -122,17 +126,38 @@ def _plain(value: Any) -> Any:
     return _SKIP
 
 
+#: Per module, the plain attributes it had when first fingerprinted (before any capture of it): the state its
+#: code was written to read. An attribute set later is no part of what a graph froze (DeepSpeed-Chat's
+#: throughput printer sets ``module._num_params``), unless it shadows one the class defines (``is_causal``).
+_KNOWN_ATTRS: weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
+_KNOWN_LOCK = threading.Lock()
+_MISSING = ("missing",)
+
+
+def _read_attrs(m: torch.nn.Module) -> list[str]:
+    """The names of ``m``'s plain attributes a forward can read: those it had at first sight, and any that
+    shadows a class attribute; in a fixed order."""
+    own = [k for k in m.__dict__ if k not in _MODULE_INTERNALS and k not in _UNREAD_MODULE_ATTRS]
+    with _KNOWN_LOCK:
+        known = _KNOWN_ATTRS.get(m)
+        if known is None:
+            known = _KNOWN_ATTRS[m] = frozenset(own)
+    cls = type(m)
+    return sorted(known | {k for k in own if k not in known and hasattr(cls, k)})
+
+
 def module_fingerprint(model: torch.nn.Module) -> tuple:
     """Per module: where it is (name, identity, class), its ``forward`` (set on the instance or patched on the
     class: a kernel patch), and its plain host attributes (``eps``, flags): what a captured step freezes from
-    the module tree, so a submodule swapped or patched, or an attribute changed, after a capture drops the
-    graphs."""
+    the module tree, so a submodule swapped or patched, or an attribute changed or deleted, after a capture
+    drops the graphs. A plain attribute added after the module was first fingerprinted is left out (no
+    captured code read it), unless it shadows a class attribute (:func:`_read_attrs`)."""
     out = []
     for name, m in model.named_modules():
         state = m.__dict__
         forward = state.get("forward", type(m).forward)
-        attrs = tuple((k, v) for k, v in ((k, _plain(v)) for k, v in state.items()
-                                          if k not in _MODULE_INTERNALS and k not in _UNREAD_MODULE_ATTRS)
+        attrs = tuple((k, v) for k, v in ((k, _plain(state[k]) if k in state else _MISSING)
+                                          for k in _read_attrs(m))
                       if v is not _SKIP)
         out.append((name, id(m), type(m).__qualname__, id(forward), attrs))
     return tuple(out)

@@ -63,6 +63,7 @@ from hybrid_engine.decode.layout import attention_layers
 from hybrid_engine.decode.sampling import sampling_mode
 from hybrid_engine.decode.slots import DecodeSlots
 from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_staged
+from hybrid_engine.decode.step import extend, prefill
 from hybrid_engine.graphs import handoff
 from hybrid_engine.graphs.buffers import EXACT_PROMPT_ROWS, PREFILL_TOKEN_BUDGET, DecodeBuffers
 from hybrid_engine.graphs.fingerprint import graph_fingerprint
@@ -182,6 +183,26 @@ class DecodeGraphRunner:
     def span_for(self, tokens: int) -> int:
         """The span bucket for rows of up to ``tokens`` tokens (:meth:`DecodeBuffers.span_for`)."""
         return self.buffers.span_for(tokens)
+
+    def prefill_rows(self, rows: torch.Tensor, tables: torch.Tensor, ids: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+        """Prefill left-padded prompts ``ids [n, T]`` into slots ``rows`` on the pages of ``tables`` (their block
+        table rows), eagerly at the batch's exact width (never captured: as transformers prefills); the logits of
+        each prompt's last token."""
+        cache = self.slots.cache
+        cache.block_table.index_copy_(0, rows, tables)
+        return prefill(self.model, cache, ids, mask, rows=rows, checked=True)
+
+    def extend_rows(self, rows: torch.Tensor, tables: torch.Tensor, start: torch.Tensor, ids: torch.Tensor,
+                    mask: torch.Tensor, span: int) -> torch.Tensor:
+        """Continue slots ``rows`` whose first ``start`` tokens are on the pages of ``tables`` already (kept by an
+        earlier call): prefill the tokens after them (``ids``, left-padded), eagerly, reading ``span`` pages a
+        row; the logits of each row's last token."""
+        cache = self.slots.cache
+        cache.block_table.index_copy_(0, rows, tables)
+        cache.write_pos.index_copy_(0, rows, start)
+        cache.position.index_copy_(0, rows, start)
+        return extend(self.model, cache, ids, mask, rows, span)
 
     def spans_between(self, shortest: int, longest: int) -> list[int]:
         """The span buckets rows of ``shortest`` to ``longest`` tokens read."""
@@ -600,6 +621,8 @@ class DecodeGraphRunner:
         s.span_buckets = tuple(sorted({k.span for k in decode}))
         s.cache_memory_bytes = self.buffers.memory_bytes()
         pool = self.kv_pool
+        if self.ledger is not None:
+            s.kv_pages_peak = self.ledger.peak  # the ledger's own, reset when a call plans its pages
         if pool is not None:
             s.kv_page_size = pool.page_size
             s.kv_pages_total = pool.num_pages - 1
@@ -608,9 +631,9 @@ class DecodeGraphRunner:
             s.graph_key_bound = self.buffers.key_bound()
         return s
 
-    def note_call_pages(self, peak: int, preemptions: int) -> None:
-        """Record a call's page peak (the stats report the last call's) and its preemptions (cumulative)."""
-        self._stats.kv_pages_peak = peak
+    def note_preemptions(self, preemptions: int) -> None:
+        """Count a call's preemptions (cumulative in the stats; the scheduler decides them, the runner never
+        sees one)."""
         self._stats.preemptions += preemptions
 
 

@@ -54,6 +54,7 @@ from hybrid_engine.training.checkpoint_files import (
     write_latest,
 )
 from hybrid_engine.training.local import LocalTraining
+from hybrid_engine.training.overflow import publish_scale
 
 
 class CheckpointedEngine(Protocol):
@@ -394,6 +395,7 @@ def load(engine: CheckpointedEngine, load_dir: Any, tag: str | None, *, load_mod
             training.optimizer.load_state_dict(state["optimizer"])
         if training.scaler is not None and state["loss_scaler"] is not None:
             training.scaler.load_state_dict(state["loss_scaler"])
+            publish_scale(training.optimizer, training)
         if load_lr_scheduler_states and training.lr_scheduler is not None and state["lr_scheduler"] is not None:
             training.lr_scheduler.load_state_dict(state["lr_scheduler"])
         training.global_steps = state["global_steps"]

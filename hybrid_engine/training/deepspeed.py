@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from hybrid_engine.config.schema import EngineConfig
-from hybrid_engine.distributed.deepspeed_import import import_deepspeed
+from hybrid_engine.distributed.deepspeed_import import deepspeed_initialize, import_deepspeed
 from hybrid_engine.distributed.world import one_rank_without_launcher, rank
 from hybrid_engine.training.checkpoint_files import (
     begin_save,
@@ -120,7 +120,8 @@ def build(model: nn.Module, optimizer: Any, config: EngineConfig, lr_scheduler: 
             "plain PyTorch)")
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
-    ds_engine, _, _, _ = deepspeed.initialize(
+    # Not deepspeed.initialize: a script may have replaced it with hybrid_engine.initialize (it would recurse).
+    ds_engine, _, _, _ = deepspeed_initialize(deepspeed)(
         model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
         config=deepspeed_config(config), mpu=mpu, dist_init_required=dist_init_required,
     )

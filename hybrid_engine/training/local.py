@@ -47,6 +47,7 @@ from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.distributed.world import rank
 from hybrid_engine.model_access import model_device
 from hybrid_engine.training.handoff import handoff_for
+from hybrid_engine.training.overflow import attach_overflow_surface, publish_scale, take_skip_request
 from hybrid_engine.training.precision import MasterWeights
 from hybrid_engine.user_warnings import user_stacklevel
 
@@ -372,6 +373,7 @@ class LocalTraining:
         if config.fp16.enabled:
             # GradScaler scales, unscales and skips; the scale itself follows DeepSpeed's policy.
             self.scaler = PolicyGradScaler(model_device(module).type, LossScalePolicy(config.fp16))
+        attach_overflow_surface(optimizer, self)  # DeepSpeed's optimizer.overflow/check_overflow/skip_step
         #: The optimizer's memory hand-off (engine.sleep("optimizer")); ``None`` without an optimizer.
         self.handoff = handoff_for(self)
 
@@ -425,6 +427,9 @@ class LocalTraining:
         self.step_applied = False
         if not boundary:
             return
+        if take_skip_request(optimizer):  # optimizer.skip_step = True, as DeepSpeed's: no update, scale kept
+            self._skip_requested_step()
+            return
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         if self.config.gradient_clipping > 0:
@@ -433,11 +438,13 @@ class LocalTraining:
         stepped = True
         if self.scaler is not None:
             stepped = self._grads_finite()  # unscaled above; GradScaler skips exactly these steps
+            optimizer.overflow = not stepped
             if stepped:
                 self._save_for_undo()
             self.scaler.step(optimizer)
             # The scale answers gradient overflow only: an update undone below is no reason to lower it.
             self.scaler.update(new_scale=self.scaler.policy.update(overflow=not stepped))
+            publish_scale(optimizer, self)
         elif self.masters is not None and self.config.bf16.check_grad_overflow and not self._grads_finite():
             stepped = False  # as DeepSpeed's bf16 check_grad_overflow: skip, so no NaN reaches the weights
         else:
@@ -463,6 +470,18 @@ class LocalTraining:
             self.zero_grad()
             self.global_steps += 1
             self._report_progress()
+
+    def _skip_requested_step(self) -> None:
+        """A boundary step skipped on request (``optimizer.skip_step``): gradients dropped, counted as skipped."""
+        self.zero_grad()
+        self.skipped_steps += 1
+        self.global_steps += 1
+        self._report_progress()
+
+    def gradients_overflow(self) -> bool:
+        """Whether the gradients held now overflow the fp16 loss scale (never under bf16/fp32, as DeepSpeed's
+        bf16 optimizer reports none): :mod:`hybrid_engine.training.overflow`'s ``check_overflow``."""
+        return self.scaler is not None and self.optimizer is not None and not self._grads_finite()
 
     def _report_progress(self) -> None:
         """DeepSpeed's progress line every ``steps_per_print`` optimizer steps (logged at INFO, rank 0)."""

@@ -16,6 +16,7 @@ import torch
 from conftest import left_padded_prompts as prompts
 
 import hybrid_engine.generation.scheduler as scheduler
+import hybrid_engine.graphs.runner as runner_module
 from hybrid_engine.accelerator import CPUAccelerator, get_accelerator, set_accelerator
 from hybrid_engine.accelerator.cpu_graph import is_cpu_graph_capturing
 from hybrid_engine.config.loading import load_config
@@ -286,13 +287,13 @@ def test_attention_implementation_outside_the_capturable_set_is_refused():
 
 def test_prompt_forward_never_graphed(monkeypatch):
     calls = []
-    real = scheduler.prefill
+    real = runner_module.prefill
 
     def spy(*a, **k):
         calls.append(get_accelerator().is_current_stream_capturing())
         return real(*a, **k)
 
-    monkeypatch.setattr(scheduler, "prefill", spy)
+    monkeypatch.setattr(runner_module, "prefill", spy)
     graph, _ = engines(build_model("tiny-llama"))
     gen(graph, *prompts(2, 4), n=4)
     gen(graph, *prompts(2, 4, seed=1), n=4)

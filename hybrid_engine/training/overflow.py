@@ -1,0 +1,76 @@
+"""DeepSpeed's fp16 loss-scaler surface on the stage-0 optimizer.
+
+DeepSpeed hands its trainer an optimizer wrapper (``FP16_Optimizer``, the ZeRO optimizers) that scripts
+query between ``backward`` and ``step``: ``optimizer.overflow`` (did the last step overflow),
+``check_overflow(external=...)`` (do the gradients held now overflow), ``skip_step`` (set it to skip the next
+step, e.g. to keep an actor and a critic in lockstep: DeepSpeed-Chat's ``--align_overflow``),
+``loss_scale``/``cur_scale``. At stage 0 the engine returns the torch optimizer itself (so
+``isinstance(opt, torch.optim.Optimizer)`` and its ``state_dict`` stay as they are);
+:func:`attach_overflow_surface` sets these names on that instance, answered by the stage-0 backend:
+
+* fp16: ``overflow`` is whether the last optimizer step found non-finite gradients (that step was skipped
+  and the loss scale backed off, as DeepSpeed's dynamic scaler does); ``check_overflow`` checks the
+  gradients accumulated so far and sets ``overflow``; ``loss_scale``/``cur_scale`` are the scale now.
+* bf16 and fp32: no loss scaling, so ``overflow`` is ``False`` and ``check_overflow`` returns ``False``
+  (DeepSpeed's bf16 optimizer keeps no overflow flag); the scale is 1.
+* ``skip_step = True``: the next optimizer step (accumulation boundary) is skipped whatever the gradients:
+  no update, no LR-scheduler step, the scale unchanged, counted in ``skipped_steps``; the flag then resets.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["OverflowSource", "attach_overflow_surface", "publish_scale", "take_skip_request"]
+
+
+class OverflowSource(Protocol):
+    """What the surface reads from the stage-0 backend."""
+
+    @property
+    def loss_scale(self) -> float: ...
+
+    def gradients_overflow(self) -> bool: ...
+
+
+class _CheckOverflow:
+    """``optimizer.check_overflow(external=False)``: a callable attribute (picklable with its backend)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, source: OverflowSource) -> None:
+        self.optimizer, self.source = optimizer, source
+
+    def __call__(self, external: bool = False, partition_gradients: bool = True) -> bool:
+        """Whether the gradients accumulated now hold inf/NaN (fp16 only); sets ``optimizer.overflow``.
+        ``external`` and ``partition_gradients`` are DeepSpeed's switches; one process has nothing to reduce."""
+        if not isinstance(external, bool):
+            raise TypeError(f"optimizer.check_overflow(external=...): expected True or False, got {external!r}")
+        overflow = self.source.gradients_overflow()
+        self.optimizer.overflow = overflow
+        return overflow
+
+
+def attach_overflow_surface(optimizer: torch.optim.Optimizer | None, source: OverflowSource) -> None:
+    """Set ``overflow``, ``skip_step``, ``check_overflow``, ``loss_scale`` and ``cur_scale`` on ``optimizer``."""
+    if optimizer is None:
+        return
+    optimizer.overflow = False
+    optimizer.skip_step = False
+    optimizer.check_overflow = _CheckOverflow(optimizer, source)
+    publish_scale(optimizer, source)
+
+
+def publish_scale(optimizer: torch.optim.Optimizer | None, source: OverflowSource) -> None:
+    """Refresh ``loss_scale``/``cur_scale`` after the scale may have changed (a step, a checkpoint load)."""
+    if optimizer is not None:
+        scale = float(source.loss_scale)
+        optimizer.loss_scale = optimizer.cur_scale = scale
+
+
+def take_skip_request(optimizer: Any) -> bool:
+    """Whether a ``skip_step = True`` is pending; it is consumed (reset to ``False``)."""
+    pending = bool(getattr(optimizer, "skip_step", False))
+    if pending:
+        optimizer.skip_step = False
+    return pending
