@@ -40,7 +40,8 @@ def supports_release(device: torch.device) -> bool:
     device = torch.device(device)
     if device.type == "cuda":
         return cuda_vmm.vmm_unavailable(device) is None
-    return device.type == "cpu" and hasattr(mmap, "MADV_DONTNEED") and sys.platform != "win32"
+    # Linux: MADV_DONTNEED on a private anonymous mapping returns the pages at once (elsewhere it is advisory).
+    return device.type == "cpu" and hasattr(mmap, "MADV_DONTNEED") and sys.platform.startswith("linux")
 
 
 class HostArena:
