@@ -17,6 +17,9 @@
 #                   and the long-tailed workload (8 slots, one request in 8 wants 48 tokens, the rest 3-6;
 #                   continuous vs static batching side by side: decode steps, prefills, host syncs, wall)
 #   6. rlhf         `bench rlhf`, opt-1.3b shape, batch 8, fp16 (captures and capture time per iteration)
+#   6b. handoff     `bench handoff`, gpt2 shape, fp16, 1 GiB K/V pool: an RL loop with and without
+#                   sleep_between_phases, mem_get_info per phase, sleep/wake times, captures, identical
+#                   tokens and losses (no VMM allocator yet: the pool is dropped and recaptured on CUDA)
 #   7. decode       the same for the opt-1.3b shape at batch 1, 8 and 32 (last: it gets what is left of the budget)
 # After the steps, headlines.txt (also appended to summary.txt) lists the figures to read first
 # (parity, long-tail step and wall ratios, rlhf captures per iteration), taken from the JSON files.
@@ -89,6 +92,7 @@ if [ "$MODE" = mini ]; then
   CONT_ARGS="--model tiny-gpt2 --prompt-len 8 --new-tokens 8 --measured 2 --mixed-requests 6 --mixed-max-batch 2 --mixed-max-new 8 --mixed-prompt-len 8 --mixed-repeats 1 --longtail-requests 64 --longtail-prompt-len 8 --longtail-repeats 1"
   RLHF_ARGS="--model tiny-opt --batch-size 2 --prompt-len 16 --new-tokens 8 --warmup 1 --iterations 1"
   FAULT_ARGS="--rounds 2"
+  HANDOFF_ARGS="--model tiny-llama --iterations 2 --kv-cache-mb 64"
 else
   DEVICE=cuda
   DTYPE=fp16
@@ -99,6 +103,7 @@ else
   CONT_ARGS="--model gpt2 --prompt-len 32 --new-tokens 32 --warmup 2 --measured 5 --mixed-requests 64 --mixed-max-batch 16 --mixed-max-new 128 --mixed-prompt-len 64 --longtail-requests 64 --longtail-slots 8 --longtail-long 48 --longtail-short 3,6 --longtail-repeats 3 --longtail-model same"
   RLHF_ARGS="--model opt-1.3b --batch-size 8 --prompt-len 256 --new-tokens 128 --warmup 1 --iterations 4"
   FAULT_ARGS="--rounds 6"
+  HANDOFF_ARGS="--model gpt2 --iterations 3 --batch-size 8 --samples 4 --new-tokens 32 --kv-cache-mb 1024"
 fi
 COMMON="--device $DEVICE --dtype $DTYPE"
 
@@ -201,6 +206,7 @@ step capture_faults 60 "$PY" -m bench.capture_faults --device $DEVICE --dtype $D
 step decode_gpt2 100 "${HE[@]}" bench decode $COMMON $DECODE_A --json "$WORK/decode_gpt2.json" $(plot decode_gpt2)
 step continuous 75 "${HE[@]}" bench continuous $COMMON $CONT_ARGS --json "$WORK/continuous.json" $(plot continuous)
 step rlhf_opt13b 90 "${HE[@]}" bench rlhf $COMMON $RLHF_ARGS --json "$WORK/rlhf_opt13b.json" $(plot rlhf_opt13b)
+step handoff 60 "${HE[@]}" bench handoff $COMMON $HANDOFF_ARGS --json "$WORK/handoff.json"
 step decode_opt13b 150 "${HE[@]}" bench decode $COMMON $DECODE_B --json "$WORK/decode_opt13b.json"
 
 # headlines: the figures to read first, from the JSON files (missing ones are named, not fatal).

@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=16, help="response budget in tokens (default 16)")
     p.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate (default 5e-3)")
     p.add_argument("--no-graphs", action="store_true", help="run every rollout eagerly (no graph capture)")
+    p.add_argument("--sleep-between-phases", action="store_true",
+                   help="the memory hand-off: K/V pools asleep during training, the optimizer during rollouts, "
+                        "graphs kept (hybrid_engine.sleep_between_phases; docs/memory-handoff.md)")
     p.add_argument("--device", default=None, help="accelerator: cuda, npu, xpu, mps or cpu (default: auto-detect)")
     p.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed (default 0)")
     p.add_argument("--check-prompts", type=int, default=8, help="prompts in the final agreement check (default 8)")
@@ -136,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr}},
         "gradient_clipping": 1.0,
         "hybrid_engine": {"enabled": True, "max_out_tokens": prompt_len + max(args.new_tokens, args.check_tokens),
-                          "enable_graph_capture": graphs},
+                          "enable_graph_capture": graphs, "sleep_between_phases": args.sleep_between_phases},
     })
     rollout = hybrid_engine.HybridEngineRollout(engine, tokenizer=tokenizer, config=hybrid_engine.RolloutConfig(
         use_graph_capture=graphs, pad_token_id=pad_id, eos_token_id=eos_id))
@@ -263,6 +266,10 @@ def run(args: argparse.Namespace) -> int:
     sample = batch.input_ids[0, batch.response_start_idx:]
     sample = sample[batch.attention_mask[0, batch.response_start_idx:].bool()]
     print(f"\nlast sampled response: {tokenizer.decode(sample.tolist())!r}")
+    if args.sleep_between_phases:
+        summary["handoff"] = engine.handoff_stats.to_dict()
+        print(f"memory hand-off: {summary['handoff']['kv_cache_wakes']} pool wakes by rollouts, "
+              f"{summary['handoff']['optimizer_wakes']} optimizer wakes by training steps")
     total_s = time.perf_counter() - t_start
     summary["total_seconds"] = total_s
     print(f"done in {total_s:.1f} s")

@@ -48,9 +48,11 @@ from hybrid_engine.distributed.zero3 import gathered_for_inference
 from hybrid_engine.exact.mode import check_exact_support, exact_forward
 from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_generation, exclusive_model_call
 from hybrid_engine.generation.generate import GenerateFrontEnd
+from hybrid_engine.graphs.handoff import SleepingTags
 from hybrid_engine.graphs.runner import DecodeGraphRunner
 from hybrid_engine.graphs.stats import GraphStats
 from hybrid_engine.model_access import decode_model
+from hybrid_engine.rollout.handoff import HandoffStats, MemoryHandoff, sleep_optimizer_during_generation
 from hybrid_engine.training import checkpoint
 from hybrid_engine.training.deepspeed import DeepSpeedTraining
 from hybrid_engine.training.deepspeed import build as build_deepspeed_training
@@ -251,6 +253,7 @@ class HybridEngine(DeepSpeedHybridEngineAPI, DeepSpeedEngineInterface, nn.Module
         loading such a checkpoint keeps the model's own values of them. Under ZeRO 1-3
         this is DeepSpeed's ``save_checkpoint`` (every rank must call it).
         """
+        self.training_backend.wake_optimizer()  # the optimizer's states are saved from where they train
         return checkpoint.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
@@ -293,6 +296,7 @@ class HybridEngine(DeepSpeedHybridEngineAPI, DeepSpeedEngineInterface, nn.Module
         (loading may re-allocate; rollouts compare weight addresses before replaying).
         """
         with exclusive_model_call(self.inference_module, "HybridEngine.load_checkpoint"):
+            self.training_backend.wake_optimizer()  # states load into the optimizer where it trains
             result = checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
                                      load_optimizer_states=load_optimizer_states,
                                      load_lr_scheduler_states=load_lr_scheduler_states,
@@ -315,6 +319,8 @@ class HybridEngine(DeepSpeedHybridEngineAPI, DeepSpeedEngineInterface, nn.Module
         """
         self._latency_generate_start(args, kwargs)
         with exclusive_model_call(self.inference_module, "HybridEngine.generate"), eval_for_generation(self.module):
+            if self.config.hybrid_engine.sleep_between_phases:  # issue 41: the optimizer sleeps during rollouts
+                sleep_optimizer_during_generation(self)
             with decode_grad_mode(), gathered_for_inference(self.inference_module):
                 if self.zero_stage == 3:
                     self._latency_gathered()
@@ -381,6 +387,37 @@ class HybridEngine(DeepSpeedHybridEngineAPI, DeepSpeedEngineInterface, nn.Module
         :class:`~hybrid_engine.graphs.stats.CallStats` (the schema of ``HybridEngineRollout.last_stats``); ``{}``
         before the first. A call delegated to transformers' ``generate`` leaves it as it was."""
         return self._front_end.last_stats
+
+    # ------------------------------------------------------ memory hand-off (issue 41)
+    @property
+    def _handoff(self) -> MemoryHandoff:
+        handoff = self.__dict__.get("_memory_handoff")
+        if handoff is None:
+            handoff = self.__dict__["_memory_handoff"] = MemoryHandoff(self.inference_module, self.training_backend)
+        return handoff
+
+    def sleep(self, tags: str | list[str] | None = None) -> None:
+        """Release memory between phases, every graph kept (``docs/memory-handoff.md``). Tags: ``"kv_cache"``
+        (the page pools of ``generate`` and of every rollout on this model, at the same addresses; contents
+        discarded, kept episode pages evicted first), ``"graphs"`` (graph memory; kept on every backend so far,
+        as :attr:`sleeping_tags` says), ``"optimizer"`` (optimizer states, fp32 masters and their gradients to
+        host memory; DeepSpeed's ``offload_states`` under ZeRO; never the weights). ``None``: ``"kv_cache"`` and
+        ``"graphs"``. Waits for a running call; the next generation or training call wakes what it needs."""
+        self._handoff.sleep(tags, caller="HybridEngine.sleep")
+
+    def wake(self, tags: str | list[str] | None = None) -> None:
+        """Take back what :meth:`sleep` released (``None``: everything asleep), at the same addresses."""
+        self._handoff.wake(tags, caller="HybridEngine.wake")
+
+    @property
+    def sleeping_tags(self) -> SleepingTags:
+        """The tags asleep now (a frozenset); ``.kept``: tags asked to sleep that keep their memory, and why."""
+        return self._handoff.sleeping_tags
+
+    @property
+    def handoff_stats(self) -> HandoffStats:
+        """Sleeps, wakes (asked for, and made by generation and training calls), their times, bytes moved."""
+        return self._handoff.stats
 
     def graph_refusal_reason(self) -> str | None:
         """Why graphs would be refused for a ``generate`` call now, or ``None``."""

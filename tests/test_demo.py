@@ -74,6 +74,22 @@ def test_demo_runs_and_reports(tmp_path, capsys, graphs):
         assert "token_agreement" not in data
 
 
+def test_demo_with_the_memory_hand_off_trains_and_samples_as_without(tmp_path, capsys):
+    runs = {}
+    for flag in (False, True):
+        out = tmp_path / f"demo{flag}.json"
+        argv = ["demo", "--iterations", "2", "--batch-size", "2", "--samples", "2", "--new-tokens", "4",
+                "--check-prompts", "2", "--check-tokens", "8", "--json", str(out)]
+        assert main(argv + (["--sleep-between-phases"] if flag else [])) == 0
+        runs[flag] = json.loads(out.read_text())
+    capsys.readouterr()
+    plain, slept = runs[False], runs[True]
+    assert [r["reward"] for r in slept["history"]] == [r["reward"] for r in plain["history"]]
+    assert slept["captures_training"] == plain["captures_training"]
+    assert slept["handoff"]["optimizer_wakes"] == 2 and slept["handoff"]["kv_cache_wakes"] >= 1
+    assert "handoff" not in plain
+
+
 def test_demo_on_a_backend_that_cannot_capture_says_so_instead_of_comparing_eager_with_eager(
         tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HYBRID_ENGINE_CPU_GRAPHS", "0")

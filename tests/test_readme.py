@@ -61,10 +61,14 @@ def check_use_it(scope: dict) -> None:
 def check_refusal(scope: dict) -> None:
     from hybrid_engine.graphs.policy import GraphRefusedWarning
 
-    stats = scope["engine"].graph_stats
-    assert stats.captures == 0 and "release_inference_cache" in stats.last_refusal_reason
-    assert [w for w in scope["caught"] if issubclass(w.category, GraphRefusedWarning)]
-    assert scope["out"].shape == (2, 16)  # eager, but it generated
+    engine = scope["engine"]
+    stats = engine.graph_stats
+    # release_inference_cache on the CPU: the memory hand-off, graphs kept (issue 41)
+    assert stats.captures > 0 and stats.replays > 0 and stats.last_refusal_reason is None
+    assert not [w for w in scope["caught"] if issubclass(w.category, GraphRefusedWarning)]
+    assert engine.sleeping_tags == {"kv_cache"} and engine.last_stats["wakes"] == 1
+    assert engine.last_stats["graph_captures"] == 0
+    assert scope["out"].shape == (2, 16)
 
 
 def check_detection(scope: dict) -> None:
@@ -141,6 +145,13 @@ def check_exact(scope: dict) -> None:
     assert scope["rollout"].last_stats["graph_replays"] > 0
 
 
+def check_handoff(scope: dict) -> None:
+    assert torch.equal(scope["again"].input_ids, scope["first"].input_ids)
+    assert scope["rollout"].last_stats["wakes"] == 1 and scope["rollout"].last_stats["graph_captures"] == 0
+    engine = scope["engine"]
+    assert engine.sleeping_tags == frozenset() and engine.handoff_stats.optimizer_wakes == 1
+
+
 #: (file, heading) -> (the modules the example imports beyond the core, its check).
 CHECKS: dict[tuple[str, str], tuple[tuple[str, ...], Callable[[dict], None]]] = {
     ("README.md", "Use it"): ((), check_use_it),
@@ -152,6 +163,7 @@ CHECKS: dict[tuple[str, str], tuple[tuple[str, ...], Callable[[dict], None]]] = 
     ("docs/config.md", "Config"): ((), check_config),
     ("docs/accelerators.md", "Accelerators and graph capture"): ((), check_accelerator),
     ("docs/kv-cache.md", "Sizing the pool"): ((), check_kv_budget),
+    ("docs/memory-handoff.md", "API"): ((), check_handoff),
     ("docs/exact.md", "Exact on-policy logprobs"): ((), check_exact),
     ("docs/trl.md", "TRL's `GRPOTrainer`"): (("trl", "datasets"), check_trl),
     ("docs/trl.md", "Tools and environments"): (("trl", "datasets"), check_trl_tools),

@@ -1,7 +1,7 @@
 """``hybrid-engine bench``: the reference's tables, eager and graph measured side by side in one run.
 
 Sub-benchmarks (one module each): :mod:`.decode`, :mod:`.rlhf`, :mod:`.continuous`,
-:mod:`.overhead`, :mod:`.memory`, :mod:`.exact`, :mod:`.multiturn`, :mod:`.parity` (the token-identity check the GPU script runs) and
+:mod:`.overhead`, :mod:`.memory`, :mod:`.exact`, :mod:`.multiturn`, :mod:`.handoff`, :mod:`.parity` (the token-identity check the GPU script runs) and
 :mod:`.soak` (a long run: memory and captures must stay flat). Each has ``add_arguments(parser)`` and ``run(args) -> dict``
 (the JSON payload); shared helpers live in :mod:`.common`.
 """
@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "memory": "decode ms/step and K/V pages/bytes against cache_capacity, vs transformers' caches",
     "exact": "exact_logprobs vs default: rollout and train-step time, rollout-vs-train and batch-composition drift",
     "multiturn": "tool-use episodes: K/V kept between turns vs re-prefilled vs transformers generate per turn",
+    "handoff": "memory hand-off: an RL loop with and without sleep_between_phases, memory per phase, sleep/wake",
 }
 
 

@@ -447,6 +447,9 @@ class HybridEngineConfig(BaseModel):
     max_out_tokens: StrictInt = Field(default=512, gt=0)
     inference_tp_size: StrictInt = Field(default=1, ge=1)
     release_inference_cache: StrictBool = False
+    #: The memory hand-off between phases (issue 41): the page pools sleep after each generation call (graphs
+    #: kept) and the optimizer's memory sleeps during it; the next call of either side wakes what it needs.
+    sleep_between_phases: StrictBool = False
     pin_parameters: StrictBool = True
     tp_gather_partition_size: StrictInt = Field(default=8, gt=0)
     enable_graph_capture: StrictBool = False

@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import torch
 
+from hybrid_engine.decode import kv_storage
+
 __all__ = ["DEFAULT_PAGE_SIZE", "MAX_PAGE_SIZE", "NULL_PAGE", "HeldPages", "KVBudget", "KVPool", "LayerSpec",
            "PageLedger", "device_memory", "pages_for", "pool_pages"]
 
@@ -83,10 +85,16 @@ class KVPool:
         self.page_size = page_size
         slots = num_pages * page_size
         # A ring layer's tokens live in its cache's rings, not in pages: no page storage for it.
-        self.keys = [torch.zeros(slots if not s.ring else 0, s.heads, s.key_dim, device=device, dtype=dtype)
-                     for s in self.layers]
-        self.values = [torch.zeros(slots if not s.ring else 0, s.heads, s.value_dim, device=device, dtype=dtype)
-                       for s in self.layers]
+        shapes = [(slots if not s.ring else 0, s.heads, s.key_dim) for s in self.layers]
+        shapes += [(slots if not s.ring else 0, s.heads, s.value_dim) for s in self.layers]
+        # Releasable storage at fixed addresses where the device has it (sleep/wake keeps the graphs valid).
+        self._arena = kv_storage.make_arena(kv_storage.HostArena.bytes_for([(sh, dtype) for sh in shapes]), device)
+        if self._arena is not None:
+            tensors = [self._arena.take(sh, dtype) for sh in shapes]
+        else:
+            tensors = [torch.zeros(sh, device=device, dtype=dtype) for sh in shapes]
+        n = len(self.layers)
+        self.keys, self.values = tensors[:n], tensors[n:]
         # Offsets within a page, made once: a captured step must not build them from a host int.
         self.offsets = torch.arange(page_size, device=device)
 
@@ -118,6 +126,43 @@ class KVPool:
         for layer in (*self.keys, *self.values):
             if layer.shape[0]:  # ring layers have no page storage
                 layer.index_copy_(0, dst_slots, layer.index_select(0, src_slots))
+
+    # ------------------------------------------------------------ sleep/wake
+    @property
+    def releasable(self) -> bool:
+        """Whether :meth:`sleep` can drop this pool's memory at fixed addresses."""
+        return self._arena is not None
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the pages' memory is released (nothing may read them until :meth:`wake`)."""
+        return self._arena is not None and self._arena.released
+
+    def sleep(self) -> None:
+        """Drop the pages' physical memory, addresses kept (contents lost). The caller evicts held rows first
+        and has synchronised the device."""
+        if self._arena is None:
+            raise RuntimeError(f"KVPool.sleep: no releasable storage on {self.device}")
+        self._arena.release()
+
+    def wake(self) -> bool:
+        """Take the memory back: the backend hands it back NaN-filled (as fresh device memory holds garbage),
+        and every page is zeroed here. Not only the null page: attention reads the unwritten tail of a row's
+        last page with zero weight, and ``0 * NaN`` is NaN, so every page must hold finite values (the
+        invariant above). Returns whether the storage moved (a backend that reallocates: the caller must then
+        treat its graphs as stale)."""
+        moved = self._arena.restore()
+        if moved:
+            n = len(self.layers)
+            tensors = self._arena.tensors()
+            self.keys, self.values = tensors[:n], tensors[n:]
+        self.zero_pages()
+        return moved
+
+    def zero_pages(self) -> None:
+        """Zero every page in every layer, :data:`NULL_PAGE` included."""
+        for layer in (*self.keys, *self.values):
+            layer.zero_()
 
     def copy_from(self, old: "KVPool") -> None:
         """Take every page of a smaller pool of the same layout at the same page ids (a pool that grows keeps

@@ -44,10 +44,13 @@ class CallOutput:
 def run_call(runner: DecodeGraphRunner, plan: CallPlan, *, t_start: float, profiling: bool = False,
              release: bool = False) -> CallOutput:
     """Run ``plan`` on ``runner``; ``t_start`` (``time.perf_counter``) is when the call began (its validation
-    counts in ``total_ms``); ``profiling`` fills ``profile``; ``release`` frees the runner's buffers and graphs
-    after the call (``hybrid_engine.release_inference_cache``), also when it fails."""
+    counts in ``total_ms``); ``profiling`` fills ``profile``; ``release`` puts the runner's page pool to sleep
+    after the call, graphs kept (``hybrid_engine.release_inference_cache``), and drops its buffers when it
+    fails."""
+    ok = False
     try:
         before = runner.stats
+        runner.wake(auto=True)  # asleep (sleep()): the pages come back at the same addresses, graphs kept
         state = runner.prepare(rows=plan.max_active, capacity=plan.capacity, num_eos=len(plan.eos_ids),
                                graphs=plan.graphs, budget=plan.budget, prompt_width=plan.prompt_width,
                                top_logprobs=plan.top_logprobs)
@@ -74,10 +77,21 @@ def run_call(runner: DecodeGraphRunner, plan: CallPlan, *, t_start: float, profi
         runner.note_preemptions(counters.preemptions)
         stats = _call_stats(runner, counters, total_s, before, runner.stats, len(requests),
                             runner.bucket_for(plan.max_active), profiling)
+        ok = True
         return CallOutput(responses, logprobs, lengths, results, kept, stats)
     finally:
         if release:
-            runner.release()
+            _release_after_call(runner, ok)
+
+
+def _release_after_call(runner: DecodeGraphRunner, ok: bool) -> None:
+    """``release_inference_cache``: after a call the page pool sleeps, graphs kept (the memory hand-off,
+    where the pool's storage is released at fixed addresses; elsewhere the sleep drops the buffers). After a
+    failed call the buffers are dropped outright: the call's bookkeeping may be half done."""
+    if ok:
+        runner.sleep()
+    else:
+        runner.release()
 
 
 def _call_stats(runner: DecodeGraphRunner, c: Counters, total_s: float, before: GraphStats, after: GraphStats,
@@ -127,6 +141,7 @@ def _call_stats(runner: DecodeGraphRunner, c: Counters, total_s: float, before: 
         rows_moved=c.rows_moved,
         bucket_steps=dict(c.bucket_steps),
         num_sequences=rows,
+        wakes=after.wakes - before.wakes,
         profile=_profile(runner, prefill_ms, c.prefill_forwards, decode_ms, c.decode_steps, capture_ms, after)
         if profiling else None,
     )

@@ -473,6 +473,6 @@ class GenerateFrontEnd:
         if not plan.graphs:
             self.runner.note_refusal(GRAPHS_OFF, warn=False)
         with exact_kernels(self.model, he.exact_logprobs):  # before prepare: graphs are keyed by the mode
-            out = run_call(self.runner, plan, t_start=t_start, release=he.release_inference_cache)
+            out = run_call(self.runner, plan, t_start=t_start, release=he.release_inference_cache or he.sleep_between_phases)
         self.last_stats = out.stats
         return torch.cat([plan.prompt_ids, out.responses], dim=1)

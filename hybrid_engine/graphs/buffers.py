@@ -255,6 +255,41 @@ class DecodeBuffers:
         self.kv_pool = None
         self.ledger = None
 
+    # ------------------------------------------------------------ sleep/wake
+    @property
+    def asleep(self) -> bool:
+        """Whether the page pool's memory is released (:meth:`sleep`); nothing may read it until :meth:`wake`."""
+        return self.kv_pool is not None and self.kv_pool.asleep
+
+    def sleep(self) -> bool:
+        """Release the page pool's memory; returns whether anything was released. Every held row (an episode's
+        K/V between turns) is evicted first, since the contents go: its next turn prefills again. Where the pool
+        has releasable storage the addresses and the :attr:`epoch` stay (every graph stays valid); elsewhere the
+        buffers are dropped (a new epoch: the next call allocates and captures again). Between calls only, the
+        device synchronised by the caller."""
+        pool, ledger = self.kv_pool, self.ledger
+        if pool is None or pool.asleep:
+            return False
+        if ledger is not None:
+            ledger.evict(ledger.capacity)  # every held row gives its pages back
+            ledger.reclaim()
+        if not pool.releasable:
+            self.release()
+            return True
+        pool.sleep()
+        return True
+
+    def wake(self) -> None:
+        """Take the page pool's memory back (:meth:`KVPool.wake`: NaN pages, the null page zeroed). A backend
+        that reallocated moves the epoch and drops the slots and the stage pointing into the old storage."""
+        pool = self.kv_pool
+        if pool is None or not pool.asleep:
+            return
+        if pool.wake():
+            self._moving()
+            self.slots = None
+            self.stage = None
+
     # ----------------------------------------------------------------- reads
     def caches(self) -> list[PagedKVCache]:
         """The caches of the slots and of the stage (those that exist)."""

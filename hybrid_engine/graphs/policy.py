@@ -10,7 +10,8 @@ same on either path:
 * the engine config makes captured graphs unsafe: ZeRO stage 3 (parameters are
   re-gathered at new addresses; also found by probing the parameters, unless
   generation runs on the gathered inference copy), ``release_inference_cache``
-  (the buffers a graph replays into are freed), ``inference_tp_size > 1`` (see
+  where the device has no page storage released at fixed addresses (elsewhere, on the CPU, it is the
+  memory hand-off of :mod:`hybrid_engine.graphs.handoff`, graphs kept), ``inference_tp_size > 1`` (see
   :func:`~hybrid_engine.graphs.policy.validate_graph_capture_support`); a rollout
   built on a ``HybridEngine`` honours its engine's config;
 * the attention implementation is not one whose kernels capture;
@@ -46,6 +47,7 @@ import torch
 
 from hybrid_engine.config.loading import ConfigSource, load_config
 from hybrid_engine.config.schema import EngineConfig
+from hybrid_engine.decode import kv_storage
 from hybrid_engine.decode.npu_attention import NPU_GRAPH_ATTENTION, npu_graph_available
 from hybrid_engine.exact.mode import EXACT_ATTENTION
 from hybrid_engine.graphs.hooks import hook_fingerprint, hook_registered
@@ -170,10 +172,13 @@ def validate_graph_capture_support(config: ConfigSource, accelerator: Any = None
         return reason
     if cfg.zero_optimization.stage == 3 and not cfg.hybrid_engine.zero3_gathered_inference_copy:
         return ZERO3_REFUSAL
-    if cfg.hybrid_engine.release_inference_cache:
+    if cfg.hybrid_engine.release_inference_cache and not kv_storage.supports_release(accelerator.device()):
+        # Where the pool can sleep at fixed addresses (the CPU), the setting is the memory hand-off with graphs
+        # kept (issue 41); elsewhere it still frees the buffers a graph replays into.
         return (
             "Setting hybrid_engine.release_inference_cache frees the inference buffers after each generation, "
-            "which a captured graph replays into; set it to false to use graph capture."
+            f"which a captured graph replays into ({accelerator.device().type} has no storage released at fixed "
+            "addresses yet); set it to false to use graph capture."
         )
     if cfg.hybrid_engine.inference_tp_size > 1:
         return (

@@ -64,6 +64,7 @@ from hybrid_engine.decode.sampling import sampling_mode
 from hybrid_engine.decode.slots import DecodeSlots
 from hybrid_engine.decode.staging import PromptStage, admission_round, prefill_staged
 from hybrid_engine.decode.step import extend, prefill
+from hybrid_engine.graphs import handoff
 from hybrid_engine.graphs.buffers import EXACT_PROMPT_ROWS, PREFILL_TOKEN_BUDGET, DecodeBuffers
 from hybrid_engine.graphs.fingerprint import graph_fingerprint
 from hybrid_engine.graphs.hooks import HookCaptureError, attributed_hooks
@@ -143,6 +144,7 @@ class DecodeGraphRunner:
         #: Attention implementation the graphed steps of this call run with (``None``: the model's own).
         self._graph_attn: str | None = None
         self._switch_logged = False
+        handoff.register(model, self)  # engine.sleep reaches every runner of its model
 
     # ------------------------------------------------ the buffers, read through
     @property
@@ -307,6 +309,43 @@ class DecodeGraphRunner:
         again)."""
         self.buffers.release()  # a new epoch; its on_move drops the graphs
 
+    # ------------------------------------------------------------ sleep/wake
+    @property
+    def sleeping(self) -> bool:
+        """Whether the page pool's memory is released (:meth:`sleep`): no step may run until :meth:`wake`."""
+        return self.buffers.asleep
+
+    def sleep(self) -> bool:
+        """Release the page pool's memory between calls, graphs kept (:meth:`DecodeBuffers.sleep`); returns
+        whether anything was released. Refused inside a capture; the device is synchronised first (no queued
+        step still writes the pages). The caller holds the model's call lock."""
+        if self.buffers.kv_pool is None or self.sleeping:
+            return False
+        acc = self.accelerator
+        with graph_capture_lock():  # no capture of this process runs meanwhile
+            if acc.is_current_stream_capturing():
+                raise RuntimeError("DecodeGraphRunner.sleep: a graph capture is running on this stream; sleep "
+                                   "between calls only")
+            with acc.on_device(self.buffers.kv_pool.device):
+                acc.synchronize()
+            return self.buffers.sleep()
+
+    def wake(self, *, auto: bool = False) -> bool:
+        """Take the page pool's memory back at the same addresses (graphs stay valid); ``auto``: a call woke it,
+        counted in ``wakes``. Returns whether it was asleep."""
+        if not self.sleeping:
+            return False
+        self.buffers.wake()
+        if auto:
+            self._stats.wakes += 1
+        return True
+
+    def _check_awake(self) -> None:
+        if self.buffers.asleep:
+            raise RuntimeError(
+                "DecodeGraphRunner: the page pool is asleep (its memory was released by sleep()); a step or "
+                "replay now would read released memory. Call wake() first (generation calls wake it themselves)")
+
     # ------------------------------------------------------------------ runs
     def step(self, bucket: int, span: int, sampling_key: tuple[float, float, int]) -> None:
         """One decode step on slots ``[:bucket]`` reading ``span`` pages a row: replay its graph, or warm up /
@@ -447,6 +486,7 @@ class DecodeGraphRunner:
 
     def _run(self, key: RunKey, run: Callable[[], None]) -> None:
         """``run()`` for ``key``: its graph replayed, or its warm-up or capture, or eagerly."""
+        self._check_awake()
         decode = isinstance(key, GraphKey)
         s = self._stats
         if self.use_graphs and not self._call_eager:

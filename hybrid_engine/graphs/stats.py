@@ -56,6 +56,7 @@ class GraphStats:
     kv_pages_peak: int = 0
     kv_bytes_peak: int = 0
     preemptions: int = 0
+    wakes: int = 0  # page pools woken by a generation call (asleep after sleep())
 
     def to_dict(self) -> dict[str, Any]:
         """The counters as a plain dict, for logging."""
@@ -114,6 +115,7 @@ class CallStats:
     rows_moved: int = 0
     bucket_steps: dict[int, int] = dataclasses.field(default_factory=dict)
     num_sequences: int = 0
+    wakes: int = 0  # 1 when this call woke its page pool from sleep() first
     profile: dict[str, Any] | None = None
 
     @classmethod

@@ -223,7 +223,7 @@ class HybridEngineRolloutFunc:
     def __init__(self, config: RolloutConfig | None = None, *, tools: list[Any] | None = None,
                  environment_factory: Any = None, max_tool_calling_iterations: int | None = None,
                  tool_timeout: float | None = DEFAULT_TOOL_TIMEOUT, zero3_gathered_inference_copy: bool = False,
-                 **sampling: Any) -> None:
+                 sleep_between_phases: bool = False, **sampling: Any) -> None:
         if config is None:
             config = RolloutConfig(use_graph_capture=True)
         if not isinstance(config, RolloutConfig):
@@ -244,6 +244,10 @@ class HybridEngineRolloutFunc:
         elif tool_timeout != DEFAULT_TOOL_TIMEOUT:
             raise TypeError("make_rollout_func: tool_timeout needs tools= or environment_factory=")
         self.zero3_gathered_inference_copy = zero3_gathered_inference_copy
+        if not isinstance(sleep_between_phases, bool):
+            raise TypeError(f"make_rollout_func: sleep_between_phases must be True or False, got {sleep_between_phases!r}")
+        #: The memory hand-off (issue 41): the rollout's page pool sleeps after each call, graphs kept.
+        self.sleep_between_phases = sleep_between_phases
         #: The unpartitioned copy generated on under ZeRO-3 with ``zero3_gathered_inference_copy`` (else ``None``).
         self.inference_copy: InferenceCopy | None = None
         self._warned_no_zero3 = False
@@ -468,10 +472,12 @@ class HybridEngineRolloutFunc:
         step, process, mode = position
         if loop is not None:
             out = loop.run(rollout, request, prompt_ids, n, sampling, loop.iterations(trainer))
+            self._between_phases(rollout)
             self._calls[(process, mode)] = (step, calls + 1)
             loop.log_metrics(trainer, mode)
             return out
         batch = rollout.generate(request, sampling)
+        self._between_phases(rollout)
         self._calls[(process, mode)] = (step, calls + 1)  # the next call at this step samples anew
         lengths = batch.response_lengths.tolist()
         responses = batch.responses.tolist()
@@ -481,6 +487,12 @@ class HybridEngineRolloutFunc:
             "completion_ids": [r[:k] for r, k in zip(responses, lengths)],
             "logprobs": [lp[:k] for lp, k in zip(logprobs, lengths)],
         }
+
+    def _between_phases(self, rollout: HybridEngineRollout) -> None:
+        """``sleep_between_phases``: the page pool sleeps while TRL trains (graphs kept; the next call wakes it).
+        TRL owns the optimizer, so its memory stays where it is."""
+        if self.sleep_between_phases:
+            rollout.sleep()
 
     def __repr__(self) -> str:
         tools = "" if self.tool_loop is None else f", tools={[t.__name__ for t in self.tool_loop.schema_tools]!r}"
@@ -504,7 +516,7 @@ def destroy_trainer_deepspeed(trainer: Any) -> None:
 def make_rollout_func(config: RolloutConfig | None = None, *, tools: list[Any] | None = None,
                       environment_factory: Any = None, max_tool_calling_iterations: int | None = None,
                       tool_timeout: float | None = DEFAULT_TOOL_TIMEOUT, zero3_gathered_inference_copy: bool = False,
-                      **sampling: Any) -> HybridEngineRolloutFunc:
+                      sleep_between_phases: bool = False, **sampling: Any) -> HybridEngineRolloutFunc:
     """A TRL ``rollout_func`` that generates with hybrid-engine on the trainer's model (graphs captured once).
 
     ``config`` is the rollout's :class:`~hybrid_engine.RolloutConfig` (``None``:
@@ -516,6 +528,9 @@ def make_rollout_func(config: RolloutConfig | None = None, *, tools: list[Any] |
     of renormalised over top-k / top-p); ``max_completion_length`` (alias
     ``max_new_tokens``) and ``temperature`` are accepted only equal to the
     trainer's, because TRL's loss reads them too.
+
+    ``sleep_between_phases=True``: the rollout's K/V page pool sleeps after each call, every graph kept, and
+    the next call wakes it (``docs/memory-handoff.md``; TRL owns the optimizer, which stays where it is).
 
     Under DeepSpeed ZeRO-3, rollouts gather the parameters at each call and
     decode eagerly; ``zero3_gathered_inference_copy=True`` decodes with graphs on
@@ -537,4 +552,5 @@ def make_rollout_func(config: RolloutConfig | None = None, *, tools: list[Any] |
     """
     return HybridEngineRolloutFunc(config, tools=tools, environment_factory=environment_factory,
                                    max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout,
-                                   zero3_gathered_inference_copy=zero3_gathered_inference_copy, **sampling)
+                                   zero3_gathered_inference_copy=zero3_gathered_inference_copy,
+                                   sleep_between_phases=sleep_between_phases, **sampling)

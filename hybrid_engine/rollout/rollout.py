@@ -36,10 +36,12 @@ from hybrid_engine.generation.call_context import decode_grad_mode, eval_for_gen
 from hybrid_engine.generation.plan import plan_rollout
 from hybrid_engine.generation.stop_strings import StopStrings
 from hybrid_engine.generation.token_ids import MAX_TOKEN_ID, token_ids
+from hybrid_engine.graphs import handoff
 from hybrid_engine.graphs.runner import DecodeGraphRunner
 from hybrid_engine.graphs.stats import GraphStats
 from hybrid_engine.model_access import check_device, decode_model, model_device
 from hybrid_engine.rollout.episodes import Episodes, TurnRows
+from hybrid_engine.rollout.handoff import sleep_optimizer_during_generation
 from hybrid_engine.rollout.types import (
     DEFAULT_MAX_BATCH_SIZE,
     RolloutBatch,
@@ -111,6 +113,7 @@ class HybridEngineRollout:
             config=engine_config if isinstance(engine_config, EngineConfig) else None,
             buckets=config.graph_batch_sizes,
         )
+        self._graphs_asked = False  # a sleep asked for "graphs" (kept: sleeping_tags says so)
 
     @property
     def exact_logprobs(self) -> bool:
@@ -197,6 +200,32 @@ class HybridEngineRollout:
         with exclusive_model_call(self.model, "HybridEngineRollout.invalidate_graphs"):
             self.runner.invalidate()
 
+    # ------------------------------------------------------------ sleep/wake
+    def sleep(self, tags: Any = None) -> None:
+        """Release this rollout's memory between rollouts, every graph kept: ``"kv_cache"`` (the page pool, at
+        the same addresses; contents discarded, kept episode pages evicted first) and ``"graphs"`` (kept on every
+        backend so far: :attr:`sleeping_tags` says so). ``None``: both. Waits for a running call on this model;
+        the next ``generate`` wakes what it needs (``last_stats["wakes"]``). See ``docs/memory-handoff.md``."""
+        tags = handoff.check_tags(tags, "HybridEngineRollout.sleep", default=handoff.ROLLOUT_TAGS,
+                                  allowed=handoff.ROLLOUT_TAGS)
+        with exclusive_model_call(self.model, "HybridEngineRollout.sleep"):
+            self._graphs_asked = handoff.sleep_runners([self.runner], tags) or self._graphs_asked
+
+    def wake(self, tags: Any = None) -> None:
+        """Take back what :meth:`sleep` released (``None``: everything asleep), at the same addresses: the next
+        call captures nothing new."""
+        handoff.check_tags(tags, "HybridEngineRollout.wake", default=handoff.ROLLOUT_TAGS,
+                           allowed=handoff.ROLLOUT_TAGS)
+        with exclusive_model_call(self.model, "HybridEngineRollout.wake"):
+            handoff.wake_runners([self.runner])
+            self._graphs_asked = False
+
+    @property
+    def sleeping_tags(self) -> handoff.SleepingTags:
+        """The tags asleep now; ``.kept``: those asked to sleep that keep their memory, and why."""
+        asleep, kept = handoff.runners_sleeping([self.runner], self._graphs_asked)
+        return handoff.SleepingTags(asleep, kept)
+
     @property
     def graph_stats(self) -> GraphStats:
         """The runner's cumulative counters (captures, replays, fallbacks, refusal reason, memory);
@@ -265,7 +294,10 @@ class HybridEngineRollout:
                             stop_strings=stop_strings, turn=turn, max_rows=DEFAULT_MAX_BATCH_SIZE,
                             device=model_device(model))
         runner = self.runner
-        release = runner.config is not None and runner.config.hybrid_engine.release_inference_cache
+        he = runner.config.hybrid_engine if runner.config is not None else None
+        release = he is not None and (he.release_inference_cache or he.sleep_between_phases)
+        if he is not None and he.sleep_between_phases:
+            sleep_optimizer_during_generation(self.engine)
         with self._inference_mode():
             out = run_call(runner, plan, t_start=t_start, profiling=self.config.enable_profiling, release=release)
             if turn is not None:

@@ -55,6 +55,7 @@ from hybrid_engine.training.checkpoint_files import (
     write_atomically,
     write_latest,
 )
+from hybrid_engine.training.handoff import handoff_for
 
 __all__ = ["DeepSpeedTraining", "RNG_CLIENT_KEY", "build", "deepspeed_config", "destroy_deepspeed_engine", "rng_file"]
 
@@ -133,6 +134,13 @@ class DeepSpeedTraining:
     def __init__(self, ds_engine: Any) -> None:
         self._ds_engine = ds_engine
         self.module = ds_engine.module
+        #: The optimizer's memory hand-off (engine.sleep("optimizer"); DeepSpeed's offload_states).
+        self.handoff = handoff_for(self) if ds_engine.optimizer is not None else None
+
+    def wake_optimizer(self) -> None:
+        """A training call needs the optimizer's memory: wake it if asleep (counted in ``handoff.wakes``)."""
+        if self.handoff is not None:
+            self.handoff.wake(auto=True)
 
     @property
     def ds_engine(self) -> Any:
@@ -171,9 +179,11 @@ class DeepSpeedTraining:
         return bool(self.ds_engine.is_gradient_accumulation_boundary())
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        self.wake_optimizer()
         return self.ds_engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        self.wake_optimizer()
         self.ds_engine.step(lr_kwargs=lr_kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -128,6 +128,7 @@ class DeepSpeedHybridEngineAPI:
 
     def retake_inference_cache(self) -> None:
         """DeepSpeed re-acquires its inference workspace here after ``release_inference_cache`` freed it.
-        Here ``generate`` allocates its decode buffers itself when they were released (and
-        ``hybrid_engine.release_inference_cache`` releases them after each call): nothing to retake."""
+        Here ``generate`` takes its decode buffers back itself (``hybrid_engine.release_inference_cache`` puts the
+        page pool to sleep after each call, and the next call wakes it: ``docs/memory-handoff.md``): nothing to
+        retake."""
         return None

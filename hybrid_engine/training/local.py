@@ -46,6 +46,7 @@ from torch import nn
 from hybrid_engine.config.schema import EngineConfig
 from hybrid_engine.distributed.world import rank
 from hybrid_engine.model_access import model_device
+from hybrid_engine.training.handoff import handoff_for
 from hybrid_engine.training.overflow import attach_overflow_surface, publish_scale, take_skip_request
 from hybrid_engine.training.precision import MasterWeights
 from hybrid_engine.user_warnings import user_stacklevel
@@ -307,6 +308,13 @@ class UpdateGuard:
                     saved[key] = value
             self._state[id(p)] = saved
 
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The snapshot's buffers (kept between steps: the memory hand-off moves them with the optimizer's)."""
+        yield from self._param_copies.values()
+        for saved in self._state.values():
+            if saved:
+                yield from (v for v in saved.values() if isinstance(v, torch.Tensor))
+
     @torch.no_grad()
     def finite_or_restore(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the step kept every finite stepped parameter finite; if not, put them and their state back
@@ -366,6 +374,8 @@ class LocalTraining:
             # GradScaler scales, unscales and skips; the scale itself follows DeepSpeed's policy.
             self.scaler = PolicyGradScaler(model_device(module).type, LossScalePolicy(config.fp16))
         attach_overflow_surface(optimizer, self)  # DeepSpeed's optimizer.overflow/check_overflow/skip_step
+        #: The optimizer's memory hand-off (engine.sleep("optimizer")); ``None`` without an optimizer.
+        self.handoff = handoff_for(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -387,7 +397,13 @@ class LocalTraining:
         finally:
             self.inside_no_sync = False
 
+    def wake_optimizer(self) -> None:
+        """A training call needs the optimizer's memory: wake it if asleep (counted in ``handoff.wakes``)."""
+        if self.handoff is not None:
+            self.handoff.wake(auto=True)
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        self.wake_optimizer()
         if scale_wrt_gas:
             loss = loss / self.config.gradient_accumulation_steps
         scaled = self.scaler.scale(loss) if self.scaler is not None else loss
@@ -397,6 +413,7 @@ class LocalTraining:
         return loss  # as DeepSpeed's backward: the loss divided by the accumulation steps, not loss-scaled
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        self.wake_optimizer()
         optimizer = self.optimizer
         if optimizer is None:  # before any counting: a refused step changes nothing
             raise RuntimeError(
@@ -497,6 +514,7 @@ class LocalTraining:
         return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.wake_optimizer()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=set_to_none)
         self.module.zero_grad(set_to_none=set_to_none)

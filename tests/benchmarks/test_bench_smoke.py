@@ -319,3 +319,13 @@ def test_bench_multiturn(tmp_path, capsys):
     assert rows["reuse"]["prefill_tokens"] < rows["re-prefill"]["prefill_tokens"]
     assert rows["reuse"]["tokens_generated"] == rows["re-prefill"]["tokens_generated"] > 0
     assert all(r["wall_s"] > 0 for r in d["rows"])
+
+
+def test_bench_handoff(tmp_path, capsys):
+    d = _run(tmp_path, capsys, "bench", "handoff", "--model", "tiny-llama", "--iterations", "2", "--kv-cache-mb", "64")
+    assert d["benchmark"] == "handoff" and d["tokens_identical"] and d["losses_identical"]
+    plain, slept = d["plain"], d["phase_mode"]
+    assert plain["captures"] == slept["captures"] > 0 and d["pool_keeps_addresses"]
+    assert [r["wakes"] for r in slept["iterations"]] == [0, 1] and slept["handoff"]["optimizer_wakes"] == 2
+    # RssAnon during training: the 64 MiB pool is asleep in the phase mode, held in the plain run.
+    assert d["training_memory_saved_mib"] >= 0.9 * 64

@@ -19,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.slow  # rehearses bench/gpu_check.sh in processes (tests/tiers.py)
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.sh"
-STEPS = ("info", "parity", "capture_faults", "decode_gpt2", "continuous", "rlhf_opt13b", "decode_opt13b")
+STEPS = ("info", "parity", "capture_faults", "decode_gpt2", "continuous", "rlhf_opt13b", "handoff", "decode_opt13b")
 
 
 def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@ import pytest
 from hybrid_engine.accelerator import CPUAccelerator
 from hybrid_engine.config.loading import load_config
 from hybrid_engine.config.schema import EngineConfig, HybridEngineConfig
+from hybrid_engine.decode import kv_storage
 from hybrid_engine.graphs.policy import graph_capture_requested, validate_graph_capture_support
 
 
@@ -610,8 +611,10 @@ def test_refuses_zero_stage_3():
     assert "ZeRO" in reason and "3" in reason
 
 
-def test_refuses_release_inference_cache():
+def test_refuses_release_inference_cache_only_where_the_pool_cannot_sleep_at_fixed_addresses(monkeypatch):
     cfg = {"hybrid_engine": {"release_inference_cache": True}}
+    assert validate_graph_capture_support(cfg, CPUAccelerator()) is None  # the CPU: the hand-off, graphs kept
+    monkeypatch.setattr(kv_storage, "supports_release", lambda device: False)  # stand-in: a device without releasable storage
     reason = _assert_sentence(validate_graph_capture_support(cfg, CPUAccelerator()))
     assert "release_inference_cache" in reason
 
@@ -634,6 +637,7 @@ def test_refusals_checked_in_order(monkeypatch):
     )
     assert "ZeRO" in validate_graph_capture_support(everything, CPUAccelerator())
     everything["zero_optimization"]["stage"] = 2
+    monkeypatch.setattr(kv_storage, "supports_release", lambda device: False)  # stand-in: a device without releasable storage
     assert "release_inference_cache" in validate_graph_capture_support(everything, CPUAccelerator())
 
 

@@ -21,6 +21,7 @@ from hybrid_engine.accelerator import CPUAccelerator, get_accelerator, set_accel
 from hybrid_engine.accelerator.cpu_graph import is_cpu_graph_capturing
 from hybrid_engine.config.loading import load_config
 from hybrid_engine.config.schema import EngineConfig
+from hybrid_engine.decode import kv_storage
 from hybrid_engine.engine import initialize
 from hybrid_engine.graphs.policy import GraphRefusedWarning, validate_graph_capture_support
 from hybrid_engine.graphs.runner import MAX_CAPTURE_FAILURES
@@ -247,6 +248,7 @@ def test_zero3_refused_by_validator_and_by_engine_gate():
 )
 def test_config_refusals_warn_once_and_run_eager(he, match, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # inference_tp_size may not exceed the launched ranks
+    monkeypatch.setattr(kv_storage, "supports_release", lambda device: False)  # stand-in: a device without releasable storage
     model = build_model("tiny-qwen2")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # initialize's own TP warning
@@ -857,7 +859,8 @@ def test_generate_in_train_mode_uses_inference_path_and_restores():
     assert model.training and graph.training
 
 
-def test_release_inference_cache_frees_the_buffers_after_each_call():
+def test_release_inference_cache_frees_the_buffers_after_each_call(monkeypatch):
+    monkeypatch.setattr(kv_storage, "supports_release", lambda device: False)  # stand-in: a device without releasable storage
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphRefusedWarning)
         graph, eager = engines(build_model("tiny-gpt2"), release_inference_cache=True)

@@ -16,6 +16,7 @@ from hybrid_engine.accelerator import (
     TorchBackendAccelerator,
     set_accelerator,
 )
+from hybrid_engine.decode import kv_storage
 from hybrid_engine.decode.kv_pool import KVPool, PageLedger
 from hybrid_engine.decode.layout import layer_specs
 from hybrid_engine.decode.sampling import counter_uniform, sample_tokens
@@ -289,6 +290,7 @@ def test_cpu_model_on_a_gpu_host_never_gets_gpu_graphs():
                                        ({"release_inference_cache": True}, "release_inference_cache")])
 def test_rollout_honours_the_engine_config_gates(he, match, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # inference_tp_size may not exceed the launched ranks
+    monkeypatch.setattr(kv_storage, "supports_release", lambda device: False)  # stand-in: a device without releasable storage
     model = build_model("tiny-opt", seed=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,0 +1,110 @@
+"""Page-pool storage that can drop its physical memory and take it back at the same addresses.
+
+Why: captured graphs read the pool by address. Freeing the pool's tensors and
+allocating new ones between rollouts would invalidate every graph (a recapture
+per bucket and span on wake); keeping the virtual range and dropping only the
+physical pages keeps every graph valid, as vLLM's and SGLang's sleep modes do
+with CUDA VMM (``cuMemUnmap``/``cuMemMap`` at the same address).
+
+On the CPU the storage is a private anonymous mapping (:class:`HostArena`):
+``madvise(MADV_DONTNEED)`` returns its pages to the OS (RssAnon falls) and the
+next touch maps fresh zero pages at the same virtual addresses. The tensors
+wrapping it (``torch.frombuffer``) never move. Released storage is marked
+(:attr:`HostArena.released`); its owner refuses any step that would read it,
+because zeros read from a released page would hide the bug (CUDA faults there).
+On wake the whole arena is filled with NaN, so anything that relies on contents
+kept across a sleep, or on a page nobody re-zeroed, fails visibly.
+
+On CUDA, where ``cuda-bindings`` is installed and its probe passes, the storage
+is CUDA VMM (:mod:`hybrid_engine.accelerator.cuda_vmm`: not yet run on a GPU).
+Other devices get plain ``torch.zeros`` storage (:func:`make_arena` returns
+``None``); their owners drop and recapture instead.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import torch
+
+from hybrid_engine.accelerator import cuda_vmm
+
+__all__ = ["HostArena", "make_arena", "supports_release"]
+
+_ALIGN = 64  # bytes: every tensor carved from an arena starts on a cache line
+
+
+def supports_release(device: torch.device) -> bool:
+    """Whether :func:`make_arena` gives ``device`` releasable storage at fixed addresses."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return cuda_vmm.vmm_unavailable(device) is None
+    # Linux: MADV_DONTNEED on a private anonymous mapping returns the pages at once (elsewhere it is advisory).
+    return device.type == "cpu" and hasattr(mmap, "MADV_DONTNEED") and sys.platform.startswith("linux")
+
+
+class HostArena:
+    """``nbytes`` bytes of host memory over an anonymous mapping (private unless ``shared``), carved into tensors
+    by :meth:`take`. :meth:`release` drops the physical pages, :meth:`restore` takes them back (NaN-filled) at
+    the same addresses. ``shared`` exists for tests: a shared mapping keeps its pages on ``MADV_DONTNEED``."""
+
+    def __init__(self, nbytes: int, *, shared: bool = False) -> None:
+        self.nbytes = max(int(nbytes), 1)
+        flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | mmap.MAP_ANONYMOUS
+        self._map = mmap.mmap(-1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._used = 0
+        self._tensors: list[torch.Tensor] = []
+        #: Whether the physical pages are dropped (nothing may read the tensors until :meth:`restore`).
+        self.released = False
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next ``shape``/``dtype`` tensor of the arena, zero-filled (the pages are touched: resident)."""
+        count = 1
+        for d in shape:
+            count *= d
+        size = count * dtype.itemsize
+        start = -(-self._used // _ALIGN) * _ALIGN
+        if start + size > self.nbytes:
+            raise ValueError(f"HostArena: {size} bytes at offset {start} do not fit in {self.nbytes} bytes")
+        self._used = start + size
+        t = self._bytes[start:start + size].view(dtype).view(shape)
+        t.zero_()
+        self._tensors.append(t)
+        return t
+
+    @staticmethod
+    def bytes_for(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+        """Bytes an arena needs to :meth:`take` every ``(shape, dtype)`` of ``shapes`` in order."""
+        used = 0
+        for shape, dtype in shapes:
+            count = 1
+            for d in shape:
+                count *= d
+            used = -(-used // _ALIGN) * _ALIGN + count * dtype.itemsize
+        return used
+
+    def release(self) -> None:
+        """Drop the physical pages (their contents are lost); the addresses stay mapped."""
+        self._map.madvise(mmap.MADV_DONTNEED)
+        self.released = True
+
+    def restore(self) -> bool:
+        """Take the pages back, every floating tensor NaN-filled (others zero); returns whether any tensor moved
+        (never, here: the addresses are the mapping's)."""
+        for t in self._tensors:
+            t.fill_(float("nan") if t.is_floating_point() else 0)
+        self.released = False
+        return False
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors taken, in order."""
+        return list(self._tensors)
+
+
+def make_arena(nbytes: int, device: torch.device) -> HostArena | cuda_vmm.VmmArena | None:
+    """Releasable storage of ``nbytes`` for ``device``, or ``None`` where there is none (plain tensors then)."""
+    if not supports_release(device):
+        return None
+    return cuda_vmm.VmmArena(nbytes, device) if torch.device(device).type == "cuda" else HostArena(nbytes)
