@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         "train_micro_batch_size_per_gpu": args.batch_size * args.samples,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr}},
         "gradient_clipping": 1.0,
-        "hybrid_engine": {"enabled": True, "max_out_tokens": prompt_len + max(args.new_tokens, args.check_tokens),
+        "hybrid_engine": {"max_out_tokens": prompt_len + max(args.new_tokens, args.check_tokens),
                           "enable_graph_capture": graphs, "sleep_between_phases": args.sleep_between_phases},
     })
     rollout = hybrid_engine.HybridEngineRollout(engine, tokenizer=tokenizer, config=hybrid_engine.RolloutConfig(

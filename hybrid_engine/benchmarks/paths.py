@@ -27,7 +27,9 @@ def engine_config(*, graphs: bool, max_out_tokens: int, batch_size: int, dtype: 
         "zero_optimization": {"stage": zero_stage, "stage3_param_persistence_threshold": 0},
         "optimizer": {"type": "AdamW", "params": {"lr": lr}},
         **precision_config(dtype),
-        "hybrid_engine": {"enabled": True, "max_out_tokens": max_out_tokens, "enable_graph_capture": graphs,
+        # ``enabled`` is left to follow the graphs: given explicitly it is DeepSpeed's switch, which also routes the
+        # model's own generate and prints DeepSpeed's per-iteration latency line at every eval().
+        "hybrid_engine": {"max_out_tokens": max_out_tokens, "enable_graph_capture": graphs,
                           "zero3_gathered_inference_copy": inference_copy},
     }
 

@@ -5,7 +5,7 @@ DeepSpeed's hybrid engine times each PPO iteration: ``generate`` records its gat
 experience generation) prints one line on rank 0 with the iteration's end-to-end, gather, generate and
 training time and the samples per second. The fields (``_t_start``, ``_total_latency``, ``_iters``,
 ``_generate_latency``, ``_training_latency``, ``_gather_latency``, ``_total_batch_size``, ...) and the
-line keep DeepSpeed's names and format, behind the same switch (``hybrid_engine.enabled``), so a script
+line keep DeepSpeed's names and format, behind the same switch (``hybrid_engine.enabled``, given in the config as DeepSpeed-Chat gives it; implied by graphs alone it stays quiet), so a script
 parsing them keeps working. :class:`DeepSpeedHybridEngineAPI` holds them and the memory/LoRA calls
 DeepSpeed's engine offers (``empty_partition_cache``, ``fuse_lora_weight``, ``unfuse_lora_weight``,
 ``retake_inference_cache``); the engine calls its ``_latency_*`` hooks. Nothing here touches graphs:
@@ -81,7 +81,8 @@ class DeepSpeedHybridEngineAPI:
             latency = time.time() - self._t_start
             self._total_latency += latency
             self._iters += 1
-            if self.config.hybrid_engine.enabled and rank() == 0 and latency > 0:
+            he = self.config.hybrid_engine
+            if he.enabled and "enabled" in he.model_fields_set and rank() == 0 and latency > 0:
                 print(latency_line(latency, self._gather_latency, self._generate_latency, self._training_latency,
                                    self._total_latency, self._iters, self._total_batch_size))
         self._t_start = time.time()
