@@ -39,6 +39,7 @@ SHAPES = {  # Qwen2.5 config.json widths and depth
 #: (our sampling key, transformers' generate kwargs) per mode.
 MODES = {
     "greedy": ((0.0, 1.0, -1), dict(do_sample=False)),
+    "temperature 1": ((1.0, 1.0, -1), dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)),
     "top-p 0.9": ((1.0, 0.9, -1), dict(do_sample=True, temperature=1.0, top_k=0, top_p=0.9)),
 }
 NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "detach",
