@@ -379,6 +379,16 @@ class PagedKVCache(Cache):
         slots = self.block_table.gather(1, page_index) * self.page_size + logical.remainder(self.page_size)
         return slots if keep is None else torch.where(keep, slots, NULL_PAGE * self.page_size)
 
+    def span_write_slots(self, read_slots: torch.Tensor, write_pos: torch.Tensor,
+                         keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``[rows]``: the pool slot of each row's token at ``write_pos`` (inside its span), read off the span's
+        slots ``read_slots`` (:meth:`span_slots`): one gather, not a page and offset computed again; where
+        ``keep [rows, 1]`` is false, the null page's first slot, as :meth:`token_slots` gives. Rows past the span
+        (only ones that are not kept may be) read its last slot."""
+        table = read_slots.view(write_pos.shape[0], -1)
+        slots = table.gather(1, write_pos.clamp(max=table.shape[1] - 1)[:, None])
+        return (slots if keep is None else torch.where(keep, slots, NULL_PAGE * self.page_size)).flatten()
+
     def span_slots(self, span: int | None = None) -> torch.Tensor:
         """The pool slots of every row's first ``span`` pages (``None``: all), ``[rows * span_tokens]``
         (capture-safe)."""

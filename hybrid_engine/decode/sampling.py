@@ -187,12 +187,13 @@ def union_mode(settings: list[tuple[float, float, int]]) -> tuple[float, float, 
 
 
 class RowKnobs(NamedTuple):
-    """One row's knob values (``[B, 1]``; ``full`` ``[B]``), gathered from :class:`SamplingKnobs`' table."""
+    """One row's knob values (``[B, 1]``; ``full`` ``[B]``), gathered from :class:`SamplingKnobs`' table (``None``:
+    not gathered, as the mode that runs reads it not)."""
 
     inv_temperature: torch.Tensor
-    top_p: torch.Tensor
-    top_k: torch.Tensor
-    full: torch.Tensor
+    top_p: torch.Tensor | None
+    top_k: torch.Tensor | None
+    full: torch.Tensor | None
 
 
 class SamplingKnobs:
@@ -237,10 +238,14 @@ class SamplingKnobs:
         self.top_k.copy_(device_tensor(k, device))
         self.full.copy_(device_tensor(full, device, torch.bool))
 
-    def for_rows(self, index: torch.Tensor) -> RowKnobs:
-        """The values of setting ``index[b]`` for row ``b`` (device gathers: capture-safe)."""
-        return RowKnobs(self.inv_temperature[index][:, None], self.top_p[index][:, None],
-                        self.top_k[index][:, None], self.full[index])
+    def for_rows(self, index: torch.Tensor, sampling_key: tuple[float, float, int] | None = None) -> RowKnobs:
+        """The values of setting ``index[b]`` for row ``b`` (device gathers: capture-safe). With the graph's
+        ``sampling_key``, only the values its :func:`sampling_mode` reads are gathered (the others are ``None``)."""
+        _, top_k_on, top_p_on = (True, True, True) if sampling_key is None else sampling_mode(*sampling_key)
+        return RowKnobs(self.inv_temperature[index][:, None],
+                        self.top_p[index][:, None] if top_p_on or top_k_on else None,
+                        self.top_k[index][:, None] if top_k_on or top_p_on else None,
+                        self.full[index] if top_k_on or top_p_on else None)
 
 
 #: What a reported logprob is under: the distribution sampled from (after top-k / top-p, renormalised), or the

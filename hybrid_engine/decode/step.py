@@ -327,7 +327,7 @@ def _check_prompts(cache: PagedKVCache, input_ids: torch.Tensor, attention_mask:
 def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.Tensor,
                      live: torch.Tensor | None = None, span: int | None = None, *,
                      kinds: dict[str | None, AttentionKind | None] | None = None,
-                     dtype: torch.dtype | None = None) -> torch.Tensor:
+                     dtype: torch.dtype | None = None, advance: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step for every row: feed ``tokens [B]``, return ``[B, V]`` logits (model dtype).
 
     Row ``b`` writes its token at logical index ``write_pos[b]`` and attends
@@ -336,16 +336,20 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
     ``live`` (bool ``[B]``): rows that are not live write the null page and do
     not advance (finished or free slots of a captured bucket). Capture-safe:
     the checks that need host reads run only outside capture. ``kinds`` and ``dtype``: the model's mask kinds
-    and dtype, when the caller read them once for its call (``None``: read here).
+    and dtype, when the caller read them once for its call (``None``: read here); ``advance``: ``live`` as int64,
+    when the caller has it already.
     """
     if not is_capturing():
         _check_tokens(cache, tokens)
         cache.check_room(1, span)
     write_pos = cache.write_pos
     keep = None if live is None else live[:, None]
-    write_slots = cache.token_slots(write_pos[:, None], keep=keep).flatten()
     read_slots = cache.span_slots(span)
     rings = any(cache.rings)  # windowed layers read their rings (all of them, or none: layer_specs)
+    if rings:  # a ring's position may lie past the pages it reads
+        write_slots = cache.token_slots(write_pos[:, None], keep=keep).flatten()
+    else:  # the written token lies in the span: its slot is one of the span's
+        write_slots = cache.span_write_slots(read_slots, write_pos, keep)
     token_pos = token_keep = None
     if rings:  # only ring layers read them: no extra work in other models' steps
         token_pos = write_pos[:, None]
@@ -365,7 +369,7 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
         logits = _forward(model, cache, tokens[:, None], mask4d, cache.position[:, None], write_pos[:1])
     finally:  # the indices are this forward's temporaries: nothing outlives a captured step but its outputs
         cache.set_forward(None)
-    step = 1 if live is None else live.to(torch.int64)
+    step = 1 if live is None else live.to(torch.int64) if advance is None else advance
     write_pos.add_(step)
     cache.position.add_(step)
     return logits
