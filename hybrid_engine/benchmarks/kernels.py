@@ -204,8 +204,11 @@ def transformers_step(model: Any, batch: int, span: int, gen: dict[str, Any], k:
 def implementations(model: Any) -> dict[str, str]:
     """The implementation each decode op runs with on this machine (what the counts above measured)."""
     from hybrid_engine.decode import sampling
+    from hybrid_engine.decode.ops import paged_attention
 
+    device = next(model.parameters()).device
     return {
+        "paged_decode_attention op": f"{paged_attention.implementation(device)} (not yet wired into the step)",
         "attention": f"page gather (index_select) + {model.config._attn_implementation} with a [B, span] mask",
         "sampler": getattr(sampling, "IMPLEMENTATION", "stable full-vocabulary sort + inverse CDF"),
         "norm / rotary / MLP": "transformers' modules (unfused)",
