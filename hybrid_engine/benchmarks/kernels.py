@@ -208,7 +208,8 @@ def implementations(model: Any) -> dict[str, str]:
 
     device = next(model.parameters()).device
     return {
-        "paged_decode_attention op": f"{paged_attention.implementation(device)} (not yet wired into the step)",
+        "paged_decode_attention op": f"{paged_attention.implementation(device)} (steps read pages in place where "
+                                     "this is triton; the reference is the gather above)",
         "attention": f"page gather (index_select) + {model.config._attn_implementation} with a [B, span] mask",
         "sampler": getattr(sampling, "IMPLEMENTATION", "stable full-vocabulary sort + inverse CDF"),
         "norm / rotary / MLP": "transformers' modules (unfused)",

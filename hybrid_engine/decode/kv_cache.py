@@ -68,6 +68,9 @@ class ForwardIndices:
     token_pos: torch.Tensor | None = None
     token_keep: torch.Tensor | None = None
     token_len: torch.Tensor | None = None
+    # A decode step whose attention reads the pool in place (decode/ops/paged_attention.py): ``update`` writes
+    # the new token and returns the pool's own tensors, gathering nothing.
+    paged: bool = False
 
 
 class _HostCounters:
@@ -422,6 +425,8 @@ class PagedKVCache(Cache):
         self.num_updates += 1
         if forward.fresh:
             return key_states, value_states
+        if forward.paged:
+            return keys, values
         read = forward.read_slots
         span = read.numel() // b
         return (keys.index_select(0, read).view(b, span, h, keys.shape[2]).transpose(1, 2),

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["implementation", "paged_decode_attention", "reference_attention"]
+__all__ = ["PAGED_ATTENTION", "PagedRead", "implementation", "paged_attention_forward", "paged_decode_attention",
+           "reference_attention"]
 
 
 def _check(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, block_table: torch.Tensor,
@@ -169,3 +171,49 @@ def _triton_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: t
                           GROUP_PAD=max(1, 1 << math.ceil(math.log2(group))), DIM=d,
                           DIM_PAD=1 << math.ceil(math.log2(d)), PAGE=page_size)
     return out
+
+
+# ------------------------------------------------- transformers attention
+#: The attention implementation a decode step switches a model to where it reads pages in place.
+PAGED_ATTENTION = "hybrid_paged"
+#: Model families whose attention modules pass the forward's keyword arguments on to the attention function
+#: (how a step hands it :class:`PagedRead`).
+PAGED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class PagedRead(NamedTuple):
+    """What a decode step's attention reads instead of gathered K/V: each row's pages and length."""
+
+    block_table: torch.Tensor  # [B, span pages]
+    lengths: torch.Tensor  # [B] int64: tokens each row sees, the one being written included
+    page_size: int
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            paged_kv: PagedRead | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """``"hybrid_paged"``: with ``paged_kv`` (a decode step; ``key``/``value`` are then the pool's
+    ``[slots, kv_heads, head_dim]`` tensors, which the cache's ``update`` returned without gathering) the
+    :func:`paged_decode_attention` op; any other forward (a thread that runs one while a step has the config
+    switched) is transformers' ``sdpa``."""
+    if paged_kv is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_decode_attention(query, key, value, paged_kv.block_table, paged_kv.lengths, float(scale),
+                                 paged_kv.page_size)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register ``"hybrid_paged"`` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
+    AttentionMaskInterface.register(PAGED_ATTENTION, sdpa_mask)
+
+
+register()
