@@ -75,6 +75,11 @@ def _bytes(name: str, args: Any, kwargs: Any, out: Any) -> tuple[int, int]:
     """(read, written) bytes one kernel must move at least."""
     ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
     outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    if name == "paged_decode_attention":  # reads each row's own tokens from the pool, in place
+        query, keys, _, table, lengths = ins[:5]
+        per_token = 2 * keys.shape[1] * keys.shape[2] * keys.element_size()
+        return (int(lengths.sum()) * per_token + query.nbytes + table.nbytes + lengths.nbytes,
+                sum(o.nbytes for o in outs))
     if name in GATHER_LIKE and len(ins) > 1:
         moved = sum(o.nbytes for o in outs)
         return moved + sum(_extent(a) for a in ins[1:]), moved
@@ -207,10 +212,11 @@ def implementations(model: Any) -> dict[str, str]:
     from hybrid_engine.decode.ops import paged_attention
 
     device = next(model.parameters()).device
+    paged = paged_attention.implementation(device) == "triton"
     return {
-        "paged_decode_attention op": f"{paged_attention.implementation(device)} (steps read pages in place where "
-                                     "this is triton; the reference is the gather above)",
-        "attention": f"page gather (index_select) + {model.config._attn_implementation} with a [B, span] mask",
+        "attention": ("hybrid_engine::paged_decode_attention, Triton kernel reading each row's pages in place"
+                      if paged else f"page gather (index_select) + {model.config._attn_implementation} with a "
+                      "[B, span] mask (paged_decode_attention's reference; no kernel on this device)"),
         "sampler": getattr(sampling, "IMPLEMENTATION", "stable full-vocabulary sort + inverse CDF"),
         "norm / rotary / MLP": "transformers' modules (unfused)",
     }
