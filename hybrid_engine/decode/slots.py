@@ -46,7 +46,7 @@ from hybrid_engine.decode.kv_pool import KVPool
 from hybrid_engine.decode.layout import AttentionKind, attention_kinds
 from hybrid_engine.decode.model_support import state_shapes
 from hybrid_engine.decode.sampling import MAX_SETTINGS, RowKnobs, SamplingKnobs, sample_tokens_and_top
-from hybrid_engine.decode.step import decode_one_token, model_dtype
+from hybrid_engine.decode.step import decode_one_token, model_dtype, reads_pages_in_place
 
 __all__ = ["DecodeSlots", "choose_tokens", "logits_width", "vocab_sizes"]
 
@@ -114,6 +114,7 @@ class CallSettings:
     logprobs: bool = True  # steps report their tokens' logprobs
     mask_kinds: dict[str | None, AttentionKind | None] | None = None  # None: read off the config each step
     dtype: torch.dtype | None = None  # the model's dtype (None: read each step)
+    paged: bool | None = None  # steps read pages in place (step.reads_pages_in_place; None: asked each step)
 
 
 class DecodeSlots:
@@ -256,6 +257,7 @@ class DecodeSlots:
         self.call.logprobs = logprobs
         self.call.mask_kinds = attention_kinds(model.config)
         self.call.dtype = model_dtype(model)
+        self.call.paged = reads_pages_in_place(model, self.cache, self.call.mask_kinds)
 
     @property
     def has_stop_sequences(self) -> bool:
@@ -290,7 +292,7 @@ class DecodeSlots:
         advance = live.to(torch.int64)  # one conversion for the cache's and the token index's advance
         call = self.call
         logits = decode_one_token(model, self.cache, self.tokens, live, span, kinds=call.mask_kinds,
-                                  dtype=call.dtype, advance=advance)
+                                  dtype=call.dtype, advance=advance, paged=call.paged)
         new_tokens, logprobs, top_ids, top_lp = choose_tokens(
             logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
             seed=self.seed, stream=self.stream, token_index=self.token_index,

@@ -353,7 +353,8 @@ def _check_prompts(cache: PagedKVCache, input_ids: torch.Tensor, attention_mask:
 def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.Tensor,
                      live: torch.Tensor | None = None, span: int | None = None, *,
                      kinds: dict[str | None, AttentionKind | None] | None = None,
-                     dtype: torch.dtype | None = None, advance: torch.Tensor | None = None) -> torch.Tensor:
+                     dtype: torch.dtype | None = None, advance: torch.Tensor | None = None,
+                     paged: bool | None = None) -> torch.Tensor:
     """One decode step for every row: feed ``tokens [B]``, return ``[B, V]`` logits (model dtype).
 
     Row ``b`` writes its token at logical index ``write_pos[b]`` and attends
@@ -363,7 +364,8 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
     not advance (finished or free slots of a captured bucket). Capture-safe:
     the checks that need host reads run only outside capture. ``kinds`` and ``dtype``: the model's mask kinds
     and dtype, when the caller read them once for its call (``None``: read here); ``advance``: ``live`` as int64,
-    when the caller has it already.
+    when the caller has it already; ``paged``: :func:`reads_pages_in_place`, when the caller asked it once for
+    its call (``None``: asked here).
     """
     if not is_capturing():
         _check_tokens(cache, tokens)
@@ -389,15 +391,17 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
         return build_decode_mask(write_pos, kv_len, dtype, kind)
 
     mask4d = layer_masks(model, build, kinds=kinds)
-    paged = None
-    if reads_pages_in_place(model, cache, kinds):
-        paged = PagedRead(cache.block_table[:, :kv_len // cache.page_size], (write_pos + 1).clamp_(max=kv_len),
+    if paged is None:
+        paged = reads_pages_in_place(model, cache, kinds)
+    pages = None
+    if paged:
+        pages = PagedRead(cache.block_table[:, :kv_len // cache.page_size], (write_pos + 1).clamp_(max=kv_len),
                           cache.page_size)
     cache.set_forward(ForwardIndices(write_slots=write_slots, kv_len=kv_len, read_slots=read_slots,
-                                     token_pos=token_pos, token_keep=token_keep, paged=paged is not None))
+                                     token_pos=token_pos, token_keep=token_keep, paged=paged))
     try:
         logits = _forward(model, cache, tokens[:, None], mask4d, cache.position[:, None], write_pos[:1],
-                          paged=paged)
+                          paged=pages)
     finally:  # the indices are this forward's temporaries: nothing outlives a captured step but its outputs
         cache.set_forward(None)
     step = 1 if live is None else live.to(torch.int64) if advance is None else advance
