@@ -1,6 +1,6 @@
 """``hybrid_engine::paged_decode_attention``: the reference against a plain per-row softmax, one node in a
 captured CPU graph, the capability probe, and the Triton kernel against the reference under
-``TRITON_INTERPRET=1`` (skipped where Triton is not installed: ``pip install 'hybrid-engine[test]'``)."""
+``TRITON_INTERPRET=1`` (skipped where Triton is not installed: ``pip install 'hybrid-engine[dev]'``)."""
 
 from __future__ import annotations
 
