@@ -100,6 +100,7 @@ print("kernel ok")
 """
 
 
+@pytest.mark.slow  # a process of its own (tests/tiers.py)
 def test_triton_kernel_matches_the_reference_under_the_interpreter():
     """In a process of its own: Triton reads ``TRITON_INTERPRET`` when it is imported (its language functions
     are jitted then), and this process may have imported it without."""

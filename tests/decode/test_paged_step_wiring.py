@@ -48,6 +48,7 @@ def test_without_a_kernel_the_step_gathers():
     assert not reads_pages_in_place(model, PagedKVCache(model.config, 2, 32))
 
 
+@pytest.mark.slow  # a process of its own (tests/tiers.py)
 def test_a_rollout_reads_pages_in_place_under_the_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
