@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "soak": "a long RL run (rollout + train, graphs on): memory and captures over time must stay flat",
     "memory": "decode ms/step and K/V pages/bytes against cache_capacity, vs transformers' caches",
     "exact": "exact_logprobs vs default: rollout and train-step time, rollout-vs-train and batch-composition drift",
+    "kernels": "device ops per layer and per step and K/V bytes of one decode step, ours vs transformers",
     "multiturn": "tool-use episodes: K/V kept between turns vs re-prefilled vs transformers generate per turn",
     "handoff": "memory hand-off: an RL loop with and without sleep_between_phases, memory per phase, sleep/wake",
 }

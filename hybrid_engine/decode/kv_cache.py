@@ -68,6 +68,9 @@ class ForwardIndices:
     token_pos: torch.Tensor | None = None
     token_keep: torch.Tensor | None = None
     token_len: torch.Tensor | None = None
+    # A decode step whose attention reads the pool in place (decode/ops/paged_attention.py): ``update`` writes
+    # the new token and returns the pool's own tensors, gathering nothing.
+    paged: bool = False
 
 
 class _HostCounters:
@@ -379,6 +382,16 @@ class PagedKVCache(Cache):
         slots = self.block_table.gather(1, page_index) * self.page_size + logical.remainder(self.page_size)
         return slots if keep is None else torch.where(keep, slots, NULL_PAGE * self.page_size)
 
+    def span_write_slots(self, read_slots: torch.Tensor, write_pos: torch.Tensor,
+                         keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``[rows]``: the pool slot of each row's token at ``write_pos`` (inside its span), read off the span's
+        slots ``read_slots`` (:meth:`span_slots`): one gather, not a page and offset computed again; where
+        ``keep [rows, 1]`` is false, the null page's first slot, as :meth:`token_slots` gives. Rows past the span
+        (only ones that are not kept may be) read its last slot."""
+        table = read_slots.view(write_pos.shape[0], -1)
+        slots = table.gather(1, write_pos.clamp(max=table.shape[1] - 1)[:, None])
+        return (slots if keep is None else torch.where(keep, slots, NULL_PAGE * self.page_size)).flatten()
+
     def span_slots(self, span: int | None = None) -> torch.Tensor:
         """The pool slots of every row's first ``span`` pages (``None``: all), ``[rows * span_tokens]``
         (capture-safe)."""
@@ -412,6 +425,8 @@ class PagedKVCache(Cache):
         self.num_updates += 1
         if forward.fresh:
             return key_states, value_states
+        if forward.paged:
+            return keys, values
         read = forward.read_slots
         span = read.numel() // b
         return (keys.index_select(0, read).view(b, span, h, keys.shape[2]).transpose(1, 2),

@@ -10,8 +10,8 @@ one invariant that makes sampling correct under those rules:
 
 There is no generator state to advance (a captured ``torch.rand`` would either
 replay the same numbers or depend on how many rows share the batch). Instead
-:func:`counter_uniform` hashes the counters with a splitmix64-style integer
-mixer built from int64 tensor ops. Because of that:
+:func:`counter_uniform` hashes the counters with two splitmix64 rounds built
+from int64 tensor ops (one uniform per row, 31 ops). Because of that:
 
 * replay and eager execution draw the same numbers, token for token;
 * a request's tokens do not depend on which other requests share its batch or
@@ -24,11 +24,14 @@ a captured graph freezes and is keyed on. Their values may instead come from
 device tensors (:class:`SamplingKnobs`, written before each call), so one graph
 per mode serves every temperature, top-p and top-k: a schedule that changes the
 temperature at every step recaptures nothing. Everything else is
-static-shape tensor work: a stable descending sort, masks built from positions
-and cumulative sums, and an inverse-CDF pick by counting -- no ``.item()``,
-``nonzero``, boolean-mask indexing or ``torch.multinomial``.
-:func:`sample_tokens` and :func:`logprobs_of` share one filter
-(:func:`_filtered_sorted_logprobs`), so the two cannot diverge.
+static-shape tensor work: the pick is an inverse CDF by counting over a
+cumulative sum in vocabulary order, so temperature alone sorts nothing; top-k
+and top-p find their kept set with one stable sort, then renormalise in
+vocabulary order -- no ``.item()``, ``nonzero``, boolean-mask indexing or
+``torch.multinomial``. Since every row is picked in vocabulary order, a row
+whose own setting filters nothing gets the same token in a call whose graph
+runs filters for other rows. :func:`sample_tokens` and :func:`logprobs_of`
+share one filter (:func:`_filtered_logprobs`), so the two cannot diverge.
 """
 
 from __future__ import annotations
@@ -41,11 +44,15 @@ import torch
 
 from hybrid_engine.accelerator.host_copy import device_tensor
 
-__all__ = ["LOGPROB_MODES", "MAX_SETTINGS", "MIN_TEMPERATURE", "RowKnobs", "SAMPLING_DRAW", "SamplingKnobs", "counter_uniform", "logprobs_of",
+__all__ = ["IMPLEMENTATION", "LOGPROB_MODES", "MAX_SETTINGS", "MIN_TEMPERATURE", "RowKnobs", "SAMPLING_DRAW", "SamplingKnobs", "counter_uniform", "logprobs_of",
            "sample_tokens", "sample_tokens_and_top", "sampling_mode", "union_mode", "validate_logprobs", "validate_sampling"]
 
 #: The smallest positive temperature (as vLLM's sampling epsilon): below it, scaled logits overflow float32.
 MIN_TEMPERATURE = 1e-5
+
+#: What the sampler runs (``hybrid-engine bench kernels`` reports it).
+IMPLEMENTATION = ("inverse CDF over a vocabulary-order cumsum, one counter-based uniform per row (2 splitmix64 "
+                  "rounds); no sort at temperature alone, one stable sort for top-k / top-p")
 
 #: ``draw`` used by :func:`sample_tokens` for its one uniform per token.
 SAMPLING_DRAW = 0
@@ -63,6 +70,7 @@ _GOLDEN = _s64(0x9E3779B97F4A7C15)
 _MUL1 = _s64(0xBF58476D1CE4E5B9)
 _MUL2 = _s64(0x94D049BB133111EB)
 _DOMAIN = _s64(0x5851F42D4C957F2D)  # separates the seed lane from the counters
+_STREAM = _s64(0xD6E8FEB86659FD93)  # odd: a stream's multiple in the counter word
 
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -114,11 +122,12 @@ def counter_uniform(
     s, r, t = torch.broadcast_tensors(
         _as_int64(seed, like), _as_int64(stream, like), _as_int64(token_index, like)
     )
-    # Absorb one counter per round; adding the golden gamma keeps 0 from being a fixed point.
-    h = _mix(s + _DOMAIN)
-    h = _mix(h + r + _GOLDEN)
-    h = _mix(h + t + _GOLDEN)
-    h = _mix(h + _s64((int(draw) + 1) * _GOLDEN))
+    # Two splitmix64 rounds (31 ops on [B], not 54): the seed (with the draw folded into its constant) is mixed
+    # into a pseudo-random key, then the key absorbs stream and token index as one word. The word is injective
+    # for streams apart by under ~2**31 and token indices under 2**32 (golden-ratio multiples of a stream
+    # difference keep clear of small token-index differences, by the three-distance theorem).
+    h = _mix(s + _s64(_DOMAIN + int(draw) * _GOLDEN))
+    h = _mix(h + r * _STREAM + t * _GOLDEN)
     bits = 24 if dtype == torch.float32 else 53
     top = _shr(h, 64 - bits)
     return top.to(dtype) * (2.0**-bits)
@@ -178,12 +187,13 @@ def union_mode(settings: list[tuple[float, float, int]]) -> tuple[float, float, 
 
 
 class RowKnobs(NamedTuple):
-    """One row's knob values (``[B, 1]``; ``full`` ``[B]``), gathered from :class:`SamplingKnobs`' table."""
+    """One row's knob values (``[B, 1]``; ``full`` ``[B]``), gathered from :class:`SamplingKnobs`' table (``None``:
+    not gathered, as the mode that runs reads it not)."""
 
     inv_temperature: torch.Tensor
-    top_p: torch.Tensor
-    top_k: torch.Tensor
-    full: torch.Tensor
+    top_p: torch.Tensor | None
+    top_k: torch.Tensor | None
+    full: torch.Tensor | None
 
 
 class SamplingKnobs:
@@ -228,10 +238,14 @@ class SamplingKnobs:
         self.top_k.copy_(device_tensor(k, device))
         self.full.copy_(device_tensor(full, device, torch.bool))
 
-    def for_rows(self, index: torch.Tensor) -> RowKnobs:
-        """The values of setting ``index[b]`` for row ``b`` (device gathers: capture-safe)."""
-        return RowKnobs(self.inv_temperature[index][:, None], self.top_p[index][:, None],
-                        self.top_k[index][:, None], self.full[index])
+    def for_rows(self, index: torch.Tensor, sampling_key: tuple[float, float, int] | None = None) -> RowKnobs:
+        """The values of setting ``index[b]`` for row ``b`` (device gathers: capture-safe). With the graph's
+        ``sampling_key``, only the values its :func:`sampling_mode` reads are gathered (the others are ``None``)."""
+        _, top_k_on, top_p_on = (True, True, True) if sampling_key is None else sampling_mode(*sampling_key)
+        return RowKnobs(self.inv_temperature[index][:, None],
+                        self.top_p[index][:, None] if top_p_on or top_k_on else None,
+                        self.top_k[index][:, None] if top_k_on or top_p_on else None,
+                        self.full[index] if top_k_on or top_p_on else None)
 
 
 #: What a reported logprob is under: the distribution sampled from (after top-k / top-p, renormalised), or the
@@ -244,27 +258,44 @@ def validate_logprobs(logprobs: object) -> None:
         raise ValueError(f"logprobs must be one of {LOGPROB_MODES}, got {logprobs!r}")
 
 
-def _filtered_sorted_logprobs(
+def _kept_in_sorted_order(sorted_logits: torch.Tensor, k: torch.Tensor | int, p: torch.Tensor | float,
+                          top_k: bool, top_p: bool) -> torch.Tensor:
+    """Which positions of a row sorted in descending order the filters keep: the first ``k``, then the shortest
+    prefix of the top-k-renormalised distribution whose mass reaches ``p`` (the top token always stays)."""
+    vocab = sorted_logits.shape[-1]
+    keep = torch.ones_like(sorted_logits, dtype=torch.bool)
+    if top_k:
+        keep = keep & (torch.arange(vocab, device=sorted_logits.device) < k)
+    if top_p:
+        probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # exclusive prefix sum
+        drop = mass_before >= p
+        drop[..., 0] = False
+        keep = keep & ~drop
+    return keep
+
+
+def _filtered_logprobs(
     logits: torch.Tensor, temperature: float, top_p: float, top_k: int, knobs: RowKnobs | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sampling distribution over the last dim, in descending order.
+    *, ranked: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The sampling distribution over the last dim, in vocabulary order.
 
     Filtering order: temperature scaling, then top-k, then top-p on the
     top-k-renormalised distribution (keep the smallest prefix, in
     descending-probability order, whose cumulative probability reaches
     ``top_p``; the top token is always kept), then renormalisation. Ties
     between equal logits are broken by vocabulary index (the lower index ranks
-    first) because the sort is stable.
+    first).
 
-    Returns ``(sorted_logprobs, sort_index, full)``: log-probabilities after
-    temperature, top-k and top-p (removed entries are ``-inf``, the rest are
-    renormalised), the vocabulary index of each sorted position, and the
-    log-probabilities at the temperature before any filter (the same tensor as
-    the first when no filter runs), reduced in vocabulary order so that at
-    temperature 1 they are ``log_softmax(logits.float())``'s bits. Requires
-    ``temperature > 0``. Shapes are static and no value is read on the host.
-    The Python knobs choose the filters (:func:`sampling_mode`); ``knobs``, when
-    given, supplies their values (the float32 values the Python ones round to).
+    Returns ``(logprobs, full, order)``: log-probabilities after temperature, top-k and top-p (removed entries
+    are ``-inf``, the rest renormalised), the log-probabilities at the temperature before any filter (the same
+    tensor when no filter runs: at temperature 1 ``log_softmax(logits.float())``'s bits, the training forward's),
+    and the descending order of the scaled logits (``None`` unless a filter runs or ``ranked``). Every softmax
+    reduces in vocabulary order. Only a filter needs the order (one stable sort, which temperature alone does
+    not pay). Requires ``temperature > 0``; static shapes, no host read. The Python knobs choose the filters
+    (:func:`sampling_mode`); ``knobs``, when given, supplies their values (the float32 values the Python ones
+    round to), and a row whose own values filter nothing keeps the unfiltered bits, as in a call of its own.
     """
     _, top_k_on, top_p_on = sampling_mode(temperature, top_p, top_k)
     inv_t, p, k = ((knobs.inv_temperature, knobs.top_p, knobs.top_k) if knobs is not None
@@ -272,28 +303,20 @@ def _filtered_sorted_logprobs(
     # Times the float32 reciprocal, with either kind of value: what a device computes for a tensor divided
     # by a host scalar, so a Python temperature and a knob tensor give the same bits everywhere.
     scaled = logits.float() * inv_t
-    sorted_logits, sort_index = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    vocab = sorted_logits.shape[-1]
-    neg_inf = float("-inf")
-    # The full softmax reduces in vocabulary order, then moves to sorted order: a sum's bits depend on its order,
-    # and this is the order of a training forward's log_softmax and of greedy's, so at temperature 1 the three
-    # agree bit for bit (summed in sorted order they differed by an ulp, issue 38).
-    full = torch.log_softmax(scaled, dim=-1).gather(-1, sort_index)
-    logprobs = full
-    if top_k_on and (knobs is not None or top_k < vocab):
-        position = torch.arange(vocab, device=logits.device)
-        kept = torch.log_softmax(sorted_logits.masked_fill(position >= k, neg_inf), dim=-1)
-        # A row whose own setting has no top-k (a knob past the vocabulary) keeps its bits, as in a call of its own.
-        logprobs = torch.where(k >= vocab, full, kept) if knobs is not None else kept
-    if top_p_on:
-        probs = logprobs.exp()
-        mass_before = torch.cumsum(probs, dim=-1) - probs  # exclusive prefix sum
-        drop = mass_before >= p
-        drop[..., 0] = False  # the top token is always kept
-        renormalised = torch.log_softmax(logprobs.masked_fill(drop, neg_inf), dim=-1)
-        # A row whose own setting has no top-p (a knob past 1) keeps its bits, as in a call of its own.
-        logprobs = torch.where(p > 1, logprobs, renormalised) if knobs is not None else renormalised
-    return logprobs, sort_index, full
+    vocab = scaled.shape[-1]
+    full = torch.log_softmax(scaled, dim=-1)
+    top_k_on = top_k_on and (knobs is not None or top_k < vocab)
+    order = None
+    if top_k_on or top_p_on or ranked:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    if not (top_k_on or top_p_on):
+        return full, full, order
+    keep_sorted = _kept_in_sorted_order(sorted_logits, k, p, top_k_on, top_p_on)
+    keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    filtered = torch.log_softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    if knobs is not None:
+        filtered = torch.where((k >= vocab) & (p > 1), full, filtered)
+    return filtered, full, order
 
 
 def sample_tokens(
@@ -341,7 +364,7 @@ def sample_tokens_and_top(
     ``temperature == 0`` is greedy: ``argmax`` (lowest index on ties); there, with ``want_logprobs=False`` and
     no ``top``, no log-softmax is computed and the logprobs are ``None``. With
     ``knobs`` the filters read their values from those device tensors (see
-    :func:`_filtered_sorted_logprobs` for the filtering rules): pass knobs set
+    :func:`_filtered_logprobs` for the filtering rules): pass knobs set
     to the same values.
 
     The returned log-probability, when sampling (``temperature > 0``), is the
@@ -368,28 +391,29 @@ def sample_tokens_and_top(
             return tokens, chosen, tokens.new_empty(tokens.shape[0], 0), chosen.new_empty(tokens.shape[0], 0)
         ranked, ids = torch.sort(every, dim=-1, descending=True, stable=True)  # ties: the lower id first
         return tokens, chosen, ids[:, :top], ranked[:, :top]
-    sorted_lp, sort_index, full_lp = _filtered_sorted_logprobs(logits, temperature, top_p, top_k, knobs)
+    lp, full, order = _filtered_logprobs(logits, temperature, top_p, top_k, knobs, ranked=top > 0)
     u = counter_uniform(seed, stream, token_index, SAMPLING_DRAW)
     u = u.expand(logits.shape[0]).unsqueeze(-1)
-    cdf = torch.cumsum(sorted_lp.exp(), dim=-1)
-    # First position whose CDF exceeds u * total (scaling by the total absorbs rounding),
-    # capped at the last kept position in case u * total rounds up to the total.
-    pos = (cdf <= u * cdf[..., -1:]).sum(dim=-1, keepdim=True)
-    kept = torch.isfinite(sorted_lp).sum(dim=-1, keepdim=True)
-    # Non-finite logits (a diverged model) keep nothing: position 0, with a NaN logprob that says so, rather
-    # than an index of -1 (on a GPU a device-side assert that leaves the context unusable).
-    pos = torch.minimum(pos, (kept - 1).clamp(min=0))
-    tokens = sort_index.gather(-1, pos).squeeze(-1)
-    ranked = sorted_lp[:, :top]
-    chosen = sorted_lp.gather(-1, pos).squeeze(-1)
-    if full_lp is not sorted_lp:  # a filter ran: the two distributions differ
-        full_chosen = full_lp.gather(-1, pos).squeeze(-1)
+    # Inverse CDF in vocabulary order (any fixed order gives the same distribution): the first position whose
+    # CDF exceeds u * total (scaling by the total absorbs rounding), capped at the first position that reaches
+    # the total (a kept token) in case u * total rounds up to it. Non-finite logits (a diverged model) give a
+    # NaN CDF: position 0 with a NaN logprob that says so, never an index out of range.
+    cdf = torch.cumsum(lp.exp(), dim=-1)
+    total = cdf[..., -1:]
+    pos = torch.minimum((cdf <= u * total).sum(dim=-1, keepdim=True), (cdf < total).sum(dim=-1, keepdim=True))
+    tokens = pos.squeeze(-1)
+    chosen = lp.gather(-1, pos).squeeze(-1)
+    ids = order[:, :top] if order is not None else tokens.new_empty(tokens.shape[0], 0)
+    ranked = lp.gather(-1, ids)
+    if full is not lp:  # a filter ran: the two distributions differ
+        full_chosen = full.gather(-1, pos).squeeze(-1)
         if knobs is not None:  # a device flag, so one captured graph serves both modes
             chosen = torch.where(knobs.full, full_chosen, chosen)
-            ranked = torch.where(knobs.full[:, None], full_lp[:, :top], ranked)
+            if top:
+                ranked = torch.where(knobs.full[:, None], full.gather(-1, ids), ranked)
         elif logprobs == "full":
-            chosen, ranked = full_chosen, full_lp[:, :top]
-    return tokens, chosen, sort_index[:, :top], ranked
+            chosen, ranked = full_chosen, full.gather(-1, ids)
+    return tokens, chosen, ids, ranked
 
 
 def logprobs_of(
@@ -415,7 +439,5 @@ def logprobs_of(
     index = tokens.long().unsqueeze(-1)
     if temperature == 0:
         return torch.log_softmax(logits.float(), dim=-1).gather(-1, index).squeeze(-1)
-    sorted_lp, sort_index, full_lp = _filtered_sorted_logprobs(logits, temperature, top_p, top_k)
-    chosen = full_lp if logprobs == "full" else sorted_lp
-    unsorted = torch.empty_like(chosen).scatter_(-1, sort_index, chosen)
-    return unsorted.gather(-1, index).squeeze(-1)
+    lp, full, _ = _filtered_logprobs(logits, temperature, top_p, top_k)
+    return (full if logprobs == "full" else lp).gather(-1, index).squeeze(-1)

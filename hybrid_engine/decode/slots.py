@@ -46,7 +46,7 @@ from hybrid_engine.decode.kv_pool import KVPool
 from hybrid_engine.decode.layout import AttentionKind, attention_kinds
 from hybrid_engine.decode.model_support import state_shapes
 from hybrid_engine.decode.sampling import MAX_SETTINGS, RowKnobs, SamplingKnobs, sample_tokens_and_top
-from hybrid_engine.decode.step import decode_one_token, model_dtype
+from hybrid_engine.decode.step import decode_one_token, model_dtype, reads_pages_in_place
 
 __all__ = ["DecodeSlots", "choose_tokens", "logits_width", "vocab_sizes"]
 
@@ -114,6 +114,7 @@ class CallSettings:
     logprobs: bool = True  # steps report their tokens' logprobs
     mask_kinds: dict[str | None, AttentionKind | None] | None = None  # None: read off the config each step
     dtype: torch.dtype | None = None  # the model's dtype (None: read each step)
+    paged: bool | None = None  # steps read pages in place (step.reads_pages_in_place; None: asked each step)
 
 
 class DecodeSlots:
@@ -256,6 +257,7 @@ class DecodeSlots:
         self.call.logprobs = logprobs
         self.call.mask_kinds = attention_kinds(model.config)
         self.call.dtype = model_dtype(model)
+        self.call.paged = reads_pages_in_place(model, self.cache, self.call.mask_kinds)
 
     @property
     def has_stop_sequences(self) -> bool:
@@ -287,13 +289,15 @@ class DecodeSlots:
         """One decode step for every slot reading ``span`` pages a row (``None``: all), entirely in device tensors
         (this is what gets captured)."""
         live = ~self.finished
+        advance = live.to(torch.int64)  # one conversion for the cache's and the token index's advance
         call = self.call
-        logits = decode_one_token(model, self.cache, self.tokens, live, span, kinds=call.mask_kinds, dtype=call.dtype)
+        logits = decode_one_token(model, self.cache, self.tokens, live, span, kinds=call.mask_kinds,
+                                  dtype=call.dtype, advance=advance, paged=call.paged)
         new_tokens, logprobs, top_ids, top_lp = choose_tokens(
             logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
             seed=self.seed, stream=self.stream, token_index=self.token_index,
-            knobs=self.knobs.for_rows(self.knob) if sampling_key[0] > 0 else None, top=self.top_logprobs,
-            checked=True, want_logprobs=call.logprobs,
+            knobs=self.knobs.for_rows(self.knob, sampling_key) if sampling_key[0] > 0 else None,
+            top=self.top_logprobs, checked=True, want_logprobs=call.logprobs,
         )
         # Live rows write at their token index; the others into the spare last column, which nothing reads.
         column = torch.where(live, self.token_index.clamp(max=self.capacity - 1), self.capacity)[:, None]
@@ -304,14 +308,14 @@ class DecodeSlots:
             at = column[:, :, None].expand(-1, 1, self.top_logprobs)
             self.out_top_ids.scatter_(1, at, top_ids[:, None])
             self.out_top_logprobs.scatter_(1, at, top_lp[:, None].float())
-        self.tokens.copy_(torch.where(live, new_tokens, self.pad_id))
-        self.token_index.add_(live.to(torch.int64))
+        torch.where(live, new_tokens, self.pad_id, out=self.tokens)
+        self.token_index.add_(advance)
+        # No ``& live``: a row that is not live is finished already, and or-ing into it changes nothing.
         done = self.is_eos(new_tokens) | (self.token_index >= self.budget)
         if call.stops:  # a host value the graph key holds (GraphKey.stops)
             # A stop sequence ends a row only past min_tokens, as an EOS can.
             done |= self.ends_in_a_stop_sequence(self.out_tokens, column[:, 0], self.knob) \
                 & (self.token_index > self.min_tokens)
-        done &= live
         self.finished.logical_or_(done)
 
     # ------------------------------------------------------------- admission

@@ -40,8 +40,15 @@ from transformers import PreTrainedModel
 from hybrid_engine.accelerator import is_capturing
 from hybrid_engine.decode.kv_cache import ForwardIndices, PagedKVCache
 from hybrid_engine.decode.layout import FULL, AttentionKind, attention_kinds
+from hybrid_engine.decode.ops.paged_attention import (
+    PAGED_ATTENTION,
+    PAGED_MODEL_TYPES,
+    PagedRead,
+    implementation,
+)
 from hybrid_engine.exact.mode import exact_ops, uses_exact_attention
 from hybrid_engine.exact.rows import pack_order, pack_rows
+from hybrid_engine.model_access import attention_implementation
 
 __all__ = ["build_decode_mask", "build_prefill_mask", "build_ring_mask", "decode_one_token", "extend", "layer_masks", "prefill",
            "prompt_position_ids"]
@@ -198,8 +205,10 @@ def _forward(
     position_ids: torch.Tensor,
     cache_position: torch.Tensor,
     last: torch.Tensor | None = None,
+    paged: PagedRead | None = None,
 ) -> torch.Tensor:
-    """The logits of each row's last column, or of column ``last[row]`` (all columns are then computed)."""
+    """The logits of each row's last column, or of column ``last[row]`` (all columns are then computed);
+    ``paged``: a decode step whose attention reads pages in place (:func:`reads_pages_in_place`)."""
     cache_kw, takes_cache_position, takes_logits_to_keep = _forward_signature(model)
     kwargs: dict[str, Any] = {
         "input_ids": input_ids,
@@ -212,12 +221,29 @@ def _forward(
         kwargs["cache_position"] = cache_position
     if takes_logits_to_keep and last is None:
         kwargs["logits_to_keep"] = 1
-    with exact_ops() if uses_exact_attention(model) else contextlib.nullcontext():
+    if paged is not None:
+        kwargs["paged_kv"] = paged  # through the model's keyword arguments to its attention function
+    with exact_ops() if uses_exact_attention(model) else contextlib.nullcontext(), \
+            attention_implementation(model.config, PAGED_ATTENTION if paged is not None else None):
         out = model(**kwargs)
     logits = out[0] if isinstance(out, tuple) else out.logits  # a tuple under config.return_dict=False
     if last is None:
         return logits[:, -1]
     return logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1)
+
+
+def reads_pages_in_place(model: PreTrainedModel, cache: PagedKVCache,
+                         kinds: dict[str | None, AttentionKind | None] | None = None) -> bool:
+    """Whether a decode step's attention reads each row's pages in place (the ``paged_decode_attention`` op)
+    rather than gathering them: where the op has a kernel on the cache's device (its capability probe), for
+    ``sdpa`` models of the families that hand it the pages, with full attention only and no exact mode. The
+    reference implementation is the gather the step does anyway, so it never switches."""
+    if getattr(model.config, "model_type", None) not in PAGED_MODEL_TYPES \
+            or getattr(model.config, "_attn_implementation", None) != "sdpa" \
+            or cache.states is not None or any(cache.rings) or uses_exact_attention(model):
+        return False
+    kinds = attention_kinds(model.config) if kinds is None else kinds
+    return kinds.get(None) == FULL and len(kinds) == 1 and implementation(cache.device) == "triton"
 
 
 def _check_tokens(cache: PagedKVCache, tokens: torch.Tensor) -> None:
@@ -342,7 +368,8 @@ def _check_prompts(cache: PagedKVCache, input_ids: torch.Tensor, attention_mask:
 def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.Tensor,
                      live: torch.Tensor | None = None, span: int | None = None, *,
                      kinds: dict[str | None, AttentionKind | None] | None = None,
-                     dtype: torch.dtype | None = None) -> torch.Tensor:
+                     dtype: torch.dtype | None = None, advance: torch.Tensor | None = None,
+                     paged: bool | None = None) -> torch.Tensor:
     """One decode step for every row: feed ``tokens [B]``, return ``[B, V]`` logits (model dtype).
 
     Row ``b`` writes its token at logical index ``write_pos[b]`` and attends
@@ -351,16 +378,21 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
     ``live`` (bool ``[B]``): rows that are not live write the null page and do
     not advance (finished or free slots of a captured bucket). Capture-safe:
     the checks that need host reads run only outside capture. ``kinds`` and ``dtype``: the model's mask kinds
-    and dtype, when the caller read them once for its call (``None``: read here).
+    and dtype, when the caller read them once for its call (``None``: read here); ``advance``: ``live`` as int64,
+    when the caller has it already; ``paged``: :func:`reads_pages_in_place`, when the caller asked it once for
+    its call (``None``: asked here).
     """
     if not is_capturing():
         _check_tokens(cache, tokens)
         cache.check_room(1, span)
     write_pos = cache.write_pos
     keep = None if live is None else live[:, None]
-    write_slots = cache.token_slots(write_pos[:, None], keep=keep).flatten()
     read_slots = cache.span_slots(span)
     rings = any(cache.rings)  # windowed layers read their rings (all of them, or none: layer_specs)
+    if rings:  # a ring's position may lie past the pages it reads
+        write_slots = cache.token_slots(write_pos[:, None], keep=keep).flatten()
+    else:  # the written token lies in the span: its slot is one of the span's
+        write_slots = cache.span_write_slots(read_slots, write_pos, keep)
     token_pos = token_keep = None
     if rings:  # only ring layers read them: no extra work in other models' steps
         token_pos = write_pos[:, None]
@@ -374,13 +406,20 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
         return build_decode_mask(write_pos, kv_len, dtype, kind)
 
     mask4d = layer_masks(model, build, kinds=kinds)
+    if paged is None:
+        paged = reads_pages_in_place(model, cache, kinds)
+    pages = None
+    if paged:
+        pages = PagedRead(cache.block_table[:, :kv_len // cache.page_size], (write_pos + 1).clamp_(max=kv_len),
+                          cache.page_size)
     cache.set_forward(ForwardIndices(write_slots=write_slots, kv_len=kv_len, read_slots=read_slots,
-                                     token_pos=token_pos, token_keep=token_keep))
+                                     token_pos=token_pos, token_keep=token_keep, paged=paged))
     try:
-        logits = _forward(model, cache, tokens[:, None], mask4d, cache.position[:, None], write_pos[:1])
+        logits = _forward(model, cache, tokens[:, None], mask4d, cache.position[:, None], write_pos[:1],
+                          paged=pages)
     finally:  # the indices are this forward's temporaries: nothing outlives a captured step but its outputs
         cache.set_forward(None)
-    step = 1 if live is None else live.to(torch.int64)
+    step = 1 if live is None else live.to(torch.int64) if advance is None else advance
     write_pos.add_(step)
     cache.position.add_(step)
     return logits

@@ -1,0 +1,37 @@
+"""``hybrid-engine bench kernels`` on a small shape: the counts are per layer equal in every layer (the bench
+checks), our step's per-layer ops do not depend on the sampling mode, and K/V traffic is reported against the
+ideal of reading each live token once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybrid_engine.cli import main
+
+pytestmark = pytest.mark.slow  # builds Qwen2.5-0.5B-wide layers (tests/tiers.py)
+
+
+def test_bench_kernels_counts_ours_and_transformers(tmp_path, capsys):
+    out = tmp_path / "k.json"
+    assert main(["bench", "kernels", "--shapes", "0.5b", "--batch", "2", "--span", "32", "--json", str(out)]) == 0
+    assert "| 0.5b" in capsys.readouterr().out
+    rows = [r for r in json.loads(out.read_text())["rows"] if "who" in r]
+    assert {(r["mode"], r["who"]) for r in rows} == {(m, w) for m in ("greedy", "temperature 1", "top-p 0.9")
+                                                     for w in ("hybrid-engine step", "transformers generate")}
+    for r in rows:
+        assert r["per_layer"] > 0 and r["fixed"] > 0
+        assert r["total"] == r["fixed"] + 24 * r["per_layer"]
+        assert r["kv_bytes_over_ideal"] >= 1.0  # nothing reads less than every live token once
+        assert r["per_layer_by_category"]["matmul"] == 7  # q, k, v, o, gate, up, down
+    ours = [r for r in rows if r["who"] == "hybrid-engine step"]
+    assert len({r["per_layer"] for r in ours}) == 1
+    sampled = next(r for r in ours if r["mode"] == "top-p 0.9")
+    greedy = next(r for r in ours if r["mode"] == "greedy")
+    assert sampled["fixed_by_category"]["sampling"] > greedy["fixed_by_category"]["sampling"]
+
+
+def test_bench_kernels_rejects_a_bad_shape(capsys):
+    with pytest.raises(SystemExit, match="--shapes"):
+        main(["bench", "kernels", "--shapes", "70b"])
