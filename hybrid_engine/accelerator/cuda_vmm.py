@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from hybrid_engine.accelerator.arena import Arena
+
 __all__ = ["VmmArena", "vmm_unavailable"]
 
 _PROBED: dict[int, str | None] = {}
@@ -92,10 +94,11 @@ class _Window:
                                          "version": 3}
 
 
-class VmmArena:
+class VmmArena(Arena):
     """The :class:`~hybrid_engine.decode.kv_storage.HostArena` interface on CUDA VMM (see the module docstring)."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
+        super().__init__()
         self.device = torch.device(device)
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
@@ -106,25 +109,6 @@ class VmmArena:
             self._mapping.map()
         self.nbytes = self._mapping.nbytes
         self._bytes = torch.as_tensor(_Window(self._mapping), device=self.device)
-        self._used = 0
-        self._tensors: list[torch.Tensor] = []
-        #: Whether the physical memory is given back (nothing may read the tensors until :meth:`restore`).
-        self.released = False
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The next ``shape``/``dtype`` tensor of the arena, zero-filled."""
-        count = 1
-        for s in shape:
-            count *= s
-        start = -(-self._used // 64) * 64
-        size = count * dtype.itemsize
-        if start + size > self.nbytes:
-            raise ValueError(f"VmmArena: {size} bytes at offset {start} do not fit in {self.nbytes} bytes")
-        self._used = start + size
-        t = self._bytes[start:start + size].view(dtype).view(shape)
-        t.zero_()
-        self._tensors.append(t)
-        return t
 
     def release(self) -> None:
         """Give the physical memory back (the caller synchronised the device); the range stays reserved."""
@@ -136,14 +120,9 @@ class VmmArena:
         """Fresh physical memory at the same range, NaN-filled (the owner re-zeroes); never moves."""
         with torch.cuda.device(self.device):
             self._mapping.map()
-        for t in self._tensors:
-            t.fill_(float("nan") if t.is_floating_point() else 0)
+        self.refill()
         self.released = False
         return False
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensors taken, in order."""
-        return list(self._tensors)
 
 
 def vmm_unavailable(device: torch.device) -> str | None:

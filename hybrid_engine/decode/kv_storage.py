@@ -29,11 +29,9 @@ import sys
 import torch
 
 from hybrid_engine.accelerator import cuda_vmm
+from hybrid_engine.accelerator.arena import Arena
 
 __all__ = ["HostArena", "make_arena", "supports_release"]
-
-_ALIGN = 64  # bytes: every tensor carved from an arena starts on a cache line
-
 
 def supports_release(device: torch.device) -> bool:
     """Whether :func:`make_arena` gives ``device`` releasable storage at fixed addresses."""
@@ -44,46 +42,17 @@ def supports_release(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(mmap, "MADV_DONTNEED") and sys.platform.startswith("linux")
 
 
-class HostArena:
+class HostArena(Arena):
     """``nbytes`` bytes of host memory over an anonymous mapping (private unless ``shared``), carved into tensors
     by :meth:`take`. :meth:`release` drops the physical pages, :meth:`restore` takes them back (NaN-filled) at
     the same addresses. ``shared`` exists for tests: a shared mapping keeps its pages on ``MADV_DONTNEED``."""
 
     def __init__(self, nbytes: int, *, shared: bool = False) -> None:
+        super().__init__()
         self.nbytes = max(int(nbytes), 1)
         flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | mmap.MAP_ANONYMOUS
         self._map = mmap.mmap(-1, self.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._used = 0
-        self._tensors: list[torch.Tensor] = []
-        #: Whether the physical pages are dropped (nothing may read the tensors until :meth:`restore`).
-        self.released = False
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The next ``shape``/``dtype`` tensor of the arena, zero-filled (the pages are touched: resident)."""
-        count = 1
-        for d in shape:
-            count *= d
-        size = count * dtype.itemsize
-        start = -(-self._used // _ALIGN) * _ALIGN
-        if start + size > self.nbytes:
-            raise ValueError(f"HostArena: {size} bytes at offset {start} do not fit in {self.nbytes} bytes")
-        self._used = start + size
-        t = self._bytes[start:start + size].view(dtype).view(shape)
-        t.zero_()
-        self._tensors.append(t)
-        return t
-
-    @staticmethod
-    def bytes_for(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
-        """Bytes an arena needs to :meth:`take` every ``(shape, dtype)`` of ``shapes`` in order."""
-        used = 0
-        for shape, dtype in shapes:
-            count = 1
-            for d in shape:
-                count *= d
-            used = -(-used // _ALIGN) * _ALIGN + count * dtype.itemsize
-        return used
 
     def release(self) -> None:
         """Drop the physical pages (their contents are lost); the addresses stay mapped."""
@@ -93,14 +62,9 @@ class HostArena:
     def restore(self) -> bool:
         """Take the pages back, every floating tensor NaN-filled (others zero); returns whether any tensor moved
         (never, here: the addresses are the mapping's)."""
-        for t in self._tensors:
-            t.fill_(float("nan") if t.is_floating_point() else 0)
+        self.refill()
         self.released = False
         return False
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensors taken, in order."""
-        return list(self._tensors)
 
 
 def make_arena(nbytes: int, device: torch.device) -> HostArena | cuda_vmm.VmmArena | None:
