@@ -23,6 +23,7 @@ from hybrid_engine.distributed.zero3 import gathered_for_inference
 from hybrid_engine.tiny_models import PAD_ID
 
 deepspeed = import_deepspeed()
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the trainer is in tests/
 
 import hybrid_engine  # noqa: E402
 from tests.integrations.dschat_step3 import (  # noqa: E402
