@@ -268,13 +268,14 @@ def test_check_model_supported_is_cached_until_what_it_read_changes(monkeypatch)
 
     model = build_model("tiny-llama")
     model.config.model_type = "my-llama"  # outside the known types: each check probes with a forward
+    model.config.scaling = {"factor": 1.0}  # a nested field (as rope_scaling or rope_parameters are)
     probes = []
     real = support.prefill
     monkeypatch.setattr(support, "prefill", lambda *a, **k: probes.append(1) or real(*a, **k))
     for _ in range(3):
         check_model_supported(model)
     assert len(probes) == 1
-    model.config.rope_parameters["rope_theta"] = 500.0  # changed in place, inside a nested field
+    model.config.scaling["factor"] = 2.0  # changed in place, inside a nested field
     check_model_supported(model)
     assert len(probes) == 2
     model.config._attn_implementation = "flash_attention_2"
