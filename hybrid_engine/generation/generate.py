@@ -302,7 +302,8 @@ class GenerateFrontEnd:
     def _check_search_counts(self, input_ids: torch.Tensor, mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
         """The counts transformers divides by or allocates with, checked on every path (a delegated call too)
         before any work: ``num_beams=0`` was a ZeroDivisionError inside transformers, ``num_beams=10**9`` an
-        allocator error, ``num_return_sequences=0`` silently one sequence per prompt."""
+        allocator error, ``num_return_sequences=0`` silently one sequence per prompt. The longest prompt's positions
+        are checked here too, once for every path (one host read of the mask)."""
         gen = kwargs.get("generation_config")
         gen = gen if isinstance(gen, GenerationConfig) else self.model.generation_config
         counts = {}
@@ -348,7 +349,7 @@ class GenerateFrontEnd:
             return kwargs["max_length"] - width
         return _default_max_new_tokens(self.model.config, gen, width)
 
-    def _lengths(self, input_ids: torch.Tensor, mask: torch.Tensor | None, kwargs: dict[str, Any]) -> tuple[int, int]:
+    def _lengths(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> tuple[int, int]:
         gen = self.model.generation_config
         width = input_ids.shape[1]
         max_new = self._max_new_tokens(width, kwargs)
@@ -367,8 +368,7 @@ class GenerateFrontEnd:
             warnings.warn(f"generate(): min_new_tokens ({min_new}) is larger than max_new_tokens ({max_new}): "
                           f"{max_new} tokens are generated, none of them EOS", UserWarning, stacklevel=4)
             min_new = max_new
-        longest = width if mask is None else int(mask.to(torch.int64).sum(-1).max())
-        check_generate_length(self.config, width, max_new, longest, max_positions(self.model.config))
+        check_generate_length(self.config, width, max_new, max_positions(self.model.config))
         return max_new, min_new
 
     def _unsupported(self, kwargs: dict[str, Any], mask: torch.Tensor | None) -> str | None:
@@ -464,7 +464,7 @@ class GenerateFrontEnd:
             if mask is not None:
                 kwargs["attention_mask"] = mask
             return self._transformers_generate(input_ids=input_ids, **kwargs)
-        max_new, min_new = self._lengths(input_ids, effective, kwargs)
+        max_new, min_new = self._lengths(input_ids, kwargs)
         # One seed per call, from torch's global generator (torch.manual_seed makes it reproducible), made
         # distinct per data-parallel rank (ranks usually seed alike).
         plan = self._plan(input_ids, effective, kwargs, max_new, min_new,

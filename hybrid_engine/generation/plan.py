@@ -271,10 +271,10 @@ def plan_rollout(model: Any, config: Any, request: Any, sampling: Any, *, pad_id
 SYNC_INTERVAL = 4
 
 
-def check_generate_length(config: Any, width: int, max_new: int, longest: int, limit: int | None) -> None:
-    """``engine.generate``'s lengths: positions, and the prompt + new tokens within ``hybrid_engine.max_out_tokens``
-    (``config`` an ``EngineConfig``), itself within the model's positions."""
-    check_positions(GENERATE, longest, max_new, limit, fed=False)
+def check_generate_length(config: Any, width: int, max_new: int, limit: int | None) -> None:
+    """``engine.generate``'s fast-path lengths: the prompt + new tokens within ``hybrid_engine.max_out_tokens``
+    (``config`` an ``EngineConfig``), itself within the model's positions ``limit``. The longest prompt's positions
+    were checked on every path already (:func:`check_positions`, before the path was chosen)."""
     cap = config.hybrid_engine.max_out_tokens
     check_cache_length(cap, limit)
     if width + max_new > cap:
