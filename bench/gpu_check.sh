@@ -20,6 +20,9 @@
 #   6b. handoff     `bench handoff`, gpt2 shape, fp16, 1 GiB K/V pool: an RL loop with and without
 #                   sleep_between_phases, mem_get_info per phase, sleep/wake times, captures, identical
 #                   tokens and losses (no VMM allocator yet: the pool is dropped and recaptured on CUDA)
+#   6c. decode_qwen05b  issue 40's shape: a Qwen2.5-0.5B-shaped model, fp16, 64 rows x 2k span (1,984-token
+#                   prompts, 64 new tokens), ms per decode step with the prefill left out (--per-step):
+#                   engine eager and graphs next to transformers' generate on the same GPU
 #   7. decode       the same for the opt-1.3b shape at batch 1, 8 and 32 (last: it gets what is left of the budget)
 # After the steps, headlines.txt (also appended to summary.txt) lists the figures to read first
 # (parity, long-tail step and wall ratios, rlhf captures per iteration), taken from the JSON files.
@@ -93,6 +96,7 @@ if [ "$MODE" = mini ]; then
   RLHF_ARGS="--model tiny-opt --batch-size 2 --prompt-len 16 --new-tokens 8 --warmup 1 --iterations 1"
   FAULT_ARGS="--rounds 2"
   HANDOFF_ARGS="--model tiny-llama --iterations 2 --kv-cache-mb 64"
+  QWEN_ARGS="--model tiny-qwen2 --batch-sizes 4 --prompt-len 24 --new-tokens 8 --repeats 1"
 else
   DEVICE=cuda
   DTYPE=fp16
@@ -104,6 +108,8 @@ else
   RLHF_ARGS="--model opt-1.3b --batch-size 8 --prompt-len 256 --new-tokens 128 --warmup 1 --iterations 4"
   FAULT_ARGS="--rounds 6"
   HANDOFF_ARGS="--model gpt2 --iterations 3 --batch-size 8 --samples 4 --new-tokens 32 --kv-cache-mb 1024"
+  # Issue 40's shape: a Qwen2.5-0.5B-shaped model, 64 rows x 2k span, decode steps alone, next to transformers.
+  QWEN_ARGS="--model qwen2.5-0.5b --batch-sizes 64 --prompt-len 1984 --new-tokens 64 --repeats 1"
 fi
 COMMON="--device $DEVICE --dtype $DTYPE"
 
@@ -207,6 +213,7 @@ step decode_gpt2 100 "${HE[@]}" bench decode $COMMON $DECODE_A --json "$WORK/dec
 step continuous 75 "${HE[@]}" bench continuous $COMMON $CONT_ARGS --json "$WORK/continuous.json" $(plot continuous)
 step rlhf_opt13b 90 "${HE[@]}" bench rlhf $COMMON $RLHF_ARGS --json "$WORK/rlhf_opt13b.json" $(plot rlhf_opt13b)
 step handoff 60 "${HE[@]}" bench handoff $COMMON $HANDOFF_ARGS --json "$WORK/handoff.json"
+step decode_qwen05b 120 "${HE[@]}" bench decode $COMMON $QWEN_ARGS --paths engine,transformers --per-step --json "$WORK/decode_qwen05b.json"
 step decode_opt13b 150 "${HE[@]}" bench decode $COMMON $DECODE_B --json "$WORK/decode_opt13b.json"
 
 # headlines: the figures to read first, from the JSON files (missing ones are named, not fatal).
@@ -248,9 +255,15 @@ if (d := load("capture_faults")) is not None:
           f"y {tt['y']['captures']} captures exact={tt['y']['exact']}, errors {tt['errors']})")
 for name in ("decode_gpt2", "decode_opt13b"):
     if (d := load(name)) is not None:
-        speedups = ", ".join(f"{r['path']} b{r['batch']} {r['speedup']:.2f}x" for r in d["rows"])
+        speedups = ", ".join(f"{r['path']} b{r['batch']} {r['speedup']:.2f}x" for r in d["rows"] if r["speedup"])
         print(f"{name}: graph vs eager per decode step: {speedups}")
-for name in ("parity", "decode_gpt2", "continuous", "rlhf_opt13b", "decode_opt13b"):
+if (d := load("decode_qwen05b")) is not None:
+    per = {r["path"]: r for r in d["rows"]}
+    eng, hf = per.get("engine"), per.get("transformers")
+    if eng and hf:
+        print(f"decode_qwen05b (64 rows x 2k span, decode steps alone): engine eager {eng['eager_ms_per_step']:.2f} "
+              f"ms, graphs {eng['graph_ms_per_step']:.2f} ms, transformers {hf['eager_ms_per_step']:.2f} ms per step")
+for name in ("parity", "decode_gpt2", "continuous", "rlhf_opt13b", "decode_qwen05b", "decode_opt13b"):
     try:
         with open(os.path.join(work, name + ".json")) as fh:
             problems = json.load(fh).get("graph_side_problems") or []

@@ -18,7 +18,8 @@ Names accepted by :func:`build_model`:
   **except** ``"gpt2"``, which (as on the Hub) is the 124M shape. Use
   ``"tiny-gpt2"`` for the tiny GPT-2.
 * benchmark shapes with real hyperparameters and random weights: ``gpt2``
-  (124M), ``opt-125m``, ``opt-1.3b``.
+  (124M), ``opt-125m``, ``opt-1.3b``, ``qwen2.5-0.5b`` (Qwen2.5-0.5B's config.json widths, depth, rope and
+  vocabulary: 24 layers, 14 query / 2 KV heads of 64, tied embeddings).
 
 Every model uses the same special-token ids as :func:`build_tokenizer`
 (pad 0, bos 1, eos 2, unk 3) for the tiny models; the benchmark shapes keep the
@@ -64,7 +65,7 @@ __all__ = [
 
 ARCHITECTURES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral")
 TINY_MODELS = tuple(f"tiny-{a}" for a in ARCHITECTURES)
-BENCHMARK_MODELS = ("gpt2", "opt-125m", "opt-1.3b")
+BENCHMARK_MODELS = ("gpt2", "opt-125m", "opt-1.3b", "qwen2.5-0.5b")
 
 TINY_VOCAB_SIZE = 384
 TINY_MAX_POSITIONS = 512
@@ -124,6 +125,13 @@ def _benchmark_config(name: str) -> PretrainedConfig:
         return OPTConfig(
             hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, ffn_dim=8192,
             word_embed_proj_dim=2048, **opt_ids,
+        )
+    if name == "qwen2.5-0.5b":
+        return Qwen2Config(
+            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+            num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
+            rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643,
+            pad_token_id=151643,
         )
     raise AssertionError(name)
 

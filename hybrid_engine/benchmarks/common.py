@@ -420,7 +420,7 @@ def parse_int_list(text: str) -> list[int]:
 def add_common_args(p: argparse.ArgumentParser, *, default_model: str, plot: bool = True) -> None:
     p.add_argument("--model", default=default_model,
                    help=f"config-built random-weight model: tiny (=tiny-gpt2), tiny-opt, tiny-llama, tiny-qwen2, "
-                        f"tiny-qwen3, tiny-mistral, gpt2 (124M shape), opt-125m, opt-1.3b (default {default_model})")
+                        f"tiny-qwen3, tiny-mistral, gpt2 (124M shape), opt-125m, opt-1.3b, qwen2.5-0.5b (default {default_model})")
     p.add_argument("--model-path", default=None, help="load a local Hugging Face checkpoint directory instead")
     p.add_argument("--device", default=None, help="accelerator: cuda, npu, xpu, mps or cpu (default: auto-detect)")
     p.add_argument("--dtype", default="auto", help="auto (fp16 on an accelerator, fp32 on CPU), fp32, fp16, bf16")

@@ -48,6 +48,24 @@ def test_bench_decode(tmp_path, capsys):
     assert d["graph_side_problems"] == []
 
 
+def test_bench_decode_per_step_next_to_transformers(tmp_path, capsys):
+    """``--per-step`` leaves the prefill out; ``--paths transformers`` adds transformers' generate (eager only)."""
+    d = _run(tmp_path, capsys, "bench", "decode", "--model", "tiny-qwen2", "--batch-sizes", "2", "--prompt-len", "8",
+             "--new-tokens", "4", "--repeats", "1", "--paths", "engine,transformers", "--per-step")
+    assert d["settings"]["per_step"] is True
+    rows = {r["path"]: r for r in d["rows"]}
+    assert set(rows) == {"engine", "transformers"}
+    assert rows["engine"]["graph_ms_per_step"] > 0 and rows["engine"]["tokens_identical"] == 2 * 2 * 4
+    hf = rows["transformers"]
+    assert hf["eager_ms_per_step"] > 0 and hf["graph_ms_per_step"] is None and hf["speedup"] is None
+
+
+def test_bench_decode_per_step_needs_two_new_tokens(capsys):
+    assert main(["bench", "decode", "--model", "tiny", "--batch-sizes", "1", "--prompt-len", "8", "--new-tokens",
+                 "1", "--per-step"]) != 0
+    assert "--per-step needs --new-tokens of at least 2" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bench", [
     ["decode", "--batch-sizes", "1", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1"],
     ["continuous", "--prompt-len", "8", "--new-tokens", "4", "--measured", "1", "--mixed-requests", "0",

@@ -19,7 +19,8 @@ import pytest
 pytestmark = pytest.mark.slow  # rehearses bench/gpu_check.sh in processes (tests/tiers.py)
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.sh"
-STEPS = ("info", "parity", "capture_faults", "decode_gpt2", "continuous", "rlhf_opt13b", "handoff", "decode_opt13b")
+STEPS = ("info", "parity", "capture_faults", "decode_gpt2", "continuous", "rlhf_opt13b", "handoff", "decode_qwen05b",
+         "decode_opt13b")
 
 
 def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -44,6 +45,9 @@ def test_dry_run_prints_every_step_for_cuda_in_fp16_and_runs_nothing(tmp_path):
         if name != "info":
             assert "--device cuda --dtype fp16" in line, line
     assert "--longtail-requests 64" in proc.stdout and "--longtail-model same" in proc.stdout
+    qwen = next(x for x in lines if x.startswith("step decode_qwen05b "))  # issue 40's shape, next to transformers
+    assert all(a in qwen for a in ("--model qwen2.5-0.5b", "--batch-sizes 64", "--prompt-len 1984", "--per-step",
+                                   "--paths engine,transformers")), qwen
     faults = next(x for x in lines if x.startswith("step capture_faults "))
     assert "-m bench.capture_faults" in faults and "--json" in faults
     assert not (tmp_path / "out").exists()
