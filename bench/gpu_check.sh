@@ -7,6 +7,9 @@
 #   2. info         versions, GPU, graph API
 #   3. parity       graph vs eager tokens identical, engine path and rollout path, greedy and sampled,
 #                   tiny gpt2/opt/llama/qwen2 + the gpt2 (124M) shape, fp16      -> exits 1 on a mismatch
+#   3a. kernel_check  `bench kernels --check`: every decode custom op (paged attention, layer ops, sampler,
+#                   bookkeeping) through the implementation its probe chose on the GPU, against its reference
+#                   at Qwen2.5-0.5B widths, 64 rows, 2k span, bf16                   -> exits 1 on a mismatch
 #   3b. capture_faults  bench/capture_faults.py: failed captures (a host-reading hook, model code that syncs,
 #                   ten failures in a row) leave the allocator out of capture mode (no pool left recording,
 #                   empty_cache frees, the pools hold 0 bytes) and graphs capture again; two models in two
@@ -208,6 +211,7 @@ plot() { [ $PLOT_OK -eq 1 ] && echo "--plot $WORK/$1.png"; }
 if [ "$MODE" != dry ] && command -v nvidia-smi >/dev/null; then nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1; fi
 step info 60 "${HE[@]}" info
 step parity 90 "${HE[@]}" bench parity $COMMON $PARITY_ARGS --json "$WORK/parity.json"
+step kernel_check 60 "${HE[@]}" bench kernels --check --device $DEVICE --dtype bf16 --json "$WORK/kernel_check.json"
 step capture_faults 60 "$PY" -m bench.capture_faults --device $DEVICE --dtype $DTYPE $FAULT_ARGS --json "$WORK/capture_faults.json"
 step decode_gpt2 100 "${HE[@]}" bench decode $COMMON $DECODE_A --json "$WORK/decode_gpt2.json" $(plot decode_gpt2)
 step continuous 75 "${HE[@]}" bench continuous $COMMON $CONT_ARGS --json "$WORK/continuous.json" $(plot continuous)
@@ -257,6 +261,10 @@ for name in ("decode_gpt2", "decode_opt13b"):
     if (d := load(name)) is not None:
         speedups = ", ".join(f"{r['path']} b{r['batch']} {r['speedup']:.2f}x" for r in d["rows"] if r["speedup"])
         print(f"{name}: graph vs eager per decode step: {speedups}")
+if (d := load("kernel_check")) is not None:
+    bad = [f"{r['op']} ({r['implementation']}): {r['error'] or r['max_abs_err']}" for r in d["rows"] if not r["ok"]]
+    impls = sorted({f"{r['group']}: {r['implementation']}" for r in d["rows"]})
+    print(f"kernel check: ok={d['ok']} ({'; '.join(impls)})" + (f"; FAILED: {'; '.join(bad)}" if bad else ""))
 if (d := load("decode_qwen05b")) is not None:
     per = {r["path"]: r for r in d["rows"]}
     eng, hf = per.get("engine"), per.get("transformers")

@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=2, help="decoder layers built (default 2; totals are scaled)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--check", action="store_true",
+                   help="instead of counting: run every decode custom op against its reference on --device at "
+                        "Qwen2.5-0.5B widths (exit 1 on a mismatch)")
+    p.add_argument("--device", default=None, help="--check's device (default: auto-detect)")
+    p.add_argument("--dtype", default="auto", help="--check's dtype: auto (bf16), fp32, fp16, bf16")
 
 
 def _no_kernel(func: Any) -> bool:
@@ -264,7 +269,34 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def run_check(args: argparse.Namespace) -> dict[str, Any]:
+    """``--check``: :func:`~hybrid_engine.benchmarks.kernel_check.check_kernels` on the device, as a table."""
+    from hybrid_engine.benchmarks.kernel_check import check_kernels
+
+    C.check_output_path("--json", args.json)
+    device = C.select_device(args.device).device()
+    dtype = torch.bfloat16 if args.dtype == "auto" else C.parse_dtype(args.dtype, device.type)
+    env = C.environment(getattr(args, "argv", None))
+    rows = check_kernels(device, dtype)
+    table = C.format_table(["ops", "op", "implementation", "max |ours - reference|", "tolerance", "ok"],
+                           [[r["group"], r["op"], r["implementation"],
+                             (r["error"] or "")[:80] or f"{r['max_abs_err']:.2e}", f"{r['tolerance']:g}",
+                             "yes" if r["ok"] else "NO"] for r in rows])
+    ok = all(r["ok"] for r in rows)
+    text = (f"\nbench kernels --check: every decode custom op against its reference on {device}, "
+            f"{C.dtype_name(dtype)}, Qwen2.5-0.5B widths\n{C.environment_lines(env)}\n\n{table}\n\n"
+            f"{'all ops agree with their references' if ok else 'SOME OPS DISAGREE WITH THEIR REFERENCES'}")
+    payload = {"benchmark": "kernels", "check": True, "environment": env, "ok": ok,
+               "settings": {"device": str(device), "dtype": C.dtype_name(dtype)}, "rows": rows}
+    C.finish(args, payload, text, None, "kernels")
+    if not ok:
+        raise SystemExit(1)
+    return payload
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.check:
+        return run_check(args)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     bad = [s for s in shapes if s not in SHAPES]
     if bad or not shapes:

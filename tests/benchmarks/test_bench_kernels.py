@@ -35,3 +35,33 @@ def test_bench_kernels_counts_ours_and_transformers(tmp_path, capsys):
 def test_bench_kernels_rejects_a_bad_shape(capsys):
     with pytest.raises(SystemExit, match="--shapes"):
         main(["bench", "kernels", "--shapes", "70b"])
+
+
+def test_kernel_check_compares_every_op_with_its_reference(tmp_path, capsys):
+    """``--check`` runs every decode custom op through the dispatcher on the device against its reference (on this
+    CPU the reference runs, so every row agrees and says so)."""
+    out = tmp_path / "check.json"
+    assert main(["bench", "kernels", "--check", "--device", "cpu", "--dtype", "fp32", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    ops = {r["op"] for r in d["rows"]}
+    assert {"paged_decode_attention", "rms_norm", "silu_mul"} <= ops
+    assert d["ok"] and all(r["ok"] and r["error"] is None for r in d["rows"])
+    assert "all ops agree with their references" in capsys.readouterr().out
+
+
+def test_kernel_check_fails_loudly_on_a_wrong_kernel(monkeypatch, capsys):
+    """A kernel that disagrees with its reference fails the command (what gpu_check.sh relies on)."""
+    import torch
+
+    from hybrid_engine.benchmarks import kernel_check
+
+    def wrong(device, dtype, g):  # a kernel whose output is off by 1e-2 from its reference
+        want = torch.randn(8, generator=g).to(device, dtype)
+        return "triton", [("wrong_op", want + 1e-2, want)]
+
+    monkeypatch.setattr(kernel_check, "CHECKS", [*kernel_check.CHECKS, ("wrong ops", wrong)])
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "kernels", "--check", "--device", "cpu", "--dtype", "fp32"])
+    assert exc.value.code == 1
+    printed = capsys.readouterr().out
+    assert "SOME OPS DISAGREE" in printed and "wrong_op" in printed and " NO |" in printed
