@@ -7,6 +7,13 @@ the model (same seed), on the same inputs. Repetitions are interleaved (ours,
 theirs, ours, theirs, ...) after one warm-up each, so drift in machine load hits
 both alike; the medians and their ratio are reported. The ratio should stay at
 or below 1.05. Tokens are compared as well.
+
+The second comparison (where DeepSpeed is installed) is the rollout path: our
+``HybridEngineRollout`` with graphs off against DeepSpeed's own
+``deepspeed.runtime.rollout.HybridEngineRollout`` (its ``model.generate`` path)
+on the same work: the same prompts, ``--samples`` samples each, a pinned length
+(an EOS no model emits), greedy and sampled at temperature 1 (``--rollout-modes``).
+Ours must be no slower (ratio <= 1.0); greedy tokens are compared.
 """
 
 from __future__ import annotations
@@ -18,10 +25,20 @@ from typing import Any
 import torch
 
 from hybrid_engine.benchmarks import common as C
-from hybrid_engine.benchmarks.paths import engine_generate, make_engine
+from hybrid_engine.benchmarks.paths import (
+    engine_generate,
+    make_engine,
+    make_rollout,
+    rollout_generate,
+    rollout_tokens,
+    unreachable_eos,
+)
 
 DEFAULT_MODEL = "tiny-gpt2"
 TARGET_RATIO = 1.05
+#: Ours against DeepSpeed's HybridEngineRollout on the same work: no slower.
+ROLLOUT_TARGET_RATIO = 1.0
+ROLLOUT_MODES = {"greedy": 0.0, "sampled": 1.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,6 +47,73 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
     p.add_argument("--new-tokens", type=int, default=256, help="new tokens (default 256)")
     p.add_argument("--repeats", type=int, default=7, help="measured calls per side, interleaved (default 7)")
+    p.add_argument("--samples", type=int, default=2, help="rollout samples per prompt (default 2)")
+    p.add_argument("--rollout-modes", default="greedy,sampled",
+                   help="rollout comparison modes: greedy, sampled (temperature 1), none (default greedy,sampled)")
+
+
+def _interleaved(a: Any, b: Any, repeats: int) -> tuple[list[float], list[float], Any, Any]:
+    """One warm-up each, then ``repeats`` timed calls each, alternating which goes first."""
+    a(), b()
+    a_ms: list[float] = []
+    b_ms: list[float] = []
+    out_a = out_b = None
+    for i in range(repeats):
+        for name in (("a", "b") if i % 2 == 0 else ("b", "a")):
+            if name == "a":
+                out_a, ms = C.timed(a)
+                a_ms.append(ms)
+            else:
+                out_b, ms = C.timed(b)
+                b_ms.append(ms)
+    return a_ms, b_ms, out_a, out_b
+
+
+def rollout_vs_deepspeed(args: argparse.Namespace, dtype: torch.dtype, device: torch.device, ids: torch.Tensor,
+                         mask: torch.Tensor) -> list[dict[str, Any]]:
+    """Our rollout (graphs off) vs DeepSpeed's ``HybridEngineRollout`` on the same work, per mode; ``[]`` without
+    DeepSpeed's rollout module or with ``--rollout-modes none``."""
+    modes = [m.strip() for m in args.rollout_modes.split(",") if m.strip() and m.strip() != "none"]
+    bad = set(modes) - set(ROLLOUT_MODES)
+    if bad:
+        from hybrid_engine.benchmarks.options import UsageError
+
+        raise UsageError(f"--rollout-modes takes greedy, sampled or none, got {args.rollout_modes!r}")
+    try:
+        from deepspeed.runtime.rollout import HybridEngineRollout as DeepSpeedRollout
+        from deepspeed.runtime.rollout import RolloutRequest, SamplingConfig
+    except ImportError:
+        return []
+    import types
+
+    ours_model = C.build_bench_model(args, dtype, device, seed=args.seed)
+    ds_model = C.build_bench_model(args, dtype, device, seed=args.seed)
+    pad, _ = C.special_ids(ours_model)
+    eos = unreachable_eos(ours_model)
+    ours = make_rollout(ours_model, graphs=False, pad_token_id=pad, eos_token_id=eos)
+    theirs = DeepSpeedRollout(types.SimpleNamespace(module=ds_model),
+                              types.SimpleNamespace(pad_token_id=pad, eos_token_id=eos))
+    rows = []
+    for mode in modes:
+        temperature = ROLLOUT_MODES[mode]
+
+        def run_ours(t: float = temperature) -> torch.Tensor:
+            return rollout_tokens(rollout_generate(ours, ids, mask, args.new_tokens, temperature=t,
+                                                   n_samples=args.samples))
+
+        def run_theirs(t: float = temperature) -> torch.Tensor:
+            sc = SamplingConfig(max_new_tokens=args.new_tokens, temperature=t, n_samples_per_prompt=args.samples)
+            batch = theirs.generate(RolloutRequest(ids, mask), sc)
+            return batch.input_ids[:, int(batch.response_start_idx[0]):]  # [B] of equal starts (left-padded)
+
+        o_ms, d_ms, tok_o, tok_d = _interleaved(run_ours, run_theirs, args.repeats)
+        same, total = C.agreement(tok_o, tok_d) if temperature == 0 else (None, None)
+        ratio = C.median(o_ms) / C.median(d_ms)
+        rows.append({"mode": mode, "ours_ms": o_ms, "deepspeed_ms": d_ms, "ours_median_ms": C.median(o_ms),
+                     "deepspeed_median_ms": C.median(d_ms), "ratio": ratio,
+                     "within_target": ratio <= ROLLOUT_TARGET_RATIO,
+                     "token_agreement": None if same is None else {"identical": same, "total": total}})
+    return rows
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,25 +135,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     min_new_tokens=N, pad_token_id=pad)
         return out[:, T:]
 
-    ours(), theirs()  # warm-up
-    ours_ms: list[float] = []
-    hf_ms: list[float] = []
-    tok_o = tok_h = None
-    for i in range(args.repeats):
-        order = (("ours", ours), ("hf", theirs)) if i % 2 == 0 else (("hf", theirs), ("ours", ours))
-        for name, fn in order:
-            tok, ms = C.timed(fn)
-            if name == "ours":
-                ours_ms.append(ms)
-                tok_o = tok
-            else:
-                hf_ms.append(ms)
-                tok_h = tok
+    ours_ms, hf_ms, tok_o, tok_h = _interleaved(ours, theirs, args.repeats)
     same, total = C.agreement(tok_o, tok_h)
     o_med, h_med = C.median(ours_ms), C.median(hf_ms)
     ratio = o_med / h_med
     engine = ours_model = hf_model = None
     gc.collect()
+    rollout_rows = rollout_vs_deepspeed(args, dtype, device, ids, mask)
     payload = {
         "benchmark": "overhead", "environment": env,
         "settings": {"model": C.model_label(args), "dtype": C.dtype_name(dtype), "batch_size": B, "prompt_len": T,
@@ -77,6 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ours_ms": ours_ms, "hf_ms": hf_ms, "ours_median_ms": o_med, "hf_median_ms": h_med,
         "ratio": ratio, "target_ratio": TARGET_RATIO, "within_target": ratio <= TARGET_RATIO,
         "token_agreement": {"identical": same, "total": total},
+        "rollout_vs_deepspeed": rollout_rows, "rollout_target_ratio": ROLLOUT_TARGET_RATIO,
     }
     table = C.format_table(["generate", "median", "ms / token step", "tok/s"], [
         ["hybrid-engine eager", f"{o_med:.1f} ms", o_med / N, f"{B * N / (o_med / 1e3):.0f}"],
@@ -89,6 +162,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"ratio ours / transformers: {ratio:.3f} ({verdict} the {TARGET_RATIO} target)\n"
         f"token agreement with transformers: {same}/{total}"
     )
+    if rollout_rows:
+        n = B * args.samples * N
+        text += "\n\n" + C.format_table(
+            ["rollout", "ours (graphs off)", "DeepSpeed HybridEngineRollout", "ratio ours / DeepSpeed", "agree"],
+            [[r["mode"], f"{r['ours_median_ms']:.1f} ms", f"{r['deepspeed_median_ms']:.1f} ms",
+              f"{r['ratio']:.3f} ({'within' if r['within_target'] else 'ABOVE'} {ROLLOUT_TARGET_RATIO})",
+              "-" if r["token_agreement"] is None else
+              f"{r['token_agreement']['identical']}/{r['token_agreement']['total']}"] for r in rollout_rows],
+            title=f"rollouts on the same work: {B} prompts x {args.samples} samples, {n} tokens per call")
 
     def draw(plt: Any) -> None:
         plt.boxplot([ours_ms, hf_ms])

@@ -194,6 +194,19 @@ def test_bench_overhead(tmp_path, capsys):
         assert key in d
     assert d["ratio"] > 0 and d["target_ratio"] == 1.05
     _total(d["token_agreement"])
+    # Next to DeepSpeed's own HybridEngineRollout on the same work (its module ships with the deepspeed extra).
+    pytest.importorskip("deepspeed.runtime.rollout")
+    rows = {r["mode"]: r for r in d["rollout_vs_deepspeed"]}
+    assert set(rows) == {"greedy", "sampled"} and d["rollout_target_ratio"] == 1.0
+    assert all(r["ratio"] > 0 and len(r["ours_ms"]) == len(r["deepspeed_ms"]) == 1 for r in rows.values())
+    _total(rows["greedy"]["token_agreement"])  # greedy: DeepSpeed's tokens are ours
+    assert rows["sampled"]["token_agreement"] is None
+
+
+def test_bench_overhead_without_the_rollout_comparison(tmp_path, capsys):
+    d = _run(tmp_path, capsys, "bench", "overhead", "--model", "tiny", "--batch-size", "1", "--prompt-len", "4",
+             "--new-tokens", "3", "--repeats", "1", "--rollout-modes", "none")
+    assert d["rollout_vs_deepspeed"] == []
 
 
 def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch, capsys):
