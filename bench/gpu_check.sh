@@ -9,7 +9,7 @@
 #                   tiny gpt2/opt/llama/qwen2 + the gpt2 (124M) shape, fp16      -> exits 1 on a mismatch
 #   3a. kernel_check  `bench kernels --check`: every decode custom op (paged attention, layer ops, sampler,
 #                   bookkeeping) through the implementation its probe chose on the GPU, against its reference
-#                   at Qwen2.5-0.5B widths, 64 rows, 2k span, bf16                   -> exits 1 on a mismatch
+#                   at Qwen2.5-0.5B widths, 64 rows, 2k span, fp16                   -> exits 1 on a mismatch
 #   3b. capture_faults  bench/capture_faults.py: failed captures (a host-reading hook, model code that syncs,
 #                   ten failures in a row) leave the allocator out of capture mode (no pool left recording,
 #                   empty_cache frees, the pools hold 0 bytes) and graphs capture again; two models in two
@@ -211,7 +211,7 @@ plot() { [ $PLOT_OK -eq 1 ] && echo "--plot $WORK/$1.png"; }
 if [ "$MODE" != dry ] && command -v nvidia-smi >/dev/null; then nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1; fi
 step info 60 "${HE[@]}" info
 step parity 90 "${HE[@]}" bench parity $COMMON $PARITY_ARGS --json "$WORK/parity.json"
-step kernel_check 60 "${HE[@]}" bench kernels --check --device $DEVICE --dtype bf16 --json "$WORK/kernel_check.json"
+step kernel_check 60 "${HE[@]}" bench kernels --check $COMMON --json "$WORK/kernel_check.json"
 step capture_faults 60 "$PY" -m bench.capture_faults --device $DEVICE --dtype $DTYPE $FAULT_ARGS --json "$WORK/capture_faults.json"
 step decode_gpt2 100 "${HE[@]}" bench decode $COMMON $DECODE_A --json "$WORK/decode_gpt2.json" $(plot decode_gpt2)
 step continuous 75 "${HE[@]}" bench continuous $COMMON $CONT_ARGS --json "$WORK/continuous.json" $(plot continuous)
