@@ -293,12 +293,12 @@ class DecodeBuffers:
             store.sleep()
         return True
 
-    def wake(self) -> None:
+    def wake(self) -> bool:
         """Take the memory back (:meth:`KVPool.wake`, :meth:`StateStore.wake`: NaN from the backend, then every
         page and state zeroed). A backend that reallocated moves the epoch and drops the slots and the stage
-        pointing into the old storage."""
+        pointing into the old storage; returns whether it did (the graphs over them are gone)."""
         if not self.asleep:
-            return
+            return False
         moved = self.kv_pool.wake() if self.kv_pool.asleep else False
         for store in self.state_stores():
             if store.asleep:
@@ -307,6 +307,7 @@ class DecodeBuffers:
             self._moving()
             self.slots = None
             self.stage = None
+        return moved
 
     # ----------------------------------------------------------------- reads
     def caches(self) -> list[PagedKVCache]:

@@ -359,7 +359,9 @@ class DecodeGraphRunner:
         if not self.sleeping:
             return False
         self._dropped = False
-        self.buffers.wake()
+        held = set(self._graphs)
+        if self.buffers.wake():  # the backend handed the memory back elsewhere: its graphs are recaptured too
+            self._dropped_keys |= held
         if auto:
             self._stats.wakes += 1
         return True
