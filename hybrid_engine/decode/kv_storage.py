@@ -24,7 +24,7 @@ owners drop the buffers on sleep and recapture after (counted in the runner's
 
 :class:`ReleasableTensors` is the one mechanism every owner uses (the page pool,
 each state store of rings and linear states): tensors over one arena where the
-device has one, release and restore, and what the owner holds now.
+device has one, released and restored together.
 """
 
 from __future__ import annotations
@@ -119,7 +119,3 @@ class ReleasableTensors:
         if moved:
             self.tensors = self._arena.tensors()
         return moved
-
-    def held_bytes(self) -> int:
-        """Bytes of the tensors held now: 0 while released."""
-        return 0 if self.released else sum(t.nbytes for t in self.tensors)

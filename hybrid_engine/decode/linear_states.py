@@ -88,7 +88,6 @@ class StateStore:
             t.zero_()
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        # One more row than the cache's: writes nobody reads go there (as the null page for pages).
         return torch.zeros(self.rows + 1, *shape, dtype=dtype, device=self.device)
 
     def shapes(self) -> Shapes:

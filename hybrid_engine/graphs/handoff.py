@@ -85,8 +85,8 @@ def runners_of(model: Any) -> list[Any]:
 
 
 def sleep_runners(runners: Iterable[Any], tags: tuple[str, ...]) -> bool:
-    """Put ``tags``' rollout memory of ``runners`` to sleep (``"kv_cache"``: each page pool); returns whether
-    ``"graphs"`` was asked (kept, see :data:`GRAPHS_KEPT`). The caller holds the model's call lock."""
+    """Put ``tags``' rollout memory of ``runners`` to sleep (``"kv_cache"``: each pool, rings and states);
+    returns whether ``"graphs"`` was asked (kept, see :data:`GRAPHS_KEPT`). The caller holds the model's call lock."""
     if KV_CACHE in tags:
         for runner in runners:
             runner.sleep()
