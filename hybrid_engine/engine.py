@@ -398,7 +398,8 @@ class HybridEngine(DeepSpeedHybridEngineAPI, DeepSpeedEngineInterface, nn.Module
 
     def sleep(self, tags: str | list[str] | None = None) -> None:
         """Release memory between phases, every graph kept (``docs/memory-handoff.md``). Tags: ``"kv_cache"``
-        (the page pools of ``generate`` and of every rollout on this model, at the same addresses; contents
+        (the page pools, rings and linear states of ``generate`` and of every rollout on this model, at the same
+        addresses (a backend without VMM drops them, and the graphs, counted in ``handoff_stats``); contents
         discarded, kept episode pages evicted first), ``"graphs"`` (graph memory; kept on every backend so far,
         as :attr:`sleeping_tags` says), ``"optimizer"`` (optimizer states, fp32 masters and their gradients to
         host memory; DeepSpeed's ``offload_states`` under ZeRO; never the weights). ``None``: ``"kv_cache"`` and

@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     keeps = kv_storage.supports_release(device)
     if not keeps:
         text += (f"\n{device.type}: no page storage released at fixed addresses yet (no VMM allocator), so the pool "
-                 "is dropped and the graphs recaptured after a sleep: captures may differ")
+                 "is dropped and the graphs recaptured after a sleep: captures may differ (phase mode: "
+                 f"{slept['handoff']['kv_cache_drops']} drops, {slept['handoff']['recaptures']} recaptures)")
     payload["pool_keeps_addresses"] = keeps
     C.finish(args, payload, text, None, "handoff")
     if not (same_tokens and same_losses and (plain["captures"] == slept["captures"] or not keeps)):

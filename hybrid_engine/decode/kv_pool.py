@@ -88,13 +88,9 @@ class KVPool:
         shapes = [(slots if not s.ring else 0, s.heads, s.key_dim) for s in self.layers]
         shapes += [(slots if not s.ring else 0, s.heads, s.value_dim) for s in self.layers]
         # Releasable storage at fixed addresses where the device has it (sleep/wake keeps the graphs valid).
-        self._arena = kv_storage.make_arena(kv_storage.HostArena.bytes_for([(sh, dtype) for sh in shapes]), device)
-        if self._arena is not None:
-            tensors = [self._arena.take(sh, dtype) for sh in shapes]
-        else:
-            tensors = [torch.zeros(sh, device=device, dtype=dtype) for sh in shapes]
+        self._storage = kv_storage.ReleasableTensors([(sh, dtype) for sh in shapes], device)
         n = len(self.layers)
-        self.keys, self.values = tensors[:n], tensors[n:]
+        self.keys, self.values = self._storage.tensors[:n], self._storage.tensors[n:]
         # Offsets within a page, made once: a captured step must not build them from a host int.
         self.offsets = torch.arange(page_size, device=device)
 
@@ -113,7 +109,8 @@ class KVPool:
         return per_token * self.page_size
 
     def memory_bytes(self) -> int:
-        return self.page_bytes * self.num_pages
+        """Bytes of the pages held now: 0 while asleep (:meth:`sleep` released them)."""
+        return 0 if self.asleep else self.page_bytes * self.num_pages
 
     def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """The token slots of ``pages`` (any shape ``[...]``) as ``[..., page_size]``; capture-safe."""
@@ -131,19 +128,19 @@ class KVPool:
     @property
     def releasable(self) -> bool:
         """Whether :meth:`sleep` can drop this pool's memory at fixed addresses."""
-        return self._arena is not None
+        return self._storage.releasable
 
     @property
     def asleep(self) -> bool:
         """Whether the pages' memory is released (nothing may read them until :meth:`wake`)."""
-        return self._arena is not None and self._arena.released
+        return self._storage.released
 
     def sleep(self) -> None:
         """Drop the pages' physical memory, addresses kept (contents lost). The caller evicts held rows first
         and has synchronised the device."""
-        if self._arena is None:
+        if not self._storage.releasable:
             raise RuntimeError(f"KVPool.sleep: no releasable storage on {self.device}")
-        self._arena.release()
+        self._storage.release()
 
     def wake(self) -> bool:
         """Take the memory back: the backend hands it back NaN-filled (as fresh device memory holds garbage),
@@ -151,11 +148,10 @@ class KVPool:
         last page with zero weight, and ``0 * NaN`` is NaN, so every page must hold finite values (the
         invariant above). Returns whether the storage moved (a backend that reallocates: the caller must then
         treat its graphs as stale)."""
-        moved = self._arena.restore()
+        moved = self._storage.restore()
         if moved:
             n = len(self.layers)
-            tensors = self._arena.tensors()
-            self.keys, self.values = tensors[:n], tensors[n:]
+            self.keys, self.values = self._storage.tensors[:n], self._storage.tensors[n:]
         self.zero_pages()
         return moved
 

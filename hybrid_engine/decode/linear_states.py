@@ -14,6 +14,13 @@ compaction moves them with the row; a resumed request's prefill rewrites them.
 Shapes come from one probe forward of the model
 (:func:`hybrid_engine.decode.model_support.state_shapes`), so every buffer
 exists before anything is captured.
+
+Sleep and wake (issue 41): the buffers of a store made with its shapes live in
+one releasable arena (:class:`~hybrid_engine.decode.kv_storage.ReleasableTensors`,
+as the page pool's), so ``"kv_cache"`` sleep drops rings and states at fixed
+addresses with the pages, and wake zeroes them again (zero is every state's
+initial value, and a ring's unwritten slots are read with zero weight, where
+NaN would poison the sum). A lazy store (probes, eager use) keeps plain tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from hybrid_engine.accelerator import is_capturing
+from hybrid_engine.decode.kv_storage import ReleasableTensors
 
 __all__ = ["Shapes", "StateKey", "StateStore", "StateView"]
 
@@ -37,13 +45,49 @@ class StateStore:
     def __init__(self, rows: int, device: torch.device, shapes: Shapes, *, lazy: bool = False) -> None:
         self.rows = rows
         self.device = device
-        self.tensors: dict[StateKey, torch.Tensor] = {}
         self.lazy = lazy
-        for key, (shape, dtype) in shapes.items():
-            self.tensors[key] = self._zeros(shape, dtype)
+        # One more row than the cache's: writes nobody reads go there (as the null page for pages).
+        full = [((rows + 1, *shape), dtype) for shape, dtype in shapes.values()]
+        #: The buffers' storage, releasable at fixed addresses where the device has it (``None``: lazy).
+        self.storage = None if lazy else ReleasableTensors(full, device)
+        made = self.storage.tensors if self.storage is not None else [
+            torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in full]
+        self.tensors: dict[StateKey, torch.Tensor] = dict(zip(shapes, made))
+
+    # ------------------------------------------------------------ sleep/wake
+    @property
+    def releasable(self) -> bool:
+        """Whether :meth:`sleep` can drop the buffers at fixed addresses (not a lazy store, not a device
+        without releasable storage)."""
+        return self.storage is not None and self.storage.releasable
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the buffers' memory is released (nothing may read them until :meth:`wake`)."""
+        return self.storage is not None and self.storage.released
+
+    def sleep(self) -> None:
+        """Drop the buffers' physical memory, addresses kept (every row's states are lost); the caller has
+        synchronised the device and runs no step until :meth:`wake`."""
+        if not self.releasable:
+            raise RuntimeError(f"StateStore.sleep: no releasable storage on {self.device}")
+        self.storage.release()
+
+    def wake(self) -> bool:
+        """Take the memory back (NaN-filled by the backend) and zero every buffer: each state's initial value.
+        Returns whether the buffers moved (then rebound here; graphs over the old ones are stale)."""
+        moved = self.storage.restore()
+        if moved:
+            self.tensors = dict(zip(self.tensors, self.storage.tensors))
+        self.zero_states()
+        return moved
+
+    def zero_states(self) -> None:
+        """Every buffer zero, the spare row included."""
+        for t in self.tensors.values():
+            t.zero_()
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        # One more row than the cache's: writes nobody reads go there (as the null page for pages).
         return torch.zeros(self.rows + 1, *shape, dtype=dtype, device=self.device)
 
     def shapes(self) -> Shapes:
@@ -65,7 +109,8 @@ class StateStore:
             t.index_copy_(0, dst, source.tensors[key].index_select(0, src))
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+        """Bytes of the buffers held now: 0 while asleep."""
+        return 0 if self.asleep else sum(t.nbytes for t in self.tensors.values())
 
 
 class StateView:

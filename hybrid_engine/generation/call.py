@@ -142,6 +142,7 @@ def _call_stats(runner: DecodeGraphRunner, c: Counters, total_s: float, before: 
         bucket_steps=dict(c.bucket_steps),
         num_sequences=rows,
         wakes=after.wakes - before.wakes,
+        recaptures=after.recaptures - before.recaptures,
         profile=_profile(runner, prefill_ms, c.prefill_forwards, decode_ms, c.decode_steps, capture_ms, after)
         if profiling else None,
     )

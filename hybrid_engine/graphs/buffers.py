@@ -41,6 +41,7 @@ from hybrid_engine.decode.kv_pool import (
     pool_pages,
 )
 from hybrid_engine.decode.layout import exact_length, layer_specs
+from hybrid_engine.decode.linear_states import StateStore
 from hybrid_engine.decode.slots import DecodeSlots, vocab_sizes
 from hybrid_engine.decode.staging import PromptStage
 from hybrid_engine.exact.mode import uses_exact_attention
@@ -256,39 +257,57 @@ class DecodeBuffers:
         self.ledger = None
 
     # ------------------------------------------------------------ sleep/wake
+    def state_stores(self) -> list[StateStore]:
+        """The rings' and linear states' stores of the slots and of the stage (those that have one)."""
+        return [c.states.store for c in self.caches() if c.states is not None]
+
+    @property
+    def releasable(self) -> bool:
+        """Whether :meth:`sleep` can release every buffer it releases at fixed addresses (else it drops them)."""
+        return self.kv_pool is not None and self.kv_pool.releasable and all(
+            s.releasable for s in self.state_stores())
+
     @property
     def asleep(self) -> bool:
-        """Whether the page pool's memory is released (:meth:`sleep`); nothing may read it until :meth:`wake`."""
-        return self.kv_pool is not None and self.kv_pool.asleep
+        """Whether the page pool's or any state store's memory is released (:meth:`sleep`); nothing may read them
+        until :meth:`wake`."""
+        return self.kv_pool is not None and (self.kv_pool.asleep or any(s.asleep for s in self.state_stores()))
 
     def sleep(self) -> bool:
-        """Release the page pool's memory; returns whether anything was released. Every held row (an episode's
-        K/V between turns) is evicted first, since the contents go: its next turn prefills again. Where the pool
-        has releasable storage the addresses and the :attr:`epoch` stay (every graph stays valid); elsewhere the
-        buffers are dropped (a new epoch: the next call allocates and captures again). Between calls only, the
-        device synchronised by the caller."""
+        """Release the page pool's memory and the rings' and linear states' (``"kv_cache"``); returns whether
+        anything was released. Every held row (an episode's K/V between turns) is evicted first, since the
+        contents go: its next turn prefills again. Where all of them have releasable storage the addresses and
+        the :attr:`epoch` stay (every graph stays valid); elsewhere the buffers are dropped (a new epoch: the next
+        call allocates and captures again). Between calls only, the device synchronised by the caller."""
         pool, ledger = self.kv_pool, self.ledger
-        if pool is None or pool.asleep:
+        if pool is None or self.asleep:
             return False
         if ledger is not None:
             ledger.evict(ledger.capacity)  # every held row gives its pages back
             ledger.reclaim()
-        if not pool.releasable:
+        if not self.releasable:
             self.release()
             return True
         pool.sleep()
+        for store in self.state_stores():
+            store.sleep()
         return True
 
-    def wake(self) -> None:
-        """Take the page pool's memory back (:meth:`KVPool.wake`: NaN pages, the null page zeroed). A backend
-        that reallocated moves the epoch and drops the slots and the stage pointing into the old storage."""
-        pool = self.kv_pool
-        if pool is None or not pool.asleep:
-            return
-        if pool.wake():
+    def wake(self) -> bool:
+        """Take the memory back (:meth:`KVPool.wake`, :meth:`StateStore.wake`: NaN from the backend, then every
+        page and state zeroed). A backend that reallocated moves the epoch and drops the slots and the stage
+        pointing into the old storage; returns whether it did (the graphs over them are gone)."""
+        if not self.asleep:
+            return False
+        moved = self.kv_pool.wake() if self.kv_pool.asleep else False
+        for store in self.state_stores():
+            if store.asleep:
+                moved = store.wake() or moved
+        if moved:
             self._moving()
             self.slots = None
             self.stage = None
+        return moved
 
     # ----------------------------------------------------------------- reads
     def caches(self) -> list[PagedKVCache]:
@@ -296,6 +315,6 @@ class DecodeBuffers:
         return [b.cache for b in (self.slots, self.stage) if b is not None]
 
     def memory_bytes(self) -> int:
-        """Bytes of the slots, the stage and the page pool."""
+        """Bytes of the slots, the stage and the page pool held now (released storage counts 0)."""
         total = sum(b.memory_bytes() for b in (self.slots, self.stage) if b is not None)
         return total + (self.kv_pool.memory_bytes() if self.kv_pool is not None else 0)

@@ -7,10 +7,12 @@ each registers here (:func:`register`), weakly, so a dropped rollout is not kept
 
 What each tag releases (``docs/memory-handoff.md``):
 
-* ``"kv_cache"``: every runner's page pool, at fixed addresses (:mod:`hybrid_engine.decode.kv_storage`).
+* ``"kv_cache"``: every runner's page pool, rings and linear states, at fixed addresses
+  (:mod:`hybrid_engine.decode.kv_storage`).
 * ``"graphs"``: the graphs' private memory. No backend here can release it without losing what replays read
   (the CPU graph emulation keeps its recorded tensors; CUDA would need a VMM-backed graph pool), so it is kept
-  and said so in :attr:`SleepingTags.kept`.
+  and said so in :attr:`SleepingTags.kept`. A backend whose ``"kv_cache"`` cannot keep its addresses (no VMM)
+  drops the buffers and so the graphs that read them: ``"graphs"`` sleeps there, and the next call recaptures.
 * ``"optimizer"``: optimizer states, fp32 masters and gradients (:mod:`hybrid_engine.training.handoff`).
 """
 
@@ -83,8 +85,8 @@ def runners_of(model: Any) -> list[Any]:
 
 
 def sleep_runners(runners: Iterable[Any], tags: tuple[str, ...]) -> bool:
-    """Put ``tags``' rollout memory of ``runners`` to sleep (``"kv_cache"``: each page pool); returns whether
-    ``"graphs"`` was asked (kept, see :data:`GRAPHS_KEPT`). The caller holds the model's call lock."""
+    """Put ``tags``' rollout memory of ``runners`` to sleep (``"kv_cache"``: each pool, rings and states);
+    returns whether ``"graphs"`` was asked (kept, see :data:`GRAPHS_KEPT`). The caller holds the model's call lock."""
     if KV_CACHE in tags:
         for runner in runners:
             runner.sleep()
@@ -99,6 +101,11 @@ def wake_runners(runners: Iterable[Any]) -> None:
 
 def runners_sleeping(runners: Iterable[Any], graphs_asked: bool) -> tuple[set[str], dict[str, str]]:
     """``(asleep, kept)`` of ``runners``' rollout memory: ``"kv_cache"`` while any page pool sleeps, and
-    ``"graphs"`` in ``kept`` while it does and a sleep asked for graphs."""
-    asleep = {KV_CACHE} if any(r.sleeping for r in runners) else set()
-    return asleep, ({GRAPHS: GRAPHS_KEPT} if graphs_asked and asleep else {})
+    ``"graphs"`` in ``kept`` while it does and a sleep asked for graphs. Where a sleep dropped a runner's buffers
+    (a backend without storage at fixed addresses), its graphs went with them: ``"graphs"`` is asleep then,
+    asked for or not (the next call captures them again, counted in ``recaptures``)."""
+    sleeping = [r for r in runners if r.sleeping]
+    asleep = {KV_CACHE} if sleeping else set()
+    if any(r.dropped for r in sleeping):
+        asleep.add(GRAPHS)
+    return asleep, ({GRAPHS: GRAPHS_KEPT} if graphs_asked and sleeping and GRAPHS not in asleep else {})

@@ -144,6 +144,10 @@ class DecodeGraphRunner:
         #: Attention implementation the graphed steps of this call run with (``None``: the model's own).
         self._graph_attn: str | None = None
         self._switch_logged = False
+        #: A sleep dropped the buffers (no storage kept its addresses) and no wake came since.
+        self._dropped = False
+        #: Graphs a dropping sleep let go of and no call has captured again (each recapture is counted).
+        self._dropped_keys: set[RunKey] = set()
         handoff.register(model, self)  # engine.sleep reaches every runner of its model
 
     # ------------------------------------------------ the buffers, read through
@@ -189,6 +193,7 @@ class DecodeGraphRunner:
         """Prefill left-padded prompts ``ids [n, T]`` into slots ``rows`` on the pages of ``tables`` (their block
         table rows), eagerly at the batch's exact width (never captured: as transformers prefills); the logits of
         each prompt's last token."""
+        self._check_awake()
         cache = self.slots.cache
         cache.block_table.index_copy_(0, rows, tables)
         return prefill(self.model, cache, ids, mask, rows=rows, checked=True)
@@ -198,6 +203,7 @@ class DecodeGraphRunner:
         """Continue slots ``rows`` whose first ``start`` tokens are on the pages of ``tables`` already (kept by an
         earlier call): prefill the tokens after them (``ids``, left-padded), eagerly, reading ``span`` pages a
         row; the logits of each row's last token."""
+        self._check_awake()
         cache = self.slots.cache
         cache.block_table.index_copy_(0, rows, tables)
         cache.write_pos.index_copy_(0, rows, start)
@@ -312,13 +318,24 @@ class DecodeGraphRunner:
     # ------------------------------------------------------------ sleep/wake
     @property
     def sleeping(self) -> bool:
-        """Whether the page pool's memory is released (:meth:`sleep`): no step may run until :meth:`wake`."""
-        return self.buffers.asleep
+        """Whether the ``"kv_cache"`` memory is given back (:meth:`sleep`): released at fixed addresses (no step
+        may run until :meth:`wake`), or dropped where the backend cannot keep addresses (the next call allocates
+        and captures again)."""
+        return self._dropped or self.buffers.asleep
+
+    @property
+    def dropped(self) -> bool:
+        """Whether the last sleep dropped the buffers and graphs (no storage kept its addresses) and no wake came
+        since."""
+        return self._dropped
 
     def sleep(self) -> bool:
-        """Release the page pool's memory between calls, graphs kept (:meth:`DecodeBuffers.sleep`); returns
-        whether anything was released. Refused inside a capture; the device is synchronised first (no queued
-        step still writes the pages). The caller holds the model's call lock."""
+        """Release the page pool's, rings' and linear states' memory between calls, graphs kept
+        (:meth:`DecodeBuffers.sleep`); returns whether anything was released. A backend without storage released
+        at fixed addresses (no VMM: NPU, XPU, CUDA without ``cuda-bindings``) drops the buffers and the graphs
+        instead: counted in ``sleep_drops``, and the graphs the next calls capture again in ``recaptures``.
+        Refused inside a capture; the device is synchronised first (no queued step still writes the pages). The
+        caller holds the model's call lock."""
         if self.buffers.kv_pool is None or self.sleeping:
             return False
         acc = self.accelerator
@@ -328,14 +345,23 @@ class DecodeGraphRunner:
                                    "between calls only")
             with acc.on_device(self.buffers.kv_pool.device):
                 acc.synchronize()
-            return self.buffers.sleep()
+            held = set(self._graphs)
+            released = self.buffers.sleep()
+            if released and self.buffers.kv_pool is None:  # dropped: no storage kept its addresses
+                self._dropped = True
+                self._dropped_keys |= held
+                self._stats.sleep_drops += 1
+            return released
 
     def wake(self, *, auto: bool = False) -> bool:
-        """Take the page pool's memory back at the same addresses (graphs stay valid); ``auto``: a call woke it,
-        counted in ``wakes``. Returns whether it was asleep."""
+        """Take the memory back at the same addresses (graphs stay valid; after a drop, the next call allocates
+        and captures); ``auto``: a call woke it, counted in ``wakes``. Returns whether it was asleep."""
         if not self.sleeping:
             return False
-        self.buffers.wake()
+        self._dropped = False
+        held = set(self._graphs)
+        if self.buffers.wake():  # the backend handed the memory back elsewhere: its graphs are recaptured too
+            self._dropped_keys |= held
         if auto:
             self._stats.wakes += 1
         return True
@@ -343,8 +369,9 @@ class DecodeGraphRunner:
     def _check_awake(self) -> None:
         if self.buffers.asleep:
             raise RuntimeError(
-                "DecodeGraphRunner: the page pool is asleep (its memory was released by sleep()); a step or "
-                "replay now would read released memory. Call wake() first (generation calls wake it themselves)")
+                "DecodeGraphRunner: the page pool is asleep (its memory, rings and linear states included, was "
+                "released by sleep()); a step or replay now would read released memory. Call wake() first "
+                "(generation calls wake it themselves)")
 
     # ------------------------------------------------------------------ runs
     def step(self, bucket: int, span: int, sampling_key: tuple[float, float, int]) -> None:
@@ -569,6 +596,9 @@ class DecodeGraphRunner:
 
     def _count_capture(self, key: RunKey, seconds: float, mem0: int) -> None:
         s = self._stats
+        if key in self._dropped_keys:  # held before a sleep dropped it: the cost of a backend without VMM
+            self._dropped_keys.discard(key)
+            s.recaptures += 1
         if isinstance(key, GraphKey):
             s.captures += 1
         else:

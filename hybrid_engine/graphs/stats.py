@@ -57,6 +57,8 @@ class GraphStats:
     kv_bytes_peak: int = 0
     preemptions: int = 0
     wakes: int = 0  # page pools woken by a generation call (asleep after sleep())
+    sleep_drops: int = 0  # sleeps that dropped the buffers and graphs (no storage kept its addresses: no VMM)
+    recaptures: int = 0  # graphs captured again after such a sleep dropped them
 
     def to_dict(self) -> dict[str, Any]:
         """The counters as a plain dict, for logging."""
@@ -116,6 +118,7 @@ class CallStats:
     bucket_steps: dict[int, int] = dataclasses.field(default_factory=dict)
     num_sequences: int = 0
     wakes: int = 0  # 1 when this call woke its page pool from sleep() first
+    recaptures: int = 0  # graphs this call captured again because a sleep dropped them (a backend without VMM)
     profile: dict[str, Any] | None = None
 
     @classmethod

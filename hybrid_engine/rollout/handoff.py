@@ -26,7 +26,9 @@ __all__ = ["HandoffStats", "MemoryHandoff", "sleep_optimizer_during_generation"]
 class HandoffStats:
     """Counters of an engine's hand-off: sleeps and wakes asked for, wakes made by calls (``kv_cache_wakes``:
     generation calls, summed over the model's runners; ``optimizer_wakes``: training calls), the last sleep's and
-    wake's seconds and the bytes the optimizer's last sleep moved."""
+    wake's seconds and the bytes the optimizer's last sleep moved. Where a backend cannot keep addresses (no
+    VMM), ``kv_cache_drops`` counts the sleeps that dropped a runner's buffers and graphs and ``recaptures`` the
+    graphs captured again since (both summed over the runners; 0 where addresses are kept)."""
 
     sleeps: int = 0
     wakes: int = 0
@@ -35,6 +37,8 @@ class HandoffStats:
     last_sleep_s: float = 0.0
     last_wake_s: float = 0.0
     optimizer_bytes: int = 0
+    kv_cache_drops: int = 0
+    recaptures: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,7 +107,10 @@ class MemoryHandoff:
     @property
     def stats(self) -> HandoffStats:
         s = dataclasses.replace(self._stats)
-        s.kv_cache_wakes = sum(r.stats.wakes for r in handoff.runners_of(self.model))
+        runners = [r.stats for r in handoff.runners_of(self.model)]
+        s.kv_cache_wakes = sum(r.wakes for r in runners)
+        s.kv_cache_drops = sum(r.sleep_drops for r in runners)
+        s.recaptures = sum(r.recaptures for r in runners)
         opt = self._optimizer("stats", required=False)
         s.optimizer_wakes = opt.wakes if opt is not None else 0
         return s

@@ -202,10 +202,12 @@ class HybridEngineRollout:
 
     # ------------------------------------------------------------ sleep/wake
     def sleep(self, tags: Any = None) -> None:
-        """Release this rollout's memory between rollouts, every graph kept: ``"kv_cache"`` (the page pool, at
-        the same addresses; contents discarded, kept episode pages evicted first) and ``"graphs"`` (kept on every
-        backend so far: :attr:`sleeping_tags` says so). ``None``: both. Waits for a running call on this model;
-        the next ``generate`` wakes what it needs (``last_stats["wakes"]``). See ``docs/memory-handoff.md``."""
+        """Release this rollout's memory between rollouts, every graph kept: ``"kv_cache"`` (the page pool with
+        the rings and linear states, at the same addresses; contents discarded, kept episode pages evicted first;
+        a backend without VMM drops them and the graphs, counted in ``graph_stats.sleep_drops``) and ``"graphs"``
+        (kept on every backend so far: :attr:`sleeping_tags` says so). ``None``: both. Waits for a running call
+        on this model; the next ``generate`` wakes what it needs (``last_stats["wakes"]``). See
+        ``docs/memory-handoff.md``."""
         tags = handoff.check_tags(tags, "HybridEngineRollout.sleep", default=handoff.ROLLOUT_TAGS,
                                   allowed=handoff.ROLLOUT_TAGS)
         with exclusive_model_call(self.model, "HybridEngineRollout.sleep"):

@@ -171,3 +171,30 @@ def test_release_inference_cache_is_the_hand_off_with_graphs_kept():
     assert asleep == {"kv_cache"}  # the optimizer is not part of release_inference_cache
     assert engine.graph_stats.captures == plain_engine.graph_stats.captures > 0
     assert engine.graph_stats.last_refusal_reason is None and engine.last_stats["wakes"] == 1
+
+
+def test_engine_sleep_releases_the_rings_of_generate_and_reports_what_it_holds():
+    """Windowed layers whose rows reach past twice the window keep rings beside the pages: ``"kv_cache"`` releases
+    them with the pool (the held memory reported falls by their bytes), and the next generate, woken by the call,
+    gives the same tokens and captures nothing."""
+    engine, *_ = initialize(model=build_model("tiny-mistral", seed=3, sliding_window=8),
+                            config={"hybrid_engine": {"enable_graph_capture": True}})
+    ids = _ids(9)
+    gen = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=True, top_k=0,
+               pad_token_id=0, eos_token_id=NO_EOS)
+    for _ in range(3):
+        torch.manual_seed(0)
+        out = engine.generate(**gen)
+    buffers = engine.generate_runner.buffers
+    stores = buffers.state_stores()
+    rings = sum(s.nbytes() for s in stores)
+    assert stores and all(k[0] == "ring" for s in stores for k in s.tensors) and rings > 0
+    held = engine.graph_stats.cache_memory_bytes
+    engine.sleep()
+    assert all(s.asleep for s in stores) and engine.sleeping_tags == {"kv_cache"}
+    assert engine.graph_stats.cache_memory_bytes == held - rings - buffers.kv_pool.page_bytes * \
+        buffers.kv_pool.num_pages
+    torch.manual_seed(0)
+    assert torch.equal(engine.generate(**gen), out)
+    assert engine.last_stats["wakes"] == 1 and engine.last_stats["graph_captures"] == 0
+    assert not any(s.asleep for s in stores) and engine.graph_stats.cache_memory_bytes == held

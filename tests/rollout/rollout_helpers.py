@@ -22,6 +22,15 @@ def shared_model(name: str) -> torch.nn.Module:
     return _MODELS[name]
 
 
+def rss_anon() -> int:
+    """This process's resident anonymous memory in bytes (what a released private mapping gives back)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
 def left_padded_prompts(lengths: list[int], seed: int = 0, pad: int = 0) -> RolloutRequest:
     gen = torch.Generator().manual_seed(seed)
     width = max(lengths)
