@@ -185,6 +185,11 @@ def test_refusals_name_the_reason_and_fall_back(change, why):
         assert resolve_fused_decode(True, model, cache) is False
 
 
+def test_windowed_layers_are_refused():
+    model = build_model("tiny-mistral", sliding_window=8)
+    assert "windowed" in fused_decode_refusal(model, PagedKVCache(model.config, 2, 16))
+
+
 def test_config_key_is_validated():
     he = lambda v: load_config({"hybrid_engine": {"fused_decode": v}}).hybrid_engine.fused_decode  # noqa: E731
     assert load_config({}).hybrid_engine.fused_decode == "auto"
@@ -213,3 +218,52 @@ def test_a_fused_step_launches_at_most_16_ops_a_layer(monkeypatch):
     monkeypatch.setattr(fused_forward, "fused_kernels_available", lambda device: False)
     unfused, _ = per_layer()
     assert unfused > 16  # transformers' modules: the count sees them
+
+
+_INTERPRETED = """
+import json, torch
+from hybrid_engine.decode.kv_cache import PagedKVCache
+from hybrid_engine.decode.ops import paged_attention as pa
+from hybrid_engine.decode.step import decode_one_token, prefill
+from hybrid_engine.tiny_models import build_model
+
+impl = pa.implementation("cpu")  # the probe runs the kernel once: before counting
+calls = {"n": 0}
+kernel = pa._triton_attention
+def counted(*a, **k):
+    calls["n"] += 1
+    return kernel(*a, **k)
+pa._triton_attention = counted
+model = build_model("tiny-qwen3", seed=1)
+ids = torch.randint(10, 300, (3, 6), generator=torch.Generator().manual_seed(0))
+mask = torch.ones_like(ids)
+mask[0, :2] = 0
+plain, fused = (PagedKVCache(model.config, 3, 32, page_size=4) for _ in range(2))
+for cache in (plain, fused):
+    prefill(model, cache, ids, mask)
+tokens, worst = torch.tensor([5, 9, 200]), 0.0
+for _ in range(4):
+    want = decode_one_token(model, plain, tokens, paged=False).log_softmax(-1)
+    got = decode_one_token(model, fused, tokens, fused=True).log_softmax(-1)
+    worst = max(worst, float((got - want).abs().max()))
+    tokens = want.argmax(-1)
+print(json.dumps({"worst": worst, "kernel_calls": calls["n"], "impl": impl}))
+"""
+
+
+@pytest.mark.slow  # a process of its own (tests/tiers.py)
+def test_fused_forward_on_the_paged_kernel_under_the_interpreter():
+    """Under ``TRITON_INTERPRET=1`` the paged attention op runs its Triton kernel over the pool the fused
+    forward wrote through ``cache.update``: within 1e-5 of transformers' gathering step."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["impl"] == "triton" and got["kernel_calls"] == 4 * 2  # every step, every layer
+    assert got["worst"] <= 1e-5
