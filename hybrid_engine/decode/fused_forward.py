@@ -206,7 +206,9 @@ def _rope_table(rotary: torch.nn.Module, cache: PagedKVCache, dtype: torch.dtype
 
 class FusedDecoderLayer:
     """One transformers decoder layer run by the fused ops (a view of it for one step: ``self_attn`` is the
-    layer's attention module, as in transformers' layers, so per-layer op counts attribute here)."""
+    layer's attention module, as in transformers' layers, so per-layer op counts attribute here). It ends with
+    the next norm (the next layer's input norm, or the final one) fused with its residual add, so every layer
+    launches the same ops."""
 
     __slots__ = ("layer", "self_attn")
 
@@ -214,18 +216,12 @@ class FusedDecoderLayer:
         self.layer = layer
         self.self_attn = layer.self_attn
 
-    def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                 cache: PagedKVCache, pages: PagedRead) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp output, residual)`` of the layer for ``hidden [B, 1, H]`` (the previous layer's MLP output, or
-        the embeddings with ``residual=None``); the residual add is left to the next norm."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 cache: PagedKVCache, pages: PagedRead, next_norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(next_norm(residual'), residual')`` for ``x [B, 1, H]``, the layer's normed input, and
+        ``residual``, its input: ``residual'`` is the layer's output (input + attention + MLP)."""
         layer, attn = self.layer, self.self_attn
-        norm = layer.input_layernorm
-        if residual is None:
-            x, residual = rms_norm(hidden, norm.weight, norm.variance_epsilon), hidden
-        else:
-            x, residual = add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
-        b = x.shape[0]
-        d = attn.head_dim
+        b, d = x.shape[0], attn.head_dim
         q = attn.q_proj(x).view(b, 1, -1, d)
         k = attn.k_proj(x).view(b, 1, -1, d)
         v = attn.v_proj(x).view(b, 1, -1, d)
@@ -240,7 +236,8 @@ class FusedDecoderLayer:
         norm = layer.post_attention_layernorm
         x, residual = add_rms_norm(out, residual, norm.weight, norm.variance_epsilon)
         mlp = layer.mlp
-        return mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x))), residual
+        out = mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+        return add_rms_norm(out, residual, next_norm.weight, next_norm.variance_epsilon)
 
 
 def fused_decode_forward(model: torch.nn.Module, cache: PagedKVCache, tokens: torch.Tensor,
@@ -258,9 +255,10 @@ def fused_decode_forward(model: torch.nn.Module, cache: PagedKVCache, tokens: to
     table = _rope_table(base.rotary_emb, cache, hidden.dtype)
     cos_sin = table.index_select(0, position_ids.flatten())  # [B, 2, head_dim]: one lookup for both
     cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
-    residual = None
-    for layer in _layers(model):
-        hidden, residual = FusedDecoderLayer(layer)(hidden, residual, cos, sin, cache, pages)
-    norm = base.norm
-    hidden, _ = add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
-    return model.lm_head(hidden)[:, -1]
+    layers = list(_layers(model))
+    norm = layers[0].input_layernorm
+    x, residual = rms_norm(hidden, norm.weight, norm.variance_epsilon), hidden
+    for i, layer in enumerate(layers):
+        next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else base.norm
+        x, residual = FusedDecoderLayer(layer)(x, residual, cos, sin, cache, pages, next_norm)
+    return model.lm_head(x)[:, -1]

@@ -203,13 +203,14 @@ def test_config_key_is_validated():
 
 def test_a_fused_step_launches_at_most_16_ops_a_layer(monkeypatch):
     """``bench kernels``' count of one ``DecodeSlots.step`` (aten ops that launch a kernel, custom ops once) on a
-    2-layer and a 1-layer qwen2: the difference is one layer's ops, and each layer's are attributed to it."""
-    from hybrid_engine.benchmarks.kernels import ours
+    2-layer and a 1-layer qwen2: the difference is one layer's ops, the same number ``bench kernels`` attributes
+    to each layer (its summary also checks that every layer launches the same ops)."""
+    from hybrid_engine.benchmarks.kernels import ours, summarise
 
     def per_layer() -> tuple[int, int]:
         ops = {n: ours(build_model("tiny-qwen2", dtype=torch.bfloat16, vocab_size=1024, num_hidden_layers=n),
                        4, 64, (0.0, 1.0, -1)) for n in (1, 2)}
-        return len(ops[2]) - len(ops[1]), sum(1 for op in ops[2] if op[0] == 1)
+        return len(ops[2]) - len(ops[1]), summarise(ops[2], 2, 2, 4, 64, 1, "fused")["per_layer"]
 
     # Hardware boundary: a device whose probes found kernels for every fused op ("auto" turns it on).
     monkeypatch.setattr(fused_forward, "fused_kernels_available", lambda device: True)
