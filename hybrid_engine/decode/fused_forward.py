@@ -1,13 +1,14 @@
-"""The fused decode forward: one token per row through a llama / mistral / qwen2 / qwen3 model in ~15 device ops a
-layer, not transformers' 42.
+"""The fused decode forward: one token per row through a llama / mistral / qwen2 / qwen3 model in 14 device ops a
+layer (16 with qwen3's q/k norms), not transformers' 42.
 
 Why: a captured step still launches every kernel transformers' modules launch (16 for two RMSNorms, 10 for rotary,
 a [B, span] mask, the span gathered out of the pool). This forward walks the same modules' parameters with the
 layer ops of :mod:`hybrid_engine.decode.ops.layer_ops` (``add_rms_norm``, ``rms_norm``, ``rotary_qk``,
 ``silu_mul``) and the paged attention op (:mod:`hybrid_engine.decode.ops.paged_attention`), one custom op each,
-and writes K/V through the cache's own ``update``. A layer is then: add+RMSNorm, q/k/v projections (qwen3: two
-per-head RMSNorms), rotary, two K/V writes, attention over the row's pages, o projection, add+RMSNorm, gate and up
-projections, SiLU·mul, down projection.
+and writes K/V through the cache's own ``update``. A layer is then: q/k/v projections (qwen3: two per-head
+RMSNorms), rotary, two K/V writes, attention over the row's pages, o projection, add+RMSNorm, gate and up
+projections, SiLU·mul, down projection, and the next norm fused with the residual add (the first layer's input
+norm runs before the layers, the final norm ends the last one).
 
 What it keeps from the model:
 
