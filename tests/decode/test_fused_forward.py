@@ -121,6 +121,23 @@ def test_graph_tokens_equal_eager_with_fused_on():
     assert torch.equal(graph.generate(**sampled), want)
 
 
+def test_a_rope_table_made_while_capturing_is_not_kept(cpu_graphs):
+    """The rotary table is kept on the cache when made eagerly; one made inside a capture is not (its values
+    exist only after a replay), so a later eager step makes its own, and both give the same logits."""
+    model = build_model("tiny-llama", seed=1)
+    graph_cache, eager_cache = _caches(model)
+    tokens = torch.tensor([5, 9, 200])
+    graph = cpu_graphs.create_graph()
+    with cpu_graphs.capture_to_graph(graph):
+        captured = decode_one_token(model, graph_cache, tokens, fused=True)
+    assert graph_cache.memory_bytes() == PagedKVCache(model.config, 3, 40, page_size=4).memory_bytes()
+    eager = decode_one_token(model, eager_cache, tokens, fused=True)
+    cpu_graphs.replay_graph(graph)
+    assert torch.equal(eager, captured)
+    kept = eager_cache.memory_bytes() - PagedKVCache(model.config, 3, 40, page_size=4).memory_bytes()
+    assert kept == (40 + 1) * 2 * 16 * 4  # (capacity + 1) positions x (cos, sin) x head_dim, fp32
+
+
 def test_fused_setting_is_part_of_the_graph_key():
     model = build_model("tiny-llama", seed=3)
     ids, mask = prompts(2, 4)
