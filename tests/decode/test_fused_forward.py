@@ -100,6 +100,22 @@ def test_lora_model_matches_its_unfused_forward():
     _compare_teacher_forced(model, steps=3)
 
 
+def test_lora_model_graph_tokens_equal_eager_with_fused_on():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0,
+                             init_lora_weights=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        wrapped = peft.get_peft_model(build_model("tiny-llama", seed=2), config)
+    graph, *_ = initialize(model=wrapped, config={"hybrid_engine": {"enable_graph_capture": True,
+                                                                     "fused_decode": True}})
+    eager, *_ = initialize(model=wrapped, config={"hybrid_engine": {"fused_decode": True}})
+    ids, mask = prompts(3, 5)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6)
+    assert torch.equal(graph.generate(**kw), eager.generate(**kw))
+    assert graph.generate_runner.slots.fused_decode and graph.graph_stats.replays > 0
+
+
 def test_graph_tokens_equal_eager_with_fused_on():
     model = build_model("tiny-qwen3", seed=3)
     graph, *_ = initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True,
