@@ -16,7 +16,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -142,6 +142,10 @@ _AUTO_CHECKED_FIELDS = ("train_batch_size", "train_micro_batch_size_per_gpu", "g
 _AUTO_CHECKED_SECTIONS = ("fp16", "bf16", _BF16_LEGACY, "optimizer", "scheduler", "hybrid_engine")
 
 
+#: Keys whose own value ``"auto"`` is (a setting of ours, not a template placeholder).
+_AUTO_VALUED = ("hybrid_engine.fused_decode",)
+
+
 def _auto_paths(value: Any, path: str) -> list[str]:
     if isinstance(value, str):
         return [path] if value.strip().lower() == "auto" else []
@@ -153,9 +157,11 @@ def _auto_paths(value: Any, path: str) -> list[str]:
 
 
 def _refuse_auto(data: Mapping[str, Any]) -> None:
-    """Refuse the ``"auto"`` placeholders of Hugging Face's DeepSpeed config templates, naming each key path."""
+    """Refuse the ``"auto"`` placeholders of Hugging Face's DeepSpeed config templates, naming each key path
+    (except the keys whose own value "auto" is: :data:`_AUTO_VALUED`)."""
     paths = [p for key in _AUTO_CHECKED_FIELDS if key in data for p in _auto_paths(data[key], key)]
-    paths += [p for key in _AUTO_CHECKED_SECTIONS if key in data for p in _auto_paths(data[key], key)]
+    paths += [p for key in _AUTO_CHECKED_SECTIONS if key in data for p in _auto_paths(data[key], key)
+              if p not in _AUTO_VALUED]
     zero = data.get("zero_optimization")
     if isinstance(zero, Mapping) and "stage" in zero:
         paths += _auto_paths(zero["stage"], "zero_optimization.stage")
@@ -463,6 +469,21 @@ class HybridEngineConfig(BaseModel):
     #: Batch-invariant kernels in ``engine(...)``, ``engine.generate`` and the rollouts on this engine: a rollout's
     #: logprob is then bit-for-bit the training forward's, in any batch (:mod:`hybrid_engine.exact`).
     exact_logprobs: StrictBool = False
+    #: Decode steps of llama / mistral / qwen2 / qwen3 models run the fused decode forward
+    #: (:mod:`hybrid_engine.decode.fused_forward`): "auto" where every fused op has a kernel on the device, true
+    #: wherever the model is supported, false never.
+    fused_decode: StrictBool | Literal["auto"] = "auto"
+
+    @field_validator("fused_decode", mode="before")
+    @classmethod
+    def _fused_decode_value(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if not isinstance(value, bool):
+            raise ValueError(f'hybrid_engine.fused_decode must be "auto", true or false (got {value!r}): "auto" runs '
+                             "the fused decode forward where its kernels exist on the device, true wherever the "
+                             "model is supported, false never")
+        return value
 
     @model_validator(mode="before")
     @classmethod

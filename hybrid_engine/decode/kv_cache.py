@@ -48,7 +48,10 @@ from hybrid_engine.decode.kv_pool import DEFAULT_PAGE_SIZE, NULL_PAGE, KVPool, p
 from hybrid_engine.decode.layout import exact_length, layer_specs, linear_layers
 from hybrid_engine.decode.linear_states import Shapes, StateStore, StateView
 
-__all__ = ["ForwardIndices", "PagedKVCache"]
+__all__ = ["ForwardIndices", "MAX_STEP_TABLES", "PagedKVCache"]
+
+#: Tables one owner module may keep on a cache (:meth:`PagedKVCache.step_table`): one per dtype and layout.
+MAX_STEP_TABLES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +77,15 @@ class ForwardIndices:
 
 
 class _HostCounters:
-    """Host-side counters one cache shares with its row views (the views write the same storage)."""
+    """Host-side state one cache shares with its row views (the views write the same storage): its counters, and
+    the device tables its steps derive once from a model (:meth:`PagedKVCache.step_table`)."""
 
-    __slots__ = ("num_updates",)
+    __slots__ = ("num_updates", "tables")
 
     def __init__(self) -> None:
         self.num_updates = 0
+        # owner module -> {key: tensor}: weakly keyed, so a table lives no longer than the module it came from.
+        self.tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _PagedKVLayer(CacheLayerMixin):
@@ -238,6 +244,7 @@ class PagedKVCache(Cache):
         #: Owners that validate lengths up front (the engines) turn it off: it costs a sync per step.
         self.bounds_checks = True
         self._host = host if host is not None else _HostCounters()
+        self._owns_host = host is None  # its step tables count in this cache's memory_bytes, not a view's
         self._owns_pool = False
 
     def set_forward(self, indices: ForwardIndices | None) -> None:
@@ -258,6 +265,22 @@ class PagedKVCache(Cache):
     @num_updates.setter
     def num_updates(self, value: int) -> None:
         self._host.num_updates = value
+
+    def step_table(self, owner: torch.nn.Module, key: tuple, make: Any) -> torch.Tensor:
+        """A device tensor this cache's steps read, derived once from ``owner`` (a module) under ``key``:
+        ``make()``, kept while this cache (and its row views) and ``owner`` live, so a graph captured on the
+        cache reads the same tensor for as long as it can replay. One made while capturing is not kept: a
+        capture runs none of its work, so its tensors hold their values only after a replay. A few keys per
+        owner at most (say, a dtype): past :data:`MAX_STEP_TABLES` the owner's tables are made again."""
+        tables = self._host.tables.get(owner)
+        value = None if tables is None else tables.get(key)
+        if value is None:
+            value = make()
+            if not is_capturing():
+                if tables is None or len(tables) >= MAX_STEP_TABLES:
+                    tables = self._host.tables[owner] = {}
+                tables[key] = value
+        return value
 
     def host_state(self) -> tuple[int, ...]:
         """The host-side counters a step advances (shared with every row view); see :meth:`restore_host_state`."""
@@ -363,10 +386,13 @@ class PagedKVCache(Cache):
         return self.get_seq_length(layer_idx)
 
     def memory_bytes(self) -> int:
-        """Bytes of the block table and per-row state (and of the pool, for a cache that made its own)."""
+        """Bytes of the block table, per-row state and step tables (and of the pool, for a cache that made its
+        own)."""
         own = self.block_table.nbytes + self.write_pos.nbytes + self.position.nbytes
         if self._owns_states:
             own += self.states.store.nbytes()
+        if self._owns_host:
+            own += sum(t.nbytes for tables in list(self._host.tables.values()) for t in tables.values())
         return own + (self.pool.memory_bytes() if self._owns_pool else 0)
 
     def __repr__(self) -> str:

@@ -41,6 +41,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hybrid_engine.accelerator.host_copy import device_tensor, host_to_device
+from hybrid_engine.decode.fused_forward import resolve_fused_decode
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import KVPool
 from hybrid_engine.decode.layout import AttentionKind, attention_kinds
@@ -108,13 +109,14 @@ def choose_tokens(
 @dataclasses.dataclass
 class CallSettings:
     """What a call sets on the host for its steps (:meth:`DecodeSlots.begin_call`, ``set_stop_sequences``); a
-    captured step freezes them, so the graph key holds the first two."""
+    captured step freezes them, so the graph key holds the first two and ``fused``."""
 
     stops: bool = False  # the call has stop sequences: steps match them
     logprobs: bool = True  # steps report their tokens' logprobs
     mask_kinds: dict[str | None, AttentionKind | None] | None = None  # None: read off the config each step
     dtype: torch.dtype | None = None  # the model's dtype (None: read each step)
     paged: bool | None = None  # steps read pages in place (step.reads_pages_in_place; None: asked each step)
+    fused: bool = False  # steps run the fused decode forward (fused_forward.resolve_fused_decode)
 
 
 class DecodeSlots:
@@ -250,14 +252,16 @@ class DecodeSlots:
         self.stop_ids.copy_(host_to_device(table, self.device))
         self._stop_sets = list(sets)
 
-    def begin_call(self, model: PreTrainedModel, *, logprobs: bool) -> None:
+    def begin_call(self, model: PreTrainedModel, *, logprobs: bool, fused: bool | str = "auto") -> None:
         """Settle the next call's host settings (outside capture): whether its steps report their tokens'
-        logprobs (greedy steps without them skip a log-softmax over the vocabulary), and what the steps'
-        attention masks are built for (read off the model's config once a call, not once a step)."""
+        logprobs (greedy steps without them skip a log-softmax over the vocabulary), what the steps'
+        attention masks are built for (read off the model's config once a call, not once a step), and whether
+        they run the fused decode forward (``fused``: ``hybrid_engine.fused_decode``, resolved here)."""
         self.call.logprobs = logprobs
         self.call.mask_kinds = attention_kinds(model.config)
         self.call.dtype = model_dtype(model)
         self.call.paged = reads_pages_in_place(model, self.cache, self.call.mask_kinds)
+        self.call.fused = resolve_fused_decode(fused, model, self.cache, self.call.mask_kinds)
 
     @property
     def has_stop_sequences(self) -> bool:
@@ -268,6 +272,11 @@ class DecodeSlots:
     def logprobs_wanted(self) -> bool:
         """Whether the call's steps report logprobs (host-side, in the graph key: ``GraphKey.logprobs``)."""
         return self.call.logprobs
+
+    @property
+    def fused_decode(self) -> bool:
+        """Whether the call's steps run the fused decode forward (host-side, in the graph key: ``GraphKey.fused``)."""
+        return self.call.fused
 
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool: whether each token is an EOS id (one lookup in the vocabulary-sized mask)."""
@@ -292,7 +301,7 @@ class DecodeSlots:
         advance = live.to(torch.int64)  # one conversion for the cache's and the token index's advance
         call = self.call
         logits = decode_one_token(model, self.cache, self.tokens, live, span, kinds=call.mask_kinds,
-                                  dtype=call.dtype, advance=advance, paged=call.paged)
+                                  dtype=call.dtype, advance=advance, paged=call.paged, fused=call.fused)
         new_tokens, logprobs, top_ids, top_lp = choose_tokens(
             logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
             seed=self.seed, stream=self.stream, token_index=self.token_index,

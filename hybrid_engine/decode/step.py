@@ -38,6 +38,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hybrid_engine.accelerator import is_capturing
+from hybrid_engine.decode.fused_forward import fused_decode_forward
 from hybrid_engine.decode.kv_cache import ForwardIndices, PagedKVCache
 from hybrid_engine.decode.layout import FULL, AttentionKind, attention_kinds
 from hybrid_engine.decode.ops.paged_attention import (
@@ -369,7 +370,7 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
                      live: torch.Tensor | None = None, span: int | None = None, *,
                      kinds: dict[str | None, AttentionKind | None] | None = None,
                      dtype: torch.dtype | None = None, advance: torch.Tensor | None = None,
-                     paged: bool | None = None) -> torch.Tensor:
+                     paged: bool | None = None, fused: bool = False) -> torch.Tensor:
     """One decode step for every row: feed ``tokens [B]``, return ``[B, V]`` logits (model dtype).
 
     Row ``b`` writes its token at logical index ``write_pos[b]`` and attends
@@ -380,7 +381,9 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
     the checks that need host reads run only outside capture. ``kinds`` and ``dtype``: the model's mask kinds
     and dtype, when the caller read them once for its call (``None``: read here); ``advance``: ``live`` as int64,
     when the caller has it already; ``paged``: :func:`reads_pages_in_place`, when the caller asked it once for
-    its call (``None``: asked here).
+    its call (``None``: asked here); ``fused``: run the fused decode forward
+    (:func:`~hybrid_engine.decode.fused_forward.fused_decode_forward`, whose support the caller checked:
+    :func:`~hybrid_engine.decode.fused_forward.resolve_fused_decode`) instead of transformers' model forward.
     """
     if not is_capturing():
         _check_tokens(cache, tokens)
@@ -389,15 +392,52 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
     keep = None if live is None else live[:, None]
     read_slots = cache.span_slots(span)
     rings = any(cache.rings)  # windowed layers read their rings (all of them, or none: layer_specs)
+    if fused and rings:
+        raise ValueError("decode_one_token: fused=True needs full attention over pages (this cache has windowed "
+                         "rings); resolve the flag with fused_forward.resolve_fused_decode")
     if rings:  # a ring's position may lie past the pages it reads
         write_slots = cache.token_slots(write_pos[:, None], keep=keep).flatten()
     else:  # the written token lies in the span: its slot is one of the span's
         write_slots = cache.span_write_slots(read_slots, write_pos, keep)
+    kv_len = cache.span_tokens(span)
+    if fused:
+        indices = ForwardIndices(write_slots=write_slots, kv_len=kv_len, read_slots=read_slots, paged=True)
+        pages = _paged_read(cache, kv_len)
+
+        def run() -> torch.Tensor:
+            return fused_decode_forward(model, cache, tokens[:, None], cache.position[:, None], pages)
+    else:
+        indices, run = _transformers_step(model, cache, tokens, keep, rings, write_slots, read_slots, kv_len,
+                                          kinds, dtype, paged)
+    cache.set_forward(indices)
+    try:
+        logits = run()
+    finally:  # the indices are this forward's temporaries: nothing outlives a captured step but its outputs
+        cache.set_forward(None)
+    step = 1 if live is None else live.to(torch.int64) if advance is None else advance
+    write_pos.add_(step)
+    cache.position.add_(step)
+    return logits
+
+
+def _paged_read(cache: PagedKVCache, kv_len: int) -> PagedRead:
+    """Each row's pages within ``kv_len`` tokens and its length, the token being written included (a row that
+    is not live may lie past the span: clamped, so no kernel reads past its table)."""
+    return PagedRead(cache.block_table[:, :kv_len // cache.page_size], (cache.write_pos + 1).clamp_(max=kv_len),
+                     cache.page_size)
+
+
+def _transformers_step(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.Tensor,
+                       keep: torch.Tensor | None, rings: bool, write_slots: torch.Tensor, read_slots: torch.Tensor,
+                       kv_len: int, kinds: dict[str | None, AttentionKind | None] | None, dtype: torch.dtype | None,
+                       paged: bool | None) -> tuple[ForwardIndices, Callable[[], torch.Tensor]]:
+    """A decode step's indices and forward through transformers' model (masks built here, attention reading
+    pages in place where ``paged``)."""
+    write_pos = cache.write_pos
     token_pos = token_keep = None
     if rings:  # only ring layers read them: no extra work in other models' steps
         token_pos = write_pos[:, None]
         token_keep = torch.ones_like(token_pos, dtype=torch.bool) if keep is None else keep
-    kv_len = cache.span_tokens(span)
     dtype = dtype or model_dtype(model)
 
     def build(kind: AttentionKind) -> torch.Tensor:
@@ -408,18 +448,8 @@ def decode_one_token(model: PreTrainedModel, cache: PagedKVCache, tokens: torch.
     mask4d = layer_masks(model, build, kinds=kinds)
     if paged is None:
         paged = reads_pages_in_place(model, cache, kinds)
-    pages = None
-    if paged:
-        pages = PagedRead(cache.block_table[:, :kv_len // cache.page_size], (write_pos + 1).clamp_(max=kv_len),
-                          cache.page_size)
-    cache.set_forward(ForwardIndices(write_slots=write_slots, kv_len=kv_len, read_slots=read_slots,
-                                     token_pos=token_pos, token_keep=token_keep, paged=paged))
-    try:
-        logits = _forward(model, cache, tokens[:, None], mask4d, cache.position[:, None], write_pos[:1],
-                          paged=pages)
-    finally:  # the indices are this forward's temporaries: nothing outlives a captured step but its outputs
-        cache.set_forward(None)
-    step = 1 if live is None else live.to(torch.int64) if advance is None else advance
-    write_pos.add_(step)
-    cache.position.add_(step)
-    return logits
+    pages = _paged_read(cache, kv_len) if paged else None
+    indices = ForwardIndices(write_slots=write_slots, kv_len=kv_len, read_slots=read_slots, token_pos=token_pos,
+                             token_keep=token_keep, paged=paged)
+    return indices, lambda: _forward(model, cache, tokens[:, None], mask4d, cache.position[:, None], write_pos[:1],
+                                     paged=pages)

@@ -61,7 +61,7 @@ def run_call(runner: DecodeGraphRunner, plan: CallPlan, *, t_start: float, profi
             requests, kept = [dataclasses.replace(r, held=None) for r in requests], None
         state.set_special_ids(plan.pad_id, plan.eos_ids)
         state.set_stop_sequences(plan.stop_sets)
-        state.begin_call(runner.model, logprobs=plan.logprobs is not None)
+        state.begin_call(runner.model, logprobs=plan.logprobs is not None, fused=runner.fused_decode)
         results = run_schedule(
             runner, requests, plan.prompt_ids, plan.prompt_mask, plan.sampling_key, plan.seed,
             width=plan.max_new, max_active=plan.max_active, continuous=plan.continuous,

@@ -2,8 +2,8 @@
 
 A key holds every host value a capture freezes besides the buffers' shapes:
 the bucket (rows), the span (pages a row's attention reads, a power of two),
-the staged width, and the sampling mode (which filters run; the knobs' values
-are device data). Keys stay bounded: per sampling mode, at most one decode
+the staged width, the sampling mode (which filters run; the knobs' values
+are device data), and which forward the step runs (fused or transformers'). Keys stay bounded: per sampling mode, at most one decode
 graph per (bucket, span bucket).
 """
 
@@ -41,6 +41,7 @@ class GraphKey(NamedTuple):
     sampling: tuple[bool, bool, bool]  # :func:`~hybrid_engine.decode.sampling.sampling_mode`; the values are device data
     stops: bool = False  # whether the step matches stop sequences (a call with any; the sequences are device data)
     logprobs: bool = True  # whether the step reports its tokens' logprobs (engine.generate returns none)
+    fused: bool = False  # whether the step runs the fused decode forward (hybrid_engine.fused_decode)
 
 
 class PrefillKey(NamedTuple):

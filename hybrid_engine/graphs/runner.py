@@ -229,6 +229,13 @@ class DecodeGraphRunner:
     def config(self, config: EngineConfig | None) -> None:
         self.policy.config = config
 
+    @property
+    def fused_decode(self) -> bool | str:
+        """``hybrid_engine.fused_decode`` of :attr:`config` (``"auto"`` without one): what each call's steps
+        resolve to run the fused decode forward or transformers' (:meth:`DecodeSlots.begin_call`)."""
+        config = self.config
+        return config.hybrid_engine.fused_decode if config is not None else "auto"
+
     def refusal(self) -> str | None:
         """Why graphs may not run now (``None``: they may): :meth:`GraphPolicy.refusal`."""
         return self.policy.refusal()
@@ -379,7 +386,7 @@ class DecodeGraphRunner:
         capture it, or run eagerly."""
         view = self.slots.head(bucket)
         self._run(GraphKey(bucket, span, sampling_mode(*sampling_key), self.slots.has_stop_sequences,
-                          self.slots.logprobs_wanted),
+                          self.slots.logprobs_wanted, self.slots.fused_decode),
                   lambda: view.step(self.model, sampling_key, span))
 
     def prefill_prompts(self, ids: torch.Tensor, mask: torch.Tensor, tables: list[list[int]],
@@ -435,7 +442,7 @@ class DecodeGraphRunner:
         for bucket in sorted((b for b in sizes if b == top or (shrink and b < top)), reverse=True):
             for span in sorted(spans, reverse=True):
                 key = GraphKey(bucket, span, sampling_mode(*sampling_key), self.slots.has_stop_sequences,
-                          self.slots.logprobs_wanted)
+                               self.slots.logprobs_wanted, self.slots.fused_decode)
                 if key in self._graphs or self._call_eager:
                     continue
                 view = self.slots.head(bucket)
