@@ -59,7 +59,7 @@ MAX_STOP_LENGTH = 16
 
 # Per-row tensors, all ``[S, ...]``: a bucket views ``[:n]`` of each, a move copies rows of each.
 _ROW_TENSORS = ("tokens", "token_index", "seed", "stream", "budget", "min_tokens", "knob", "finished", "live",
-                "advance", "out_tokens", "out_logprobs", "out_top_ids", "out_top_logprobs")
+                "advance", "suppress_eos", "out_tokens", "out_logprobs", "out_top_ids", "out_top_logprobs")
 
 
 def logits_width(model: PreTrainedModel) -> int:
@@ -146,10 +146,12 @@ class DecodeSlots:
         self.min_tokens = torch.zeros(rows, **i64)
         self.knob = torch.zeros(rows, **i64)  # the index of the request's setting in ``knobs``
         self.finished = torch.ones(rows, dtype=torch.bool, device=device)
-        # ``~finished`` and as int64 (what a step advances by), kept by every writer of ``finished`` so a step
-        # reads them without computing them (hybrid_engine::advance_rows keeps them after each step).
+        # ``~finished``, as bool and as int64 (what a step advances by), and ``token_index < min_tokens`` (EOS
+        # masked out): kept by every writer of what they mirror, so a step reads them without computing them
+        # (hybrid_engine::advance_rows keeps them after each step).
         self.live = torch.zeros(rows, dtype=torch.bool, device=device)
         self.advance = torch.zeros(rows, **i64)
+        self.suppress_eos = torch.zeros(rows, dtype=torch.bool, device=device)
         # One spare column past the width: where rows that are not live write a step's output.
         self.out_tokens = torch.zeros(rows, capacity + 1, **i64)
         self.out_logprobs = torch.zeros(rows, capacity + 1, dtype=torch.float32, device=device)
@@ -292,7 +294,7 @@ class DecodeSlots:
         logits = decode_one_token(model, self.cache, self.tokens, live, span, kinds=call.mask_kinds,
                                   dtype=call.dtype, advance=advance, paged=call.paged)
         new_tokens, logprobs, top_ids, top_lp = choose_tokens(
-            logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
+            logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.suppress_eos,
             seed=self.seed, stream=self.stream, token_index=self.token_index,
             knobs=self.knobs.for_rows(self.knob, sampling_key) if sampling_key[0] > 0 else None,
             top=self.top_logprobs, checked=True, want_logprobs=call.logprobs,
@@ -304,9 +306,9 @@ class DecodeSlots:
             self.out_top_logprobs.scatter_(1, at, top_lp[:, None].float())
         # One op: record, feed, advance, finish (EOS, budget, stop sequences: call.stops is in the graph key).
         stops = call.stops
-        advance_rows(self.tokens, self.token_index, self.finished, live, advance, self.out_tokens,
-                     self.out_logprobs, new_tokens, logprobs, self.budget, self.min_tokens, self.eos_mask,
-                     self.pad_id, self.stop_ids if stops else None, self.knob if stops else None)
+        advance_rows(self.tokens, self.token_index, self.finished, live, advance, self.suppress_eos,
+                     self.out_tokens, self.out_logprobs, new_tokens, logprobs, self.budget, self.min_tokens,
+                     self.eos_mask, self.pad_id, self.stop_ids if stops else None, self.knob if stops else None)
 
     # ------------------------------------------------------------- admission
     def start(
@@ -346,6 +348,7 @@ class DecodeSlots:
         self.finished.index_copy_(0, slots, done)
         self.live.index_copy_(0, slots, ~done)
         self.advance.index_copy_(0, slots, (~done).long())
+        self.suppress_eos.index_copy_(0, slots, min_tokens > 1)  # token index 1 < min_tokens
 
     def resume(self, slot: int, out_tokens: torch.Tensor, out_logprobs: torch.Tensor, generated: int, *,
                seed: int, stream: int, budget: int, min_tokens: int,
@@ -367,6 +370,7 @@ class DecodeSlots:
         self.finished[slot] = False
         self.live[slot] = True
         self.advance[slot] = 1
+        self.suppress_eos[slot] = generated < min_tokens
 
     def release(self, slots: torch.Tensor) -> None:
         """Free slots: nothing live, no pages (the null page in every table entry), write position and position

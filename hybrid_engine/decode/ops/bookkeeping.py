@@ -6,9 +6,10 @@ rows that are not live), advances the token index, and marks rows finished on an
 stop sequence (past ``min_tokens``). Written as aten ops that is 10 kernels a step, 28 with stop sequences; behind
 one op it is one node in a captured graph and one kernel in ``hybrid-engine bench kernels``.
 
-The invariant the op also keeps: ``live == ~finished`` and ``advance == live`` as int64 after it, so the next
-step reads both (the forward needs them before its sampler) without computing them. Every other writer of
-``finished`` (``DecodeSlots.start``, ``resume``, ``release``, ``move``) writes them too.
+The invariants the op also keeps, on every row: ``live == ~finished``, ``advance == live`` as int64 and
+``suppress_eos == (token_index < min_tokens)``, so the next step reads all three (the forward and the sampler
+need them before this op runs) without computing them. Every other writer of ``finished``, ``token_index`` or
+``min_tokens`` (``DecodeSlots.start``, ``resume``, ``release``, ``move``) writes them too.
 
 Implementations, chosen per device by a capability probe (:func:`implementation`): a Triton kernel, one program
 per row (:func:`_triton_advance`), where Triton is installed and the kernel runs on that device and leaves exactly
@@ -46,7 +47,8 @@ def stop_match(out_tokens: torch.Tensor, last: torch.Tensor, stop_ids: torch.Ten
 
 
 def reference_advance_rows(tokens: torch.Tensor, token_index: torch.Tensor, finished: torch.Tensor,
-                           live: torch.Tensor, advance: torch.Tensor, out_tokens: torch.Tensor,
+                           live: torch.Tensor, advance: torch.Tensor, suppress_eos: torch.Tensor,
+                           out_tokens: torch.Tensor,
                            out_logprobs: torch.Tensor, new_tokens: torch.Tensor, logprobs: torch.Tensor | None,
                            budget: torch.Tensor, min_tokens: torch.Tensor, eos_mask: torch.Tensor,
                            pad_id: torch.Tensor, stop_ids: torch.Tensor | None, knob: torch.Tensor | None) -> None:
@@ -66,9 +68,10 @@ def reference_advance_rows(tokens: torch.Tensor, token_index: torch.Tensor, fini
     finished.logical_or_(done)
     torch.logical_not(finished, out=live)
     advance.copy_(live)
+    torch.lt(token_index, min_tokens, out=suppress_eos)
 
 
-def _check(tokens, token_index, finished, live, advance, out_tokens, out_logprobs, new_tokens, logprobs, budget,
+def _check(tokens, token_index, finished, live, advance, suppress_eos, out_tokens, out_logprobs, new_tokens, logprobs, budget,
            min_tokens, eos_mask, pad_id, stop_ids, knob) -> None:
     """Shapes and dtypes only (no host read of a value)."""
     b = tokens.shape[0]
@@ -78,7 +81,7 @@ def _check(tokens, token_index, finished, live, advance, out_tokens, out_logprob
         t = named[name]
         if t.shape != (b,) or t.dtype != torch.int64:
             raise ValueError(f"advance_rows: {name} must be int64 [B={b}], got {t.dtype} {tuple(t.shape)}")
-    for name, t in (("finished", finished), ("live", live)):
+    for name, t in (("finished", finished), ("live", live), ("suppress_eos", suppress_eos)):
         if t.shape != (b,) or t.dtype != torch.bool:
             raise ValueError(f"advance_rows: {name} must be bool [B={b}], got {t.dtype} {tuple(t.shape)}")
     if out_tokens.dim() != 2 or out_tokens.shape[0] != b or out_tokens.shape[1] < 2 or out_tokens.dtype != torch.int64:
@@ -98,18 +101,20 @@ def _check(tokens, token_index, finished, live, advance, out_tokens, out_logprob
 
 
 @torch.library.custom_op("hybrid_engine::advance_rows",
-                         mutates_args=("tokens", "token_index", "finished", "live", "advance", "out_tokens",
-                                       "out_logprobs"))
+                         mutates_args=("tokens", "token_index", "finished", "live", "advance", "suppress_eos",
+                                       "out_tokens", "out_logprobs"))
 def advance_rows(tokens: torch.Tensor, token_index: torch.Tensor, finished: torch.Tensor, live: torch.Tensor,
-                 advance: torch.Tensor, out_tokens: torch.Tensor, out_logprobs: torch.Tensor,
+                 advance: torch.Tensor, suppress_eos: torch.Tensor, out_tokens: torch.Tensor,
+                 out_logprobs: torch.Tensor,
                  new_tokens: torch.Tensor, logprobs: torch.Tensor | None, budget: torch.Tensor,
                  min_tokens: torch.Tensor, eos_mask: torch.Tensor, pad_id: torch.Tensor,
                  stop_ids: torch.Tensor | None, knob: torch.Tensor | None) -> None:
     """One decode step's bookkeeping for every row, in place (see the module docstring): record ``new_tokens``
     (and ``logprobs``, unless None) in ``out_tokens``/``out_logprobs`` ``[B, capacity + 1]``, feed them next,
     advance ``token_index`` by ``advance``, set ``finished`` on EOS / budget / a stop sequence of ``stop_ids``
-    (``None``: the call has none), then ``live = ~finished`` and ``advance = live``."""
-    args = (tokens, token_index, finished, live, advance, out_tokens, out_logprobs, new_tokens, logprobs, budget,
+    (``None``: the call has none), then ``live = ~finished``, ``advance = live`` and ``suppress_eos =
+    token_index < min_tokens``, what the next step reads."""
+    args = (tokens, token_index, finished, live, advance, suppress_eos, out_tokens, out_logprobs, new_tokens, logprobs, budget,
             min_tokens, eos_mask, pad_id, stop_ids, knob)
     _check(*args)  # shapes only: no host read
     if implementation(tokens.device) == "triton" and _kernel_layout(*args):
@@ -119,7 +124,7 @@ def advance_rows(tokens: torch.Tensor, token_index: torch.Tensor, finished: torc
 
 
 @advance_rows.register_fake
-def _(tokens, token_index, finished, live, advance, out_tokens, out_logprobs, new_tokens, logprobs, budget,
+def _(tokens, token_index, finished, live, advance, suppress_eos, out_tokens, out_logprobs, new_tokens, logprobs, budget,
       min_tokens, eos_mask, pad_id, stop_ids, knob):
     return None
 
@@ -136,11 +141,12 @@ def _probe_state(device: torch.device, stops: bool, logprobs: bool) -> list:
     stop_ids[0, 0, 2:] = torch.tensor([3, 4])
     stop_ids[1, 1, 3] = 5
     stop_ids[1, 2, 1:] = torch.tensor([2, -1, 6])
-    state = [torch.randint(0, vocab, (b,), generator=g), torch.tensor([0, 2, 3, 5, 6, 1]), finished, ~finished,
-             (~finished).long(), torch.randint(0, vocab, (b, capacity + 1), generator=g),
+    index, min_tokens = torch.tensor([0, 2, 3, 5, 6, 1]), torch.tensor([0, 3, 0, 9, 0, 0])
+    state = [torch.randint(0, vocab, (b,), generator=g), index, finished, ~finished, (~finished).long(),
+             index < min_tokens, torch.randint(0, vocab, (b, capacity + 1), generator=g),
              torch.randn(b, capacity + 1, generator=g), torch.randint(0, vocab, (b,), generator=g),
              torch.randn(b, generator=g) if logprobs else None, torch.tensor([4, 3, 9, 9, 9, 2]),
-             torch.tensor([0, 3, 0, 9, 0, 0]), torch.tensor([False] * 4 + [True] + [False] * 4),
+             min_tokens, torch.tensor([False] * 4 + [True] + [False] * 4),
              torch.tensor(1), stop_ids if stops else None, torch.tensor([0, 1, 1, 0, 1, 0]) if stops else None]
     return [t.to(device) if isinstance(t, torch.Tensor) else t for t in state]
 
@@ -156,7 +162,7 @@ def _probe(device: torch.device) -> str:
             got, want = _probe_state(device, stops, logprobs), _probe_state(device, stops, logprobs)
             _triton_advance(*got)
             reference_advance_rows(*want)
-            if not all(torch.equal(a, b) for a, b in zip(got[:7], want[:7])):
+            if not all(torch.equal(a, b) for a, b in zip(got[:8], want[:8])):
                 return "reference"
         return "triton"
     except Exception:  # noqa: BLE001 -- any failure to compile or run means: not on this device
@@ -183,7 +189,7 @@ def _kernel():
         return None
 
     @triton.jit
-    def kernel(tok_ptr, index_ptr, fin_ptr, live_ptr, adv_ptr, out_tok_ptr, out_lp_ptr, new_ptr, lp_ptr,
+    def kernel(tok_ptr, index_ptr, fin_ptr, live_ptr, adv_ptr, sup_ptr, out_tok_ptr, out_lp_ptr, new_ptr, lp_ptr,
                budget_ptr, min_ptr, eos_ptr, pad_ptr, stop_ptr, knob_ptr, out_stride, capacity,
                HAS_LP: tl.constexpr, STOPS: tl.constexpr, NSEQ: tl.constexpr, NSEQ_PAD: tl.constexpr,
                LENGTH: tl.constexpr, LENGTH_PAD: tl.constexpr):
@@ -200,6 +206,7 @@ def _kernel():
         index = index + tl.load(adv_ptr + row)
         tl.store(index_ptr + row, index)
         done = (tl.load(eos_ptr + new) != 0) | (index >= tl.load(budget_ptr + row))
+        floor = tl.load(min_ptr + row)
         if STOPS:
             k = tl.load(knob_ptr + row)
             t = tl.arange(0, LENGTH_PAD)
@@ -212,31 +219,33 @@ def _kernel():
             hit = ((stops < 0) | (tail[None, :] == stops)).to(tl.int32)
             used = tl.max((stops >= 0).to(tl.int32), axis=1)  # a sequence of all wildcards is unused
             matched = tl.max(tl.min(hit, axis=1) * used, axis=0) > 0
-            done = done | (matched & (index > tl.load(min_ptr + row)))
+            done = done | (matched & (index > floor))
         finished = (tl.load(fin_ptr + row) != 0) | done
         tl.store(fin_ptr + row, finished)
         tl.store(live_ptr + row, finished == 0)
         tl.store(adv_ptr + row, (finished == 0).to(tl.int64))
+        tl.store(sup_ptr + row, index < floor)
 
     return kernel
 
 
-def _kernel_layout(tokens, token_index, finished, live, advance, out_tokens, out_logprobs, *rest) -> bool:
+def _kernel_layout(tokens, token_index, finished, live, advance, suppress_eos, out_tokens, out_logprobs,
+                   *rest) -> bool:
     """Whether the tensors the kernel writes have the layout it addresses (rows of unit stride, output rows of
     one stride): it writes them in place, so it cannot work on contiguous copies."""
-    rows = (tokens, token_index, finished, live, advance)
+    rows = (tokens, token_index, finished, live, advance, suppress_eos)
     return (all(t.stride(0) == 1 for t in rows) and out_tokens.stride(1) == 1 and out_logprobs.stride(1) == 1
             and out_tokens.stride(0) == out_logprobs.stride(0))
 
 
-def _triton_advance(tokens, token_index, finished, live, advance, out_tokens, out_logprobs, new_tokens, logprobs,
-                    budget, min_tokens, eos_mask, pad_id, stop_ids, knob) -> None:
+def _triton_advance(tokens, token_index, finished, live, advance, suppress_eos, out_tokens, out_logprobs,
+                    new_tokens, logprobs, budget, min_tokens, eos_mask, pad_id, stop_ids, knob) -> None:
     """The Triton kernel: one program per row, the stop table's ``[sequences, length]`` tile of the row's
     setting compared with the row's last ``length`` tokens at once."""
     stops = stop_ids is not None
     nseq, length = (stop_ids.shape[1], stop_ids.shape[2]) if stops else (1, 1)
     _kernel()[(tokens.shape[0],)](
-        tokens, token_index, finished, live, advance, out_tokens, out_logprobs, new_tokens.contiguous(),
+        tokens, token_index, finished, live, advance, suppress_eos, out_tokens, out_logprobs, new_tokens.contiguous(),
         logprobs.contiguous() if logprobs is not None else out_logprobs, budget.contiguous(),
         min_tokens.contiguous(), eos_mask.contiguous(), pad_id,
         stop_ids.contiguous() if stops else tokens, knob.contiguous() if stops else tokens,
