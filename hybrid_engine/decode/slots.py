@@ -10,8 +10,10 @@ once here and only ever updated in place:
 * per slot: the last token fed (``tokens``), the index of the next response
   token (``token_index``), the RNG counters (``seed``, ``stream``), the
   response budget (``budget``), the EOS floor (``min_tokens``: EOS is masked
-  out while ``token_index < min_tokens``, a device comparison), the
-  ``finished`` flag, and the output rows ``out_tokens``/``out_logprobs``
+  out while ``token_index < min_tokens``), the ``finished`` flag, their
+  mirrors ``live``, ``advance`` and ``suppress_eos`` (what the next step reads;
+  kept by the step's one bookkeeping op, ``hybrid_engine::advance_rows``, and
+  by every other writer), and the output rows ``out_tokens``/``out_logprobs``
   ``[S, capacity + 1]`` that the step scatters into at ``token_index`` (rows that are not live write the
   spare last column, so the step reads no old value to keep);
 * the EOS ids and mask, the stop sequences (matched against each row's last
