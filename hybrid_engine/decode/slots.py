@@ -10,8 +10,10 @@ once here and only ever updated in place:
 * per slot: the last token fed (``tokens``), the index of the next response
   token (``token_index``), the RNG counters (``seed``, ``stream``), the
   response budget (``budget``), the EOS floor (``min_tokens``: EOS is masked
-  out while ``token_index < min_tokens``, a device comparison), the
-  ``finished`` flag, and the output rows ``out_tokens``/``out_logprobs``
+  out while ``token_index < min_tokens``), the ``finished`` flag, their
+  mirrors ``live``, ``advance`` and ``suppress_eos`` (what the next step reads;
+  kept by the step's one bookkeeping op, ``hybrid_engine::advance_rows``, and
+  by every other writer), and the output rows ``out_tokens``/``out_logprobs``
   ``[S, capacity + 1]`` that the step scatters into at ``token_index`` (rows that are not live write the
   spare last column, so the step reads no old value to keep);
 * the EOS ids and mask, the stop sequences (matched against each row's last
@@ -46,6 +48,7 @@ from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import KVPool
 from hybrid_engine.decode.layout import AttentionKind, attention_kinds
 from hybrid_engine.decode.model_support import state_shapes
+from hybrid_engine.decode.ops.bookkeeping import advance_rows, stop_match
 from hybrid_engine.decode.sampling import MAX_SETTINGS, RowKnobs, SamplingKnobs, sample_tokens_and_top
 from hybrid_engine.decode.step import decode_one_token, model_dtype, reads_pages_in_place
 
@@ -58,8 +61,8 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 16
 
 # Per-row tensors, all ``[S, ...]``: a bucket views ``[:n]`` of each, a move copies rows of each.
-_ROW_TENSORS = ("tokens", "token_index", "seed", "stream", "budget", "min_tokens", "knob", "finished",
-                "out_tokens", "out_logprobs", "out_top_ids", "out_top_logprobs")
+_ROW_TENSORS = ("tokens", "token_index", "seed", "stream", "budget", "min_tokens", "knob", "finished", "live",
+                "advance", "suppress_eos", "out_tokens", "out_logprobs", "out_top_ids", "out_top_logprobs")
 
 
 def logits_width(model: PreTrainedModel) -> int:
@@ -147,6 +150,12 @@ class DecodeSlots:
         self.min_tokens = torch.zeros(rows, **i64)
         self.knob = torch.zeros(rows, **i64)  # the index of the request's setting in ``knobs``
         self.finished = torch.ones(rows, dtype=torch.bool, device=device)
+        # ``~finished``, as bool and as int64 (what a step advances by), and ``token_index < min_tokens`` (EOS
+        # masked out): kept by every writer of what they mirror, so a step reads them without computing them
+        # (hybrid_engine::advance_rows keeps them after each step).
+        self.live = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.advance = torch.zeros(rows, **i64)
+        self.suppress_eos = torch.zeros(rows, dtype=torch.bool, device=device)
         # One spare column past the width: where rows that are not live write a step's output.
         self.out_tokens = torch.zeros(rows, capacity + 1, **i64)
         self.out_logprobs = torch.zeros(rows, capacity + 1, dtype=torch.float32, device=device)
@@ -285,47 +294,32 @@ class DecodeSlots:
     def ends_in_a_stop_sequence(self, out_tokens: torch.Tensor, last: torch.Tensor, knob: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool: whether row ``b`` of ``out_tokens`` ends, at column ``last[b]``, in a sequence of stop set
         ``knob[b]``. Device ops only (captured with the step)."""
-        offsets = torch.arange(1 - MAX_STOP_LENGTH, 1, device=out_tokens.device)
-        columns = last[:, None] + offsets[None, :]  # [B, L], the row's last L columns
-        tail = out_tokens.gather(1, columns.clamp(min=0)).masked_fill(columns < 0, -2)  # -2 matches no id
-        stops = self.stop_ids[knob]  # [B, S, L]
-        wild = stops < 0
-        hit = wild | (tail[:, None, :] == stops)
-        return (hit.all(dim=-1) & ~wild.all(dim=-1)).any(dim=-1)
+        return stop_match(out_tokens, last, self.stop_ids, knob)
 
     # ------------------------------------------------------------------ step
     def step(self, model: PreTrainedModel, sampling_key: tuple[float, float, int], span: int | None = None) -> None:
         """One decode step for every slot reading ``span`` pages a row (``None``: all), entirely in device tensors
         (this is what gets captured)."""
-        live = ~self.finished
-        advance = live.to(torch.int64)  # one conversion for the cache's and the token index's advance
+        live, advance = self.live, self.advance  # ~finished, as bool and int64: kept by every writer of finished
         call = self.call
         logits = decode_one_token(model, self.cache, self.tokens, live, span, kinds=call.mask_kinds,
                                   dtype=call.dtype, advance=advance, paged=call.paged, fused=call.fused)
         new_tokens, logprobs, top_ids, top_lp = choose_tokens(
-            logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.token_index < self.min_tokens,
+            logits, sampling_key, eos_mask=self.eos_mask, suppress_eos=self.suppress_eos,
             seed=self.seed, stream=self.stream, token_index=self.token_index,
             knobs=self.knobs.for_rows(self.knob, sampling_key) if sampling_key[0] > 0 else None,
             top=self.top_logprobs, checked=True, want_logprobs=call.logprobs,
         )
-        # Live rows write at their token index; the others into the spare last column, which nothing reads.
-        column = torch.where(live, self.token_index.clamp(max=self.capacity - 1), self.capacity)[:, None]
-        self.out_tokens.scatter_(1, column, new_tokens[:, None])
-        if logprobs is not None:
-            self.out_logprobs.scatter_(1, column, logprobs[:, None].float())
-        if self.top_logprobs:
+        if self.top_logprobs:  # the ranked alternatives, at the column advance_rows writes the token at
+            column = torch.where(live, self.token_index.clamp(max=self.capacity - 1), self.capacity)[:, None]
             at = column[:, :, None].expand(-1, 1, self.top_logprobs)
             self.out_top_ids.scatter_(1, at, top_ids[:, None])
             self.out_top_logprobs.scatter_(1, at, top_lp[:, None].float())
-        torch.where(live, new_tokens, self.pad_id, out=self.tokens)
-        self.token_index.add_(advance)
-        # No ``& live``: a row that is not live is finished already, and or-ing into it changes nothing.
-        done = self.is_eos(new_tokens) | (self.token_index >= self.budget)
-        if call.stops:  # a host value the graph key holds (GraphKey.stops)
-            # A stop sequence ends a row only past min_tokens, as an EOS can.
-            done |= self.ends_in_a_stop_sequence(self.out_tokens, column[:, 0], self.knob) \
-                & (self.token_index > self.min_tokens)
-        self.finished.logical_or_(done)
+        # One op: record, feed, advance, finish (EOS, budget, stop sequences: call.stops is in the graph key).
+        stops = call.stops
+        advance_rows(self.tokens, self.token_index, self.finished, live, advance, self.suppress_eos,
+                     self.out_tokens, self.out_logprobs, new_tokens, logprobs, self.budget, self.min_tokens,
+                     self.eos_mask, self.pad_id, self.stop_ids if stops else None, self.knob if stops else None)
 
     # ------------------------------------------------------------- admission
     def start(
@@ -363,6 +357,9 @@ class DecodeSlots:
                                                knob) & (min_tokens < 1)
         done = self.is_eos(first_tokens) | stopped | (budget <= 1)
         self.finished.index_copy_(0, slots, done)
+        self.live.index_copy_(0, slots, ~done)
+        self.advance.index_copy_(0, slots, (~done).long())
+        self.suppress_eos.index_copy_(0, slots, min_tokens > 1)  # token index 1 < min_tokens
 
     def resume(self, slot: int, out_tokens: torch.Tensor, out_logprobs: torch.Tensor, generated: int, *,
                seed: int, stream: int, budget: int, min_tokens: int,
@@ -382,11 +379,16 @@ class DecodeSlots:
                             ("budget", budget), ("min_tokens", min_tokens), ("knob", knob)):
             getattr(self, name)[slot] = value
         self.finished[slot] = False
+        self.live[slot] = True
+        self.advance[slot] = 1
+        self.suppress_eos[slot] = generated < min_tokens
 
     def release(self, slots: torch.Tensor) -> None:
         """Free slots: nothing live, no pages (the null page in every table entry), write position and position
         id back to 0. The pages' K/V are left as they are: the host ledger frees or reuses them."""
         self.finished.index_fill_(0, slots, True)
+        self.live.index_fill_(0, slots, False)
+        self.advance.index_fill_(0, slots, 0)
         self.tokens.index_copy_(0, slots, self.pad_id.expand(slots.numel()))
         self.cache.reset_rows(slots, checked=True)
 
