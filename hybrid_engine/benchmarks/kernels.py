@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=2, help="decoder layers built (default 2; totals are scaled)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--fused", default="both", choices=("on", "off", "both"),
+                   help="our step with the fused decode forward (hybrid_engine.fused_decode: true; on a machine "
+                        "without kernels its ops run their references, each counted once), with transformers' "
+                        "modules, or both (default)")
     p.add_argument("--check", action="store_true",
                    help="instead of counting: run every decode custom op against its reference on --device at "
                         "Qwen2.5-0.5B widths (exit 1 on a mismatch)")
@@ -95,8 +99,16 @@ def _bytes(name: str, args: Any, kwargs: Any, out: Any) -> tuple[int, int]:
     return sum(_extent(a) for a in ins), sum(o.nbytes for o in outs)
 
 
+#: Our custom ops, by what they do (each one launch).
+CUSTOM_OP_CATEGORIES = {"paged_decode_attention": "attention", "rms_norm": "norm", "add_rms_norm": "norm",
+                        "rotary_qk": "rotary", "silu_mul": "activation", "sample_rows": "sampling",
+                        "advance_rows": "bookkeeping"}
+
+
 def _category(frames: list[tuple[str, str, str | None]], op: str) -> str:
-    """What an op is for, from the innermost Python frame that says."""
+    """What an op is for: a custom op by its name, else from the innermost Python frame that says."""
+    if op in CUSTOM_OP_CATEGORIES:
+        return CUSTOM_OP_CATEGORIES[op]
     for fname, func, cls in frames:
         base = fname.rsplit("/", 1)[-1]
         if func in ("sdpa_attention_forward", "eager_attention_forward") or fname.endswith("ops/paged_attention.py"):
@@ -105,7 +117,8 @@ def _category(frames: list[tuple[str, str, str | None]], op: str) -> str:
             return "kv_write" if op.startswith("index_copy") else "kv_gather" if op == "index_select" else "kv_other"
         if base == "cache_utils.py" and func == "update":
             return "kv_cat"
-        if func in ("apply_rotary_pos_emb", "rotate_half") or (cls or "").endswith("RotaryEmbedding"):
+        if func in ("apply_rotary_pos_emb", "rotate_half", "_rope_table") or (cls or "").endswith("RotaryEmbedding") \
+                or (base == "fused_forward.py" and op == "index_select"):  # the fused step's cos/sin lookup
             return "rotary"
         if (cls or "").endswith("RMSNorm"):
             return "norm"
@@ -162,8 +175,10 @@ def build_model(shape: str, layers: int) -> Any:
     return Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
-def ours(model: Any, batch: int, span: int, key: tuple[float, float, int]) -> list[tuple]:
-    """The ops of one ``DecodeSlots.step`` over ``batch`` live rows of ``span`` tokens (hand-built slots)."""
+def ours(model: Any, batch: int, span: int, key: tuple[float, float, int], fused: bool | str = True) -> list[tuple]:
+    """The ops of one ``DecodeSlots.step`` over ``batch`` live rows of ``span`` tokens (hand-built slots);
+    ``fused``: ``hybrid_engine.fused_decode`` for the call (``True``: the fused decode forward, its ops running
+    their references where this machine has no kernel, each counted once)."""
     from hybrid_engine.decode.kv_pool import KVPool
     from hybrid_engine.decode.layout import layer_specs
     from hybrid_engine.decode.slots import DecodeSlots
@@ -180,11 +195,14 @@ def ours(model: Any, batch: int, span: int, key: tuple[float, float, int]) -> li
     slots.stream.copy_(torch.arange(batch))
     slots.set_special_ids(151643, (151643,))
     slots.knobs.set(*key)
-    slots.begin_call(model, logprobs=True)
+    slots.begin_call(model, logprobs=True, fused=fused)
     for warm in (True, False):  # a warm-up step first: constants made once per process are not step work
         cache.write_pos.fill_(span - 1)
         cache.position.fill_(span - 1)
         slots.finished.fill_(False)
+        slots.live.fill_(True)  # the step reads its mirrors of ``finished`` (decode/ops/bookkeeping.py)
+        slots.advance.fill_(1)
+        slots.suppress_eos.fill_(False)
         slots.tokens.copy_(torch.randint(10, 1000, (batch,), generator=torch.Generator().manual_seed(1)))
         slots.token_index.fill_(1)
         if warm:
@@ -211,20 +229,25 @@ def transformers_step(model: Any, batch: int, span: int, gen: dict[str, Any], k:
     return list(diff.elements())
 
 
-def implementations(model: Any) -> dict[str, str]:
+def implementations(model: Any, fused: bool) -> dict[str, str]:
     """The implementation each decode op runs with on this machine (what the counts above measured)."""
     from hybrid_engine.decode import sampling
-    from hybrid_engine.decode.ops import paged_attention
+    from hybrid_engine.decode.ops import bookkeeping, layer_ops, paged_attention
 
     device = next(model.parameters()).device
-    paged = paged_attention.implementation(device) == "triton"
-    return {
-        "attention": ("hybrid_engine::paged_decode_attention, Triton kernel reading each row's pages in place"
-                      if paged else f"page gather (index_select) + {model.config._attn_implementation} with a "
-                      "[B, span] mask (paged_decode_attention's reference; no kernel on this device)"),
-        "sampler": getattr(sampling, "IMPLEMENTATION", "stable full-vocabulary sort + inverse CDF"),
-        "norm / rotary / MLP": "transformers' modules (unfused)",
-    }
+    paged = paged_attention.implementation(device)
+    if fused:
+        attention = f"hybrid_engine::paged_decode_attention ({paged})"
+    elif paged == "triton":
+        attention = "hybrid_engine::paged_decode_attention, Triton kernel reading each row's pages in place"
+    else:
+        attention = (f"page gather (index_select) + {model.config._attn_implementation} with a [B, span] mask "
+                     "(paged_decode_attention's reference; no kernel on this device)")
+    layers = (f"hybrid_engine::add_rms_norm / rms_norm / rotary_qk / silu_mul ({layer_ops.implementation(device)})"
+              if fused else "transformers' modules (unfused)")
+    return {"attention": attention, "norm / rotary / MLP": layers,
+            "sampler": getattr(sampling, "IMPLEMENTATION", "stable full-vocabulary sort + inverse CDF"),
+            "bookkeeping": f"hybrid_engine::advance_rows ({bookkeeping.implementation(device)})"}
 
 
 def summarise(ops: list[tuple], layers: int, real_layers: int, batch: int, span: int, kv_token_bytes: int,
@@ -257,11 +280,14 @@ def measure_shape(shape: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     real = SHAPES[shape]["real_layers"]
     rows = []
     for mode, (key, gen) in MODES.items():
-        for who, ops in (("hybrid-engine step", ours(model, args.batch, args.span, key)),
-                         ("transformers generate", transformers_step(model, args.batch, args.span, gen))):
+        ways = [("hybrid-engine step, fused", True)] if args.fused in ("on", "both") else []
+        ways += [("hybrid-engine step, unfused", False)] if args.fused in ("off", "both") else []
+        steps = [(who, ours(model, args.batch, args.span, key, fused)) for who, fused in ways]
+        steps.append(("transformers generate", transformers_step(model, args.batch, args.span, gen)))
+        for who, ops in steps:
             s = summarise(ops, args.layers, real, args.batch, args.span, kv_token_bytes, f"{shape} {who} {mode}")
             rows.append({"shape": shape, "mode": mode, "who": who, **s})
-    rows.append({"shape": shape, "implementations": implementations(model)})
+    rows.append({"shape": shape, "implementations": implementations(model, args.fused != "off")})
     return rows
 
 

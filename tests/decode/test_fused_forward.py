@@ -242,7 +242,7 @@ def test_a_fused_step_launches_at_most_16_ops_a_layer(monkeypatch):
 
     def per_layer() -> tuple[int, int]:
         ops = {n: ours(build_model("tiny-qwen2", dtype=torch.bfloat16, vocab_size=1024, num_hidden_layers=n),
-                       4, 64, (0.0, 1.0, -1)) for n in (1, 2)}
+                       4, 64, (0.0, 1.0, -1), "auto") for n in (1, 2)}
         return len(ops[2]) - len(ops[1]), summarise(ops[2], 2, 2, 4, 64, 1, "fused")["per_layer"]
 
     # Hardware boundary: a device whose probes found kernels for every fused op ("auto" turns it on).
