@@ -35,12 +35,23 @@ _ELEMENTWISE_BLOCK = 1024
 
 
 @triton.jit
+def _rne(x, ty: tl.constexpr):
+    """``x`` (fp32) rounded to nearest even in ``ty``: bf16 by its bits (Triton's interpreter truncates a bf16
+    cast; a device rounds, and this is the same rounding on both), other dtypes by the cast."""
+    if ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + ((bits >> 16) & 1) + 0x7FFF) & 0xFFFF0000
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
+    return x.to(ty)
+
+
+@triton.jit
 def _hidden(x_ptr, res_ptr, offs, mask, h_ty, HAS_RES: tl.constexpr):
     """A row chunk of the norm's input: ``x``, or ``residual + x`` rounded to the hidden dtype."""
     h = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + offs, mask=mask, other=0.0)
-        h = (r.to(tl.float32) + h.to(tl.float32)).to(h_ty)
+        h = _rne(r.to(tl.float32) + h.to(tl.float32), h_ty)
     return h
 
 
@@ -62,9 +73,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, hidden_ptr, n, x_stride, re
         h = _hidden(x_ptr + row * x_stride, res_ptr + row * res_stride, cols, m, h_ty, HAS_RES)
         if HAS_RES:
             tl.store(hidden_ptr + row * n + cols, h, mask=m)
-        normed = (h.to(tl.float32) * inv).to(h_ty).to(tl.float32)
+        normed = _rne(h.to(tl.float32) * inv, h_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + row * n + cols, _rne(w * normed, out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -75,8 +86,8 @@ def _rotate(src, dst, c, s, d, mask, HALF: tl.constexpr):
     first = d < HALF
     partner = tl.load(src + tl.where(first, d + HALF, d - HALF), mask=mask, other=0.0).to(tl.float32)
     rot = tl.where(first, -partner, partner)
-    out = (x * c).to(ty).to(tl.float32) + (rot * s).to(ty).to(tl.float32)
-    tl.store(dst + d, out.to(ty), mask=mask)
+    out = _rne(x * c, ty).to(tl.float32) + _rne(rot * s, ty).to(tl.float32)
+    tl.store(dst + d, _rne(out, ty), mask=mask)
 
 
 @triton.jit
@@ -107,8 +118,8 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, g_stride, u_stride, BLOCK: tl.con
     m = cols < n
     g = tl.load(g_ptr + row * g_stride + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * u_stride + cols, mask=m, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(g_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * n + cols, (act * u).to(out_ptr.dtype.element_ty), mask=m)
+    act = _rne(g / (1.0 + tl.exp(-g)), g_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * n + cols, _rne(act * u, out_ptr.dtype.element_ty), mask=m)
 
 
 # ------------------------------------------------------------------ launchers
