@@ -4,15 +4,17 @@ Why our own kernels rather than a library's (liger-kernel has RMSNorm, rotary an
 here keeps the reference's rounding steps, so in bf16 it rounds where transformers' modules round, and the
 package takes no training-oriented dependency for four small forward-only kernels.
 
-What each kernel keeps of the reference (fp32 arithmetic, rounded to the tensor dtype where the reference rounds):
+What each kernel keeps of the reference (fp32 arithmetic, rounded to nearest even in the tensor dtype where the
+reference rounds; the bf16 rounding is done on the bits (:func:`_rne`) because Triton's interpreter truncates a
+bf16 cast, so CPU CI checks the rounding a device does). All launch without floating-point contraction
+(``enable_fp_fusion=False``): a product and a sum stay two IEEE operations, as in the reference.
 
-* RMSNorm: ``residual + x`` rounded to the hidden dtype (stored as the new residual), variance and normalisation
-  in fp32, the normalised row rounded to the hidden dtype, then the product with the weight rounded to the
-  output dtype. Only the variance's summation order and ``rsqrt`` differ from the reference: agreement within
-  rounding, not bit for bit.
-* Rotary: ``q * cos`` and ``rotate_half(q) * sin`` each rounded to the output dtype, then their sum. Launched
-  without floating-point contraction (``enable_fp_fusion=False``), so elementwise it is the reference's IEEE
-  arithmetic: bit for bit where the device rounds like the reference.
+* RMSNorm: ``residual + x`` rounded to the hidden dtype (stored as the new residual: bit for bit), variance and
+  normalisation in fp32, the normalised row rounded to the hidden dtype, then the product with the weight rounded
+  to the output dtype. Only the variance's summation order and ``rsqrt`` differ from the reference: agreement
+  within rounding, not bit for bit.
+* Rotary: ``q * cos`` and ``rotate_half(q) * sin`` each rounded to the output dtype, then their sum: the
+  reference's arithmetic, bit for bit.
 * SiLU·mul: ``silu(gate)`` in fp32 rounded to gate's dtype, then the product with ``up``; ``exp`` is Triton's, so
   within rounding.
 
@@ -46,7 +48,7 @@ def _rne(x, ty: tl.constexpr):
 
 
 @triton.jit
-def _hidden(x_ptr, res_ptr, offs, mask, h_ty, HAS_RES: tl.constexpr):
+def _hidden(x_ptr, res_ptr, offs, mask, h_ty: tl.constexpr, HAS_RES: tl.constexpr):
     """A row chunk of the norm's input: ``x``, or ``residual + x`` rounded to the hidden dtype."""
     h = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if HAS_RES:
@@ -133,6 +135,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _norm_warps(block: int) -> int:
+    """Warps for a norm program holding ``block`` elements (about 64 fp32 values a thread at most)."""
+    return 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
 def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
           eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden_dtype = x.dtype if residual is None else torch.promote_types(residual.dtype, x.dtype)
@@ -141,10 +148,12 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
     xr = _rows(x)
     rr = xr if residual is None else _rows(residual)
     n = xr.shape[-1]
+    block = min(_pow2(n), _MAX_BLOCK)
     if out.numel():
         _rms_norm_kernel[(xr.shape[0],)](
             xr, rr, weight.contiguous(), out, xr if hidden is None else hidden, n, xr.stride(0), rr.stride(0),
-            float(eps), HAS_RES=residual is not None, BLOCK=min(_pow2(n), _MAX_BLOCK))
+            float(eps), HAS_RES=residual is not None, BLOCK=block, num_warps=_norm_warps(block),
+            enable_fp_fusion=False)
     return out, hidden
 
 
@@ -177,7 +186,7 @@ def triton_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     if b * seq:
         _rotary_qk_kernel[(b * seq, heads + k.shape[1])](
             q, k, cos, sin, qo, ko, heads, seq, *q.stride()[:3], *k.stride()[:3], *cos.stride()[:2],
-            *qo.stride()[:3], *ko.stride()[:3], DIM=dim, DIM_PAD=_pow2(dim), enable_fp_fusion=False)
+            *qo.stride()[:3], *ko.stride()[:3], DIM=dim, DIM_PAD=_pow2(dim), num_warps=1, enable_fp_fusion=False)
     return qo, ko
 
 
