@@ -10,10 +10,11 @@ llama / mistral / qwen2 / qwen3 families (same ops, same dtypes, same order), so
 reference path gives transformers' bits. A fused kernel agrees with the reference within rounding. Decode steps
 only: training forwards keep transformers' modules (these ops have no backward).
 
-Implementations, one per device for all four ops (:func:`implementation`): the Triton kernels
-(:mod:`~hybrid_engine.decode.ops.layer_kernels`) where Triton is installed and every kernel runs on that device
-and agrees with the reference on a probe input (under ``TRITON_INTERPRET=1`` that includes the CPU: how CPU CI
-tests them); else the reference. The probe runs once per device, outside capture; a graph captured with one
+Implementations, one per device for all four ops (:func:`implementation`), the first that runs every op on that
+device and agrees with the reference on a probe input: torch_npu's fused kernels
+(:mod:`~hybrid_engine.decode.ops.layer_npu`) where torch_npu provides them; the Triton kernels
+(:mod:`~hybrid_engine.decode.ops.layer_kernels`) where Triton is installed (under ``TRITON_INTERPRET=1`` that
+includes the CPU: how CPU CI tests them); else the reference. The probe runs once per device, outside capture; a graph captured with one
 implementation replays it. Each op checks its arguments' shapes (never their values: no host read) and names the
 argument it refuses.
 """
@@ -132,20 +133,32 @@ def _triton_impl() -> _Impl | None:
     return _Impl(k.triton_rms_norm, k.triton_add_rms_norm, k.triton_rotary_qk, k.triton_silu_mul)
 
 
-#: Candidate implementations in order of preference; the first whose probe passes on a device runs there.
-_CANDIDATES: dict[str, Callable[[], _Impl | None]] = {"triton": _triton_impl}
+@functools.lru_cache(maxsize=1)
+def _npu_impl() -> _Impl | None:
+    """torch_npu's fused kernels (:mod:`.layer_npu`); ``None`` without torch_npu or one of its kernels."""
+    from hybrid_engine.decode.ops.layer_npu import npu_functions
+
+    functions = npu_functions(_REFERENCE._asdict())
+    return None if functions is None else _Impl(**functions)
+
+
+#: Candidate implementations in order of preference (a vendor's kept kernels first); the first whose probe passes
+#: on a device runs there.
+_CANDIDATES: dict[str, Callable[[], _Impl | None]] = {"npu": _npu_impl, "triton": _triton_impl}
 
 
 def _probe_cases(device: torch.device) -> list[tuple[str, tuple]]:
-    """Small fp32 inputs for each op (a seeded generator on the host, then moved)."""
+    """Small fp32 inputs for each op (a seeded generator on the host, then moved); rotary at a real head_dim with
+    cos/sin in [-1, 1] (what torch_npu's kernel documents)."""
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(device)
 
     x, res, w = rand(3, 40), rand(3, 40), rand(40)
-    q, k = rand(2, 3, 4, 16).transpose(1, 2), rand(2, 2, 3, 16)  # q as transformers has it: a transposed view
-    cos, sin = rand(2, 3, 16), rand(2, 3, 16)
+    q, k = rand(2, 3, 4, 128).transpose(1, 2), rand(2, 2, 3, 128)  # q as transformers has it: a transposed view
+    angles = rand(2, 3, 128)
+    cos, sin = angles.cos(), angles.sin()
     return [("rms_norm", (x, w, 1e-6)), ("add_rms_norm", (x, res, w, 1e-6)), ("rotary_qk", (q, k, cos, sin)),
             ("silu_mul", (x, res))]
 
@@ -174,9 +187,9 @@ def _probe(device: torch.device) -> str:
 
 
 def implementation(device: torch.device | str) -> str:
-    """The implementation the layer ops run on ``device``: the first candidate (``"triton"``) whose kernels run
-    there and agree with the reference on a small input (probed once per device, outside capture), else
-    ``"reference"``."""
+    """The implementation the layer ops run on ``device``: the first candidate (``"npu"``: torch_npu's kernels,
+    then ``"triton"``) whose kernels all run there and agree with the reference on a small input (probed once per
+    device, outside capture), else ``"reference"``."""
     return _probe(probe_device(device))
 
 
