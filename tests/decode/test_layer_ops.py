@@ -223,3 +223,49 @@ def test_triton_kernels_match_the_reference_under_the_interpreter():
     code = _KERNEL_CHECK.format(tests=str(pathlib.Path(__file__).parent))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "kernels ok" in done.stdout, done.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ Triton kernels, compiled for a GPU target
+_COMPILE_CHECK = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hybrid_engine.decode.ops import layer_kernels as lk
+
+def compile_(fn, signature, constexprs, **options):
+    src = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={**lk.LAUNCH_OPTIONS, **options})
+
+strides = "qs_b qs_h qs_t ks_b ks_h ks_t cs_b cs_t qo_b qo_h qo_t ko_b ko_h ko_t".split()
+for ty in ("fp32", "bf16", "fp16"):
+    p = "*" + ty
+    for has_res in (True, False):
+        compile_(lk._rms_norm_kernel, {"x_ptr": p, "res_ptr": p, "w_ptr": p, "out_ptr": p, "hidden_ptr": p, "n": "i32",
+                                       "x_stride": "i64", "res_stride": "i64", "eps": "fp32"},
+                 {"HAS_RES": has_res, "BLOCK": 1024})
+    rotary = compile_(lk._rotary_qk_kernel, {**dict.fromkeys(["q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr"], p),
+                                              "heads": "i32", "seq": "i32", **dict.fromkeys(strides, "i64")},
+                      {"DIM": 128, "DIM_PAD": 128}, num_warps=1)
+    silu = compile_(lk._silu_mul_kernel, {"g_ptr": p, "u_ptr": p, "out_ptr": p, "n": "i32", "g_stride": "i64",
+                                          "u_stride": "i64"}, {"BLOCK": 1024})
+    if ty == "fp32":  # the launch options keep a product and a sum two roundings, as in the reference
+        assert "fma" not in rotary.asm["ptx"] and "fma" not in silu.asm["ptx"], "contracted into fma"
+print("compiled ok")
+"""
+
+
+@pytest.mark.slow  # compiles 15 kernels in a process of its own
+def test_triton_kernels_compile_for_an_sm90_target_without_contraction(tmp_path):
+    """What the interpreter cannot check: the kernels lower to PTX and through ptxas for an H100 (no GPU needed,
+    nothing runs), and fp32 rotary/SiLU·mul keep the reference's separate roundings (no ``fma``)."""
+    import os
+    import subprocess
+    import sys
+
+    triton = pytest.importorskip("triton")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip("written against Triton 3.9's ASTSource (signatures by name)")  # the kernels need only 3.0
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled ok" in done.stdout, done.stderr[-3000:]

@@ -7,7 +7,7 @@ package takes no training-oriented dependency for four small forward-only kernel
 What each kernel keeps of the reference (fp32 arithmetic, rounded to nearest even in the tensor dtype where the
 reference rounds; the bf16 rounding is done on the bits (:func:`_rne`) because Triton's interpreter truncates a
 bf16 cast, so CPU CI checks the rounding a device does). All launch without floating-point contraction
-(``enable_fp_fusion=False``): a product and a sum stay two IEEE operations, as in the reference.
+(:data:`LAUNCH_OPTIONS`): a product and a sum stay two IEEE operations, as in the reference.
 
 * RMSNorm: ``residual + x`` rounded to the hidden dtype (stored as the new residual: bit for bit), variance and
   normalisation in fp32, the normalised row rounded to the hidden dtype, then the product with the weight rounded
@@ -30,10 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["triton_add_rms_norm", "triton_rms_norm", "triton_rotary_qk", "triton_silu_mul"]
+__all__ = ["LAUNCH_OPTIONS", "triton_add_rms_norm", "triton_rms_norm", "triton_rotary_qk", "triton_silu_mul"]
 
 _MAX_BLOCK = 8192  # elements a norm program holds per pass (longer rows loop)
 _ELEMENTWISE_BLOCK = 1024
+#: Compile options of every launch: no floating-point contraction (a product and a sum stay two roundings).
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -153,7 +155,7 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
         _rms_norm_kernel[(xr.shape[0],)](
             xr, rr, weight.contiguous(), out, xr if hidden is None else hidden, n, xr.stride(0), rr.stride(0),
             float(eps), HAS_RES=residual is not None, BLOCK=block, num_warps=_norm_warps(block),
-            enable_fp_fusion=False)
+            **LAUNCH_OPTIONS)
     return out, hidden
 
 
@@ -186,7 +188,7 @@ def triton_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     if b * seq:
         _rotary_qk_kernel[(b * seq, heads + k.shape[1])](
             q, k, cos, sin, qo, ko, heads, seq, *q.stride()[:3], *k.stride()[:3], *cos.stride()[:2],
-            *qo.stride()[:3], *ko.stride()[:3], DIM=dim, DIM_PAD=_pow2(dim), num_warps=1, enable_fp_fusion=False)
+            *qo.stride()[:3], *ko.stride()[:3], DIM=dim, DIM_PAD=_pow2(dim), num_warps=1, **LAUNCH_OPTIONS)
     return qo, ko
 
 
@@ -198,5 +200,5 @@ def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if out.numel():
         block = min(_pow2(n), _ELEMENTWISE_BLOCK)
         _silu_mul_kernel[(g.shape[0], -(-n // block))](
-            g, u, out, n, g.stride(0), u.stride(0), BLOCK=block, enable_fp_fusion=False)
+            g, u, out, n, g.stride(0), u.stride(0), BLOCK=block, **LAUNCH_OPTIONS)
     return out
