@@ -243,8 +243,8 @@ for ty in ("fp32", "bf16", "fp16"):
         compile_(lk._rms_norm_kernel, {"x_ptr": p, "res_ptr": p, "w_ptr": p, "out_ptr": p, "hidden_ptr": p, "n": "i32",
                                        "x_stride": "i64", "res_stride": "i64", "eps": "fp32"},
                  {"HAS_RES": has_res, "BLOCK": 1024})
-    rotary = compile_(lk._rotary_qk_kernel, {**dict.fromkeys(["q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr"], p),
-                                              "heads": "i32", "seq": "i32", **dict.fromkeys(strides, "i64")},
+    pointers = dict.fromkeys(["q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr"], p)
+    rotary = compile_(lk._rotary_qk_kernel, {**pointers, "heads": "i32", "seq": "i32", **dict.fromkeys(strides, "i64")},
                       {"DIM": 128, "DIM_PAD": 128}, num_warps=1)
     silu = compile_(lk._silu_mul_kernel, {"g_ptr": p, "u_ptr": p, "out_ptr": p, "n": "i32", "g_stride": "i64",
                                           "u_stride": "i64"}, {"BLOCK": 1024})

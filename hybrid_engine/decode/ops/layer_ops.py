@@ -14,9 +14,10 @@ Implementations, one per device for all four ops (:func:`implementation`), the f
 device and agrees with the reference on a probe input: torch_npu's fused kernels
 (:mod:`~hybrid_engine.decode.ops.layer_npu`) where torch_npu provides them; the Triton kernels
 (:mod:`~hybrid_engine.decode.ops.layer_kernels`) where Triton is installed (under ``TRITON_INTERPRET=1`` that
-includes the CPU: how CPU CI tests them); else the reference. The probe runs once per device, outside capture; a graph captured with one
-implementation replays it. Each op checks its arguments' shapes (never their values: no host read) and names the
-argument it refuses.
+includes the CPU: how CPU CI tests them); else the reference. The probe runs once per device, outside capture
+(call :func:`implementation` before capturing: it reads the device); a graph captured with one implementation
+replays it. Each op checks its arguments' shapes (never their values: no host read) and names the argument it
+refuses.
 """
 
 from __future__ import annotations
