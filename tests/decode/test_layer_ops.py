@@ -93,6 +93,16 @@ def test_ops_through_the_dispatcher_equal_the_reference_on_cpu(dtype):
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), name
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck_schema_fake_kernels_and_aot_dispatch(dtype):
+    """torch's own custom-op checks: the fake kernels give the real outputs' shapes, dtypes and strides (q and k
+    arrive as transposed views; a bf16 input with an fp32 norm weight promotes)."""
+    x, res, weight = _norm_inputs(dtype)
+    cases = [*_cases(dtype), ("add_rms_norm", (x, res, weight.float(), EPS), None)]
+    for name, args, _ in cases:
+        torch.library.opcheck(getattr(ops, name), args)
+
+
 def test_cpu_without_the_interpreter_runs_the_reference(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     lo._probe.cache_clear()

@@ -17,7 +17,7 @@ device and agrees with the reference on a probe input: torch_npu's fused kernels
 includes the CPU: how CPU CI tests them); else the reference. The probe runs once per device, outside capture
 (call :func:`implementation` before capturing: it reads the device); a graph captured with one implementation
 replays it. Each op checks its arguments' shapes (never their values: no host read) and names the argument it
-refuses.
+refuses; its outputs are contiguous on every implementation (what its fake kernel says).
 """
 
 from __future__ import annotations
@@ -199,12 +199,18 @@ def _impl(device: torch.device) -> _Impl:
     return _REFERENCE if name == "reference" else _CANDIDATES[name]()
 
 
+def _dense(out):
+    """Outputs contiguous whatever the implementation (the reference's follow its inputs' strides), as the fake
+    kernels say; a no-op at decode, where transformers' ``[B, H, 1, D]`` views are contiguous already."""
+    return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
+
+
 # ------------------------------------------------------------------ ops
 @torch.library.custom_op("hybrid_engine::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim (see :func:`reference_rms_norm`)."""
     _check_norm("rms_norm", x, weight, eps)
-    return _impl(x.device).rms_norm(x, weight, eps)
+    return _dense(_impl(x.device).rms_norm(x, weight, eps))
 
 
 @rms_norm.register_fake
@@ -219,7 +225,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     _check_norm("add_rms_norm", x, weight, eps)
     if residual.shape != x.shape:
         raise ValueError(f"add_rms_norm: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-    return _impl(x.device).add_rms_norm(x, residual, weight, eps)
+    return _dense(_impl(x.device).add_rms_norm(x, residual, weight, eps))
 
 
 @add_rms_norm.register_fake
@@ -233,7 +239,7 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding on q and k in one op (see :func:`reference_rotary_qk`)."""
     _check_rotary(q, k, cos, sin)
-    return _impl(q.device).rotary_qk(q, k, cos, sin)
+    return _dense(_impl(q.device).rotary_qk(q, k, cos, sin))
 
 
 @rotary_qk.register_fake
@@ -246,7 +252,7 @@ def _(q, k, cos, sin):
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` (see :func:`reference_silu_mul`)."""
     _check_silu_mul(gate, up)
-    return _impl(gate.device).silu_mul(gate, up)
+    return _dense(_impl(gate.device).silu_mul(gate, up))
 
 
 @silu_mul.register_fake
