@@ -256,6 +256,8 @@ for ty in ("fp32", "bf16", "fp16"):
     pointers = dict.fromkeys(["q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr"], p)
     rotary = compile_(lk._rotary_qk_kernel, {**pointers, "heads": "i32", "seq": "i32", **dict.fromkeys(strides, "i64")},
                       {"DIM": 128, "DIM_PAD": 128}, num_warps=1)
+    compile_(lk._rotary_qk_kernel, {**pointers, "heads": "i32", **dict.fromkeys(strides, "i64")},  # a decode step:
+             {"seq": 1, "DIM": 64, "DIM_PAD": 64}, num_warps=1)  # Triton specializes an int argument of 1
     silu = compile_(lk._silu_mul_kernel, {"g_ptr": p, "u_ptr": p, "out_ptr": p, "n": "i32", "g_stride": "i64",
                                           "u_stride": "i64"}, {"BLOCK": 1024})
     if ty == "fp32":  # the launch options keep a product and a sum two roundings, as in the reference
@@ -264,7 +266,7 @@ print("compiled ok")
 """
 
 
-@pytest.mark.slow  # compiles 15 kernels in a process of its own
+@pytest.mark.slow  # compiles 18 kernels in a process of its own
 def test_triton_kernels_compile_for_an_sm90_target_without_contraction(tmp_path):
     """What the interpreter cannot check: the kernels lower to PTX and through ptxas for an H100 (no GPU needed,
     nothing runs), and fp32 rotary/SiLU·mul keep the reference's separate roundings (no ``fma``)."""

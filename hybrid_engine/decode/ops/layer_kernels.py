@@ -10,13 +10,13 @@ bf16 cast, so CPU CI checks the rounding a device does). All launch without floa
 (:data:`LAUNCH_OPTIONS`): a product and a sum stay two IEEE operations, as in the reference.
 
 * RMSNorm: ``residual + x`` rounded to the hidden dtype (stored as the new residual: bit for bit), variance and
-  normalisation in fp32, the normalised row rounded to the hidden dtype, then the product with the weight rounded
-  to the output dtype. Only the variance's summation order and ``rsqrt`` differ from the reference: agreement
-  within rounding, not bit for bit.
+  normalisation in fp32 (IEEE square root and divisions, as the reference on the CPU), the normalised row rounded
+  to the hidden dtype, then the product with the weight rounded to the output dtype. Only the variance's summation
+  order differs from the reference: agreement within rounding, not bit for bit.
 * Rotary: ``q * cos`` and ``rotate_half(q) * sin`` each rounded to the output dtype, then their sum: the
   reference's arithmetic, bit for bit.
-* SiLU·mul: ``silu(gate)`` in fp32 rounded to gate's dtype, then the product with ``up``; ``exp`` is Triton's, so
-  within rounding.
+* SiLU·mul: ``silu(gate) = gate / (1 + exp(-gate))`` in fp32 (IEEE division) rounded to gate's dtype, then the
+  product with ``up``; ``exp`` is Triton's, so within rounding.
 
 Shapes: any leading dims (flattened to rows; a view where the strides allow, else a contiguous copy); rotary reads
 q and k through their strides, so transformers' transposed ``[B, H, T, D]`` views need no copy. Outputs are
@@ -70,7 +70,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, hidden_ptr, n, x_stride, re
         m = cols < n
         h = _hidden(x_ptr + row * x_stride, res_ptr + row * res_stride, cols, m, h_ty, HAS_RES).to(tl.float32)
         acc += h * h
-    inv = 1.0 / tl.sqrt_rn(tl.sum(acc, 0) / n + eps)
+    inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(acc, 0), n * 1.0) + eps))
     for start in range(0, n, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         m = cols < n
@@ -122,7 +122,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, g_stride, u_stride, BLOCK: tl.con
     m = cols < n
     g = tl.load(g_ptr + row * g_stride + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * u_stride + cols, mask=m, other=0.0).to(tl.float32)
-    act = _rne(g / (1.0 + tl.exp(-g)), g_ptr.dtype.element_ty).to(tl.float32)
+    act = _rne(tl.math.div_rn(g, 1.0 + tl.exp(-g)), g_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * n + cols, _rne(act * u, out_ptr.dtype.element_ty), mask=m)
 
 
