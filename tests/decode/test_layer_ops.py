@@ -137,6 +137,23 @@ def test_each_op_is_one_node_of_a_captured_cpu_graph_and_replays_new_inputs(name
     assert all(torch.equal(a, b) for a, b in zip(out["o"], want, strict=True))
 
 
+@pytest.mark.leaves_pool_recording  # a raw capture that fails, with no runner to clean up (conftest releases it)
+def test_a_first_call_inside_a_capture_is_refused_not_probed():
+    """The probe reads the device (a capture would fail on it, and cache the failure as "reference")."""
+    from hybrid_engine.accelerator.cpu_graph import CPUGraph, CPUStream, capture_cpu_graph, cpu_stream
+
+    gate, up = _mlp_inputs()
+    lo._probe.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="before capturing"):
+            with cpu_stream(CPUStream()), torch.no_grad(), capture_cpu_graph(CPUGraph()):
+                ops.silu_mul(gate, up)
+        assert lo._probe.cache_info().currsize == 0  # nothing cached from inside the capture
+        assert torch.equal(ops.silu_mul(gate, up), lo.reference_silu_mul(gate, up))
+    finally:
+        lo._probe.cache_clear()
+
+
 def test_bad_arguments_are_named():
     x, res, weight = _norm_inputs()
     q, k, cos, sin = _rotary_inputs()

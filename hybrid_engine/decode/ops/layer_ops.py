@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from hybrid_engine.accelerator import is_capturing
 from hybrid_engine.decode.ops.probe import probe_device
 
 __all__ = ["add_rms_norm", "implementation", "reference_add_rms_norm", "reference_rms_norm", "reference_rotary_qk",
@@ -180,6 +181,10 @@ def _agrees(impl: _Impl, device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _probe(device: torch.device) -> str:
+    if is_capturing():  # the probe reads the device: inside a capture it would fail, and the failure be cached
+        raise RuntimeError(f"layer_ops: the implementation for {device} was first asked for while a graph was "
+                           "capturing; call hybrid_engine.decode.ops.layer_ops.implementation(device) (or run the "
+                           "ops once) before capturing")
     for name, build in _CANDIDATES.items():
         impl = build()
         if impl is not None and _agrees(impl, device):
