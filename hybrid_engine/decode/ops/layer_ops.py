@@ -9,11 +9,27 @@ Every op has a reference implementation that computes exactly what transformers'
 llama / mistral / qwen2 / qwen3 families (same ops, same dtypes, same order), so the fused decode forward on the
 reference path gives transformers' bits. A fused kernel agrees with the reference within rounding. Decode steps
 only: training forwards keep transformers' modules (these ops have no backward).
+
+Implementations, one per device for all four ops (:func:`implementation`), the first that runs every op on that
+device and agrees with the reference on a probe input: torch_npu's fused kernels
+(:mod:`~hybrid_engine.decode.ops.layer_npu`) where torch_npu provides them; the Triton kernels
+(:mod:`~hybrid_engine.decode.ops.layer_kernels`) where Triton is installed (under ``TRITON_INTERPRET=1`` that
+includes the CPU: how CPU CI tests them); else the reference. The probe runs once per device, outside capture
+(call :func:`implementation` before capturing: it reads the device); a graph captured with one implementation
+replays it. Each op checks its arguments' shapes (never their values: no host read) and names the argument it
+refuses; its outputs are contiguous on every implementation (what its fake kernel says).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
+
+from hybrid_engine.accelerator import is_capturing
+from hybrid_engine.decode.ops.probe import probe_device
 
 __all__ = ["add_rms_norm", "implementation", "reference_add_rms_norm", "reference_rms_norm", "reference_rotary_qk",
            "reference_silu_mul", "rms_norm", "rotary_qk", "silu_mul"]
@@ -53,54 +69,197 @@ def reference_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+# ------------------------------------------------------------------ checks
+def _floating(op: str, name: str, t: torch.Tensor) -> None:
+    if not t.is_floating_point():
+        raise TypeError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
+
+
+def _check_norm(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    _floating(op, "x", x)
+    _floating(op, "weight", weight)
+    if x.dim() < 1 or weight.shape != x.shape[-1:]:
+        raise ValueError(f"{op}: weight must be [hidden] with x's last dim (x {tuple(x.shape)}), "
+                         f"got {tuple(weight.shape)}")
+    if not eps >= 0.0:
+        raise ValueError(f"{op}: eps must be a non-negative float, got {eps}")
+
+
+def _check_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    _floating("rotary_qk", "q", q)
+    if q.dim() != 4:
+        raise ValueError(f"rotary_qk: q must be [B, heads, T, head_dim], got {tuple(q.shape)}")
+    b, _, t, d = q.shape
+    if k.dim() != 4 or k.shape[0] != b or k.shape[2:] != q.shape[2:]:
+        raise ValueError(f"rotary_qk: k must be [B, kv_heads, T, head_dim] with q's B, T and head_dim (q "
+                         f"{tuple(q.shape)}), got {tuple(k.shape)}")
+    if d % 2:
+        raise ValueError(f"rotary_qk: head_dim must be even (rotate_half splits it in two halves), got {d}")
+    if cos.dim() != 3 or cos.shape[0] not in (1, b) or cos.shape[1:] != (t, d):
+        raise ValueError(f"rotary_qk: cos must be [B, T, head_dim] (or [1, T, head_dim]) for q {tuple(q.shape)}, "
+                         f"got {tuple(cos.shape)}")
+    if sin.shape != cos.shape or sin.dtype != cos.dtype:
+        raise ValueError(f"rotary_qk: sin must have cos's shape and dtype {tuple(cos.shape)} {cos.dtype}, got "
+                         f"{tuple(sin.shape)} {sin.dtype}")
+
+
+def _check_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> None:
+    _floating("silu_mul", "gate", gate)
+    if up.shape != gate.shape:
+        raise ValueError(f"silu_mul: up must have gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
+
+
 # ------------------------------------------------------------------ choice
-def implementation(device: torch.device | str) -> str:
-    """The implementation the layer ops run on ``device``: ``"triton"`` or ``"reference"``."""
+class _Impl(NamedTuple):
+    """One implementation of the four ops, each with its op's signature and results."""
+
+    rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary_qk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_mul: Callable[..., torch.Tensor]
+
+
+_REFERENCE = _Impl(reference_rms_norm, reference_add_rms_norm, reference_rotary_qk, reference_silu_mul)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_impl() -> _Impl | None:
+    """The Triton kernels (:mod:`.layer_kernels`, imported on first use so ``TRITON_INTERPRET`` is read then);
+    ``None`` without Triton."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None
+    from hybrid_engine.decode.ops import layer_kernels as k
+
+    return _Impl(k.triton_rms_norm, k.triton_add_rms_norm, k.triton_rotary_qk, k.triton_silu_mul)
+
+
+@functools.lru_cache(maxsize=1)
+def _npu_impl() -> _Impl | None:
+    """torch_npu's fused kernels (:mod:`.layer_npu`); ``None`` without torch_npu or one of its kernels."""
+    from hybrid_engine.decode.ops.layer_npu import npu_functions
+
+    functions = npu_functions(_REFERENCE._asdict())
+    return None if functions is None else _Impl(**functions)
+
+
+#: Candidate implementations in order of preference (a vendor's kept kernels first); the first whose probe passes
+#: on a device runs there.
+_CANDIDATES: dict[str, Callable[[], _Impl | None]] = {"npu": _npu_impl, "triton": _triton_impl}
+
+
+def _probe_cases(device: torch.device) -> list[tuple[str, tuple]]:
+    """Small fp32 inputs for each op (a seeded generator on the host, then moved); rotary at a real head_dim with
+    cos/sin in [-1, 1] (what torch_npu's kernel documents)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device)
+
+    x, res, w = rand(3, 40), rand(3, 40), rand(40)
+    q, k = rand(2, 3, 4, 128).transpose(1, 2), rand(2, 2, 3, 128)  # q as transformers has it: a transposed view
+    angles = rand(2, 3, 128)
+    cos, sin = angles.cos(), angles.sin()
+    return [("rms_norm", (x, w, 1e-6)), ("add_rms_norm", (x, res, w, 1e-6)), ("rotary_qk", (q, k, cos, sin)),
+            ("silu_mul", (x, res))]
+
+
+def _agrees(impl: _Impl, device: torch.device) -> bool:
+    """Whether every op of ``impl`` runs on ``device`` and agrees with the reference on the probe inputs."""
+    try:
+        for name, args in _probe_cases(device):
+            got, want = getattr(impl, name)(*args), getattr(_REFERENCE, name)(*args)
+            got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+            if not all(a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+                       for a, b in zip(got, want, strict=True)):
+                return False
+        return True
+    except Exception:  # noqa: BLE001 -- any failure to compile or run means: not on this device
+        return False
+
+
+@functools.lru_cache(maxsize=16)
+def _probe(device: torch.device) -> str:
+    if is_capturing():  # the probe reads the device: inside a capture it would fail, and the failure be cached
+        raise RuntimeError(f"layer_ops: the implementation for {device} was first asked for while a graph was "
+                           "capturing; call hybrid_engine.decode.ops.layer_ops.implementation(device) (or run the "
+                           "ops once) before capturing")
+    for name, build in _CANDIDATES.items():
+        impl = build()
+        if impl is not None and _agrees(impl, device):
+            return name
     return "reference"
+
+
+def implementation(device: torch.device | str) -> str:
+    """The implementation the layer ops run on ``device``: the first candidate (``"npu"``: torch_npu's kernels,
+    then ``"triton"``) whose kernels all run there and agree with the reference on a small input (probed once per
+    device, outside capture), else ``"reference"``."""
+    return _probe(probe_device(device))
+
+
+def _impl(device: torch.device) -> _Impl:
+    name = implementation(device)
+    return _REFERENCE if name == "reference" else _CANDIDATES[name]()
+
+
+def _dense(out):
+    """Outputs contiguous whatever the implementation (the reference's follow its inputs' strides), as the fake
+    kernels say; a no-op at decode, where transformers' ``[B, H, 1, D]`` views are contiguous already."""
+    return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out.contiguous()
 
 
 # ------------------------------------------------------------------ ops
 @torch.library.custom_op("hybrid_engine::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim (see :func:`reference_rms_norm`)."""
-    return reference_rms_norm(x, weight, eps)
+    _check_norm("rms_norm", x, weight, eps)
+    return _dense(_impl(x.device).rms_norm(x, weight, eps))
 
 
 @rms_norm.register_fake
 def _(x, weight, eps):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
 
 
 @torch.library.custom_op("hybrid_engine::add_rms_norm", mutates_args=())
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed, hidden)`` with ``hidden = residual + x`` (see :func:`reference_add_rms_norm`)."""
-    return reference_add_rms_norm(x, residual, weight, eps)
+    _check_norm("add_rms_norm", x, weight, eps)
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    return _dense(_impl(x.device).add_rms_norm(x, residual, weight, eps))
 
 
 @add_rms_norm.register_fake
 def _(x, residual, weight, eps):
-    return torch.empty_like(x), torch.empty_like(x)
+    hidden = torch.promote_types(residual.dtype, x.dtype)
+    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, hidden)), x.new_empty(x.shape, dtype=hidden)
 
 
 @torch.library.custom_op("hybrid_engine::rotary_qk", mutates_args=())
 def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding on q and k in one op (see :func:`reference_rotary_qk`)."""
-    return reference_rotary_qk(q, k, cos, sin)
+    _check_rotary(q, k, cos, sin)
+    return _dense(_impl(q.device).rotary_qk(q, k, cos, sin))
 
 
 @rotary_qk.register_fake
 def _(q, k, cos, sin):
-    return torch.empty_like(q), torch.empty_like(k)
+    return (q.new_empty(q.shape, dtype=torch.promote_types(q.dtype, cos.dtype)),
+            k.new_empty(k.shape, dtype=torch.promote_types(k.dtype, cos.dtype)))
 
 
 @torch.library.custom_op("hybrid_engine::silu_mul", mutates_args=())
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` (see :func:`reference_silu_mul`)."""
-    return reference_silu_mul(gate, up)
+    _check_silu_mul(gate, up)
+    return _dense(_impl(gate.device).silu_mul(gate, up))
 
 
 @silu_mul.register_fake
 def _(gate, up):
-    return torch.empty_like(gate)
+    return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))

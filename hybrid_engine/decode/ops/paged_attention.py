@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from hybrid_engine.decode.ops.probe import probe_device
+
 __all__ = ["PAGED_ATTENTION", "PagedRead", "implementation", "paged_attention_forward", "paged_decode_attention",
            "reference_attention"]
 
@@ -96,10 +98,7 @@ def _probe(device: torch.device) -> str:
 
 def implementation(device: torch.device | str) -> str:
     """The implementation :func:`paged_decode_attention` runs on ``device``: ``"triton"`` or ``"reference"``."""
-    device = torch.device(device)
-    if device.index is None and device.type != "cpu":
-        device = torch.device(device.type, 0)
-    return _probe(device)
+    return _probe(probe_device(device))
 
 
 # ------------------------------------------------------------------ kernel
