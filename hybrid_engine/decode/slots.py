@@ -99,10 +99,9 @@ def choose_tokens(
     through here, so they cannot diverge.
     """
     temperature, top_p, top_k = sampling_key
-    logits = logits.masked_fill(suppress_eos[:, None] & eos_mask, float("-inf"))
     return sample_tokens_and_top(logits, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                  stream=stream, token_index=token_index, knobs=knobs, top=top, checked=checked,
-                                 want_logprobs=want_logprobs)
+                                 want_logprobs=want_logprobs, eos_mask=eos_mask, suppress_eos=suppress_eos)
 
 
 @dataclasses.dataclass
