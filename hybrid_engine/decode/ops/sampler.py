@@ -307,6 +307,10 @@ def describe(device: torch.device | str | None = None) -> str:
 
 
 # ------------------------------------------------------------------ kernel
+#: Pivots per pass of the kernel's threshold search (a pass narrows the range of keys about this many times).
+_BUCKETS = 16
+
+
 @functools.lru_cache(maxsize=1)
 def _kernel():
     """The Triton kernel module (imported on first use, so ``TRITON_INTERPRET`` is read then); ``None`` without
@@ -340,5 +344,6 @@ def _triton_sample_rows(logits: torch.Tensor, eos_mask: torch.Tensor | None, sup
         logits, logits.stride(0), eos, suppress, knob, inv_temperature.float(), top_p.float(), top_k,
         full.view(torch.uint8), counters[0], counters[0].stride(0), counters[1], counters[1].stride(0),
         counters[2], counters[2].stride(0), tokens, logprobs, vocab, K0=seed_lane(SAMPLING_DRAW), HAS_EOS=has_eos,
-        TOP_K=top_k_on, TOP_P=top_p_on, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+        TOP_K=top_k_on, TOP_P=top_p_on, BLOCK=block, NB=_BUCKETS, SEARCH_BLOCK=max(16, min(block, 4096 // _BUCKETS)),
+        num_warps=4 if block <= 1024 else 8)
     return tokens, logprobs

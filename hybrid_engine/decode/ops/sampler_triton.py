@@ -6,12 +6,14 @@ One program per row, no sort and no per-row temporaries in memory: every step is
   constants, in uint64 arithmetic (which wraps as the int64 reference does): the same bits.
 * Pass 1: an online max and sum of the tempered softmax (``x = logit * inv_t``, EOS at ``-inf`` where the row
   suppresses it), and the range of the values' order keys (a float's bits mapped to an integer of the same order).
-* top-k: bisection over the keys for the k-th largest value (each iteration one pass counting the keys at or above
-  the midpoint, snapping the bounds to the nearest keys present): the kept set is every value above the cut and
-  the first ``k - count above`` of the values equal to it, in vocabulary order (the reference's stable sort).
-* top-p: bisection over the keys at or above the top-k cut for the smallest value whose mass above it is under
-  ``p`` times the top-k mass (the reference's "mass before a position is under p"); ties at the cut are kept in
-  vocabulary order while the mass before them stays under that.
+* top-k: a bucketed search over the keys for the k-th largest value (each pass counts the keys at or above ``NB``
+  pivots spread over the current range and keeps the bucket the cut lies in, its bounds snapped to the nearest
+  keys present, so it ends when they meet: about log_NB of the vocabulary passes): the kept set is every value
+  above the cut and the first ``k - count above`` of the values equal to it, in vocabulary order (the
+  reference's stable sort).
+* top-p: the same search over the keys at or above the top-k cut for the smallest value whose mass above it is
+  under ``p`` times the top-k mass (the reference's "mass before a position is under p"); ties at the cut are kept
+  in vocabulary order while the mass before them stays under that.
 * Then one pass for the kept mass and one for the pick: the first position, in vocabulary order, whose running
   kept mass exceeds ``u * total`` (the reference's inverse CDF), capped at the last kept token. A row whose own
   knobs filter nothing takes the temperature-only sums, so it picks what a temperature-only launch picks.
@@ -35,22 +37,19 @@ _KEY_HIGH = tl.constexpr(2**40)  # above every key
 
 
 @triton.jit
-def _mix(x):
-    """splitmix64's finaliser on uint64 (multiplies wrap modulo 2**64, shifts are logical)."""
-    x = (x ^ (x >> 30)) * _MUL1
-    x = (x ^ (x >> 27)) * _MUL2
-    return x ^ (x >> 31)
-
-
-@triton.jit
 def counter_uniform_at(seed, stream, index, K0: tl.constexpr):
     """:func:`~hybrid_engine.decode.ops.sampler.counter_uniform`'s float32 value for int64 counters; ``K0`` is
     its seed-lane constant for the draw (``_DOMAIN + draw * _GOLDEN`` modulo 2**64)."""
     s = seed.to(tl.uint64, bitcast=True)
     r = stream.to(tl.uint64, bitcast=True)
     t = index.to(tl.uint64, bitcast=True)
-    h = _mix(s + K0)
-    h = _mix(h + r * _STREAM + t * _GOLDEN)
+    h = s + K0
+    for i in tl.static_range(2):  # two rounds of splitmix64's finaliser (wrapping multiplies, logical shifts)
+        if i == 1:
+            h = h + r * _STREAM + t * _GOLDEN
+        h = (h ^ (h >> 30)) * _MUL1
+        h = (h ^ (h >> 27)) * _MUL2
+        h = h ^ (h >> 31)
     return (h >> 40).to(tl.float32) * (1.0 / 16777216.0)
 
 
@@ -106,54 +105,62 @@ def _softmax_pass(base, eos_ptr, V, inv_t, suppress, HAS_EOS: tl.constexpr, BLOC
 
 
 @triton.jit
-def _top_k_cut(base, eos_ptr, V, inv_t, suppress, m, lo, hi, k, HAS_EOS: tl.constexpr, BLOCK: tl.constexpr):
+def _top_k_cut(base, eos_ptr, V, inv_t, suppress, m, lo, hi, k, HAS_EOS: tl.constexpr, NB: tl.constexpr,
+               BLOCK: tl.constexpr):
     """``(cut key, ties kept at it, mass above it)`` of the row's top ``k``: the largest key with at least ``k``
-    keys at or above it, by bisection; the bounds stay on keys present, so it ends when they meet."""
+    keys at or above it. Each pass counts the keys at or above ``NB`` pivots spread over ``[lo, hi]`` and keeps
+    the bucket the cut lies in, its bounds snapped to the keys present: it ends when they meet."""
     offs = tl.arange(0, BLOCK)
+    j = tl.arange(0, NB)
     above = k * 0  # keys above hi (int64)
     mass = m * 0.0  # their mass
     while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
-        count = k * 0
-        part = m * 0.0
-        up = hi  # the smallest key at or above mid
-        down = lo  # the largest key below mid
+        piv = lo + (j * (hi - lo + 1)) // NB  # piv[0] == lo: at least k keys at or above it
+        count = tl.zeros([NB], tl.int64)
+        part = tl.zeros([NB], tl.float32)
+        up = tl.full([NB], _KEY_HIGH, tl.int64)  # the smallest key at or above each pivot
+        down = tl.full([NB], _KEY_LOW, tl.int64)  # the largest key below each pivot
         for start in range(0, V, BLOCK):
             x, key, valid = _values(base, eos_ptr, start + offs, V, inv_t, suppress, HAS_EOS)
-            at = valid & (key >= mid)
+            at = valid[:, None] & (key[:, None] >= piv[None, :])
             count += tl.sum(at.to(tl.int64), 0)
-            part += tl.sum(tl.where(at, tl.exp(x - m), 0.0), 0)
-            up = tl.minimum(up, tl.min(tl.where(at, key, _KEY_HIGH), 0))
-            down = tl.maximum(down, tl.max(tl.where(valid & (key < mid), key, _KEY_LOW), 0))
-        enough = count >= k
-        lo = tl.where(enough, up, lo)
-        hi = tl.where(enough, hi, down)
-        above = tl.where(enough, above, count)
-        mass = tl.where(enough, mass, part)
+            part += tl.sum(tl.where(at, tl.exp(x - m)[:, None], 0.0), 0)
+            up = tl.minimum(up, tl.min(tl.where(at, key[:, None], _KEY_HIGH), 0))
+            down = tl.maximum(down, tl.max(tl.where(valid[:, None] & ~at, key[:, None], _KEY_LOW), 0))
+        best = tl.sum((count >= k).to(tl.int32), 0) - 1  # the last pivot with k keys at or above (a prefix)
+        lo = tl.sum(tl.where(j == best, up, 0), 0)
+        nxt = j == best + 1  # none where best is the last pivot: hi stays
+        moved = best < NB - 1
+        hi = tl.where(moved, tl.sum(tl.where(nxt, down, 0), 0), hi)
+        above = tl.where(moved, tl.sum(tl.where(nxt, count, 0), 0), above)
+        mass = tl.where(moved, tl.sum(tl.where(nxt, part, 0.0), 0), mass)
     return lo, k - above, mass
 
 
 @triton.jit
-def _top_p_cut(base, eos_ptr, V, inv_t, suppress, m, lo, hi, target, HAS_EOS: tl.constexpr,
+def _top_p_cut(base, eos_ptr, V, inv_t, suppress, m, lo, hi, target, HAS_EOS: tl.constexpr, NB: tl.constexpr,
                BLOCK: tl.constexpr):
-    """``(cut key, mass above it)``: the smallest key in ``[lo, hi]`` whose mass above is under ``target``."""
+    """``(cut key, mass above it)``: the smallest key in ``[lo, hi]`` whose mass above is under ``target``, by
+    the same bucketed search (the mass above a pivot falls as the pivot rises)."""
     offs = tl.arange(0, BLOCK)
+    j = tl.arange(0, NB)
     mass = m * 0.0  # mass above hi
     while lo < hi:
-        mid = lo + (hi - lo) // 2
-        part = m * 0.0
-        up = hi  # the smallest key above mid
-        down = lo  # the largest key at or below mid
+        piv = lo + (j * (hi - lo + 1)) // NB
+        part = tl.zeros([NB], tl.float32)
+        up = tl.full([NB], _KEY_HIGH, tl.int64)  # the smallest key above each pivot
+        down = tl.full([NB], _KEY_LOW, tl.int64)  # the largest key at or below each pivot
         for start in range(0, V, BLOCK):
             x, key, valid = _values(base, eos_ptr, start + offs, V, inv_t, suppress, HAS_EOS)
-            at = valid & (key > mid)
-            part += tl.sum(tl.where(at, tl.exp(x - m), 0.0), 0)
-            up = tl.minimum(up, tl.min(tl.where(at, key, _KEY_HIGH), 0))
-            down = tl.maximum(down, tl.max(tl.where(valid & (key <= mid), key, _KEY_LOW), 0))
-        under = part < target
-        hi = tl.where(under, down, hi)
-        lo = tl.where(under, lo, up)
-        mass = tl.where(under, part, mass)
+            over = valid[:, None] & (key[:, None] > piv[None, :])
+            part += tl.sum(tl.where(over, tl.exp(x - m)[:, None], 0.0), 0)
+            up = tl.minimum(up, tl.min(tl.where(over, key[:, None], _KEY_HIGH), 0))
+            down = tl.maximum(down, tl.max(tl.where(valid[:, None] & ~over, key[:, None], _KEY_LOW), 0))
+        first = tl.sum((part >= target).to(tl.int32), 0)  # the first pivot with mass above under target
+        found = first < NB
+        hi = tl.where(found, tl.sum(tl.where(j == first, down, 0), 0), hi)
+        mass = tl.where(found, tl.sum(tl.where(j == first, part, 0.0), 0), mass)
+        lo = tl.where(first > 0, tl.sum(tl.where(j == first - 1, up, 0), 0), lo)
     return lo, mass
 
 
@@ -205,7 +212,7 @@ def _pick(base, eos_ptr, V, inv_t, suppress, m, target, cut, ties, filtered, HAS
 
 @triton.jit
 def _cuts(base, eos_ptr, V, inv_t, suppress, m, s, lo, hi, k, p, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
-          HAS_EOS: tl.constexpr, BLOCK: tl.constexpr):
+          HAS_EOS: tl.constexpr, NB: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
     """``(cut key, ties kept at it, filtered)`` for the row's top-k then top-p (``filtered`` 0: keeps all)."""
     cut = lo
     ties = k * 0 + V
@@ -215,14 +222,14 @@ def _cuts(base, eos_ptr, V, inv_t, suppress, m, s, lo, hi, k, p, TOP_K: tl.const
     if TOP_K:
         on_k = k < V
         cut, ties, above = _top_k_cut(base, eos_ptr, V, inv_t, suppress, m, lo, tl.where(on_k, hi, lo), k,
-                                      HAS_EOS, BLOCK)
+                                      HAS_EOS, NB, SEARCH_BLOCK)
         ties = tl.where(on_k, ties, V)
         mass = tl.where(on_k, above + ties.to(tl.float32) * tl.exp(_value_of(cut) - m), s)
     if TOP_P:
         on_p = p <= 1.0
         target = p * mass
         cut_p, above_p = _top_p_cut(base, eos_ptr, V, inv_t, suppress, m, cut, tl.where(on_p, hi, cut), target,
-                                    HAS_EOS, BLOCK)
+                                    HAS_EOS, NB, SEARCH_BLOCK)
         e = tl.exp(_value_of(cut_p) - m)
         room = tl.where(e > 0.0, tl.ceil((target - above_p) / e), V * 1.0)
         room = tl.where(room < V, room, V * 1.0).to(tl.int64)  # NaN and past the row: every tie
@@ -236,7 +243,7 @@ def _cuts(base, eos_ptr, V, inv_t, suppress, m, s, lo, hi, k, p, TOP_K: tl.const
 def sample_kernel(logits_ptr, row_stride, eos_ptr, suppress_ptr, knob_ptr, inv_t_ptr, top_p_ptr, top_k_ptr,
                   full_ptr, seed_ptr, seed_stride, stream_ptr, stream_stride, index_ptr, index_stride, tokens_ptr,
                   logprob_ptr, V, K0: tl.constexpr, HAS_EOS: tl.constexpr, TOP_K: tl.constexpr,
-                  TOP_P: tl.constexpr, BLOCK: tl.constexpr):
+                  TOP_P: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, SEARCH_BLOCK: tl.constexpr):
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * row_stride
     knob = tl.load(knob_ptr + row)
@@ -255,7 +262,7 @@ def sample_kernel(logits_ptr, row_stride, eos_ptr, suppress_ptr, knob_ptr, inv_t
         p = tl.load(top_p_ptr + knob)
         full = tl.load(full_ptr + knob).to(tl.int32)
         cut, ties, filtered = _cuts(base, eos_ptr, V, inv_t, suppress, m, s, lo, hi, k, p, TOP_K, TOP_P, HAS_EOS,
-                                    BLOCK)
+                                    NB, SEARCH_BLOCK)
         kept = _kept_mass(base, eos_ptr, V, inv_t, suppress, m, cut, ties, HAS_EOS, BLOCK)
         total = tl.where(filtered != 0, kept, s)
     pos = _pick(base, eos_ptr, V, inv_t, suppress, m, u * total, cut, ties, filtered, HAS_EOS, BLOCK)
