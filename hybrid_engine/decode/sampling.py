@@ -57,7 +57,8 @@ from hybrid_engine.decode.ops.sampler import (  # noqa: F401 -- SAMPLING_DRAW, c
     sample_rows,
 )
 
-__all__ = ["IMPLEMENTATION", "LOGPROB_MODES", "MAX_SETTINGS", "MIN_TEMPERATURE", "RowKnobs", "SAMPLING_DRAW", "SamplingKnobs", "counter_uniform", "logprobs_of",
+# IMPLEMENTATION: a module attribute computed on read (__getattr__ below).
+__all__ = ["IMPLEMENTATION", "LOGPROB_MODES", "MAX_SETTINGS", "MIN_TEMPERATURE", "RowKnobs", "SAMPLING_DRAW", "SamplingKnobs", "counter_uniform", "logprobs_of",  # noqa: F822, E501
            "sample_tokens", "sample_tokens_and_top", "sampling_mode", "union_mode", "validate_logprobs", "validate_sampling"]
 
 #: The smallest positive temperature (as vLLM's sampling epsilon): below it, scaled logits overflow float32.

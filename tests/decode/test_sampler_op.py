@@ -217,7 +217,7 @@ for i, (t, p, k) in enumerate(settings):
 
 # 3. Random rows, mixed settings, EOS suppression, the full-logprob flag: the exact inverse CDF again.
 mixed = [(1.0, 1.0, -1), (0.7, 0.8, -1), (1.3, 1.0, 5), (0.9, 0.6, 8), (0.5, 0.95, 40)]
-rows = 40
+rows = 25
 logits = (torch.randn(rows, 37, generator=g) * 2).to(torch.bfloat16)
 which = torch.arange(rows) % len(mixed)
 index = torch.arange(rows)
@@ -238,9 +238,9 @@ assert torch.equal(got["sampling"][0][plain], alone[0]) and torch.equal(got["sam
 
 # 5. Ties rank by vocabulary index at the top-k and the top-p cut.
 tie = torch.tensor([1.0, 3.0, 3.0, 3.0, 0.0, 3.0, -1.0, 2.0])
-logits = tie.expand(64, -1).contiguous()
-which = torch.arange(64) % 3
-index = torch.arange(64)
+logits = tie.expand(36, -1).contiguous()
+which = torch.arange(36) % 3
+index = torch.arange(36)
 ties = [(1.0, 1.0, 2), (1.0, 0.4, -1), (1.0, 0.9, 3)]  # top-p 0.9 within top-3: the tie at index 5 stays out
 tokens, lp = launch(logits, ties, which, index, (True, True))
 assert set(tokens[which == 0].tolist()) == {{1, 2}} and set(tokens[which == 1].tolist()) == {{1, 2}}
@@ -270,6 +270,6 @@ def test_triton_kernel_draws_the_reference_distribution_under_the_interpreter():
 
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = _KERNEL_CHECK.format(tests=str(pathlib.Path(__file__).parent), draws=100)
+    code = _KERNEL_CHECK.format(tests=str(pathlib.Path(__file__).parent), draws=60)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "kernel ok" in done.stdout, done.stderr[-3000:]
