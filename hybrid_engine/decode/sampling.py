@@ -56,6 +56,7 @@ from hybrid_engine.decode.ops.sampler import (  # noqa: F401 -- SAMPLING_DRAW, c
     inverse_cdf,
     sample_rows,
 )
+from hybrid_engine.decode.ops.sampler import implementation as sampler_implementation
 
 # IMPLEMENTATION: a module attribute computed on read (__getattr__ below).
 __all__ = ["IMPLEMENTATION", "LOGPROB_MODES", "MAX_SETTINGS", "MIN_TEMPERATURE", "RowKnobs", "SAMPLING_DRAW", "SamplingKnobs", "counter_uniform", "logprobs_of",  # noqa: F822, E501
@@ -187,6 +188,7 @@ class SamplingKnobs:
         values += [values[-1]] * (MAX_SETTINGS - len(values))
         inv_t, p, k, full = zip(*values)
         device = self.top_k.device
+        sampler_implementation(device)  # the op's capability probe runs here, before any capture
         self.inv_temperature.copy_(device_tensor(inv_t, device, torch.float32))
         self.top_p.copy_(device_tensor(p, device, torch.float32))
         self.top_k.copy_(device_tensor(k, device))
