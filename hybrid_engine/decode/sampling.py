@@ -163,6 +163,9 @@ class SamplingKnobs:
         self.top_k = torch.zeros(MAX_SETTINGS, dtype=torch.int64, device=device)
         #: Report logprobs under the full softmax at the temperature instead of the filtered distribution.
         self.full = torch.zeros(MAX_SETTINGS, dtype=torch.bool, device=device)
+        #: The exact mode's calls (set before a call, a capture freezes it): the pick keeps the reference ops,
+        #: whose logprobs are the training forward's ``log_softmax`` bits.
+        self.exact = False
 
     def set(self, temperature: float, top_p: float, top_k: int, logprobs: str = "sampling") -> None:
         """One setting for every request of the call (index 0)."""
@@ -341,7 +344,8 @@ def sample_tokens_and_top(
         table = knobs.table
         tokens, chosen = sample_rows(logits, eos_mask, suppress_eos, knobs.index, table.inv_temperature,
                                      table.top_p, table.top_k, table.full, as_counter(seed, like),
-                                     as_counter(stream, like), as_counter(token_index, like), top_k_on, top_p_on)
+                                     as_counter(stream, like), as_counter(token_index, like), top_k_on, top_p_on,
+                                     table.exact)
         return tokens, chosen, tokens.new_empty(tokens.shape[0], 0), chosen.new_empty(tokens.shape[0], 0)
     return _sample_in_aten(_without_eos(logits, eos_mask, suppress_eos), temperature, top_p, top_k, seed, stream,
                            token_index, knobs, logprobs, top)

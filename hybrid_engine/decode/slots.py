@@ -47,6 +47,7 @@ from hybrid_engine.decode.layout import AttentionKind, attention_kinds
 from hybrid_engine.decode.model_support import state_shapes
 from hybrid_engine.decode.sampling import MAX_SETTINGS, RowKnobs, SamplingKnobs, sample_tokens_and_top
 from hybrid_engine.decode.step import decode_one_token, model_dtype, reads_pages_in_place
+from hybrid_engine.exact.mode import uses_exact_attention
 
 __all__ = ["DecodeSlots", "choose_tokens", "logits_width", "vocab_sizes"]
 
@@ -257,6 +258,7 @@ class DecodeSlots:
         self.call.mask_kinds = attention_kinds(model.config)
         self.call.dtype = model_dtype(model)
         self.call.paged = reads_pages_in_place(model, self.cache, self.call.mask_kinds)
+        self.knobs.exact = uses_exact_attention(model)  # the exact mode's pick keeps the reference sampler
 
     @property
     def has_stop_sequences(self) -> bool:

@@ -143,6 +143,27 @@ def test_cpu_without_the_interpreter_runs_the_reference(monkeypatch):
         so._kernel.cache_clear()
 
 
+def test_the_exact_mode_keeps_the_reference_where_a_kernel_runs(monkeypatch):
+    """Exact-mode calls report the training forward's ``log_softmax`` bits, so their pick stays on the reference
+    even on a device whose probe chose the kernel. Mocked hardware boundary: the probe says "triton" and the
+    kernel records that it ran (returning the reference's result)."""
+    ran = []
+
+    def kernel(*args):
+        ran.append(True)
+        return so.reference_sample_rows(*args)
+
+    monkeypatch.setattr(so, "_probe", lambda device: "triton")
+    monkeypatch.setattr(so, "_triton_sample_rows", kernel)
+    logits, knobs, which, eos_mask, suppress, (seed, stream, index) = _mixed_call(SETTINGS)
+    key = union_mode(SETTINGS)
+    for exact in (True, False):
+        knobs.exact = exact
+        choose_tokens(logits, key, eos_mask=eos_mask, suppress_eos=suppress, seed=seed, stream=stream,
+                      token_index=index, knobs=knobs.for_rows(which, key))
+        assert ran == ([] if exact else [True])
+
+
 def test_bad_shapes_are_named():
     logits, knobs, which, eos_mask, suppress, (seed, stream, index) = _mixed_call(SETTINGS)
     tables = knobs.inv_temperature, knobs.top_p, knobs.top_k, knobs.full

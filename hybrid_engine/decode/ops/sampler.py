@@ -219,18 +219,19 @@ def _check(logits: torch.Tensor, eos_mask: torch.Tensor | None, suppress_eos: to
 def sample_rows(logits: torch.Tensor, eos_mask: torch.Tensor | None, suppress_eos: torch.Tensor | None,
                 knob: torch.Tensor, inv_temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
                 full: torch.Tensor, seed: torch.Tensor, stream: torch.Tensor, token_index: torch.Tensor,
-                top_k_on: bool, top_p_on: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                top_k_on: bool, top_p_on: bool, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens [B] int64, logprobs [B] float32)`` sampled from ``logits [B, V]`` (see the module docstring).
 
     ``knob [B]`` indexes each row's values in the tables ``inv_temperature``, ``top_p``, ``top_k`` and ``full``
     (report the logprob under the full softmax at the temperature); ``seed``, ``stream``, ``token_index``:
     int64 counters broadcastable to ``[B]``; ``eos_mask [V]`` / ``suppress_eos [B]`` (both or neither): EOS
     masked out of the rows that suppress it. ``top_k_on`` / ``top_p_on``: which filters run (a row's values may
-    still make its filter a no-op: top-k at or past the vocabulary, top-p past 1)."""
+    still make its filter a no-op: top-k at or past the vocabulary, top-p past 1). ``exact``: the exact mode's
+    call, which keeps the reference (its logprobs are the training forward's ``log_softmax`` bits)."""
     _check(logits, eos_mask, suppress_eos, knob)  # shapes only: no host read
     global _last_device
     _last_device = logits.device
-    if implementation(logits.device) == "triton":
+    if not exact and implementation(logits.device) == "triton":
         return _triton_sample_rows(logits, eos_mask, suppress_eos, knob, inv_temperature, top_p, top_k, full,
                                    seed, stream, token_index, top_k_on, top_p_on)
     return reference_sample_rows(logits, eos_mask, suppress_eos, knob, inv_temperature, top_p, top_k, full, seed,
@@ -239,7 +240,7 @@ def sample_rows(logits: torch.Tensor, eos_mask: torch.Tensor | None, suppress_eo
 
 @sample_rows.register_fake
 def _(logits, eos_mask, suppress_eos, knob, inv_temperature, top_p, top_k, full, seed, stream, token_index,
-      top_k_on, top_p_on):
+      top_k_on, top_p_on, exact=False):
     rows = logits.shape[0]
     return logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows, dtype=torch.float32)
 
@@ -337,8 +338,9 @@ def _triton_sample_rows(logits: torch.Tensor, eos_mask: torch.Tensor | None, sup
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     counters = [c.to(torch.int64).expand(rows) for c in (seed, stream, token_index)]
     has_eos = eos_mask is not None
-    eos = eos_mask.view(torch.uint8) if has_eos else tokens
-    suppress = suppress_eos.view(torch.uint8) if has_eos else tokens
+    eos = eos_mask.contiguous().view(torch.uint8) if has_eos else tokens
+    suppress = suppress_eos.contiguous().view(torch.uint8) if has_eos else tokens
+    knob = knob.contiguous()
     block = min(2048, max(16, 1 << math.ceil(math.log2(vocab))))
     kernels.sample_kernel[(rows,)](
         logits, logits.stride(0), eos, suppress, knob, inv_temperature.float(), top_p.float(), top_k,
