@@ -31,8 +31,12 @@ vocabulary order -- no ``.item()``, ``nonzero``, boolean-mask indexing or
 ``torch.multinomial``. With device knobs (a decode step) the whole pick is one
 custom op, ``hybrid_engine::sample_rows`` (:mod:`hybrid_engine.decode.ops.sampler`,
 which also holds the counter hash and the filters): those aten ops where no
-kernel runs, a sort-free Triton kernel (bisection over the logit values for
-the kept set) where one does. Since every row is picked in vocabulary order, a row
+kernel runs, a sort-free Triton kernel (a bucketed search over the logit
+values for the kept set) where one does. The kernel draws from the same
+distribution with the same uniform (not the same token for every seed: its
+sums round differently), and its logprob agrees with :func:`logprobs_of`
+within float rounding rather than bit for bit; the exact mode keeps the
+reference (``SamplingKnobs.exact``). Since every row is picked in vocabulary order, a row
 whose own setting filters nothing gets the same token in a call whose graph
 runs filters for other rows. :func:`sample_tokens` and :func:`logprobs_of`
 share one filter (:func:`_filtered_logprobs`), so the two cannot diverge.
