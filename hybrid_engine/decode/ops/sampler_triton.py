@@ -86,8 +86,9 @@ def _value_of(key):
 
 
 @triton.jit
-def _softmax_pass(base, eos_ptr, V, inv_t, suppress, HAS_EOS: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass 1: ``(max, sum of exp(x - max), smallest key, largest key)`` of the row."""
+def _softmax_pass(base, eos_ptr, V, inv_t, suppress, HAS_EOS: tl.constexpr, KEYS: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Pass 1: ``(max, sum of exp(x - max), smallest key, largest key)`` of the row (the keys with ``KEYS``)."""
     offs = tl.arange(0, BLOCK)
     m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
     s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
@@ -99,8 +100,9 @@ def _softmax_pass(base, eos_ptr, V, inv_t, suppress, HAS_EOS: tl.constexpr, BLOC
         safe = tl.where(new_m == -_INF, 0.0, new_m)
         s = s * tl.exp(m - safe) + tl.sum(tl.exp(x - safe), 0)
         m = new_m
-        lo = tl.minimum(lo, tl.min(tl.where(valid, key, _KEY_HIGH), 0))
-        hi = tl.maximum(hi, tl.max(tl.where(valid, key, _KEY_LOW), 0))
+        if KEYS:
+            lo = tl.minimum(lo, tl.min(tl.where(valid, key, _KEY_HIGH), 0))
+            hi = tl.maximum(hi, tl.max(tl.where(valid, key, _KEY_LOW), 0))
     return m, s, lo, hi
 
 
@@ -191,14 +193,17 @@ def _kept_mass(base, eos_ptr, V, inv_t, suppress, m, cut, ties, HAS_EOS: tl.cons
 def _pick(base, eos_ptr, V, inv_t, suppress, m, target, cut, ties, filtered, HAS_EOS: tl.constexpr,
           BLOCK: tl.constexpr):
     """The first kept position whose running kept mass (vocabulary order) exceeds ``target``, else the last kept
-    position with mass (``target`` rounded up to the total), else 0 (no finite mass)."""
+    position with mass (``target`` rounded up to the total), else 0 (no finite mass). Stops at the block of the
+    first."""
     offs = tl.arange(0, BLOCK)
     carry = m * 0.0
     seen = ties * 0
     first = ties * 0 + V
     last = ties * 0 - 1
-    for start in range(0, V, BLOCK):
+    start = first * 0
+    while (start < V) & (first == V):
         idx = start + offs
+        start += BLOCK
         x, key, valid = _values(base, eos_ptr, idx, V, inv_t, suppress, HAS_EOS)
         kept, n = _kept(key, valid, cut, ties, seen)
         seen += n
@@ -251,7 +256,7 @@ def sample_kernel(logits_ptr, row_stride, eos_ptr, suppress_ptr, knob_ptr, inv_t
     suppress = (tl.load(suppress_ptr + row) != 0) if HAS_EOS else False
     u = counter_uniform_at(tl.load(seed_ptr + row * seed_stride), tl.load(stream_ptr + row * stream_stride),
                            tl.load(index_ptr + row * index_stride), K0)
-    m, s, lo, hi = _softmax_pass(base, eos_ptr, V, inv_t, suppress, HAS_EOS, BLOCK)
+    m, s, lo, hi = _softmax_pass(base, eos_ptr, V, inv_t, suppress, HAS_EOS, TOP_K or TOP_P, BLOCK)
     total = s
     cut = lo
     ties = lo * 0 + V
