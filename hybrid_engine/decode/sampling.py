@@ -60,7 +60,9 @@ from hybrid_engine.decode.ops.sampler import (  # noqa: F401 -- SAMPLING_DRAW, c
     inverse_cdf,
     sample_rows,
 )
-from hybrid_engine.decode.ops.sampler import implementation as sampler_implementation
+from hybrid_engine.decode.ops.sampler import (
+    implementation as sampler_implementation,  # the probe, see set_table
+)
 
 # IMPLEMENTATION: a module attribute computed on read (__getattr__ below).
 __all__ = ["IMPLEMENTATION", "LOGPROB_MODES", "MAX_SETTINGS", "MIN_TEMPERATURE", "RowKnobs", "SAMPLING_DRAW", "SamplingKnobs", "counter_uniform", "logprobs_of",  # noqa: F822, E501
