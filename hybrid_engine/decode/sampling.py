@@ -11,7 +11,7 @@ one invariant that makes sampling correct under those rules:
 There is no generator state to advance (a captured ``torch.rand`` would either
 replay the same numbers or depend on how many rows share the batch). Instead
 :func:`counter_uniform` hashes the counters with two splitmix64 rounds built
-from int64 tensor ops (one uniform per row, 31 ops). Because of that:
+from int64 tensor ops (one uniform per row, 26 ops). Because of that:
 
 * replay and eager execution draw the same numbers, token for token;
 * a request's tokens do not depend on which other requests share its batch or
@@ -28,7 +28,15 @@ static-shape tensor work: the pick is an inverse CDF by counting over a
 cumulative sum in vocabulary order, so temperature alone sorts nothing; top-k
 and top-p find their kept set with one stable sort, then renormalise in
 vocabulary order -- no ``.item()``, ``nonzero``, boolean-mask indexing or
-``torch.multinomial``. Since every row is picked in vocabulary order, a row
+``torch.multinomial``. With device knobs (a decode step) the whole pick is one
+custom op, ``hybrid_engine::sample_rows`` (:mod:`hybrid_engine.decode.ops.sampler`,
+which also holds the counter hash and the filters): those aten ops where no
+kernel runs, a sort-free Triton kernel (a bucketed search over the logit
+values for the kept set) where one does. The kernel draws from the same
+distribution with the same uniform (not the same token for every seed: its
+sums round differently), and its logprob agrees with :func:`logprobs_of`
+within float rounding rather than bit for bit; the exact mode keeps the
+reference (``SamplingKnobs.exact``). Since every row is picked in vocabulary order, a row
 whose own setting filters nothing gets the same token in a call whose graph
 runs filters for other rows. :func:`sample_tokens` and :func:`logprobs_of`
 share one filter (:func:`_filtered_logprobs`), so the two cannot diverge.
@@ -36,101 +44,39 @@ share one filter (:func:`_filtered_logprobs`), so the two cannot diverge.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from typing import NamedTuple
 
 import torch
 
 from hybrid_engine.accelerator.host_copy import device_tensor
+from hybrid_engine.decode.ops.sampler import (  # noqa: F401 -- SAMPLING_DRAW, counter_uniform: public here
+    SAMPLING_DRAW,
+    as_counter,
+    counter_uniform,
+    describe,
+    filtered_logprobs,
+    inverse_cdf,
+    sample_rows,
+)
+from hybrid_engine.decode.ops.sampler import (
+    implementation as sampler_implementation,  # the probe, see set_table
+)
 
-__all__ = ["IMPLEMENTATION", "LOGPROB_MODES", "MAX_SETTINGS", "MIN_TEMPERATURE", "RowKnobs", "SAMPLING_DRAW", "SamplingKnobs", "counter_uniform", "logprobs_of",
+# IMPLEMENTATION: a module attribute computed on read (__getattr__ below).
+__all__ = ["IMPLEMENTATION", "LOGPROB_MODES", "MAX_SETTINGS", "MIN_TEMPERATURE", "RowKnobs", "SAMPLING_DRAW", "SamplingKnobs", "counter_uniform", "logprobs_of",  # noqa: F822, E501
            "sample_tokens", "sample_tokens_and_top", "sampling_mode", "union_mode", "validate_logprobs", "validate_sampling"]
 
 #: The smallest positive temperature (as vLLM's sampling epsilon): below it, scaled logits overflow float32.
 MIN_TEMPERATURE = 1e-5
 
-#: What the sampler runs (``hybrid-engine bench kernels`` reports it).
-IMPLEMENTATION = ("inverse CDF over a vocabulary-order cumsum, one counter-based uniform per row (2 splitmix64 "
-                  "rounds); no sort at temperature alone, one stable sort for top-k / top-p")
 
-#: ``draw`` used by :func:`sample_tokens` for its one uniform per token.
-SAMPLING_DRAW = 0
-
-_MASK64 = (1 << 64) - 1
-
-
-def _s64(c: int) -> int:
-    """A 64-bit constant as the signed value an int64 tensor holds."""
-    c &= _MASK64
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GOLDEN = _s64(0x9E3779B97F4A7C15)
-_MUL1 = _s64(0xBF58476D1CE4E5B9)
-_MUL2 = _s64(0x94D049BB133111EB)
-_DOMAIN = _s64(0x5851F42D4C957F2D)  # separates the seed lane from the counters
-_STREAM = _s64(0xD6E8FEB86659FD93)  # odd: a stream's multiple in the counter word
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic, so mask the sign fill)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finaliser; int64 multiply wraps modulo 2**64, as intended."""
-    x = (x ^ _shr(x, 30)) * _MUL1
-    x = (x ^ _shr(x, 27)) * _MUL2
-    return x ^ _shr(x, 31)
-
-
-def _as_int64(x: torch.Tensor | int, like: torch.Tensor | None) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x.to(torch.int64)
-    # A Python int is a host value: a device fill (not torch.tensor, a host-to-device copy that
-    # capture forbids), so it is legal while capturing and frozen into the graph.
-    return torch.full((), int(x), dtype=torch.int64, device=None if like is None else like.device)
-
-
-def counter_uniform(
-    seed: torch.Tensor | int,
-    stream: torch.Tensor | int,
-    token_index: torch.Tensor | int,
-    draw: int = 0,
-    *,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Uniform floats in ``[0, 1)`` that are a pure function of integer counters.
-
-    ``seed``, ``stream`` (the request's sampler stream) and ``token_index`` are int64 tensors (scalars or
-    any broadcastable shapes; the result has their broadcast shape). ``draw``
-    selects an independent draw for the same counters (e.g. ``draw=1`` for a
-    second uniform per token). With ``dtype=torch.float32`` the result carries
-    24 random bits (every value is exactly ``k / 2**24``); with
-    ``torch.float64`` it carries 53.
-
-    Python ints are accepted for the counters but, like any host value, are
-    frozen into a captured graph; pass tensors for anything that changes
-    between replays.
-    """
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"counter_uniform: dtype must be float32 or float64, got {dtype}")
-    if not isinstance(draw, numbers.Integral) or isinstance(draw, bool):
-        raise TypeError(f"counter_uniform: draw must be an int, got {type(draw).__name__}")
-    like = next((t for t in (seed, stream, token_index) if isinstance(t, torch.Tensor)), None)
-    s, r, t = torch.broadcast_tensors(
-        _as_int64(seed, like), _as_int64(stream, like), _as_int64(token_index, like)
-    )
-    # Two splitmix64 rounds (31 ops on [B], not 54): the seed (with the draw folded into its constant) is mixed
-    # into a pseudo-random key, then the key absorbs stream and token index as one word. The word is injective
-    # for streams apart by under ~2**31 and token indices under 2**32 (golden-ratio multiples of a stream
-    # difference keep clear of small token-index differences, by the three-distance theorem).
-    h = _mix(s + _s64(_DOMAIN + int(draw) * _GOLDEN))
-    h = _mix(h + r * _STREAM + t * _GOLDEN)
-    bits = 24 if dtype == torch.float32 else 53
-    top = _shr(h, 64 - bits)
-    return top.to(dtype) * (2.0**-bits)
+def __getattr__(name: str) -> str:
+    # ``IMPLEMENTATION``: what the sampled pick runs where it last ran (``hybrid-engine bench kernels`` reports it).
+    if name == "IMPLEMENTATION":
+        return describe()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
@@ -186,14 +132,29 @@ def union_mode(settings: list[tuple[float, float, int]]) -> tuple[float, float, 
     return (1.0, 0.5 if top_p_on else 1.0, 1 if top_k_on else -1)
 
 
-class RowKnobs(NamedTuple):
-    """One row's knob values (``[B, 1]``; ``full`` ``[B]``), gathered from :class:`SamplingKnobs`' table (``None``:
-    not gathered, as the mode that runs reads it not)."""
+class RowKnobs:
+    """Each row's knob values: setting ``index[b]`` of a :class:`SamplingKnobs` table for row ``b``. The values
+    (``[B, 1]``; ``full`` ``[B]``) are device gathers made on first read; ``None`` where the mode that runs reads
+    them not (``filters`` False). The sampled pick reads the table and the index instead (one op, no gathers)."""
 
-    inv_temperature: torch.Tensor
-    top_p: torch.Tensor | None
-    top_k: torch.Tensor | None
-    full: torch.Tensor | None
+    def __init__(self, table: SamplingKnobs, index: torch.Tensor, filters: bool = True) -> None:
+        self.table, self.index, self.filters = table, index, filters
+
+    @functools.cached_property
+    def inv_temperature(self) -> torch.Tensor:
+        return self.table.inv_temperature[self.index][:, None]
+
+    @functools.cached_property
+    def top_p(self) -> torch.Tensor | None:
+        return self.table.top_p[self.index][:, None] if self.filters else None
+
+    @functools.cached_property
+    def top_k(self) -> torch.Tensor | None:
+        return self.table.top_k[self.index][:, None] if self.filters else None
+
+    @functools.cached_property
+    def full(self) -> torch.Tensor | None:
+        return self.table.full[self.index] if self.filters else None
 
 
 class SamplingKnobs:
@@ -208,6 +169,9 @@ class SamplingKnobs:
         self.top_k = torch.zeros(MAX_SETTINGS, dtype=torch.int64, device=device)
         #: Report logprobs under the full softmax at the temperature instead of the filtered distribution.
         self.full = torch.zeros(MAX_SETTINGS, dtype=torch.bool, device=device)
+        #: The exact mode's calls (set before a call, a capture freezes it): the pick keeps the reference ops,
+        #: whose logprobs are the training forward's ``log_softmax`` bits.
+        self.exact = False
 
     def set(self, temperature: float, top_p: float, top_k: int, logprobs: str = "sampling") -> None:
         """One setting for every request of the call (index 0)."""
@@ -233,6 +197,7 @@ class SamplingKnobs:
         values += [values[-1]] * (MAX_SETTINGS - len(values))
         inv_t, p, k, full = zip(*values)
         device = self.top_k.device
+        sampler_implementation(device)  # the op's capability probe runs here, before any capture
         self.inv_temperature.copy_(device_tensor(inv_t, device, torch.float32))
         self.top_p.copy_(device_tensor(p, device, torch.float32))
         self.top_k.copy_(device_tensor(k, device))
@@ -242,10 +207,7 @@ class SamplingKnobs:
         """The values of setting ``index[b]`` for row ``b`` (device gathers: capture-safe). With the graph's
         ``sampling_key``, only the values its :func:`sampling_mode` reads are gathered (the others are ``None``)."""
         _, top_k_on, top_p_on = (True, True, True) if sampling_key is None else sampling_mode(*sampling_key)
-        return RowKnobs(self.inv_temperature[index][:, None],
-                        self.top_p[index][:, None] if top_p_on or top_k_on else None,
-                        self.top_k[index][:, None] if top_k_on or top_p_on else None,
-                        self.full[index] if top_k_on or top_p_on else None)
+        return RowKnobs(self, index, top_k_on or top_p_on)
 
 
 #: What a reported logprob is under: the distribution sampled from (after top-k / top-p, renormalised), or the
@@ -300,23 +262,7 @@ def _filtered_logprobs(
     _, top_k_on, top_p_on = sampling_mode(temperature, top_p, top_k)
     inv_t, p, k = ((knobs.inv_temperature, knobs.top_p, knobs.top_k) if knobs is not None
                    else (1.0 / temperature, top_p, top_k))
-    # Times the float32 reciprocal, with either kind of value: what a device computes for a tensor divided
-    # by a host scalar, so a Python temperature and a knob tensor give the same bits everywhere.
-    scaled = logits.float() * inv_t
-    vocab = scaled.shape[-1]
-    full = torch.log_softmax(scaled, dim=-1)
-    top_k_on = top_k_on and (knobs is not None or top_k < vocab)
-    order = None
-    if top_k_on or top_p_on or ranked:
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    if not (top_k_on or top_p_on):
-        return full, full, order
-    keep_sorted = _kept_in_sorted_order(sorted_logits, k, p, top_k_on, top_p_on)
-    keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
-    filtered = torch.log_softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
-    if knobs is not None:
-        filtered = torch.where((k >= vocab) & (p > 1), full, filtered)
-    return filtered, full, order
+    return filtered_logprobs(logits, inv_t, p, k, top_k_on, top_p_on, per_row=knobs is not None, ranked=ranked)
 
 
 def sample_tokens(
@@ -352,6 +298,8 @@ def sample_tokens_and_top(
     top: int = 0,
     checked: bool = False,
     want_logprobs: bool = True,
+    eos_mask: torch.Tensor | None = None,
+    suppress_eos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` ``[B, V]``; capture-safe.
 
@@ -365,7 +313,11 @@ def sample_tokens_and_top(
     no ``top``, no log-softmax is computed and the logprobs are ``None``. With
     ``knobs`` the filters read their values from those device tensors (see
     :func:`_filtered_logprobs` for the filtering rules): pass knobs set
-    to the same values.
+    to the same values; then, without ``top``, the pick is one op,
+    ``hybrid_engine::sample_rows`` (:mod:`hybrid_engine.decode.ops.sampler`:
+    the same ops on the reference path, a sort-free kernel where one runs).
+    ``eos_mask [V]`` with ``suppress_eos [B]``: EOS is masked out of the rows
+    that suppress it (inside that op).
 
     The returned log-probability, when sampling (``temperature > 0``), is the
     one under the distribution actually sampled from, i.e. ``softmax(logits /
@@ -382,6 +334,7 @@ def sample_tokens_and_top(
     if logits.dim() != 2:
         raise ValueError(f"sample_tokens: logits must be [B, V], got shape {tuple(logits.shape)}")
     if temperature == 0:
+        logits = _without_eos(logits, eos_mask, suppress_eos)
         tokens = torch.argmax(logits, dim=-1)
         if not want_logprobs and top == 0:  # ``want_logprobs=False``: the caller reads no logprob (``None``)
             return tokens, None, tokens.new_empty(tokens.shape[0], 0), logits.new_empty(tokens.shape[0], 0).float()
@@ -391,16 +344,34 @@ def sample_tokens_and_top(
             return tokens, chosen, tokens.new_empty(tokens.shape[0], 0), chosen.new_empty(tokens.shape[0], 0)
         ranked, ids = torch.sort(every, dim=-1, descending=True, stable=True)  # ties: the lower id first
         return tokens, chosen, ids[:, :top], ranked[:, :top]
+    if knobs is not None and top == 0:  # the decode step's pick: one op (EOS, knob gathers, filters, uniform)
+        _, top_k_on, top_p_on = sampling_mode(temperature, top_p, top_k)
+        like = logits if not isinstance(seed, torch.Tensor) else seed
+        table = knobs.table
+        tokens, chosen = sample_rows(logits, eos_mask, suppress_eos, knobs.index, table.inv_temperature,
+                                     table.top_p, table.top_k, table.full, as_counter(seed, like),
+                                     as_counter(stream, like), as_counter(token_index, like), top_k_on, top_p_on,
+                                     table.exact)
+        return tokens, chosen, tokens.new_empty(tokens.shape[0], 0), chosen.new_empty(tokens.shape[0], 0)
+    return _sample_in_aten(_without_eos(logits, eos_mask, suppress_eos), temperature, top_p, top_k, seed, stream,
+                           token_index, knobs, logprobs, top)
+
+
+def _without_eos(logits: torch.Tensor, eos_mask: torch.Tensor | None,
+                 suppress_eos: torch.Tensor | None) -> torch.Tensor:
+    if eos_mask is None or suppress_eos is None:
+        return logits
+    return logits.masked_fill(suppress_eos[:, None] & eos_mask, float("-inf"))
+
+
+def _sample_in_aten(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, seed: torch.Tensor | int,
+                    stream: torch.Tensor | int, token_index: torch.Tensor | int, knobs: RowKnobs | None,
+                    logprobs: str, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampled pick with ``top`` ranked alternatives, or with the knobs as host values: aten ops (the same
+    filters, uniform and inverse CDF as the op's reference)."""
     lp, full, order = _filtered_logprobs(logits, temperature, top_p, top_k, knobs, ranked=top > 0)
     u = counter_uniform(seed, stream, token_index, SAMPLING_DRAW)
-    u = u.expand(logits.shape[0]).unsqueeze(-1)
-    # Inverse CDF in vocabulary order (any fixed order gives the same distribution): the first position whose
-    # CDF exceeds u * total (scaling by the total absorbs rounding), capped at the first position that reaches
-    # the total (a kept token) in case u * total rounds up to it. Non-finite logits (a diverged model) give a
-    # NaN CDF: position 0 with a NaN logprob that says so, never an index out of range.
-    cdf = torch.cumsum(lp.exp(), dim=-1)
-    total = cdf[..., -1:]
-    pos = torch.minimum((cdf <= u * total).sum(dim=-1, keepdim=True), (cdf < total).sum(dim=-1, keepdim=True))
+    pos = inverse_cdf(lp, u.expand(logits.shape[0]).unsqueeze(-1))
     tokens = pos.squeeze(-1)
     chosen = lp.gather(-1, pos).squeeze(-1)
     ids = order[:, :top] if order is not None else tokens.new_empty(tokens.shape[0], 0)

@@ -51,6 +51,7 @@ from hybrid_engine.decode.model_support import state_shapes
 from hybrid_engine.decode.ops.bookkeeping import advance_rows, stop_match
 from hybrid_engine.decode.sampling import MAX_SETTINGS, RowKnobs, SamplingKnobs, sample_tokens_and_top
 from hybrid_engine.decode.step import decode_one_token, model_dtype, reads_pages_in_place
+from hybrid_engine.exact.mode import uses_exact_attention
 
 __all__ = ["DecodeSlots", "choose_tokens", "logits_width", "vocab_sizes"]
 
@@ -103,10 +104,9 @@ def choose_tokens(
     through here, so they cannot diverge.
     """
     temperature, top_p, top_k = sampling_key
-    logits = logits.masked_fill(suppress_eos[:, None] & eos_mask, float("-inf"))
     return sample_tokens_and_top(logits, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                  stream=stream, token_index=token_index, knobs=knobs, top=top, checked=checked,
-                                 want_logprobs=want_logprobs)
+                                 want_logprobs=want_logprobs, eos_mask=eos_mask, suppress_eos=suppress_eos)
 
 
 @dataclasses.dataclass
@@ -271,6 +271,7 @@ class DecodeSlots:
         self.call.dtype = model_dtype(model)
         self.call.paged = reads_pages_in_place(model, self.cache, self.call.mask_kinds)
         self.call.fused = resolve_fused_decode(fused, model, self.cache, self.call.mask_kinds)
+        self.knobs.exact = uses_exact_attention(model)  # the exact mode's pick keeps the reference sampler
 
     @property
     def has_stop_sequences(self) -> bool:
