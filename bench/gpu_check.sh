@@ -10,6 +10,9 @@
 #   3a. kernel_check  `bench kernels --check`: every decode custom op (paged attention, layer ops, sampler,
 #                   bookkeeping) through the implementation its probe chose on the GPU, against its reference
 #                   at Qwen2.5-0.5B widths, 64 rows, 2k span, fp16                   -> exits 1 on a mismatch
+#   3a'. sampler_check  bench/sampler_check.py: hybrid_engine::sample_rows' sort-free Triton kernel on the GPU:
+#                   its uniform's bits, every draw the exact inverse CDF of the filtered distribution (vocab
+#                   151936, bf16), chi-square, non-finite rows, kernel vs reference time -> exits 1 on a failure
 #   3b. capture_faults  bench/capture_faults.py: failed captures (a host-reading hook, model code that syncs,
 #                   ten failures in a row) leave the allocator out of capture mode (no pool left recording,
 #                   empty_cache frees, the pools hold 0 bytes) and graphs capture again; two models in two
@@ -100,6 +103,7 @@ if [ "$MODE" = mini ]; then
   FAULT_ARGS="--rounds 2"
   HANDOFF_ARGS="--model tiny-llama --iterations 2 --kv-cache-mb 64"
   QWEN_ARGS="--model tiny-qwen2 --batch-sizes 4 --prompt-len 24 --new-tokens 8 --repeats 1"
+  SAMPLER=(env TRITON_INTERPRET=1 "$PY" -m bench.sampler_check --cpu-mini)  # the kernel on Triton's interpreter
 else
   DEVICE=cuda
   DTYPE=fp16
@@ -113,6 +117,7 @@ else
   HANDOFF_ARGS="--model gpt2 --iterations 3 --batch-size 8 --samples 4 --new-tokens 32 --kv-cache-mb 1024"
   # Issue 40's shape: a Qwen2.5-0.5B-shaped model, 64 rows x 2k span, decode steps alone, next to transformers.
   QWEN_ARGS="--model qwen2.5-0.5b --batch-sizes 64 --prompt-len 1984 --new-tokens 64 --repeats 1"
+  SAMPLER=("$PY" -m bench.sampler_check)
 fi
 COMMON="--device $DEVICE --dtype $DTYPE"
 
@@ -212,6 +217,7 @@ if [ "$MODE" != dry ] && command -v nvidia-smi >/dev/null; then nvidia-smi >"$WO
 step info 60 "${HE[@]}" info
 step parity 90 "${HE[@]}" bench parity $COMMON $PARITY_ARGS --json "$WORK/parity.json"
 step kernel_check 60 "${HE[@]}" bench kernels --check $COMMON --json "$WORK/kernel_check.json"
+step sampler_check 60 "${SAMPLER[@]}" $COMMON --json "$WORK/sampler_check.json"
 step capture_faults 60 "$PY" -m bench.capture_faults --device $DEVICE --dtype $DTYPE $FAULT_ARGS --json "$WORK/capture_faults.json"
 step decode_gpt2 100 "${HE[@]}" bench decode $COMMON $DECODE_A --json "$WORK/decode_gpt2.json" $(plot decode_gpt2)
 step continuous 75 "${HE[@]}" bench continuous $COMMON $CONT_ARGS --json "$WORK/continuous.json" $(plot continuous)
@@ -265,6 +271,10 @@ if (d := load("kernel_check")) is not None:
     bad = [f"{r['op']} ({r['implementation']}): {r['error'] or r['max_abs_err']}" for r in d["rows"] if not r["ok"]]
     impls = sorted({f"{r['group']}: {r['implementation']}" for r in d["rows"]})
     print(f"kernel check: ok={d['ok']} ({'; '.join(impls)})" + (f"; FAILED: {'; '.join(bad)}" if bad else ""))
+if (d := load("sampler_check")) is not None:
+    times = ", ".join(f"{k} {v['kernel_ms']:.3f} vs {v['reference_ms']:.3f} ms" for k, v in d.items()
+                      if isinstance(v, dict) and "kernel_ms" in v)
+    print(f"sampler check: ok={d['ok']} implementation={d['implementation']}; kernel vs reference: {times}")
 if (d := load("decode_qwen05b")) is not None:
     per = {r["path"]: r for r in d["rows"]}
     eng, hf = per.get("engine"), per.get("transformers")

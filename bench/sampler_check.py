@@ -6,8 +6,8 @@ filtered distribution at its uniform (float64 CDF in vocabulary order) with the 
 chi-square over many draws of one small row; non-finite rows stay in range; then the time of one op (kernel) and
 of the reference's aten ops at ``--batch`` rows. Exits 1 on a failed check.
 
-    python bench/sampler_check.py [--batch 64] [--vocab 151936] [--json PATH]
-    TRITON_INTERPRET=1 python bench/sampler_check.py --cpu-mini   (checks the script on CPU, tiny sizes)
+    python -m bench.sampler_check [--device cuda] [--dtype bf16] [--batch 64] [--vocab 151936] [--json PATH]
+    TRITON_INTERPRET=1 python -m bench.sampler_check --cpu-mini   (checks the script on CPU, tiny sizes)
 """
 
 from __future__ import annotations
@@ -77,8 +77,11 @@ def main() -> int:
     ap.add_argument("--draws", type=int, default=20000)
     ap.add_argument("--json", default=None)
     ap.add_argument("--cpu-mini", action="store_true")
+    ap.add_argument("--device", default=None, help="default cuda (cpu with --cpu-mini)")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="the logits' dtype")
     a = ap.parse_args()
-    device = torch.device("cpu" if a.cpu_mini else "cuda")
+    device = torch.device(a.device or ("cpu" if a.cpu_mini else "cuda"))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     if a.cpu_mini:
         a.batch, a.vocab, a.draws = 4, 300, 200
     out, ok = {"device": str(torch.cuda.get_device_name() if device.type == "cuda" else "cpu")}, True
@@ -91,7 +94,7 @@ def main() -> int:
     so._kernel()._uniform_kernel[(triton_cdiv(n, 256),)](*counters, u, n, K0=so.seed_lane(0), BLOCK=256)
     out["uniform_bits_equal"] = bool(torch.equal(u, counter_uniform(*counters)))
     ok &= out["uniform_bits_equal"]
-    logits = (torch.randn(a.batch, a.vocab, generator=g) * 3).to(torch.bfloat16).to(device)
+    logits = (torch.randn(a.batch, a.vocab, generator=g) * 3).to(dtype).to(device)
     index = torch.arange(a.batch, device=device)
     for name, setting in SETTINGS.items():
         tokens, lp = launch(True, logits, setting, index)

@@ -2,7 +2,8 @@
 
 Why: an op picks its implementation by a probe on a tiny input; this runs each op through the dispatcher (the
 implementation the probe chose on ``--device``) at a decode step's real widths (Qwen2.5-0.5B: 14 query and 2 KV
-heads of 64, hidden 896, intermediate 4,864, 64 rows, rows up to 2k tokens on 16-token pages) and compares it with
+heads of 64, hidden 896, intermediate 4,864, vocabulary 151,936, 64 rows, rows up to 2k tokens on 16-token
+pages) and compares it with
 the op's reference implementation on the same inputs. A mismatch beyond the op's tolerance fails the command
 (exit 1), so ``bench/gpu_check.sh`` reports it. On a machine where every op runs its reference, the comparison is
 trivially exact, and the table says so (``implementation: reference``).
@@ -57,10 +58,60 @@ def _layer_ops(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> 
     return L.implementation(device), pairs
 
 
+def _bookkeeping(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple[str, list]:
+    """``advance_rows`` on a 64-row state (EOS, budgets, min_tokens, finished rows, rows at capacity, stop
+    sequences with wildcards): the kernel must leave exactly the reference's state (integers, flags, copies)."""
+    from hybrid_engine.decode.ops import bookkeeping as K
+
+    b, capacity, vocab = ROWS, SPAN, 151936
+    finished = torch.rand(b, generator=g) < 0.2
+    index = torch.randint(0, capacity + 2, (b,), generator=g)
+    min_tokens = torch.randint(0, 8, (b,), generator=g)
+    stop_ids = torch.randint(0, 50, (4, 3, 4), generator=g).masked_fill(torch.rand(4, 3, 4, generator=g) < 0.4, -1)
+    out = torch.randint(0, 50, (b, capacity + 1), generator=g)
+    state = [torch.randint(0, vocab, (b,), generator=g), index, finished, ~finished, (~finished).long(),
+             index < min_tokens, out, torch.randn(b, capacity + 1, generator=g).to(dtype),
+             torch.randint(0, 50, (b,), generator=g), torch.randn(b, generator=g).to(dtype),
+             torch.randint(1, capacity + 2, (b,), generator=g), min_tokens,
+             torch.rand(vocab, generator=g) < 1e-3, torch.tensor(0), stop_ids, torch.randint(0, 4, (b,), generator=g)]
+    state = [t.to(device) for t in state]
+    ours, want = ([t.clone() for t in state] for _ in range(2))
+    torch.ops.hybrid_engine.advance_rows(*ours)
+    K.reference_advance_rows(*want)
+    names = ("tokens", "token_index", "finished", "live", "advance", "suppress_eos", "out_tokens", "out_logprobs")
+    return K.implementation(device), [(f"advance_rows ({n})", o, w) for n, o, w in zip(names, ours, want)]
+
+
+def _sampler(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple[str, list]:
+    """``sample_rows``' kernel on Qwen-wide rows: the logprob it reports for the token it drew equals the
+    reference's filtered logprob of that token (the draws themselves follow the same distribution, not the same
+    token per seed: bench/sampler_check.py tests that)."""
+    from hybrid_engine.decode.ops import sampler as S
+    from hybrid_engine.decode.sampling import SamplingKnobs
+
+    logits = (torch.randn(ROWS, 151936, generator=g) * 3).to(device, dtype)
+    pairs = []
+    for name, setting in (("temperature 1", (1.0, 1.0, -1)), ("top-p 0.9", (1.0, 0.9, -1)),
+                          ("top-k 50 + top-p 0.9", (0.7, 0.9, 50))):
+        knobs = SamplingKnobs(device)
+        knobs.set(*setting)
+        args = (logits, None, None, torch.zeros(ROWS, dtype=torch.long, device=device), knobs.inv_temperature,
+                knobs.top_p, knobs.top_k, knobs.full, torch.tensor(7, device=device), torch.tensor(1, device=device),
+                torch.arange(ROWS, device=device), setting[2] > 0, setting[1] < 1)
+        tokens, lp = torch.ops.hybrid_engine.sample_rows(*args)
+        ref_lp, _, _ = S.filtered_logprobs(logits, knobs.inv_temperature[:1, None], knobs.top_p[:1, None],
+                                           knobs.top_k[:1, None], setting[2] > 0, setting[1] < 1, per_row=True)
+        pairs.append((f"sample_rows {name} (logprob of the drawn token)", lp,
+                      ref_lp.gather(1, tokens[:, None]).squeeze(1)))
+    return S.implementation(device), pairs
+
+
 #: One entry per ops module: (name, check(device, dtype, generator) -> (implementation, [(op, got, want)])).
 CHECKS: list[tuple[str, Callable[..., tuple[str, list]]]] = [
     ("paged attention", _paged_attention),
     ("layer ops", _layer_ops),
+    ("bookkeeping", _bookkeeping),
+    ("sampler", _sampler),
 ]
 
 
@@ -77,7 +128,10 @@ def check_kernels(device: torch.device, dtype: torch.dtype) -> list[dict[str, An
                          "ok": False, "error": f"{type(exc).__name__}: {exc}"})
             continue
         for op, got, want in pairs:
-            if got.dtype.is_floating_point:
+            if op.startswith("advance_rows"):  # state: exactly the reference's
+                err = float((got != want).sum())
+                ok = err == 0
+            elif got.dtype.is_floating_point:
                 err = float((got.float() - want.float()).abs().max())
                 ok = err <= tol and bool(torch.isfinite(got).all())
             else:

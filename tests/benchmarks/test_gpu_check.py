@@ -19,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.slow  # rehearses bench/gpu_check.sh in processes (tests/tiers.py)
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.sh"
-STEPS = ("info", "parity", "kernel_check", "capture_faults", "decode_gpt2", "continuous", "rlhf_opt13b", "handoff", "decode_qwen05b",
+STEPS = ("info", "parity", "kernel_check", "sampler_check", "capture_faults", "decode_gpt2", "continuous", "rlhf_opt13b", "handoff", "decode_qwen05b",
          "decode_opt13b")
 
 
