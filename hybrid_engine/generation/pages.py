@@ -66,8 +66,8 @@ class PagePlan:
         self.unit_pages: dict[Hashable, tuple[list[int], int]] = {}  # staged prompt -> (pages, tokens)
         self._pending: dict[tuple[int, int], int] = {}  # (slot, logical page) -> pool page, not yet on the device
         self._ahead: dict[int, int] = {}  # slot -> its last pages that are tentative (reserved ahead)
-        self._ticket: tuple[int, int, int] | None = None  # (steps, rows, epoch) of the last reserve_ahead
-        self._epoch = 0  # bumped whenever slots or tentative pages change outside reserve_ahead/commit_ahead
+        self._ticket: tuple[int, int] | None = None  # (steps, epoch) of the last reserve_ahead
+        self._epoch = 0  # bumped whenever a live row's tentative pages change (a harvest's go with the row)
         ledger.start_call()
         ledger.reset_peak()
 
@@ -132,19 +132,20 @@ class PagePlan:
                 held.extend(fresh[:n])
                 fresh = fresh[n:]
                 self._ahead[slot] = self._ahead.get(slot, 0) + n
-        self._ticket = (steps, len(targets), self._epoch)
+        self._ticket = (steps, self._epoch)
         return True
 
-    def commit_ahead(self, steps: int, rows: int) -> bool:
-        """The reservation for ``steps`` steps of ``rows`` rows is the one :meth:`reserve_ahead` made (the
-        caller vouches for the rows and their bounds), and nothing changed since: its tentative pages are
-        committed as they are; ``False`` (nothing done) otherwise."""
-        if self._ticket != (steps, rows, self._epoch):
-            return False
+    def ahead_intact(self, steps: int) -> bool:
+        """Whether the rows still live of the last :meth:`reserve_ahead`, made for ``steps`` steps, hold every
+        tentative page it gave them (rows harvested since took theirs with them)."""
+        return self._ticket == (steps, self._epoch)
+
+    def commit_ahead(self) -> None:
+        """The tentative pages are needed as they stand (:meth:`ahead_intact`: the caller's rows reserve the
+        steps they were reserved for, with the same bounds): they become their rows' own."""
         self.ledger.commit(sum(self._ahead.values()))
         self._ahead.clear()
         self._ticket = None
-        return True
 
     def drop_ahead(self) -> None:
         """Give back every tentative page (a reservation took what its steps need)."""
@@ -286,16 +287,13 @@ class PagePlan:
         self._pending = {(dst if s == src else s, i): p for (s, i), p in self._pending.items()}
         if src in self._ahead:
             self._ahead[dst] = self._ahead.pop(src)
-        self._epoch += 1
 
     def _forget(self, slot: int) -> None:
         """Slot ``slot`` leaves: its table entries not yet written are dropped, its tentative pages uncounted
         (the caller releases every page it held)."""
         if self._pending:
             self._pending = {k: p for k, p in self._pending.items() if k[0] != slot}
-        k = self._ahead.pop(slot, 0)
-        self.ledger.tentative -= k
-        self._epoch += 1
+        self.ledger.tentative -= self._ahead.pop(slot, 0)
 
     def free_slot(self, slot: int) -> None:
         """Slot ``slot`` gives its pages back (harvest, preemption)."""

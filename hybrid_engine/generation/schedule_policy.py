@@ -35,9 +35,11 @@ what it would run next if no row finished (:class:`_Forecast`: whether it
 admits, the run's length and spans) and tells the executor the run's length
 (``Look.ahead``), which reserves those pages while the device works. A look
 that finds nothing finished changes no bound, so the forecast *is* the next
-decision: it is used as it stands (``Reserve.forecast``), and the host's work
-between the read and the next run is the look itself. Anything that changes
-the running set or a bound drops it, and the next run is worked out afresh.
+decision: it is used as it stands, and the host's work between the read and
+the next run is the look itself. Anything that changes the running set or a
+bound drops it, and the next run is worked out afresh; the pages reserved
+ahead still stand for the rows that go on, as long as no row's bound changed
+and the run is as long as forecast (``Reserve.ahead``).
 """
 
 from __future__ import annotations
@@ -107,7 +109,9 @@ class Reserve:
 
     steps: int
     requests: list[Request]
-    forecast: bool = False  # the steps and requests of the last Look's ``ahead`` forecast, nothing changed since
+    #: The last Look's ``ahead``, where no bound of the requests it looked at changed since (their pages for that
+    #: many steps were reserved then); 0 otherwise. Requests admitted since have no pages reserved ahead.
+    ahead: int = 0
 
 
 @dataclass(frozen=True)
@@ -276,6 +280,7 @@ class SchedulePolicy:
         self.idle = 0  # loop passes in a row that neither decoded nor harvested
         self.plan_ahead = plan_ahead  # forecast the next run before each look (module docstring)
         self._forecast: _Forecast | None = None  # made before the last look; dropped once anything changed
+        self._ahead = 0  # the last look's ahead steps while the bounds of the rows it looked at hold
         self._run = self._passes()
 
     def next(self, reply: Any = None) -> Action:
@@ -305,12 +310,13 @@ class SchedulePolicy:
             stepped = False if self.starved else (yield from self._decode())
             ahead = self._forecast_next() if stepped and self.plan_ahead else 0
             seen: Seen = yield Look(list(self.running.values()), ahead)
-            changed = bool(seen.done)
+            done, kept = set(seen.done), True  # kept: no bound of a row going on changed
             for slot, req in self.running.items():
                 left = req.budget - seen.generated[slot]
-                changed = changed or left != req.left
+                kept = kept and (left == req.left or slot in done)
                 req.left = left
-            if changed:
+            self._ahead = ahead if kept else 0
+            if done or not kept:
                 self._forecast = None
             yield from self._settle(seen)
             self._check_progress(stepped or bool(seen.done))
@@ -382,7 +388,8 @@ class SchedulePolicy:
                 yield self._compact(target)
             bucket = self.sizes.bucket_for(max(self.running) + 1)
             wanted = self._steps_wanted(bucket)
-        n_steps = (yield Reserve(wanted, list(self.running.values()), fc is not None)) if wanted else 0
+        ahead, self._ahead = self._ahead, 0
+        n_steps = (yield Reserve(wanted, list(self.running.values()), ahead)) if wanted else 0
         if not n_steps:
             self.starved = bool(wanted)  # no page for the next step: look, harvest, then preempt if still short
             return False

@@ -451,8 +451,9 @@ def _reserve(plan: PagePlan, reqs: list[Request], n_steps: int) -> int:
     def missing(n: int) -> int:
         return sum(plan.missing(r.slot, r.tokens_bound() + min(n, r.left)) for r in reqs)
 
-    free = plan.room(missing(n_steps))  # tentative pages count as free: they are given back on demand
-    if missing(n_steps) > free:
+    wanted = missing(n_steps)
+    free = plan.room(wanted)  # tentative pages count as free: they are given back on demand
+    if wanted > free:
         lo, hi = 0, n_steps  # the largest n with missing(n) <= free: missing grows with n
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -559,6 +560,7 @@ class _Executor:
         self.prompt_ids, self.prompt_mask, self.results = prompt_ids, prompt_mask, results
         self.sampling_key, self.seed, self.counters = sampling_key, seed, counters
         self.stop_strings, self.kept = stop_strings, kept
+        self.looked: set[int] = set()  # ids of the requests the last look reserved pages ahead for
 
     def run(self, policy: SchedulePolicy) -> None:
         """Execute the policy's actions, each reply going back to it, until it is done."""
@@ -573,9 +575,7 @@ class _Executor:
             case Admit():
                 return self.admit(action)
             case Reserve():
-                if action.forecast and self.plan.commit_ahead(action.steps, len(action.requests)):
-                    return action.steps  # reserved ahead, table entries written then
-                n_steps = _reserve(self.plan, action.requests, action.steps)
+                n_steps = self.reserve(action)
                 self.plan.flush(self.state.cache.block_table, self.counters)
                 return n_steps
             case Decode():
@@ -597,6 +597,23 @@ class _Executor:
             case _:
                 raise TypeError(f"unknown scheduling action {action!r}")
         return None
+
+    def reserve(self, action: Reserve) -> int:
+        """Pages for the next run: those reserved ahead at the last look, committed as they stand where the
+        run is the one they were reserved for (and the rows admitted since get theirs now), else worked out
+        afresh (:func:`_reserve`). Either way the answer is the one a plan that never reserved ahead gives."""
+        plan, steps, looked = self.plan, action.steps, self.looked
+        self.looked = set()
+        if action.ahead == steps and plan.ahead_intact(steps):
+            new = [(r.slot, r.tokens_bound() + min(steps, r.left)) for r in action.requests if id(r) not in looked]
+            need = plan.ledger.tentative + sum(plan.missing(slot, tokens) for slot, tokens in new)
+            if plan.room(need) >= need:  # what _reserve finds for these steps: they all fit
+                plan.commit_ahead()
+                for slot, tokens in new:
+                    if not plan.grow(slot, tokens):
+                        raise RuntimeError("page reservation exceeded the free pages it counted")  # a bug
+                return steps
+        return _reserve(plan, action.requests, steps)
 
     def admit(self, action: Admit) -> Admitted:
         with self.counters.host.excluded(), self.counters.timer.phase("prefill"):
@@ -630,6 +647,7 @@ class _Executor:
                 if plan.reserve_ahead([(r.slot, r.tokens_bound() + min(action.ahead, r.left)) for r in reqs],
                                       action.ahead):
                     plan.flush(state.cache.block_table, counters)
+                    self.looked = {id(r) for r in reqs}
         with acc.on_device(state.device):
             flags = read.wait()
         counters.host.synced()

@@ -219,7 +219,7 @@ def test_tentative_pages_are_free_to_everyone_else_and_not_in_the_peak():
     assert plan.reserve_ahead([(0, 20), (1, 16)], steps=12) and ledger.free == 1
     assert plan.take(2, 20) is not None  # 5 pages: 1 free + 4 taken back, the held row kept
     assert ledger.holds(held) and ledger.tentative == 1 and ledger.peak == 11
-    assert not plan.commit_ahead(12, 2)  # something changed since the reservation: done afresh
+    assert not plan.ahead_intact(12)  # some were taken back: the next reservation is worked out afresh
     assert plan.missing(0, 12) == 1 and plan.grow(0, 12)  # row 0 keeps its tentative page: its own now
     assert ledger.tentative == 0 and ledger.free == 0 and ledger.peak == 12 and ledger.holds(held)
     assert plan.take(3, 4) is not None and not ledger.holds(held)  # nothing tentative left: the held row goes
@@ -234,8 +234,8 @@ def test_a_reservation_ahead_is_committed_as_it_stands_when_nothing_changed():
     plan.take(1, 4)
     assert plan.reserve_ahead([(0, 9), (1, 5)], steps=5)  # 2 + 1 pages ahead
     assert ledger.peak == 2
-    assert not plan.commit_ahead(4, 2) and not plan.commit_ahead(5, 1)  # another run: not this reservation
-    assert plan.commit_ahead(5, 2)
+    assert not plan.ahead_intact(4) and plan.ahead_intact(5)  # made for a run of 5 steps
+    plan.commit_ahead()
     assert ledger.tentative == 0 and ledger.peak == 5 and plan.missing(0, 9) == 0 and plan.missing(1, 5) == 0
     block_table = torch.zeros(2, 8, dtype=torch.int64)
     assert plan.flush(block_table) == 3  # the pages reserved ahead (the caller wrote the rows' first ones)
