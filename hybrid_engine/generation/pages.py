@@ -117,6 +117,7 @@ class PagePlan:
         continues) tentative pages to hold ``tokens`` tokens, only when the free pages cover all of them
         (nothing is evicted, nobody waits: the plan gives them back on demand); whether it did. Their table
         entries wait for :meth:`flush`."""
+        self._ticket = None
         if self._ahead:
             self.drop_ahead()
         need = [(slot, self._lacks(slot, tokens)) for slot, tokens in targets]

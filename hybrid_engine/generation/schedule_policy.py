@@ -54,7 +54,7 @@ from hybrid_engine.generation.request import Request, Status
 _NONE = -(1 << 62)  # below any token count: the max over an empty set of rows
 
 __all__ = ["ADMISSION_COST", "Action", "Admit", "Admitted", "Compact", "Decode", "Done", "DropStage", "Harvest", "Look",
-           "Preempt", "Reserve", "SchedulePolicy", "Seen", "Sizes", "may_stop_early"]
+           "Preempt", "Reserve", "SchedulePolicy", "Seen", "Sizes", "may_stop_early", "step_spans"]
 
 #: What one admission round costs, in decode steps, for the continuous-batching admission rule
 #: (:func:`_steps_to_admission`). A round of staged prompts is about a quarter of a step on CPU (the

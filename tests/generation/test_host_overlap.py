@@ -20,6 +20,7 @@ from hybrid_engine.decode.kv_pool import PageLedger
 from hybrid_engine.engine import initialize
 from hybrid_engine.generation import scheduler
 from hybrid_engine.generation.pages import PagePlan
+from hybrid_engine.generation.schedule_policy import step_spans
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 from hybrid_engine.tiny_models import build_model
 
@@ -243,3 +244,17 @@ def test_a_reservation_ahead_is_committed_as_it_stands_when_nothing_changed():
     plan.free_slot(0)
     plan.close()
     assert ledger.free == 8
+
+
+def test_step_spans_are_the_span_of_each_steps_longest_row():
+    """The O(rows + steps) spans equal the per-step maximum over every row, as the policy computed them."""
+    class Sizes:
+        def span_for(self, tokens):
+            return -(-tokens // 8) * 8
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        rows, n = int(torch.randint(1, 9, (), generator=gen)), int(torch.randint(0, 10, (), generator=gen))
+        bounds = [(int(h), int(left) % 13) for h, left in torch.randint(0, 60, (rows, 2), generator=gen)]
+        want = [Sizes().span_for(max(h + min(i, left) for h, left in bounds) + 1) for i in range(n)]
+        assert step_spans(Sizes(), bounds, n) == want
