@@ -44,6 +44,7 @@ and the run is as long as forecast (``Reserve.ahead``).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
@@ -325,14 +326,40 @@ class SchedulePolicy:
         """Before a look: what the next pass does if no row finished (:class:`_Forecast`); the steps it would
         reserve for every running row (0: none)."""
         self._forecast = None
-        if not self.running:
-            return 0
+        going = [r for r in self.running.values() if r.left > 0]
+        if len(going) < len(self.running):  # rows at their bound finish at this look: no forecast to keep
+            return self._steps_after(going, len(self.running) - len(going)) if going else 0
         admit = self._may_admit()
         bucket = self.sizes.bucket_for(max(self.running) + 1)  # the last _decode compacted this running set
         wanted = self._steps_wanted(bucket)
         bounds = [(r.tokens_bound(), r.left) for r in self.running.values()]
         self._forecast = _Forecast(admit, bucket, wanted, step_spans(self.sizes, bounds, wanted))
-        return wanted
+        return self._steps_after(going, 0) if admit else wanted
+
+    def _steps_after(self, going: list[Request], freed: int) -> int:
+        """A guess at the next run's length, for the pages reserved ahead of a look (any guess is safe: a run
+        of another length has its pages worked out afresh), where rows finish or an admission comes first:
+        only ``going`` run on, their ``freed`` slots are free again, and a round starts what it takes."""
+        lefts = {i: r.left for i, r in enumerate(going)}
+        waiting = len(self.waiting)
+        room = min(waiting, self.max_active - len(going), len(self.free) + freed)
+        blocked = self.blocked and not freed
+        rows = list(going)
+        cap = self.sync_interval if may_stop_early(self.can_stop, rows) else None
+        if room and not (blocked and going) and (not going or (self.continuous and _steps_to_admission(
+                room, waiting, lefts, self.max_active, ADMISSION_COST, cap) == 0)):
+            for r in itertools.islice(self.waiting, room):
+                lefts[len(rows)] = r.budget - max(1, r.resume_from)
+                rows.append(r)
+            waiting, room, blocked = waiting - room, 0, False
+            cap = self.sync_interval if may_stop_early(self.can_stop, rows) else None
+        if blocked:
+            n_steps = min((left for left in lefts.values() if left > 0), default=1)
+        elif self.continuous and waiting:
+            n_steps = _steps_to_admission(room, waiting, lefts, self.max_active, ADMISSION_COST, cap)
+        else:
+            n_steps = _steps_to_shrink(self.sizes, lefts, self.sizes.bucket_for(len(lefts))) if lefts else 0
+        return max(0, n_steps if cap is None else min(n_steps, cap))
 
     def _may_admit(self) -> bool:
         if self._forecast is not None:
