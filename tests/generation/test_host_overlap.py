@@ -7,12 +7,14 @@ preemptions, page peaks, runs and spans); the pool's free pages after a call are
 tentative page left; a page reserved ahead is given back on demand before a held row is evicted, and is not in
 the peak; the host reads the device once per run of steps, the pages reserved between that read's start and its
 wait; and a read hands out its values only through its one wait, refused inside a capture as CUDA refuses it.
+With the policy's scripted executor (no model), planning ahead takes the very actions it takes without.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_schedule_policy import FakeDevice, Sizes, requests  # the scripted executor of the policy's tests
 
 from hybrid_engine.accelerator import CPUAccelerator, GraphCaptureError
 from hybrid_engine.accelerator.host_copy import read_to_host
@@ -20,7 +22,16 @@ from hybrid_engine.decode.kv_pool import PageLedger
 from hybrid_engine.engine import initialize
 from hybrid_engine.generation import scheduler
 from hybrid_engine.generation.pages import PagePlan
-from hybrid_engine.generation.schedule_policy import step_spans
+from hybrid_engine.generation.schedule_policy import (
+    Admit,
+    Compact,
+    Harvest,
+    Look,
+    Preempt,
+    Reserve,
+    SchedulePolicy,
+    step_spans,
+)
 from hybrid_engine.rollout import HybridEngineRollout, RolloutConfig, RolloutRequest, SamplingConfig
 from hybrid_engine.tiny_models import build_model
 
@@ -258,3 +269,49 @@ def test_step_spans_are_the_span_of_each_steps_longest_row():
         bounds = [(int(h), int(left) % 13) for h, left in torch.randint(0, 60, (rows, 2), generator=gen)]
         want = [Sizes().span_for(max(h + min(i, left) for h, left in bounds) + 1) for i in range(n)]
         assert step_spans(Sizes(), bounds, n) == want
+
+
+
+def _script(plan_ahead: bool, budgets, max_active, eos, pages, **kw):
+    pol = SchedulePolicy(requests(budgets), Sizes(), max_active=max_active, plan_ahead=plan_ahead, **kw)
+    out = []
+    for a in FakeDevice(pol, max_active, eos=eos, pages=pages).run():
+        if isinstance(a, (Look, Reserve)):  # their ahead fields aside
+            out.append((type(a).__name__, getattr(a, "steps", None), [r.row for r in a.requests]))
+        elif isinstance(a, (Admit, Harvest)):
+            out.append((type(a).__name__, list(a.slots), [r.row for r in a.requests]))
+        elif isinstance(a, Preempt):
+            out.append(("Preempt", a.slot, a.request.row))
+        elif isinstance(a, Compact):
+            out.append(("Compact", a.movers, a.holes))
+        else:
+            out.append(a)
+    return out
+
+
+def _pages(short: bool):
+    """Reservation replies: every third one gets two steps fewer (none for a run of two) when ``short``."""
+    calls = [0]
+
+    def pages(steps: int) -> int:
+        calls[0] += 1
+        return steps if not short or calls[0] % 3 else max(0, steps - 2)
+
+    return pages
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+@pytest.mark.parametrize("short", [False, True], ids=["pages", "short"])
+def test_the_policy_planning_ahead_takes_the_actions_it_takes_without(continuous, short):
+    """Scripted device: rows end on EOS at various lengths, more requests than slots; the forecast made before
+    each look, used where nothing finished, gives the same actions (and runs and spans) as working them out
+    after the read. ``short``: some reservations get fewer steps or none (starvation, preemption)."""
+    budgets = [9, 4, 12, 7, 3, 10, 6, 8, 5, 11]
+    eos = {0: 5, 2: 3, 5: 8, 7: 2}
+    preempted = 0
+    for sync_interval in (2, 3, 1000):
+        kw = dict(continuous=continuous, can_stop=True, sync_interval=sync_interval)
+        ahead = _script(True, budgets, 4, eos, _pages(short), **kw)
+        assert ahead == _script(False, budgets, 4, eos, _pages(short), **kw)
+        preempted += sum(isinstance(a, tuple) and a[0] == "Preempt" for a in ahead)
+    assert (preempted > 0) == short
