@@ -69,6 +69,7 @@ class PagePlan:
         self._ticket: tuple[int, int] | None = None  # (steps, epoch) of the last reserve_ahead
         self._epoch = 0  # bumped whenever a live row's tentative pages change (a harvest's go with the row)
         ledger.start_call()
+        ledger.tentative = 0  # a call's own (one call plans at a time): none left by an interrupted one counts
         ledger.reset_peak()
 
     def _allocate(self, n: int) -> list[int] | None:
