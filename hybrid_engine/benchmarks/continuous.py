@@ -376,7 +376,7 @@ def _long_tail(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
             "graph_captures_warmup": warm[mode]["graph_captures"], "capture_ms_warmup": warm[mode]["capture_ms"],
             "warmup_ms": warm[mode]["ms"], "peak_active_batch": last.get("peak_active_batch"),
             **{f"{k}_median": C.median([float(s.get(k) or 0.0) for s in stats[mode]])
-               for k in ("prefill_ms", "decode_ms", "overhead_ms")},
+               for k in ("prefill_ms", "decode_ms", "overhead_ms", "host_ms_overlapped", "host_ms_after_sync")},
             "last_stats": last,
         }
     agree = {"identical": 0, "total": 0, "requests_identical": 0, "requests": 0}
@@ -409,7 +409,8 @@ def _long_tail_text(lt: dict[str, Any], dtype: torch.dtype) -> str:
                             "admission rounds", "host syncs", "captures (warm-up / measured)", "response tokens", "throughput"],
                            [row(m) for m in MODES])
     split = "; ".join(f"{m} prefill {lt[m]['prefill_ms_median']:.1f}, decode {lt[m]['decode_ms_median']:.1f}, "
-                      f"other {lt[m]['overhead_ms_median']:.1f}" for m in MODES)
+                      f"other {lt[m]['overhead_ms_median']:.1f} (host planning {lt[m]['host_ms_overlapped_median']:.2f} "
+                      f"before the reads' waits, {lt[m]['host_ms_after_sync_median']:.2f} after them)" for m in MODES)
     a = lt["agreement"]
     lo, hi = lt["short_budgets"]
     return (

@@ -195,7 +195,10 @@ class PageLedger:
 
     A page is shared by reference (a prompt's full pages by every sample that
     reads them) and returns to the free list when its last holder releases it.
-    ``peak`` is the most pages held at once since :meth:`reset_peak`.
+    ``peak`` is the most pages held at once since :meth:`reset_peak`, less those
+    held ``tentative``ly: pages a call's plan reserved ahead of a host read and
+    gives back on demand (:class:`~hybrid_engine.generation.pages.PagePlan`), so
+    the peak is what the rows needed whether or not the host planned ahead.
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -210,6 +213,7 @@ class PageLedger:
         self._deferred: collections.deque[HeldPages] = collections.deque()
         self._lock = threading.Lock()
         self.busy = False  # a call is assigning pages (set by its plan)
+        self.tentative = 0  # pages in use that the call's plan reserved ahead and may give back (not in ``peak``)
 
     def grow(self, num_pages: int) -> None:
         """Take ``num_pages`` pages in all (the pool grew; held pages keep their ids)."""
@@ -345,15 +349,30 @@ class PageLedger:
     def in_use(self) -> int:
         return self.capacity - len(self._free)
 
-    def allocate(self, n: int) -> list[int] | None:
-        """``n`` fresh pages held once each, or ``None`` (nothing taken) when fewer are free."""
+    @property
+    def committed(self) -> int:
+        """Pages in use less those held tentatively."""
+        return self.in_use - self.tentative
+
+    def allocate(self, n: int, *, tentative: bool = False) -> list[int] | None:
+        """``n`` fresh pages held once each, or ``None`` (nothing taken) when fewer are free; ``tentative``: they
+        count in :attr:`tentative` until :meth:`commit` (not in the peak)."""
         if n > len(self._free):
             return None
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
-        self.peak = max(self.peak, self.in_use)
+        if tentative:
+            self.tentative += n
+        self.peak = max(self.peak, self.in_use - self.tentative)
         return pages
+
+    def commit(self, n: int) -> None:
+        """``n`` tentative pages are now needed (or given back, after :meth:`release`): no longer tentative."""
+        if n > self.tentative:
+            raise RuntimeError(f"PageLedger: {n} tentative pages committed, {self.tentative} held")
+        self.tentative -= n
+        self.peak = max(self.peak, self.in_use - self.tentative)
 
     def retain(self, pages: Iterable[int]) -> None:
         """One more holder of each of ``pages``."""
@@ -376,7 +395,7 @@ class PageLedger:
         return self._refs[page]
 
     def reset_peak(self) -> None:
-        self.peak = self.in_use
+        self.peak = self.in_use - self.tentative
 
 
 class KVBudget(NamedTuple):

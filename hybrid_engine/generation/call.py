@@ -126,6 +126,8 @@ def _call_stats(runner: DecodeGraphRunner, c: Counters, total_s: float, before: 
         span_buckets=tuple(sorted(c.span_steps)),
         span_steps=dict(c.span_steps),
         host_syncs=c.host_syncs,
+        host_ms_overlapped=c.host.overlapped_ms,
+        host_ms_after_sync=c.host.after_sync_ms,
         eager_steps=after.eager_steps - before.eager_steps,
         capture_ms=capture_ms,
         graph_batch_size=bucket,

@@ -28,10 +28,23 @@ decisions depend on pages only through those two replies.
 The policy is a generator inside: each action is yielded at the very point the
 old single loop ran it, so the order of operations (and with it the tokens,
 stats and graphs of a call) is the same as before the split.
+
+Planning ahead (``plan_ahead``): a :class:`Look` follows a run of steps the
+device may still be running, so the policy works out there, before the read,
+what it would run next if no row finished (:class:`_Forecast`: whether it
+admits, the run's length and spans) and tells the executor the run's length
+(``Look.ahead``), which reserves those pages while the device works. A look
+that finds nothing finished changes no bound, so the forecast *is* the next
+decision: it is used as it stands, and the host's work between the read and
+the next run is the look itself. Anything that changes the running set or a
+bound drops it, and the next run is worked out afresh; the pages reserved
+ahead still stand for the rows that go on, as long as no row's bound changed
+and the run is as long as forecast (``Reserve.ahead``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
@@ -39,8 +52,10 @@ from typing import Any, Protocol
 
 from hybrid_engine.generation.request import Request, Status
 
+_NONE = -(1 << 62)  # below any token count: the max over an empty set of rows
+
 __all__ = ["ADMISSION_COST", "Action", "Admit", "Admitted", "Compact", "Decode", "Done", "DropStage", "Harvest", "Look",
-           "Preempt", "Reserve", "SchedulePolicy", "Seen", "Sizes", "may_stop_early"]
+           "Preempt", "Reserve", "SchedulePolicy", "Seen", "Sizes", "may_stop_early", "step_spans"]
 
 #: What one admission round costs, in decode steps, for the continuous-batching admission rule
 #: (:func:`_steps_to_admission`). A round of staged prompts is about a quarter of a step on CPU (the
@@ -95,6 +110,9 @@ class Reserve:
 
     steps: int
     requests: list[Request]
+    #: The last Look's ``ahead``, where no bound of the requests it looked at changed since (their pages for that
+    #: many steps were reserved then); 0 otherwise. Requests admitted since have no pages reserved ahead.
+    ahead: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,9 +125,12 @@ class Decode:
 
 @dataclass(frozen=True)
 class Look:
-    """Read the finish flags and generated counts of ``requests`` (the running ones); reply :class:`Seen`."""
+    """Read the finish flags and generated counts of ``requests`` (the running ones); reply :class:`Seen`.
+    ``ahead``: the steps of the next run if no row finishes (0: no forecast), whose pages the executor may
+    reserve before it waits for the read (:meth:`~hybrid_engine.generation.pages.PagePlan.reserve_ahead`)."""
 
     requests: list[Request]
+    ahead: int = 0
 
 
 @dataclass(frozen=True)
@@ -145,7 +166,41 @@ class Done:
 Action = Admit | DropStage | Compact | Reserve | Decode | Look | Harvest | Preempt | Done
 
 
+@dataclass(frozen=True)
+class _Forecast:
+    """What the next pass does if the coming look finds no row finished (its state is then unchanged)."""
+
+    admit: bool  # it admits first (then the rest is worked out afresh)
+    bucket: int
+    wanted: int  # steps it reserves for
+    spans: list[int]  # the span of each of those steps
+
+
 # ------------------------------------------------------------------- rules
+def step_spans(sizes: Sizes, bounds: list[tuple[int, int]], n: int) -> list[int]:
+    """The span of each of the next ``n`` steps of rows with ``bounds`` (tokens held bound, steps left bound):
+    step ``i`` reads ``span_for(max(h + min(i, left)) + 1)``. In O(rows + n) (rows grow by one token a step
+    until their bound): ``max(h + i)`` over rows with ``left >= i``, and ``max(h + left)`` over the others."""
+    if n <= 0:
+        return []
+    top = [_NONE] * (n + 1)  # by min(left, n): the longest row still growing
+    flat = [_NONE] * (n + 1)  # by left < n: the longest row that stopped at its bound
+    for h, left in bounds:
+        c = min(left, n)
+        if h > top[c]:
+            top[c] = h
+        if left < n and h + left > flat[left]:
+            flat[left] = h + left
+    for c in range(n - 1, -1, -1):
+        top[c] = max(top[c], top[c + 1])
+    spans, stopped = [], _NONE
+    for i in range(n):
+        longest = max(top[i] + i if top[i] != _NONE else _NONE, stopped)
+        spans.append(sizes.span_for(longest + 1))
+        stopped = max(stopped, flat[i])
+    return spans
+
+
 def may_stop_early(can_stop: bool, requests: Iterable[Request]) -> bool:
     """Whether a row may stop before its budget (``can_stop``: an EOS id is reachable, or stop sequences or
     strings are set) past its ``min_tokens``: then the host must look, and rows end unevenly."""
@@ -204,7 +259,7 @@ class SchedulePolicy:
 
     def __init__(self, requests: list[Request], sizes: Sizes, *, max_active: int, continuous: bool,
                  sync_interval: int, can_stop: bool, keep_pages: bool = False,
-                 describe_pages: Callable[[], str] = lambda: "pages unknown") -> None:
+                 describe_pages: Callable[[], str] = lambda: "pages unknown", plan_ahead: bool = True) -> None:
         if any(r.status is not Status.WAITING for r in requests):
             raise ValueError("SchedulePolicy: every request must be WAITING (a Request is one call's)")
         self.sizes = sizes
@@ -224,6 +279,9 @@ class SchedulePolicy:
         self.blocked = False  # a round found no pages for its next request: admit again once pages are freed
         self.retried = False  # with nothing running, a round started nothing and the stage let go of its prompts
         self.idle = 0  # loop passes in a row that neither decoded nor harvested
+        self.plan_ahead = plan_ahead  # forecast the next run before each look (module docstring)
+        self._forecast: _Forecast | None = None  # made before the last look; dropped once anything changed
+        self._ahead = 0  # the last look's ahead steps while the bounds of the rows it looked at hold
         self._run = self._passes()
 
     def next(self, reply: Any = None) -> Action:
@@ -251,13 +309,61 @@ class SchedulePolicy:
                 if not (yield from self._admit()):
                     continue  # the stage was dropped: admit again
             stepped = False if self.starved else (yield from self._decode())
-            seen: Seen = yield Look(list(self.running.values()))
+            ahead = self._forecast_next() if stepped and self.plan_ahead else 0
+            seen: Seen = yield Look(list(self.running.values()), ahead)
+            done, kept = set(seen.done), True  # kept: no bound of a row going on changed
             for slot, req in self.running.items():
-                req.left = req.budget - seen.generated[slot]
+                left = req.budget - seen.generated[slot]
+                kept = kept and (left == req.left or slot in done)
+                req.left = left
+            self._ahead = ahead if kept else 0
+            if done or not kept:
+                self._forecast = None
             yield from self._settle(seen)
             self._check_progress(stepped or bool(seen.done))
 
+    def _forecast_next(self) -> int:
+        """Before a look: what the next pass does if no row finished (:class:`_Forecast`); the steps it would
+        reserve for every running row (0: none)."""
+        self._forecast = None
+        going = [r for r in self.running.values() if r.left > 0]
+        if len(going) < len(self.running):  # rows at their bound finish at this look: no forecast to keep
+            return self._steps_after(going, len(self.running) - len(going)) if going else 0
+        admit = self._may_admit()
+        bucket = self.sizes.bucket_for(max(self.running) + 1)  # the last _decode compacted this running set
+        wanted = self._steps_wanted(bucket)
+        bounds = [(r.tokens_bound(), r.left) for r in self.running.values()]
+        self._forecast = _Forecast(admit, bucket, wanted, step_spans(self.sizes, bounds, wanted))
+        return self._steps_after(going, 0) if admit else wanted
+
+    def _steps_after(self, going: list[Request], freed: int) -> int:
+        """A guess at the next run's length, for the pages reserved ahead of a look (any guess is safe: a run
+        of another length has its pages worked out afresh), where rows finish or an admission comes first:
+        only ``going`` run on, their ``freed`` slots are free again, and a round starts what it takes."""
+        lefts = {i: r.left for i, r in enumerate(going)}
+        waiting = len(self.waiting)
+        room = min(waiting, self.max_active - len(going), len(self.free) + freed)
+        blocked = self.blocked and not freed
+        rows = list(going)
+        cap = self.sync_interval if may_stop_early(self.can_stop, rows) else None
+        if room and not (blocked and going) and (not going or (self.continuous and _steps_to_admission(
+                room, waiting, lefts, self.max_active, ADMISSION_COST, cap) == 0)):
+            for r in itertools.islice(self.waiting, room):
+                lefts[len(rows)] = r.budget - max(1, r.resume_from)
+                rows.append(r)
+            waiting, room, blocked = waiting - room, 0, False
+            cap = self.sync_interval if may_stop_early(self.can_stop, rows) else None
+        if blocked:
+            n_steps = min((left for left in lefts.values() if left > 0), default=1)
+        elif self.continuous and waiting:
+            n_steps = _steps_to_admission(room, waiting, lefts, self.max_active, ADMISSION_COST, cap)
+        else:
+            n_steps = _steps_to_shrink(self.sizes, lefts, self.sizes.bucket_for(len(lefts))) if lefts else 0
+        return max(0, n_steps if cap is None else min(n_steps, cap))
+
     def _may_admit(self) -> bool:
+        if self._forecast is not None:
+            return self._forecast.admit
         room = self._room()
         return bool(room and not self.starved and not (self.blocked and self.running) and (
             not self.running or (self.continuous and _steps_to_admission(
@@ -267,6 +373,7 @@ class SchedulePolicy:
         """One admission round into the lowest free slots; ``False`` when it started nothing and the stage was
         dropped for another try."""
         room = self._room()
+        self._forecast = None
         slots, self.free = self.free[:room], self.free[room:]
         reqs = [self.waiting.popleft() for _ in range(room)]
         reply: Admitted = yield Admit(slots, reqs, self.waiting)
@@ -299,10 +406,31 @@ class SchedulePolicy:
     def _decode(self) -> Generator[Action, Any, bool]:
         """Compact if the running rows fit a smaller bucket, then decode until a look can change what runs
         (as far as the pages allow); whether any step ran."""
-        target = self.sizes.bucket_for(len(self.running))
-        if max(self.running) >= target:
-            yield self._compact(target)
-        bucket = self.sizes.bucket_for(max(self.running) + 1)
+        fc, self._forecast = self._forecast, None
+        if fc is not None:  # nothing changed since it was made: it is this pass's decision
+            bucket, wanted = fc.bucket, fc.wanted
+        else:
+            target = self.sizes.bucket_for(len(self.running))
+            if max(self.running) >= target:
+                yield self._compact(target)
+            bucket = self.sizes.bucket_for(max(self.running) + 1)
+            wanted = self._steps_wanted(bucket)
+        ahead, self._ahead = self._ahead, 0
+        n_steps = (yield Reserve(wanted, list(self.running.values()), ahead)) if wanted else 0
+        if not n_steps:
+            self.starved = bool(wanted)  # no page for the next step: look, harvest, then preempt if still short
+            return False
+        if fc is not None and n_steps <= len(fc.spans):
+            spans = fc.spans[:n_steps]
+        else:
+            spans = step_spans(self.sizes, [(r.tokens_bound(), r.left) for r in self.running.values()], n_steps)
+        yield Decode(bucket, spans)
+        for req in self.running.values():
+            req.left = max(0, req.left - n_steps)
+        return True
+
+    def _steps_wanted(self, bucket: int) -> int:
+        """How many steps to run at ``bucket`` before a look can change what runs (0: none)."""
         cap = self._cap()
         if self.blocked:  # pages come back when a row finishes: look then
             n_steps = min((r.left for r in self.running.values() if r.left > 0), default=1)
@@ -313,17 +441,7 @@ class SchedulePolicy:
             n_steps = _steps_to_shrink(self.sizes, self._lefts(), bucket)
         if cap is not None:
             n_steps = min(n_steps, cap)
-        wanted = max(0, n_steps)
-        n_steps = (yield Reserve(wanted, list(self.running.values()))) if wanted else 0
-        if not n_steps:
-            self.starved = bool(wanted)  # no page for the next step: look, harvest, then preempt if still short
-            return False
-        bounds = [(r.tokens_bound(), r.left) for r in self.running.values()]
-        yield Decode(bucket, [self.sizes.span_for(max(h + min(i, left) for h, left in bounds) + 1)
-                              for i in range(n_steps)])
-        for req in self.running.values():
-            req.left = max(0, req.left - n_steps)
-        return True
+        return max(0, n_steps)
 
     def _compact(self, target: int) -> Compact:
         """Move running rows at slots >= ``target`` into free slots below it: rows move with their table rows,
@@ -339,6 +457,8 @@ class SchedulePolicy:
     def _settle(self, seen: Seen) -> Generator[Action, Any, None]:
         """After a look: harvest what finished; else, short of pages, drop the stage (before the last running
         request's progress) or preempt the newest admitted request."""
+        if seen.done or self.starved:
+            self._forecast = None
         if seen.done:
             reqs = [self._stop(slot, Status.FINISHED) for slot in seen.done]
             for req, slot in zip(reqs, seen.done):

@@ -42,6 +42,22 @@ takes no more prompts than leave their first samples the pages they need
 a request when the pool holds one, as the front end checks; a loop that
 stops making progress raises a ``RuntimeError`` (a bug) instead of spinning.
 
+The host's per-look work stays off the device's path where it can
+(``HOST_OVERLAP``): a look queues its read behind the run of steps just
+launched (a non-blocking copy into pinned memory and an event,
+:func:`~hybrid_engine.accelerator.host_copy.read_to_host`), then, while the
+device runs them, reserves the pages of the next run for every live row as if
+all continue (tentative pages, given back on demand: the plan's decisions do
+not change, :mod:`hybrid_engine.generation.pages`) and writes their table
+entries, and only then waits, once. When the read finds nothing finished,
+the next run is the one planned ahead (the policy's forecast) and starts at
+once; otherwise harvest, admission and compaction follow the read as before.
+Run N+1 is never launched before run N's harvest: the harvest frees the slots
+and pages that decide admission, the bucket and the next reservation, so an
+earlier launch would change what runs (and, short of pages, whom to preempt).
+``last_stats["host_ms_overlapped"]`` and ``["host_ms_after_sync"]`` split the
+host's time around the reads (:class:`~hybrid_engine.generation.timing.HostSplit`).
+
 Host-built index tensors go the other way without a sync where the
 accelerator has pinned memory (:func:`_index`). A request that continues a row
 of an earlier call (an episode's next turn) starts on the pages that call kept
@@ -63,7 +79,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hybrid_engine.accelerator.host_copy import device_tensor
+from hybrid_engine.accelerator.host_copy import device_tensor, read_to_host
 from hybrid_engine.decode.kv_cache import PagedKVCache
 from hybrid_engine.decode.kv_pool import NULL_PAGE, HeldPages
 from hybrid_engine.decode.slots import DecodeSlots
@@ -88,10 +104,14 @@ from hybrid_engine.generation.schedule_policy import (
     may_stop_early,
 )
 from hybrid_engine.generation.stop_strings import StopStrings
-from hybrid_engine.generation.timing import PhaseTimer
+from hybrid_engine.generation.timing import HostSplit, PhaseTimer
 from hybrid_engine.graphs.runner import DecodeGraphRunner
 
-__all__ = ["ADMISSION_COST", "Counters", "gather_responses", "run_schedule"]
+__all__ = ["ADMISSION_COST", "HOST_OVERLAP", "Counters", "gather_responses", "run_schedule"]
+
+#: Plan the next run of steps while the device runs the current one (module docstring). Internal switch: off,
+#: every look reads, waits, and plans after the read, as before; the tokens are the same either way.
+HOST_OVERLAP = True
 
 
 @dataclass
@@ -115,6 +135,7 @@ class Counters:
     bucket_steps: dict[int, int] = field(default_factory=dict)
     span_steps: dict[int, int] = field(default_factory=dict)
     lengths: dict[int, int] = field(default_factory=dict)
+    host: HostSplit = field(default_factory=HostSplit)  # host time around the reads
 
 
 class Results(NamedTuple):
@@ -430,8 +451,9 @@ def _reserve(plan: PagePlan, reqs: list[Request], n_steps: int) -> int:
     def missing(n: int) -> int:
         return sum(plan.missing(r.slot, r.tokens_bound() + min(n, r.left)) for r in reqs)
 
-    free = plan.room(missing(n_steps))
-    if missing(n_steps) > free:
+    wanted = missing(n_steps)
+    free = plan.room(wanted)  # tentative pages count as free: they are given back on demand
+    if wanted > free:
         lo, hi = 0, n_steps  # the largest n with missing(n) <= free: missing grows with n
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -440,6 +462,7 @@ def _reserve(plan: PagePlan, reqs: list[Request], n_steps: int) -> int:
     for r in reqs:
         if not plan.grow(r.slot, r.tokens_bound() + min(n_steps, r.left)):
             raise RuntimeError("page reservation exceeded the free pages it counted")  # a bug, not an input
+    plan.drop_ahead()  # tentative pages these steps do not reach go back
     return n_steps
 
 
@@ -493,9 +516,11 @@ def run_schedule(
         can_stop = bool(state.eos_reachable or state.has_stop_sequences or stop_strings is not None)
         _capture(runner, requests, sampling_key, max_active=max_active, staged=staged,
                  shrink=may_stop_early(can_stop, requests))
+        overlap = HOST_OVERLAP
         policy = SchedulePolicy(requests, runner, max_active=max_active, continuous=continuous,
                                 sync_interval=sync_interval, can_stop=can_stop, keep_pages=kept is not None,
-                                describe_pages=lambda: f"{plan.ledger.free} of {plan.ledger.capacity} pages free")
+                                describe_pages=lambda: f"{plan.ledger.free} of {plan.ledger.capacity} pages free",
+                                plan_ahead=overlap)
         _Executor(runner, plan, staging, prompt_ids, prompt_mask, results, sampling_key, seed,
                   counters=counters, stop_strings=stop_strings, kept=kept).run(policy)
     finally:
@@ -535,12 +560,14 @@ class _Executor:
         self.prompt_ids, self.prompt_mask, self.results = prompt_ids, prompt_mask, results
         self.sampling_key, self.seed, self.counters = sampling_key, seed, counters
         self.stop_strings, self.kept = stop_strings, kept
+        self.looked: set[int] = set()  # ids of the requests the last look reserved pages ahead for
 
     def run(self, policy: SchedulePolicy) -> None:
         """Execute the policy's actions, each reply going back to it, until it is done."""
         reply = None
         while not isinstance(action := policy.next(reply), Done):
             reply = self.execute(action)
+        self.counters.host.launched()  # the host work after the last read
 
     def execute(self, action: Action) -> Admitted | Seen | int | None:
         """Carry out ``action``; its reply for the policy (``None`` where it has none)."""
@@ -548,13 +575,13 @@ class _Executor:
             case Admit():
                 return self.admit(action)
             case Reserve():
-                n_steps = _reserve(self.plan, action.requests, action.steps)
+                n_steps = self.reserve(action)
                 self.plan.flush(self.state.cache.block_table, self.counters)
                 return n_steps
             case Decode():
                 self.decode(action)
             case Look():
-                return self.look(action.requests)
+                return self.look(action)
             case Compact():
                 self.compact(action.movers, action.holes)
             case Harvest():
@@ -571,8 +598,25 @@ class _Executor:
                 raise TypeError(f"unknown scheduling action {action!r}")
         return None
 
+    def reserve(self, action: Reserve) -> int:
+        """Pages for the next run: those reserved ahead at the last look, committed as they stand where the
+        run is the one they were reserved for (and the rows admitted since get theirs now), else worked out
+        afresh (:func:`_reserve`). Either way the answer is the one a plan that never reserved ahead gives."""
+        plan, steps, looked = self.plan, action.steps, self.looked
+        self.looked = set()
+        if action.ahead == steps and plan.ahead_intact(steps):
+            new = [(r.slot, r.tokens_bound() + min(steps, r.left)) for r in action.requests if id(r) not in looked]
+            need = plan.ledger.tentative + sum(plan.missing(slot, tokens) for slot, tokens in new)
+            if plan.room(need) >= need:  # what _reserve finds for these steps: they all fit
+                plan.commit_ahead()
+                for slot, tokens in new:
+                    if not plan.grow(slot, tokens):
+                        raise RuntimeError("page reservation exceeded the free pages it counted")  # a bug
+                return steps
+        return _reserve(plan, action.requests, steps)
+
     def admit(self, action: Admit) -> Admitted:
-        with self.counters.timer.phase("prefill"):
+        with self.counters.host.excluded(), self.counters.timer.phase("prefill"):
             started = _admission_round(self.runner, self.plan, action.slots, action.requests, action.waiting,
                                        self.prompt_ids, self.prompt_mask, self.results, self.sampling_key,
                                        self.seed, staging=self.staging, counters=self.counters)
@@ -580,6 +624,7 @@ class _Executor:
 
     def decode(self, action: Decode) -> None:
         counters = self.counters
+        counters.host.launched()
         with counters.timer.phase("decode"):
             for span in action.spans:
                 self.runner.step(action.bucket, span, self.sampling_key)
@@ -588,17 +633,31 @@ class _Executor:
         counters.decode_steps += n_steps
         counters.bucket_steps[action.bucket] = counters.bucket_steps.get(action.bucket, 0) + n_steps
 
-    def look(self, requests: list[Request]) -> Seen:
-        """One host read of the per-slot flags: what scheduling needs, nothing per token."""
-        state, plan, counters = self.state, self.plan, self.counters
-        flags = torch.stack([state.finished.to(torch.int64), state.token_index]).cpu()
+    def look(self, action: Look) -> Seen:
+        """One host read of the per-slot flags: what scheduling needs, nothing per token. The read is queued
+        behind the steps just launched; the pages of the next run (``action.ahead`` steps) are reserved while
+        the device runs them, and the host waits once."""
+        state, plan, counters, acc = self.state, self.plan, self.counters, self.runner.accelerator
+        with acc.on_device(state.device):
+            read = read_to_host(torch.stack([state.finished.to(torch.int64), state.token_index]), acc)
         counters.host_syncs += 1
+        if action.ahead:
+            with counters.host.overlapped():
+                reqs = action.requests
+                if plan.reserve_ahead([(r.slot, r.tokens_bound() + min(action.ahead, r.left)) for r in reqs],
+                                      action.ahead):
+                    plan.flush(state.cache.block_table, counters)
+                    self.looked = {id(r) for r in reqs}
+        with acc.on_device(state.device):
+            flags = read.wait()
+        counters.host.synced()
         finished_flags, generated = flags[0].tolist(), flags[1].tolist()
+        requests = action.requests
         active = {r.slot: r for r in requests}
         done = [slot for slot in active if finished_flags[slot]]
         if self.stop_strings is not None:
             done = _cut_at_stop_strings(state, self.stop_strings, active, generated, done, counters)
-        if plan.ledger.in_use == plan.ledger.peak:  # at the peak: how much of it the tokens held need
+        if plan.ledger.committed == plan.ledger.peak:  # at the peak: how much of it the tokens held need
             held = {s: r.prompt_len + generated[s] - 1 for s, r in active.items()}
             counters.kv_pages_held_peak = max(counters.kv_pages_held_peak, plan.held_pages(held))
         return Seen(done, generated)

@@ -1,4 +1,5 @@
-"""Phase timing that does not add host synchronisations where the device can time itself.
+"""Phase timing that does not add host synchronisations where the device can time itself, and the host's time
+around its reads of the device.
 
 Where the accelerator has timing events, each phase records a start and an end
 event on the current stream and nothing waits until :meth:`PhaseTimer.totals_ms`
@@ -20,7 +21,7 @@ from typing import Any, ContextManager
 
 import torch
 
-__all__ = ["PhaseTimer"]
+__all__ = ["HostSplit", "PhaseTimer"]
 
 
 class PhaseTimer:
@@ -69,3 +70,48 @@ class PhaseTimer:
                 self._totals[name] += float(start.elapsed_time(end))
             self._pending.clear()
         return dict(self._totals)
+
+
+class HostSplit:
+    """Host time around a call's reads of the device (``last_stats["host_ms_overlapped"]`` and
+    ``["host_ms_after_sync"]``), on the host clock.
+
+    * ``overlapped_ms``: planning done after a run of steps was launched and before the host waited for its
+      read (:meth:`overlapped`): the device was busy meanwhile (on an accelerator; the CPU runs its steps
+      before the host gets here, so there it only says what moved);
+    * ``after_sync_ms``: from the end of each wait (:meth:`synced`) to the launch of the next run of steps, or
+      the call's end (:meth:`launched`): host work the device waits for. Admission rounds inside it
+      (:meth:`excluded`) are device work of their own, timed as the prefill phase, and left out.
+    """
+
+    def __init__(self) -> None:
+        self.overlapped_ms = 0.0
+        self.after_sync_ms = 0.0
+        self._since: float | None = None
+
+    @contextlib.contextmanager
+    def overlapped(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.overlapped_ms += (time.perf_counter() - t0) * 1e3
+
+    def synced(self) -> None:
+        """A wait for a read just ended."""
+        self._since = time.perf_counter()
+
+    def launched(self) -> None:
+        """A run of steps is being launched (or the call ends): the host time since the last wait counts."""
+        if self._since is not None:
+            self.after_sync_ms += (time.perf_counter() - self._since) * 1e3
+            self._since = None
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._since is not None:
+                self._since += time.perf_counter() - t0

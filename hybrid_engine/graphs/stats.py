@@ -102,6 +102,8 @@ class CallStats:
     span_buckets: tuple[int, ...] = ()
     span_steps: dict[int, int] = dataclasses.field(default_factory=dict)
     host_syncs: int = 0
+    host_ms_overlapped: float = 0.0  # host planning while the device ran a run of steps, before its read's wait
+    host_ms_after_sync: float = 0.0  # host work from a read's wait to the next run's launch (admissions left out)
     eager_steps: int = 0
     capture_ms: float = 0.0
     graph_batch_size: int = 0  # the bucket the call's slots were sized for (0: none)

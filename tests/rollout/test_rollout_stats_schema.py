@@ -21,9 +21,9 @@ KEYS = set(CallStats.keys())
 CALL_COUNTERS = ("prefill_ms", "decode_ms", "decode_steps", "prefill_forwards", "tokens_generated",
                  "tokens_per_second", "graph_replays", "graph_captures", "admission_graph_replays",
                  "admission_graph_captures", "fallbacks", "peak_active_batch", "kv_pages_peak", "kv_pages_held_peak",
-                 "kv_bytes_peak", "preemptions", "host_syncs", "eager_steps", "capture_ms", "prefill_rows",
-                 "prefill_tokens", "kv_reused_tokens", "kv_row_copies", "admission_rounds", "harvests",
-                 "compactions", "rows_moved", "num_sequences", "wakes", "recaptures")
+                 "kv_bytes_peak", "preemptions", "host_syncs", "host_ms_overlapped", "host_ms_after_sync",
+                 "eager_steps", "capture_ms", "prefill_rows", "prefill_tokens", "kv_reused_tokens", "kv_row_copies",
+                 "admission_rounds", "harvests", "compactions", "rows_moved", "num_sequences", "wakes", "recaptures")
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,9 @@ def _empty() -> RolloutRequest:
 
 def test_the_schema_lists_every_key_once_and_a_call_has_exactly_its_keys(model):
     keys = CallStats.keys()
-    # the 40 keys a normal call had, "wakes" and "recaptures" (issue 41) and "profile"
-    assert len(keys) == len(set(keys)) == 43
+    # the 40 keys a normal call had, "wakes" and "recaptures" (issue 41), "profile", and the host split around
+    # reads (issue 40: "host_ms_overlapped", "host_ms_after_sync")
+    assert len(keys) == len(set(keys)) == 45
     rollout = _rollout(model)
     rollout.generate(left_padded_prompts([3, 5], seed=1), SAMPLING)
     assert list(rollout.last_stats) == list(keys)
