@@ -266,7 +266,7 @@ def test_python_dash_m_prints_one_line_and_exits_2():
     (["bench", "rlhf", "--batch-size", "100000"], "--batch-size 100000 is more than 4096, the most sequences one call"),
     (["bench", "rlhf", "--zero-stage", "1", "--batch-size", "100000"], "--batch-size 100000 is more than 4096"),
     (["bench", "parity", "--batch-size", "100000"], "--batch-size 100000 is more than 4096"),
-    (["bench", "overhead", "--batch-size", "100000"], "--batch-size 100000 is more than 4096"),
+    (["bench", "overhead", "--batch-size", "100000"], "--batch-size 100000 x --samples 2 is 200000 sequences"),
     (["bench", "continuous", "--batch-size", "100000"], "--batch-size 100000 is more than 4096"),
     (["bench", "continuous", "--mixed-requests", "100000"], "--mixed-requests 100000 is more than 4096"),
     (["bench", "continuous", "--longtail-slots", "100000"], "--longtail-slots 100000 is more than 4096"),
