@@ -3,11 +3,11 @@
 
 What is stubbed, and only that (the hardware boundary): ``torch_npu`` itself. Its ``npu_incre_flash_attention``
 computes what torch_npu documents for page attention, in fp32 with one rounding at the output (as a fused kernel
-does), and refuses what the documentation says it refuses: K/V not fp16/bf16 or not of the query's dtype, a
-``block_size`` not aligned to 16, a query not ``"BSH"`` ``[B, 1, num_heads * D]``, a KV cache not ``(blocknum,
-blocksize, H)``, a ``block_table`` not 2-D int32 ``[B, >= blocks needed]``, ``actual_seq_lengths`` missing or not a
-host list of ints (a device tensor there is what it cannot take), an ``atten_mask`` not bool/int8/uint8 or shorter
-than the table's span. ``scale_value`` defaults to 1.0 as torch_npu's does, and a row with every key masked comes
+does), and refuses what the documentation says it refuses: K/V not fp16/bf16 or not of the query's dtype,
+non-contiguous inputs, a ``block_size`` not aligned to 16, a query not ``"BSH"`` ``[B, 1, num_heads * D]``, a KV
+cache not ``(blocknum, blocksize, H)``, a ``block_table`` not 2-D int32 ``[B, >= blocks needed]`` or with block ids
+outside ``[0, blocknum - 1]``, ``actual_seq_lengths`` missing or not a host list of ints (a device tensor there is
+what it cannot take), an ``atten_mask`` not bool/int8/uint8 or shorter than the table's span. ``scale_value`` defaults to 1.0 as torch_npu's does, and a row with every key masked comes
 out NaN (undefined in a fused kernel: the stub takes the worst case). Every launch is logged in ``calls``. The stub
 runs on the CPU, so the probe's "runs on the tensor's device" is the CPU here. Nothing here is verified on a real
 NPU.
@@ -63,6 +63,10 @@ def make_stub_torch_npu(*, kernel: bool = True, error: str | None = None) -> typ
                 or not all(type(n) is int for n in actual_seq_lengths):
             raise TypeError(f"stub torch_npu: actual_seq_lengths must be a host List[int], got "
                             f"{type(actual_seq_lengths).__name__}")
+        if not (query.is_contiguous() and key.is_contiguous() and value.is_contiguous()):
+            raise RuntimeError("stub torch_npu: non-contiguous query/key/value")
+        if block_table.min() < 0 or block_table.max() >= key.shape[0]:
+            raise RuntimeError("stub torch_npu: block_table values must lie in [0, blocknum - 1]")
         span = block_table.shape[1] * block_size
         if max(actual_seq_lengths) > span:
             raise RuntimeError("stub torch_npu: block_table has fewer blocks than actual_seq_lengths needs")
