@@ -5,12 +5,15 @@ tensors and masks it (3x the K/V bytes of reading each live token once). Behind 
 captured graph and one kernel in ``hybrid-engine bench kernels``, and an accelerator runs a kernel that reads
 each row's pages where they lie, up to the row's own length.
 
-Implementations, chosen per device by a capability probe (:func:`implementation`): the Triton kernel
-(:func:`_triton_attention`, over :class:`~hybrid_engine.decode.kv_pool.KVPool`'s token-major layout ``[pages *
-page_size, kv_heads, head_dim]``) where Triton is installed and its kernel runs on that device and agrees with the
-reference on a probe input (under ``TRITON_INTERPRET=1`` that includes the CPU: how CPU CI tests the kernel);
-else the reference (:func:`reference_attention`: gather + SDPA with a length mask, what the step does today).
-The probe runs outside capture, once per device; a graph captured with one implementation replays it.
+Implementations, chosen per device by a capability probe (:func:`implementation`), the first candidate whose kernel
+runs on that device and agrees with the reference on a probe input, never by device name: torch_npu's paged
+incremental attention (``"npu"``, :mod:`~hybrid_engine.decode.ops.paged_npu`: views of the pool, lengths as a
+device mask, so capture-safe) where torch_npu provides it; the Triton kernel (``"triton"``,
+:func:`_triton_attention`, over :class:`~hybrid_engine.decode.kv_pool.KVPool`'s token-major layout ``[pages *
+page_size, kv_heads, head_dim]``) where Triton is installed (under ``TRITON_INTERPRET=1`` that includes the CPU:
+how CPU CI tests the kernel); else the reference (:func:`reference_attention`: gather + SDPA with a length mask,
+what the step does today). The probe runs outside capture, once per device; a graph captured with one
+implementation replays it.
 """
 
 from __future__ import annotations
@@ -67,9 +70,9 @@ def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_po
     """One decode query per row over its pages in place (see the module docstring); ``lengths [B]`` int64: the
     tokens each row sees (0 gives zeros on the kernel path, the mean of the span's values on the reference)."""
     _check(query, key_pool, value_pool, block_table, lengths, page_size)  # shapes only: no host read
-    if implementation(query.device) == "triton":
-        return _triton_attention(query, key_pool, value_pool, block_table, lengths, scale, page_size)
-    return reference_attention(query, key_pool, value_pool, block_table, lengths, scale, page_size)
+    name = implementation(query.device)
+    run = reference_attention if name == "reference" else _CANDIDATES[name]()
+    return run(query, key_pool, value_pool, block_table, lengths, scale, page_size)
 
 
 @paged_decode_attention.register_fake
@@ -78,26 +81,54 @@ def _(query, key_pool, value_pool, block_table, lengths, scale, page_size):
 
 
 # ------------------------------------------------------------------ choice
+@functools.lru_cache(maxsize=1)
+def _npu_attention():
+    """torch_npu's paged kernel (:mod:`.paged_npu`); ``None`` without torch_npu or the kernel."""
+    from hybrid_engine.decode.ops.paged_npu import npu_attention
+
+    return npu_attention(reference_attention)
+
+
+def _triton_candidate():
+    return _triton_attention if _kernel() is not None else None
+
+
+#: Candidates in order of preference (a vendor's kept kernel first), each with its probe's dtype, page size and
+#: tolerance: torch_npu's kernel takes fp16/bf16 and pages aligned to 16 only.
+_CANDIDATES = {"npu": _npu_attention, "triton": _triton_candidate}
+_PROBES = {"npu": (torch.float16, 16, 1e-2), "triton": (torch.float32, 4, 1e-4)}
+
+
+def _agrees(run, device: torch.device, dtype: torch.dtype, page: int, tol: float) -> bool:
+    """Whether ``run`` runs on ``device`` and agrees with the reference on a small input (two rows over scattered
+    pages, one ending mid-page, GQA)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 16, generator=g).to(device, dtype)
+    kp, vp = (torch.randn(5 * page, 2, 16, generator=g).to(device, dtype) for _ in range(2))
+    table = torch.tensor([[1, 3], [4, 2]], device=device)
+    lengths = torch.tensor([page + 3, page + 1], device=device)
+    try:
+        got = run(q, kp, vp, table, lengths, 0.25, page)
+        want = reference_attention(q, kp, vp, table, lengths, 0.25, page)
+        return got.shape == want.shape and got.dtype == want.dtype and torch.allclose(got.float(), want.float(),
+                                                                                       atol=tol, rtol=tol)
+    except Exception:  # noqa: BLE001 -- any failure to compile or run means: not on this device
+        return False
+
+
 @functools.lru_cache(maxsize=16)
 def _probe(device: torch.device) -> str:
-    """``"triton"`` where the kernel runs on ``device`` and agrees with the reference on a small input."""
-    if _kernel() is None:
-        return "reference"
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 1, 16, generator=g).to(device)
-    kp, vp = (torch.randn(5 * 4, 2, 16, generator=g).to(device) for _ in range(2))
-    table = torch.tensor([[1, 3], [4, 2]], device=device)
-    lengths = torch.tensor([7, 5], device=device)
-    try:
-        got = _triton_attention(q, kp, vp, table, lengths, 0.25, 4)
-        want = reference_attention(q, kp, vp, table, lengths, 0.25, 4)
-        return "triton" if torch.allclose(got, want, atol=1e-4, rtol=1e-4) else "reference"
-    except Exception:  # noqa: BLE001 -- any failure to compile or run means: not on this device
-        return "reference"
+    """The first candidate whose kernel runs on ``device`` and agrees with the reference, else ``"reference"``."""
+    for name, build in _CANDIDATES.items():
+        run = build()
+        if run is not None and _agrees(run, device, *_PROBES[name]):
+            return name
+    return "reference"
 
 
 def implementation(device: torch.device | str) -> str:
-    """The implementation :func:`paged_decode_attention` runs on ``device``: ``"triton"`` or ``"reference"``."""
+    """The implementation :func:`paged_decode_attention` runs on ``device``: ``"npu"``, ``"triton"`` or
+    ``"reference"``."""
     return _probe(probe_device(device))
 
 
