@@ -238,8 +238,8 @@ def implementations(model: Any, fused: bool) -> dict[str, str]:
     paged = paged_attention.implementation(device)
     if fused:
         attention = f"hybrid_engine::paged_decode_attention ({paged})"
-    elif paged == "triton":
-        attention = "hybrid_engine::paged_decode_attention, Triton kernel reading each row's pages in place"
+    elif paged != "reference":
+        attention = f"hybrid_engine::paged_decode_attention, {paged} kernel reading each row's pages in place"
     else:
         attention = (f"page gather (index_select) + {model.config._attn_implementation} with a [B, span] mask "
                      "(paged_decode_attention's reference; no kernel on this device)")

@@ -244,7 +244,7 @@ def reads_pages_in_place(model: PreTrainedModel, cache: PagedKVCache,
             or cache.states is not None or any(cache.rings) or uses_exact_attention(model):
         return False
     kinds = attention_kinds(model.config) if kinds is None else kinds
-    return kinds.get(None) == FULL and len(kinds) == 1 and implementation(cache.device) == "triton"
+    return kinds.get(None) == FULL and len(kinds) == 1 and implementation(cache.device) != "reference"
 
 
 def _check_tokens(cache: PagedKVCache, tokens: torch.Tensor) -> None:
