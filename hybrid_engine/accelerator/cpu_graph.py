@@ -1006,7 +1006,12 @@ class _Recorder(TorchDispatchMode):
         self._snapshot_written(func, args, kwargs)
         template = self._template(args, kwargs)
         self.inference = self.inference or torch.is_inference_mode_enabled()
-        out = func(*args, **kwargs)
+        body = None if func.namespace in _NATIVE_NAMESPACES else _custom_op_body(func)
+        if body is None:
+            out = func(*args, **kwargs)
+        else:  # a custom op: its body runs now and again at every replay, so it gets the host-read checks too
+            with _HostSyncGuard(self), _OpBodyChecks(self):
+                out = body(*args, **kwargs)
 
         flat_out, _ = tree_flatten(out)
         has_tensor = any(isinstance(o, torch.Tensor) for o in flat_out)
@@ -1036,6 +1041,40 @@ class _Recorder(TorchDispatchMode):
             _Step(func._op, base_args, base_kwargs, direct, nested, kw_direct, tuple(out_slots), single)
         )
         return out
+
+
+#: Namespaces of torch's own ops; any other op (a ``torch.library`` custom op) runs a body the recorder does not
+#: see op by op.
+_NATIVE_NAMESPACES = frozenset({"aten", "prim", "prims"})
+
+
+def _custom_op_body(func: Any) -> Any:
+    """The Python function a ``torch.library.custom_op`` runs (called here directly, so the aten ops inside reach
+    :class:`_OpBodyChecks`; through the dispatcher they would run below its Python key, unseen); ``None`` for an
+    op defined otherwise (it runs through the dispatcher, unchecked inside)."""
+    try:
+        from torch._library.custom_ops import _maybe_get_opdef
+    except ImportError:  # torch without torch.library.custom_op
+        return None
+    opdef = _maybe_get_opdef(func)
+    return None if opdef is None else opdef._init_fn
+
+
+class _OpBodyChecks(TorchDispatchMode):
+    """Inside a custom op's body (recorded as one node, replayed by running the body again): the aten ops it
+    runs get the recorder's host-read and data-dependent-shape checks (not recorded: the node is the op). A
+    device graph would capture the op's kernels, and a host read among them fails there."""
+
+    def __init__(self, rec: _Recorder) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        what = _FORBIDDEN_OPS.get(func.overloadpacket) or _hidden_host_read(func.overloadpacket, func, args, kwargs)
+        if what is not None:
+            raise _not_permitted(f"{what}, inside the custom op {self.rec.op}")
+        return func(*args, **kwargs)
 
 
 def _names_the_host(args: tuple, kwargs: dict) -> bool:

@@ -220,23 +220,6 @@ def validate_logprobs(logprobs: object) -> None:
         raise ValueError(f"logprobs must be one of {LOGPROB_MODES}, got {logprobs!r}")
 
 
-def _kept_in_sorted_order(sorted_logits: torch.Tensor, k: torch.Tensor | int, p: torch.Tensor | float,
-                          top_k: bool, top_p: bool) -> torch.Tensor:
-    """Which positions of a row sorted in descending order the filters keep: the first ``k``, then the shortest
-    prefix of the top-k-renormalised distribution whose mass reaches ``p`` (the top token always stays)."""
-    vocab = sorted_logits.shape[-1]
-    keep = torch.ones_like(sorted_logits, dtype=torch.bool)
-    if top_k:
-        keep = keep & (torch.arange(vocab, device=sorted_logits.device) < k)
-    if top_p:
-        probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs  # exclusive prefix sum
-        drop = mass_before >= p
-        drop[..., 0] = False
-        keep = keep & ~drop
-    return keep
-
-
 def _filtered_logprobs(
     logits: torch.Tensor, temperature: float, top_p: float, top_k: int, knobs: RowKnobs | None = None,
     *, ranked: bool = False,

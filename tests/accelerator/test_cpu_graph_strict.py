@@ -1035,3 +1035,39 @@ def test_a_fork_that_never_rejoins_fails_capture_end(acc):
         with acc.stream(side):
             x * 2
     assert not g.is_captured
+
+
+# ------------------------------------------------- custom ops: their bodies are checked too
+@torch.library.custom_op("hybrid_engine_test::reads_the_host", mutates_args=())
+def _reads_the_host(x: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "item":
+        return x + int(x.sum().item())
+    if how == "tolist":
+        return x + len(x.tolist())
+    if how == "nonzero":
+        return x + x.nonzero().shape[0]
+    return x * 2  # "none": device work only
+
+
+@_reads_the_host.register_fake
+def _(x, how):
+    return torch.empty_like(x)
+
+
+@pytest.mark.parametrize("how", ["item", "tolist", "nonzero"])
+def test_a_host_read_inside_a_custom_op_fails_the_capture(acc, how):
+    """A custom op is recorded as one node, and its body runs again at every replay; a device graph would capture
+    its kernels, so a host read (or a data-dependent shape) inside it must fail the capture as it would outside."""
+    x = torch.ones(3)
+    g = acc.create_graph()
+    with pytest.raises(GraphCaptureError, match="not permitted while capturing"), torch.no_grad(), \
+            acc.capture_to_graph(g):
+        _reads_the_host(x, how)
+
+
+def test_a_custom_op_without_host_reads_is_one_node_and_replays(acc):
+    x = torch.ones(3)
+    g, y = capture(acc, lambda: _reads_the_host(x, "none"))
+    x.fill_(5.0)
+    g.replay()
+    assert torch.equal(y, torch.full((3,), 10.0))

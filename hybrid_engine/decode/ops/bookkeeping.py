@@ -26,6 +26,8 @@ import functools
 
 import torch
 
+from hybrid_engine.decode.ops.probe import probe_device
+
 __all__ = ["advance_rows", "implementation", "reference_advance_rows", "stop_match"]
 
 _INT_ROWS = ("tokens", "token_index", "advance", "new_tokens", "budget", "min_tokens")
@@ -171,10 +173,7 @@ def _probe(device: torch.device) -> str:
 
 def implementation(device: torch.device | str) -> str:
     """The implementation :func:`advance_rows` runs on ``device``: ``"triton"`` or ``"reference"``."""
-    device = torch.device(device)
-    if device.index is None and device.type != "cpu":
-        device = torch.device(device.type, 0)
-    return _probe(device)
+    return _probe(probe_device(device))
 
 
 # ------------------------------------------------------------------ kernel

@@ -30,6 +30,8 @@ import numbers
 
 import torch
 
+from hybrid_engine.decode.ops.probe import probe_device
+
 __all__ = ["SAMPLING_DRAW", "as_counter", "counter_uniform", "describe", "filtered_logprobs", "implementation",
            "inverse_cdf", "reference_sample_rows", "sample_rows", "seed_lane"]
 
@@ -292,10 +294,7 @@ def _probe(device: torch.device) -> str:
 
 def implementation(device: torch.device | str) -> str:
     """The implementation :func:`sample_rows` runs on ``device``: ``"triton"`` or ``"reference"``."""
-    device = torch.device(device)
-    if device.index is None and device.type != "cpu":
-        device = torch.device(device.type, 0)
-    return _probe(device)
+    return _probe(probe_device(device))
 
 
 def describe(device: torch.device | str | None = None) -> str:
