@@ -1048,10 +1048,24 @@ class _Recorder(TorchDispatchMode):
 _NATIVE_NAMESPACES = frozenset({"aten", "prim", "prims"})
 
 
+#: Python kernels of ops defined with ``torch.library.Library`` (their qualified names): :func:`register_op_body`.
+_OP_BODIES: dict[str, Any] = {}
+
+
+def register_op_body(qualname: str, fn: Any) -> None:
+    """Tell the emulation the Python function op ``qualname`` (``"ns::name"``) runs, so that a capture runs it
+    directly and checks the ops inside (:func:`_custom_op_body`)."""
+    _OP_BODIES[qualname] = fn
+
+
 def _custom_op_body(func: Any) -> Any:
-    """The Python function a ``torch.library.custom_op`` runs (called here directly, so the aten ops inside reach
-    :class:`_OpBodyChecks`; through the dispatcher they would run below its Python key, unseen); ``None`` for an
-    op defined otherwise (it runs through the dispatcher, unchecked inside)."""
+    """The Python function a custom op runs (called here directly, so the aten ops inside reach
+    :class:`_OpBodyChecks`; through the dispatcher they would run below its Python key, unseen): one registered
+    with :func:`register_op_body`, or a ``torch.library.custom_op``'s; ``None`` for any other op (it runs
+    through the dispatcher, unchecked inside)."""
+    body = _OP_BODIES.get(func._schema.name)
+    if body is not None:
+        return body
     try:
         from torch._library.custom_ops import _maybe_get_opdef
     except ImportError:  # torch without torch.library.custom_op

@@ -26,6 +26,7 @@ import functools
 
 import torch
 
+from hybrid_engine.decode.ops.define import define_op
 from hybrid_engine.decode.ops.probe import probe_device
 
 __all__ = ["advance_rows", "implementation", "reference_advance_rows", "stop_match"]
@@ -102,15 +103,12 @@ def _check(tokens, token_index, finished, live, advance, suppress_eos, out_token
         raise ValueError("advance_rows: stop_ids must be int64 [settings, sequences, length] and knob [B]")
 
 
-@torch.library.custom_op("hybrid_engine::advance_rows",
-                         mutates_args=("tokens", "token_index", "finished", "live", "advance", "suppress_eos",
-                                       "out_tokens", "out_logprobs"))
-def advance_rows(tokens: torch.Tensor, token_index: torch.Tensor, finished: torch.Tensor, live: torch.Tensor,
-                 advance: torch.Tensor, suppress_eos: torch.Tensor, out_tokens: torch.Tensor,
-                 out_logprobs: torch.Tensor,
-                 new_tokens: torch.Tensor, logprobs: torch.Tensor | None, budget: torch.Tensor,
-                 min_tokens: torch.Tensor, eos_mask: torch.Tensor, pad_id: torch.Tensor,
-                 stop_ids: torch.Tensor | None, knob: torch.Tensor | None) -> None:
+def _advance_rows(tokens: torch.Tensor, token_index: torch.Tensor, finished: torch.Tensor, live: torch.Tensor,
+                  advance: torch.Tensor, suppress_eos: torch.Tensor, out_tokens: torch.Tensor,
+                  out_logprobs: torch.Tensor,
+                  new_tokens: torch.Tensor, logprobs: torch.Tensor | None, budget: torch.Tensor,
+                  min_tokens: torch.Tensor, eos_mask: torch.Tensor, pad_id: torch.Tensor,
+                  stop_ids: torch.Tensor | None, knob: torch.Tensor | None) -> None:
     """One decode step's bookkeeping for every row, in place (see the module docstring): record ``new_tokens``
     (and ``logprobs``, unless None) in ``out_tokens``/``out_logprobs`` ``[B, capacity + 1]``, feed them next,
     advance ``token_index`` by ``advance``, set ``finished`` on EOS / budget / a stop sequence of ``stop_ids``
@@ -125,10 +123,14 @@ def advance_rows(tokens: torch.Tensor, token_index: torch.Tensor, finished: torc
         reference_advance_rows(*args)
 
 
-@advance_rows.register_fake
-def _(tokens, token_index, finished, live, advance, suppress_eos, out_tokens, out_logprobs, new_tokens, logprobs, budget,
-      min_tokens, eos_mask, pad_id, stop_ids, knob):
+def _advance_rows_fake(tokens, token_index, finished, live, advance, suppress_eos, out_tokens, out_logprobs,
+                       new_tokens, logprobs, budget, min_tokens, eos_mask, pad_id, stop_ids, knob):
     return None
+
+
+advance_rows = define_op(_advance_rows, _advance_rows_fake,
+                         mutates_args=("tokens", "token_index", "finished", "live", "advance", "suppress_eos",
+                                       "out_tokens", "out_logprobs"))
 
 
 # ------------------------------------------------------------------ choice

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from hybrid_engine.accelerator import is_capturing
+from hybrid_engine.decode.ops.define import define_op
 from hybrid_engine.decode.ops.probe import probe_device
 
 __all__ = ["add_rms_norm", "implementation", "reference_add_rms_norm", "reference_rms_norm", "reference_rotary_qk",
@@ -211,21 +212,21 @@ def _dense(out):
 
 
 # ------------------------------------------------------------------ ops
-@torch.library.custom_op("hybrid_engine::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim (see :func:`reference_rms_norm`)."""
     _check_norm("rms_norm", x, weight, eps)
     return _dense(_impl(x.device).rms_norm(x, weight, eps))
 
 
-@rms_norm.register_fake
-def _(x, weight, eps):
+def _rms_norm_fake(x, weight, eps):
     return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
 
 
-@torch.library.custom_op("hybrid_engine::add_rms_norm", mutates_args=())
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+rms_norm = define_op(_rms_norm, _rms_norm_fake)
+
+
+def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(normed, hidden)`` with ``hidden = residual + x`` (see :func:`reference_add_rms_norm`)."""
     _check_norm("add_rms_norm", x, weight, eps)
     if residual.shape != x.shape:
@@ -233,33 +234,37 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return _dense(_impl(x.device).add_rms_norm(x, residual, weight, eps))
 
 
-@add_rms_norm.register_fake
-def _(x, residual, weight, eps):
+def _add_rms_norm_fake(x, residual, weight, eps):
     hidden = torch.promote_types(residual.dtype, x.dtype)
     return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, hidden)), x.new_empty(x.shape, dtype=hidden)
 
 
-@torch.library.custom_op("hybrid_engine::rotary_qk", mutates_args=())
-def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+add_rms_norm = define_op(_add_rms_norm, _add_rms_norm_fake)
+
+
+def _rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding on q and k in one op (see :func:`reference_rotary_qk`)."""
     _check_rotary(q, k, cos, sin)
     return _dense(_impl(q.device).rotary_qk(q, k, cos, sin))
 
 
-@rotary_qk.register_fake
-def _(q, k, cos, sin):
+def _rotary_qk_fake(q, k, cos, sin):
     return (q.new_empty(q.shape, dtype=torch.promote_types(q.dtype, cos.dtype)),
             k.new_empty(k.shape, dtype=torch.promote_types(k.dtype, cos.dtype)))
 
 
-@torch.library.custom_op("hybrid_engine::silu_mul", mutates_args=())
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+rotary_qk = define_op(_rotary_qk, _rotary_qk_fake)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` (see :func:`reference_silu_mul`)."""
     _check_silu_mul(gate, up)
     return _dense(_impl(gate.device).silu_mul(gate, up))
 
 
-@silu_mul.register_fake
-def _(gate, up):
+def _silu_mul_fake(gate, up):
     return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
+
+
+silu_mul = define_op(_silu_mul, _silu_mul_fake)

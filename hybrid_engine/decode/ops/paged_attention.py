@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from hybrid_engine.decode.ops.define import define_op
 from hybrid_engine.decode.ops.probe import probe_device
 
 __all__ = ["PAGED_ATTENTION", "PagedRead", "implementation", "paged_attention_forward", "paged_decode_attention",
@@ -63,10 +64,9 @@ def reference_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool:
                                           enable_gqa=query.shape[1] != k.shape[1])
 
 
-@torch.library.custom_op("hybrid_engine::paged_decode_attention", mutates_args=())
-def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
-                           block_table: torch.Tensor, lengths: torch.Tensor, scale: float,
-                           page_size: int) -> torch.Tensor:
+def _paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor,
+                            block_table: torch.Tensor, lengths: torch.Tensor, scale: float,
+                            page_size: int) -> torch.Tensor:
     """One decode query per row over its pages in place (see the module docstring); ``lengths [B]`` int64: the
     tokens each row sees (0 gives zeros on the kernel path, the mean of the span's values on the reference)."""
     _check(query, key_pool, value_pool, block_table, lengths, page_size)  # shapes only: no host read
@@ -75,9 +75,11 @@ def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_po
     return run(query, key_pool, value_pool, block_table, lengths, scale, page_size)
 
 
-@paged_decode_attention.register_fake
-def _(query, key_pool, value_pool, block_table, lengths, scale, page_size):
+def _paged_decode_attention_fake(query, key_pool, value_pool, block_table, lengths, scale, page_size):
     return torch.empty_like(query)
+
+
+paged_decode_attention = define_op(_paged_decode_attention, _paged_decode_attention_fake)
 
 
 # ------------------------------------------------------------------ choice

@@ -30,6 +30,7 @@ import numbers
 
 import torch
 
+from hybrid_engine.decode.ops.define import define_op
 from hybrid_engine.decode.ops.probe import probe_device
 
 __all__ = ["SAMPLING_DRAW", "as_counter", "counter_uniform", "describe", "filtered_logprobs", "implementation",
@@ -217,11 +218,10 @@ def _check(logits: torch.Tensor, eos_mask: torch.Tensor | None, suppress_eos: to
                          f"and {tuple(suppress_eos.shape)}")
 
 
-@torch.library.custom_op("hybrid_engine::sample_rows", mutates_args=())
-def sample_rows(logits: torch.Tensor, eos_mask: torch.Tensor | None, suppress_eos: torch.Tensor | None,
-                knob: torch.Tensor, inv_temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                full: torch.Tensor, seed: torch.Tensor, stream: torch.Tensor, token_index: torch.Tensor,
-                top_k_on: bool, top_p_on: bool, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample_rows(logits: torch.Tensor, eos_mask: torch.Tensor | None, suppress_eos: torch.Tensor | None,
+                 knob: torch.Tensor, inv_temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                 full: torch.Tensor, seed: torch.Tensor, stream: torch.Tensor, token_index: torch.Tensor,
+                 top_k_on: bool, top_p_on: bool, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens [B] int64, logprobs [B] float32)`` sampled from ``logits [B, V]`` (see the module docstring).
 
     ``knob [B]`` indexes each row's values in the tables ``inv_temperature``, ``top_p``, ``top_k`` and ``full``
@@ -240,11 +240,13 @@ def sample_rows(logits: torch.Tensor, eos_mask: torch.Tensor | None, suppress_eo
                                  stream, token_index, top_k_on, top_p_on)
 
 
-@sample_rows.register_fake
-def _(logits, eos_mask, suppress_eos, knob, inv_temperature, top_p, top_k, full, seed, stream, token_index,
-      top_k_on, top_p_on, exact=False):
+def _sample_rows_fake(logits, eos_mask, suppress_eos, knob, inv_temperature, top_p, top_k, full, seed, stream, token_index,
+                      top_k_on, top_p_on, exact=False):
     rows = logits.shape[0]
     return logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows, dtype=torch.float32)
+
+
+sample_rows = define_op(_sample_rows, _sample_rows_fake)
 
 
 # ------------------------------------------------------------------ choice
