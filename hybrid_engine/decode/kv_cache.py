@@ -65,6 +65,9 @@ class ForwardIndices:
     write_slots: torch.Tensor  # [rows * T]: the pool slot of every new token
     kv_len: int  # the K/V length ``update`` returns (what the 4D mask spans)
     read_slots: torch.Tensor | None = None  # [rows * span tokens]: what ``update`` gathers (None when fresh)
+    # [rows * span pages]: the same span as whole pages (a decode step's): ``update`` then gathers page blocks,
+    # the same bytes in a sixteenth of the index entries (a CPU's gather is per index entry).
+    read_pages: torch.Tensor | None = None
     fresh: bool = False  # a prefill: ``update`` returns the new states themselves (a prompt attends to itself)
     # Ring layers only: the new tokens' positions [B, T], which of them are real, and (a prefill) each row's
     # length, so that a ring keeps the row's last tokens.
@@ -453,6 +456,12 @@ class PagedKVCache(Cache):
             return key_states, value_states
         if forward.paged:
             return keys, values
+        if forward.read_pages is not None:
+            pages, p = forward.read_pages, self.page_size
+            return (keys.view(-1, p, h, keys.shape[2]).index_select(0, pages).view(b, -1, h, keys.shape[2])
+                    .transpose(1, 2),
+                    values.view(-1, p, h, values.shape[2]).index_select(0, pages).view(b, -1, h, values.shape[2])
+                    .transpose(1, 2))
         read = forward.read_slots
         span = read.numel() // b
         return (keys.index_select(0, read).view(b, span, h, keys.shape[2]).transpose(1, 2),

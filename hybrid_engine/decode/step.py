@@ -449,7 +449,8 @@ def _transformers_step(model: PreTrainedModel, cache: PagedKVCache, tokens: torc
     if paged is None:
         paged = reads_pages_in_place(model, cache, kinds)
     pages = _paged_read(cache, kv_len) if paged else None
-    indices = ForwardIndices(write_slots=write_slots, kv_len=kv_len, read_slots=read_slots, token_pos=token_pos,
-                             token_keep=token_keep, paged=paged)
+    read_pages = None if paged else cache.block_table[:, :kv_len // cache.page_size].reshape(-1)
+    indices = ForwardIndices(write_slots=write_slots, kv_len=kv_len, read_slots=read_slots, read_pages=read_pages,
+                             token_pos=token_pos, token_keep=token_keep, paged=paged)
     return indices, lambda: _forward(model, cache, tokens[:, None], mask4d, cache.position[:, None], write_pos[:1],
                                      paged=pages)
