@@ -13,7 +13,9 @@ The second comparison (where DeepSpeed is installed) is the rollout path: our
 ``deepspeed.runtime.rollout.HybridEngineRollout`` (its ``model.generate`` path)
 on the same work: the same prompts, ``--samples`` samples each, a pinned length
 (an EOS no model emits), greedy and sampled at temperature 1 (``--rollout-modes``).
-Ours must be no slower (ratio <= 1.0); greedy tokens are compared.
+Ours must be no slower (ratio <= 1.0); greedy tokens are compared. Ours runs twice: with graphs off (the
+eager path, the ratio the target is read on) and with graphs on (the path a user runs; on a CPU, the graph
+emulation), both in the same interleaved rounds.
 """
 
 from __future__ import annotations
@@ -52,21 +54,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rollout comparison modes: greedy, sampled (temperature 1), none (default greedy,sampled)")
 
 
-def _interleaved(a: Any, b: Any, repeats: int) -> tuple[list[float], list[float], Any, Any]:
-    """One warm-up each, then ``repeats`` timed calls each, alternating which goes first."""
-    a(), b()
-    a_ms: list[float] = []
-    b_ms: list[float] = []
-    out_a = out_b = None
+def _interleaved(*fns: Any, repeats: int) -> list[Any]:
+    """One warm-up each, then ``repeats`` timed calls each, rotating which goes first; ``[ms of the first,
+    ..., last output of the first, ...]``."""
+    for fn in fns:
+        fn()
+    ms: list[list[float]] = [[] for _ in fns]
+    outs: list[Any] = [None] * len(fns)
     for i in range(repeats):
-        for name in (("a", "b") if i % 2 == 0 else ("b", "a")):
-            if name == "a":
-                out_a, ms = C.timed(a)
-                a_ms.append(ms)
-            else:
-                out_b, ms = C.timed(b)
-                b_ms.append(ms)
-    return a_ms, b_ms, out_a, out_b
+        for j in range(len(fns)):
+            k = (i + j) % len(fns)
+            outs[k], t = C.timed(fns[k])
+            ms[k].append(t)
+    return [*ms, *outs]
 
 
 def rollout_vs_deepspeed(args: argparse.Namespace, dtype: torch.dtype, device: torch.device, ids: torch.Tensor,
@@ -91,14 +91,16 @@ def rollout_vs_deepspeed(args: argparse.Namespace, dtype: torch.dtype, device: t
     pad, _ = C.special_ids(ours_model)
     eos = unreachable_eos(ours_model)
     ours = make_rollout(ours_model, graphs=False, pad_token_id=pad, eos_token_id=eos)
+    graphed = make_rollout(C.build_bench_model(args, dtype, device, seed=args.seed), graphs=True, pad_token_id=pad,
+                           eos_token_id=eos)
     theirs = DeepSpeedRollout(types.SimpleNamespace(module=ds_model),
                               types.SimpleNamespace(pad_token_id=pad, eos_token_id=eos))
     rows = []
     for mode in modes:
         temperature = ROLLOUT_MODES[mode]
 
-        def run_ours(t: float = temperature) -> torch.Tensor:
-            return rollout_tokens(rollout_generate(ours, ids, mask, args.new_tokens, temperature=t,
+        def run_ours(t: float = temperature, rollout: Any = ours) -> torch.Tensor:
+            return rollout_tokens(rollout_generate(rollout, ids, mask, args.new_tokens, temperature=t,
                                                    n_samples=args.samples))
 
         def run_theirs(t: float = temperature) -> torch.Tensor:
@@ -106,12 +108,20 @@ def rollout_vs_deepspeed(args: argparse.Namespace, dtype: torch.dtype, device: t
             batch = theirs.generate(RolloutRequest(ids, mask), sc)
             return batch.input_ids[:, int(batch.response_start_idx[0]):]  # [B] of equal starts (left-padded)
 
-        o_ms, d_ms, tok_o, tok_d = _interleaved(run_ours, run_theirs, args.repeats)
+        def run_graphed(t: float = temperature) -> torch.Tensor:
+            return run_ours(t, graphed)
+
+        run_graphed()  # the graph side's warm-up call; it captures on the next
+        o_ms, d_ms, g_ms, tok_o, tok_d, tok_g = _interleaved(run_ours, run_theirs, run_graphed, repeats=args.repeats)
         same, total = C.agreement(tok_o, tok_d) if temperature == 0 else (None, None)
         ratio = C.median(o_ms) / C.median(d_ms)
         rows.append({"mode": mode, "ours_ms": o_ms, "deepspeed_ms": d_ms, "ours_median_ms": C.median(o_ms),
                      "deepspeed_median_ms": C.median(d_ms), "ratio": ratio,
                      "within_target": ratio <= ROLLOUT_TARGET_RATIO,
+                     "graphs_ms": g_ms, "graphs_median_ms": C.median(g_ms),
+                     "graphs_ratio": C.median(g_ms) / C.median(d_ms),
+                     "graph_tokens_equal_eager": bool(tok_g.shape == tok_o.shape and (tok_g == tok_o).all()),
+                     "graph_replays": int(graphed.last_stats["graph_replays"]),
                      "token_agreement": None if same is None else {"identical": same, "total": total}})
     return rows
 
@@ -135,7 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     min_new_tokens=N, pad_token_id=pad)
         return out[:, T:]
 
-    ours_ms, hf_ms, tok_o, tok_h = _interleaved(ours, theirs, args.repeats)
+    ours_ms, hf_ms, tok_o, tok_h = _interleaved(ours, theirs, repeats=args.repeats)
     same, total = C.agreement(tok_o, tok_h)
     o_med, h_med = C.median(ours_ms), C.median(hf_ms)
     ratio = o_med / h_med
@@ -165,12 +175,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if rollout_rows:
         n = B * args.samples * N
         text += "\n\n" + C.format_table(
-            ["rollout", "ours (graphs off)", "DeepSpeed HybridEngineRollout", "ratio ours / DeepSpeed", "agree"],
+            ["rollout", "ours (graphs off)", "DeepSpeed HybridEngineRollout", "ratio ours / DeepSpeed",
+             "ours, graphs on", "ratio graphs / DeepSpeed", "agree"],
             [[r["mode"], f"{r['ours_median_ms']:.1f} ms", f"{r['deepspeed_median_ms']:.1f} ms",
               f"{r['ratio']:.3f} ({'within' if r['within_target'] else 'ABOVE'} {ROLLOUT_TARGET_RATIO})",
+              f"{r['graphs_median_ms']:.1f} ms", f"{r['graphs_ratio']:.3f}",
               "-" if r["token_agreement"] is None else
               f"{r['token_agreement']['identical']}/{r['token_agreement']['total']}"] for r in rollout_rows],
             title=f"rollouts on the same work: {B} prompts x {args.samples} samples, {n} tokens per call")
+        text += "\n" + "; ".join(f"{r['mode']}: graph tokens {'equal' if r['graph_tokens_equal_eager'] else 'DIFFER FROM'} "
+                                 f"eager ({r['graph_replays']} replays in the last call)" for r in rollout_rows)
 
     def draw(plt: Any) -> None:
         plt.boxplot([ours_ms, hf_ms])

@@ -201,6 +201,8 @@ def test_bench_overhead(tmp_path, capsys):
     assert all(r["ratio"] > 0 and len(r["ours_ms"]) == len(r["deepspeed_ms"]) == 1 for r in rows.values())
     _total(rows["greedy"]["token_agreement"])  # greedy: DeepSpeed's tokens are ours
     assert rows["sampled"]["token_agreement"] is None
+    for r in rows.values():  # ours with graphs on too: it replayed, and its tokens are the eager ones
+        assert r["graphs_ratio"] > 0 and r["graph_replays"] > 0 and r["graph_tokens_equal_eager"]
 
 
 def test_bench_overhead_without_the_rollout_comparison(tmp_path, capsys):
