@@ -27,7 +27,7 @@ import functools
 import torch
 
 from hybrid_engine.decode.ops.define import define_op
-from hybrid_engine.decode.ops.probe import probe_device
+from hybrid_engine.decode.ops.probe import probe_device, refuse_while_capturing
 
 __all__ = ["advance_rows", "implementation", "reference_advance_rows", "stop_match"]
 
@@ -159,6 +159,7 @@ def _probe_state(device: torch.device, stops: bool, logprobs: bool) -> list:
 def _probe(device: torch.device) -> str:
     """``"triton"`` where the kernel runs on ``device`` and leaves exactly the reference's state on small
     inputs (with and without stop sequences and logprobs)."""
+    refuse_while_capturing("bookkeeping", device)
     if _kernel() is None:
         return "reference"
     try:

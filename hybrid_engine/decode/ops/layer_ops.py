@@ -28,9 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from hybrid_engine.accelerator import is_capturing
 from hybrid_engine.decode.ops.define import define_op
-from hybrid_engine.decode.ops.probe import probe_device
+from hybrid_engine.decode.ops.probe import probe_device, refuse_while_capturing
 
 __all__ = ["add_rms_norm", "implementation", "reference_add_rms_norm", "reference_rms_norm", "reference_rotary_qk",
            "reference_silu_mul", "rms_norm", "rotary_qk", "silu_mul"]
@@ -182,10 +181,7 @@ def _agrees(impl: _Impl, device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _probe(device: torch.device) -> str:
-    if is_capturing():  # the probe reads the device: inside a capture it would fail, and the failure be cached
-        raise RuntimeError(f"layer_ops: the implementation for {device} was first asked for while a graph was "
-                           "capturing; call hybrid_engine.decode.ops.layer_ops.implementation(device) (or run the "
-                           "ops once) before capturing")
+    refuse_while_capturing("layer_ops", device)
     for name, build in _CANDIDATES.items():
         impl = build()
         if impl is not None and _agrees(impl, device):

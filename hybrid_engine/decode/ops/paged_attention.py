@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_engine.decode.ops.define import define_op
-from hybrid_engine.decode.ops.probe import probe_device
+from hybrid_engine.decode.ops.probe import probe_device, refuse_while_capturing
 
 __all__ = ["PAGED_ATTENTION", "PagedRead", "implementation", "paged_attention_forward", "paged_decode_attention",
            "reference_attention"]
@@ -121,6 +121,7 @@ def _agrees(run, device: torch.device, dtype: torch.dtype, page: int, tol: float
 @functools.lru_cache(maxsize=16)
 def _probe(device: torch.device) -> str:
     """The first candidate whose kernel runs on ``device`` and agrees with the reference, else ``"reference"``."""
+    refuse_while_capturing("paged_attention", device)
     for name, build in _CANDIDATES.items():
         run = build()
         if run is not None and _agrees(run, device, *_PROBES[name]):

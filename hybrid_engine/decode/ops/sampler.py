@@ -31,7 +31,7 @@ import numbers
 import torch
 
 from hybrid_engine.decode.ops.define import define_op
-from hybrid_engine.decode.ops.probe import probe_device
+from hybrid_engine.decode.ops.probe import probe_device, refuse_while_capturing
 
 __all__ = ["SAMPLING_DRAW", "as_counter", "counter_uniform", "describe", "filtered_logprobs", "implementation",
            "inverse_cdf", "reference_sample_rows", "sample_rows", "seed_lane"]
@@ -272,6 +272,7 @@ def _probe_inputs(device: torch.device) -> tuple:
 def _probe(device: torch.device) -> str:
     """``"triton"`` where the kernel runs on ``device`` and agrees with the reference: the top-1 row picks the
     reference's token, and every row's token is a kept one with the reference's logprob for it."""
+    refuse_while_capturing("sampler", device)
     if _kernel() is None:
         return "reference"
     args = _probe_inputs(device)
