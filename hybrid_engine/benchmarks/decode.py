@@ -156,12 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                   f"x{row['speedup']:.2f}, agree {m['tokens_identical']}/"
                                                   f"{m['tokens_total']}")
             print(f"  {path:12s} batch {b:3d}: eager {row['eager_ms_per_step']:.2f} ms/step{graph_text}", flush=True)
-        if graph is None:
-            del eager, m_eager
-            gc.collect()
-            acc.empty_cache()
-            continue
-        problem = C.graph_side_problem(f"{path} path", graph_counts(graph))
+        problem = None if graph is None else C.graph_side_problem(f"{path} path", graph_counts(graph))
         if problem:
             problems.append(problem)
         del eager, graph, m_eager, m_graph

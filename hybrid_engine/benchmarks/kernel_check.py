@@ -3,8 +3,7 @@
 Why: an op picks its implementation by a probe on a tiny input; this runs each op through the dispatcher (the
 implementation the probe chose on ``--device``) at a decode step's real widths (Qwen2.5-0.5B: 14 query and 2 KV
 heads of 64, hidden 896, intermediate 4,864, vocabulary 151,936, 64 rows, rows up to 2k tokens on 16-token
-pages) and compares it with
-the op's reference implementation on the same inputs. A mismatch beyond the op's tolerance fails the command
+pages) and compares it with the op's reference implementation on the same inputs. A mismatch beyond the op's tolerance fails the command
 (exit 1), so ``bench/gpu_check.sh`` reports it. On a machine where every op runs its reference, the comparison is
 trivially exact, and the table says so (``implementation: reference``).
 """
