@@ -20,23 +20,27 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 ROWS, HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, PAGE, SPAN = 64, 896, 4864, 14, 2, 64, 16, 2048
 
 
-def _paged_attention(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple[str, list]:
-    from hybrid_engine.decode.ops import paged_attention as P
-
+def _paged_args(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple:
+    """``paged_decode_attention``'s arguments: 64 rows of up to 2k tokens, pages shuffled across the pool."""
     pages = SPAN // PAGE
     q = torch.randn(ROWS, HEADS, 1, HEAD_DIM, generator=g).to(device, dtype)
     pools = [torch.randn((1 + ROWS * pages) * PAGE, KV_HEADS, HEAD_DIM, generator=g).to(device, dtype)
              for _ in range(2)]
     table = (1 + torch.randperm(ROWS * pages, generator=g)).view(ROWS, pages).to(device)
     lengths = torch.randint(1, SPAN + 1, (ROWS,), generator=g).to(device)
-    got = torch.ops.hybrid_engine.paged_decode_attention(q, *pools, table, lengths, HEAD_DIM ** -0.5, PAGE)
-    want = P.reference_attention(q, *pools, table, lengths, HEAD_DIM ** -0.5, PAGE)
-    return P.implementation(device), [("paged_decode_attention", got, want)]
+    return (q, *pools, table, lengths, HEAD_DIM ** -0.5, PAGE)
 
 
-def _layer_ops(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple[str, list]:
-    from hybrid_engine.decode.ops import layer_ops as L
+def _paged_attention(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple[str, list]:
+    from hybrid_engine.decode.ops import paged_attention as P
 
+    args = _paged_args(device, dtype, g)
+    got = torch.ops.hybrid_engine.paged_decode_attention(*args)
+    return P.implementation(device), [("paged_decode_attention", got, P.reference_attention(*args))]
+
+
+def _layer_args(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> dict[str, tuple]:
+    """Each layer op's arguments, by op name."""
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(device, dtype)
 
@@ -45,23 +49,30 @@ def _layer_ops(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> 
     angle = torch.rand(ROWS, 1, HEAD_DIM // 2, generator=g).to(device) * 100
     cos, sin = (torch.cat((f(angle), f(angle)), -1).to(dtype) for f in (torch.cos, torch.sin))
     gate, up = rand(ROWS, 1, INTER), rand(ROWS, 1, INTER)
+    return {"rms_norm": (x, w, 1e-6), "add_rms_norm": (x, res, w, 1e-6), "rotary_qk": (q, k, cos, sin),
+            "silu_mul": (gate, up)}
+
+
+def _layer_ops(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple[str, list]:
+    from hybrid_engine.decode.ops import layer_ops as L
+
+    args = _layer_args(device, dtype, g)
     ops = torch.ops.hybrid_engine
-    pairs = [("rms_norm", ops.rms_norm(x, w, 1e-6), L.reference_rms_norm(x, w, 1e-6))]
-    for name, got, want in zip(("add_rms_norm (normed)", "add_rms_norm (sum)"), ops.add_rms_norm(x, res, w, 1e-6),
-                               L.reference_add_rms_norm(x, res, w, 1e-6)):
+    pairs = [("rms_norm", ops.rms_norm(*args["rms_norm"]), L.reference_rms_norm(*args["rms_norm"]))]
+    for name, got, want in zip(("add_rms_norm (normed)", "add_rms_norm (sum)"), ops.add_rms_norm(*args["add_rms_norm"]),
+                               L.reference_add_rms_norm(*args["add_rms_norm"])):
         pairs.append((name, got, want))
-    for name, got, want in zip(("rotary_qk (q)", "rotary_qk (k)"), ops.rotary_qk(q, k, cos, sin),
-                               L.reference_rotary_qk(q, k, cos, sin)):
+    for name, got, want in zip(("rotary_qk (q)", "rotary_qk (k)"), ops.rotary_qk(*args["rotary_qk"]),
+                               L.reference_rotary_qk(*args["rotary_qk"])):
         pairs.append((name, got, want))
-    pairs.append(("silu_mul", ops.silu_mul(gate, up), L.reference_silu_mul(gate, up)))
+    pairs.append(("silu_mul", ops.silu_mul(*args["silu_mul"]), L.reference_silu_mul(*args["silu_mul"])))
     return L.implementation(device), pairs
 
 
-def _bookkeeping(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple[str, list]:
-    """``advance_rows`` on a 64-row state (EOS, budgets, min_tokens, finished rows, rows at capacity, stop
-    sequences with wildcards): the kernel must leave exactly the reference's state (integers, flags, copies)."""
-    from hybrid_engine.decode.ops import bookkeeping as K
-
+def _bookkeeping_state(device: torch.device, dtype: torch.dtype, g: torch.Generator, stops: bool = True) -> list:
+    """``advance_rows``' arguments: a 64-row state (EOS, budgets, min_tokens, finished rows, rows at capacity,
+    stop sequences with wildcards, or none); the sampler's logprobs in ``dtype``, the recorded ones in fp32 (what
+    the op takes)."""
     b, capacity, vocab = ROWS, SPAN, 151936
     finished = torch.rand(b, generator=g) < 0.2
     index = torch.randint(0, capacity + 2, (b,), generator=g)
@@ -69,11 +80,21 @@ def _bookkeeping(device: torch.device, dtype: torch.dtype, g: torch.Generator) -
     stop_ids = torch.randint(0, 50, (4, 3, 4), generator=g).masked_fill(torch.rand(4, 3, 4, generator=g) < 0.4, -1)
     out = torch.randint(0, 50, (b, capacity + 1), generator=g)
     state = [torch.randint(0, vocab, (b,), generator=g), index, finished, ~finished, (~finished).long(),
-             index < min_tokens, out, torch.randn(b, capacity + 1, generator=g).to(dtype),
+             index < min_tokens, out, torch.randn(b, capacity + 1, generator=g),
              torch.randint(0, 50, (b,), generator=g), torch.randn(b, generator=g).to(dtype),
              torch.randint(1, capacity + 2, (b,), generator=g), min_tokens,
              torch.rand(vocab, generator=g) < 1e-3, torch.tensor(0), stop_ids, torch.randint(0, 4, (b,), generator=g)]
-    state = [t.to(device) for t in state]
+    if not stops:
+        state[-2:] = [None, None]
+    return [None if t is None else t.to(device) for t in state]
+
+
+def _bookkeeping(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple[str, list]:
+    """``advance_rows`` on :func:`_bookkeeping_state`: the kernel must leave exactly the reference's state
+    (integers, flags, copies)."""
+    from hybrid_engine.decode.ops import bookkeeping as K
+
+    state = _bookkeeping_state(device, dtype, g)
     ours, want = ([t.clone() for t in state] for _ in range(2))
     torch.ops.hybrid_engine.advance_rows(*ours)
     K.reference_advance_rows(*want)
@@ -81,28 +102,60 @@ def _bookkeeping(device: torch.device, dtype: torch.dtype, g: torch.Generator) -
     return K.implementation(device), [(f"advance_rows ({n})", o, w) for n, o, w in zip(names, ours, want)]
 
 
+#: The sampler settings checked: (name, (temperature, top_p, top_k)).
+SAMPLER_SETTINGS = (("temperature 1", (1.0, 1.0, -1)), ("top-p 0.9", (1.0, 0.9, -1)),
+                    ("top-k 50 + top-p 0.9", (0.7, 0.9, 50)))
+
+
+def _sampler_args(device: torch.device, logits: torch.Tensor, setting: tuple[float, float, int]) -> tuple:
+    """``sample_rows``' arguments for ``logits`` under one setting (its knob tables built on ``device``)."""
+    from hybrid_engine.decode.sampling import SamplingKnobs
+
+    knobs = SamplingKnobs(device)
+    knobs.set(*setting)
+    return (logits, None, None, torch.zeros(ROWS, dtype=torch.long, device=device), knobs.inv_temperature,
+            knobs.top_p, knobs.top_k, knobs.full, torch.tensor(7, device=device), torch.tensor(1, device=device),
+            torch.arange(ROWS, device=device), setting[2] > 0, setting[1] < 1)
+
+
+def _sampler_logits(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    return (torch.randn(ROWS, 151936, generator=g) * 3).to(device, dtype)
+
+
 def _sampler(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> tuple[str, list]:
     """``sample_rows``' kernel on Qwen-wide rows: the logprob it reports for the token it drew equals the
     reference's filtered logprob of that token (the draws themselves follow the same distribution, not the same
     token per seed: bench/sampler_check.py tests that)."""
     from hybrid_engine.decode.ops import sampler as S
-    from hybrid_engine.decode.sampling import SamplingKnobs
 
-    logits = (torch.randn(ROWS, 151936, generator=g) * 3).to(device, dtype)
+    logits = _sampler_logits(device, dtype, g)
     pairs = []
-    for name, setting in (("temperature 1", (1.0, 1.0, -1)), ("top-p 0.9", (1.0, 0.9, -1)),
-                          ("top-k 50 + top-p 0.9", (0.7, 0.9, 50))):
-        knobs = SamplingKnobs(device)
-        knobs.set(*setting)
-        args = (logits, None, None, torch.zeros(ROWS, dtype=torch.long, device=device), knobs.inv_temperature,
-                knobs.top_p, knobs.top_k, knobs.full, torch.tensor(7, device=device), torch.tensor(1, device=device),
-                torch.arange(ROWS, device=device), setting[2] > 0, setting[1] < 1)
+    for name, setting in SAMPLER_SETTINGS:
+        args = _sampler_args(device, logits, setting)
         tokens, lp = torch.ops.hybrid_engine.sample_rows(*args)
-        ref_lp, _, _ = S.filtered_logprobs(logits, knobs.inv_temperature[:1, None], knobs.top_p[:1, None],
-                                           knobs.top_k[:1, None], setting[2] > 0, setting[1] < 1, per_row=True)
+        inv_t, p, k = (t[:1, None] for t in args[4:7])
+        ref_lp, _, _ = S.filtered_logprobs(logits, inv_t, p, k, setting[2] > 0, setting[1] < 1, per_row=True)
         pairs.append((f"sample_rows {name} (logprob of the drawn token)", lp,
                       ref_lp.gather(1, tokens[:, None]).squeeze(1)))
     return S.implementation(device), pairs
+
+
+def _launch(op: str, args: Callable[..., Any]) -> Callable[..., Any]:
+    """A launch of ``torch.ops.hybrid_engine.<op>`` on ``args(device, dtype, g)``, its outputs unused."""
+    return lambda device, dtype, g: getattr(torch.ops.hybrid_engine, op)(*args(device, dtype, g))
+
+
+#: Every op call of the checks, one per kernel variant, that only launches (no reference, no comparison): what
+#: :mod:`~hybrid_engine.benchmarks.triton_aot` compiles ahead of time. ``(label, launch(device, dtype, g))``.
+LAUNCHES: list[tuple[str, Callable[..., Any]]] = [
+    ("paged_decode_attention", _launch("paged_decode_attention", _paged_args)),
+    *[(op, _launch(op, lambda d, t, g, op=op: _layer_args(d, t, g)[op]))
+      for op in ("rms_norm", "add_rms_norm", "rotary_qk", "silu_mul")],
+    ("advance_rows (stop sequences, logprobs)", _launch("advance_rows", _bookkeeping_state)),
+    ("advance_rows (no stop sequences)", _launch("advance_rows", lambda d, t, g: _bookkeeping_state(d, t, g, False))),
+    *[(f"sample_rows {name}", _launch("sample_rows", lambda d, t, g, s=setting: _sampler_args(
+        d, _sampler_logits(d, t, g), s))) for name, setting in SAMPLER_SETTINGS],
+]
 
 
 #: One entry per ops module: (name, check(device, dtype, generator) -> (implementation, [(op, got, want)])).

@@ -65,8 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true",
                    help="instead of counting: run every decode custom op against its reference on --device at "
                         "Qwen2.5-0.5B widths (exit 1 on a mismatch)")
+    p.add_argument("--compile-for", default=None, metavar="TARGETS",
+                   help="instead of counting: compile every Triton kernel the decode ops launch (at --check's "
+                        "widths) for these NVIDIA targets, e.g. sm_80,sm_90, with no GPU; report shared memory, "
+                        "registers and spills (exit 1 when one does not compile or does not fit)")
     p.add_argument("--device", default=None, help="--check's device (default: auto-detect)")
-    p.add_argument("--dtype", default="auto", help="--check's dtype: auto (bf16), fp32, fp16, bf16")
+    p.add_argument("--dtype", default="auto",
+                   help="--check's dtype: auto (bf16), fp32, fp16, bf16; --compile-for's: auto (all three) or one")
 
 
 def _no_kernel(func: Any) -> bool:
@@ -320,7 +325,45 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
     return payload
 
 
+def run_compile(args: argparse.Namespace) -> dict[str, Any]:
+    """``--compile-for``: :func:`~hybrid_engine.benchmarks.triton_aot.compile_kernels`, as a table."""
+    from hybrid_engine.benchmarks.triton_aot import compile_kernels, parse_targets
+
+    C.check_output_path("--json", args.json)
+    try:
+        targets = parse_targets(args.compile_for)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    dtypes = ([torch.bfloat16, torch.float16, torch.float32] if args.dtype == "auto"
+              else [C.parse_dtype(args.dtype, "cuda")])
+    env = C.environment(getattr(args, "argv", None))
+    rows = compile_kernels(targets, dtypes)
+
+    def number(value: Any) -> str:
+        return "?" if value is None else str(value)
+
+    table = C.format_table(["target", "dtype", "op", "kernel", "warps", "shared bytes", "registers", "spill bytes",
+                            "compiled"],
+                           [[r["target"], r.get("dtype", "-"), r["op"], r["kernel"], number(r.get("num_warps")),
+                             number(r.get("shared_bytes")), number(r.get("registers")), number(r.get("spill_bytes")),
+                             "yes" if r["ok"] else "NO: " + (r["error"] or "")[:100]] for r in rows])
+    ok = all(r["ok"] for r in rows)
+    spills = sum(1 for r in rows if r.get("spill_bytes"))
+    text = (f"\nbench kernels --compile-for {args.compile_for}: every Triton kernel of the decode ops, compiled "
+            f"ahead of time (Qwen2.5-0.5B widths; nothing runs)\n{C.environment_lines(env)}\n\n{table}\n\n"
+            f"{'every kernel compiled and fits' if ok else 'SOME KERNELS DO NOT COMPILE OR DO NOT FIT'}"
+            f"{f'; {spills} spill registers' if spills else ''}")
+    payload = {"benchmark": "kernels", "compile_for": [f"sm_{t}" for t in targets], "environment": env, "ok": ok,
+               "settings": {"dtypes": [C.dtype_name(d) for d in dtypes]}, "rows": rows}
+    C.finish(args, payload, text, None, "kernels")
+    if not ok:
+        raise SystemExit(1)
+    return payload
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.compile_for is not None:
+        return run_compile(args)
     if args.check:
         return run_check(args)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]

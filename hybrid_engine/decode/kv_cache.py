@@ -243,6 +243,7 @@ class PagedKVCache(Cache):
         super().__init__(layers=[_PagedKVLayer(self, i) for i in range(len(pool.layers))])
         #: The current forward's indices (``None``: no forward runs; see :meth:`set_forward`).
         self.forward_indices: ForwardIndices | None = None
+        self._check_updates = True  # whether ``update`` checks its inputs (not while capturing): set per forward
         #: Read write positions on the host to bounds-check each write (outside capture only).
         #: Owners that validate lengths up front (the engines) turn it off: it costs a sync per step.
         self.bounds_checks = True
@@ -252,8 +253,10 @@ class PagedKVCache(Cache):
 
     def set_forward(self, indices: ForwardIndices | None) -> None:
         """Set the indices of the forward about to run (``None``: it ran). While they are set, sequence-length
-        queries answer a device tensor, as while capturing, so an eager step reads nothing on the host either."""
+        queries answer a device tensor, as while capturing, so an eager step reads nothing on the host either.
+        Whether a capture is running is asked here, once per forward, not at every layer's ``update``."""
         self.forward_indices = indices
+        self._check_updates = indices is None or not is_capturing()
 
     @property
     def fresh(self) -> bool:
@@ -438,11 +441,13 @@ class PagedKVCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[B, H, q_len, D]`` states at the forward's ``write_slots``; return them (``fresh``), else the
         rows' spans gathered from the pool (its ``read_slots``) as ``[B, H, span_tokens, D]``."""
-        if torch.is_autocast_enabled(key_states.device.type):
+        dtype = self.pool.dtype
+        if (key_states.dtype != dtype or value_states.dtype != dtype) \
+                and torch.is_autocast_enabled(key_states.device.type):
             # Autocast mixes dtypes (bf16 projections, fp32 RoPE): store each in the cache's dtype, as exactly as
             # transformers' DynamicCache keeps them, since attention under autocast casts its inputs down anyway.
-            key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
-        if not is_capturing():
+            key_states, value_states = key_states.to(dtype), value_states.to(dtype)
+        if self._check_updates:
             self._check_update(layer_idx, key_states, value_states)
         if self.rings[layer_idx]:
             return self._update_ring(key_states, value_states, layer_idx, self.rings[layer_idx])
@@ -451,7 +456,7 @@ class PagedKVCache(Cache):
         forward = self.forward_indices
         keys.index_copy_(0, forward.write_slots, key_states.transpose(1, 2).reshape(b * t, h, keys.shape[2]))
         values.index_copy_(0, forward.write_slots, value_states.transpose(1, 2).reshape(b * t, h, values.shape[2]))
-        self.num_updates += 1
+        self._host.num_updates += 1
         if forward.fresh:
             return key_states, value_states
         if forward.paged:
