@@ -24,6 +24,9 @@ What this means for graphs:
   on an unpartitioned copy refreshed after each step
   (:mod:`hybrid_engine.distributed.inference_copy`), and graphs are allowed.
 
+DeepSpeed's ZeRO optimizer, which the engine hands out, also gets DeepSpeed-Chat's ``check_overflow(external=...)``
+and ``skip_step`` (:mod:`hybrid_engine.training.zero_overflow`; :meth:`DeepSpeedTraining.step` carries out a skip).
+
 Checkpoints are DeepSpeed's files plus ours (each rank's RNG states), under the
 same rules as at stage 0 (:mod:`hybrid_engine.training.checkpoint_files`;
 :meth:`DeepSpeedTraining.save_checkpoint`, :meth:`DeepSpeedTraining.load_checkpoint`).

@@ -12,8 +12,9 @@ adds both to that same instance (its class, its state and its checkpoints are un
   It checks the gradients DeepSpeed has reduced: call it after the last ``backward`` before ``step``. With no
   gradients held (before the first ``backward``, or after a ``step``) it answers ``False`` where DeepSpeed's own
   would raise (ZeRO 1/2). This check runs under bf16 and fp32 too, where DeepSpeed's step itself also skips a
-  step with inf/NaN gradients (ZeRO 1/2: ``bf16.check_grad_overflow``, on by default, or an invalid gradient norm;
-  ZeRO 3: an invalid gradient norm): unlike stage 0's bf16 optimizer, it reports them.
+  step with inf/NaN gradients (ZeRO 1/2: under bf16 while ``bf16.check_grad_overflow`` is on, the default, under
+  fp32 through the invalid gradient norm; ZeRO 3: the invalid gradient norm): unlike stage 0's bf16 optimizer, it
+  reports them.
 * ``skip_step = True``: the next optimizer step (at the accumulation boundary) is skipped on every rank: the
   request is agreed over the ranks (one 1-byte all-reduce per optimizer step; a rank that asks skips them all,
   as a partitioned update cannot be taken on some ranks only), then DeepSpeed's step takes its own overflow path
