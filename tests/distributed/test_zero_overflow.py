@@ -30,6 +30,7 @@ def test_check_overflow_and_skip_step_at_zero(tmp_path, stage):
     assert proc.returncode == 0, proc.stdout[-6000:]
     for d in (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)):
         assert d["same_optimizer"] and d["class"].startswith("DeepSpeedZeroOptimizer")
+        assert "external" in d.get("bad_external", "")
         # check_overflow(external=True) answers (a bool), the same on both ranks: a NaN on rank 1 only is seen by both.
         assert d["no_grads"] is False and d["after_step"] is False and d["after_skip_check"] is False
         assert d["finite"] is False and d["finite_attr"] is False and d["finite_again"] is False

@@ -72,6 +72,10 @@ def main() -> None:
     r["same_optimizer"] = opt is a.optimizer
     r["class"] = type(opt).__name__
     r["no_grads"] = opt.check_overflow(external=True)  # before any backward: nothing held
+    try:  # refused before any collective, so every rank refuses alike
+        opt.check_overflow(external="yes")
+    except TypeError as exc:
+        r["bad_external"] = str(exc)
     w0 = weights(a)
     train(a, 0)
     r["finite"], r["finite_attr"] = opt.check_overflow(external=True), opt.overflow
