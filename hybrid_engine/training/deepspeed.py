@@ -24,6 +24,9 @@ What this means for graphs:
   on an unpartitioned copy refreshed after each step
   (:mod:`hybrid_engine.distributed.inference_copy`), and graphs are allowed.
 
+DeepSpeed's ZeRO optimizer, which the engine hands out, also gets DeepSpeed-Chat's ``check_overflow(external=...)``
+and ``skip_step`` (:mod:`hybrid_engine.training.zero_overflow`; :meth:`DeepSpeedTraining.step` carries out a skip).
+
 Checkpoints are DeepSpeed's files plus ours (each rank's RNG states), under the
 same rules as at stage 0 (:mod:`hybrid_engine.training.checkpoint_files`;
 :meth:`DeepSpeedTraining.save_checkpoint`, :meth:`DeepSpeedTraining.load_checkpoint`).
@@ -56,6 +59,7 @@ from hybrid_engine.training.checkpoint_files import (
     write_latest,
 )
 from hybrid_engine.training.handoff import handoff_for
+from hybrid_engine.training.zero_overflow import attach_zero_overflow_surface, requested_skip, skip_agreed
 
 __all__ = ["DeepSpeedTraining", "RNG_CLIENT_KEY", "build", "deepspeed_config", "destroy_deepspeed_engine", "rng_file"]
 
@@ -134,6 +138,8 @@ class DeepSpeedTraining:
     def __init__(self, ds_engine: Any) -> None:
         self._ds_engine = ds_engine
         self.module = ds_engine.module
+        # DeepSpeed-Chat's --align_overflow: check_overflow(external=True) answers, skip_step skips (ZeRO 1-3).
+        attach_zero_overflow_surface(ds_engine.optimizer)
         #: The optimizer's memory hand-off (engine.sleep("optimizer"); DeepSpeed's offload_states).
         self.handoff = handoff_for(self) if ds_engine.optimizer is not None else None
 
@@ -183,8 +189,15 @@ class DeepSpeedTraining:
         return self.ds_engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """DeepSpeed's ``step``; at a boundary where any rank set ``optimizer.skip_step``, skipped on every rank
+        (:mod:`hybrid_engine.training.zero_overflow`)."""
         self.wake_optimizer()
-        self.ds_engine.step(lr_kwargs=lr_kwargs)
+        ds = self.ds_engine
+        if ds.is_gradient_accumulation_boundary() and skip_agreed(ds.optimizer):
+            with requested_skip(ds.optimizer):
+                ds.step(lr_kwargs=lr_kwargs)
+            return
+        ds.step(lr_kwargs=lr_kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.ds_engine.zero_grad()

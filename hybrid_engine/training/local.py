@@ -478,9 +478,10 @@ class LocalTraining:
         self.global_steps += 1
         self._report_progress()
 
-    def gradients_overflow(self) -> bool:
+    def gradients_overflow(self, partition_gradients: bool = True) -> bool:
         """Whether the gradients held now overflow the fp16 loss scale (never under bf16/fp32, as DeepSpeed's
-        bf16 optimizer reports none): :mod:`hybrid_engine.training.overflow`'s ``check_overflow``."""
+        bf16 optimizer reports none): :mod:`hybrid_engine.training.overflow`'s ``check_overflow``. One process
+        holds whole gradients: ``partition_gradients`` changes nothing."""
         return self.scaler is not None and self.optimizer is not None and not self._grads_finite()
 
     def _report_progress(self) -> None:

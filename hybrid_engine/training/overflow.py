@@ -1,4 +1,4 @@
-"""DeepSpeed's fp16 loss-scaler surface on the stage-0 optimizer.
+"""DeepSpeed's fp16 loss-scaler surface on the optimizer the engine hands out.
 
 DeepSpeed hands its trainer an optimizer wrapper (``FP16_Optimizer``, the ZeRO optimizers) that scripts
 query between ``backward`` and ``step``: ``optimizer.overflow`` (did the last step overflow),
@@ -15,6 +15,10 @@ step, e.g. to keep an actor and a critic in lockstep: DeepSpeed-Chat's ``--align
   (DeepSpeed's bf16 optimizer keeps no overflow flag); the scale is 1.
 * ``skip_step = True``: the next optimizer step (accumulation boundary) is skipped whatever the gradients:
   no update, no LR-scheduler step, the scale unchanged, counted in ``skipped_steps``; the flag then resets.
+
+At ZeRO 1-3 the optimizer is DeepSpeed's own; :mod:`hybrid_engine.training.zero_overflow` gives it the same
+``check_overflow`` (:class:`CheckOverflow`, answered by DeepSpeed's own check) and ``skip_step``
+(:func:`take_skip_request`, agreed over the ranks).
 """
 
 from __future__ import annotations
@@ -23,30 +27,33 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["OverflowSource", "attach_overflow_surface", "publish_scale", "take_skip_request"]
+__all__ = ["CheckOverflow", "OverflowSource", "attach_overflow_surface", "publish_scale", "take_skip_request"]
 
 
 class OverflowSource(Protocol):
-    """What the surface reads from the stage-0 backend."""
+    """What the surface reads from the training backend (stage 0) or DeepSpeed's ZeRO optimizer."""
 
     @property
     def loss_scale(self) -> float: ...
 
-    def gradients_overflow(self) -> bool: ...
+    def gradients_overflow(self, partition_gradients: bool = True) -> bool: ...
 
 
-class _CheckOverflow:
-    """``optimizer.check_overflow(external=False)``: a callable attribute (picklable with its backend)."""
+class CheckOverflow:
+    """``optimizer.check_overflow(partition_gradients=True, external=False)``: a callable attribute (picklable with
+    its source), in DeepSpeed's argument order, returning the answer as well as setting ``optimizer.overflow``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, source: OverflowSource) -> None:
+    def __init__(self, optimizer: Any, source: OverflowSource) -> None:
         self.optimizer, self.source = optimizer, source
 
-    def __call__(self, external: bool = False, partition_gradients: bool = True) -> bool:
-        """Whether the gradients accumulated now hold inf/NaN (fp16 only); sets ``optimizer.overflow``.
-        ``external`` and ``partition_gradients`` are DeepSpeed's switches; one process has nothing to reduce."""
-        if not isinstance(external, bool):
-            raise TypeError(f"optimizer.check_overflow(external=...): expected True or False, got {external!r}")
-        overflow = self.source.gradients_overflow()
+    def __call__(self, partition_gradients: bool = True, external: bool = False) -> bool:
+        """Whether the gradients held now hold inf/NaN; sets ``optimizer.overflow``. ``partition_gradients`` is
+        DeepSpeed's switch (one process has nothing partitioned); ``external`` is accepted as DeepSpeed-Chat
+        passes it and changes nothing (the check is the same whoever asks)."""
+        for name, value in (("external", external), ("partition_gradients", partition_gradients)):
+            if not isinstance(value, bool):
+                raise TypeError(f"optimizer.check_overflow({name}=...): expected True or False, got {value!r}")
+        overflow = bool(self.source.gradients_overflow(partition_gradients))
         self.optimizer.overflow = overflow
         return overflow
 
@@ -57,7 +64,7 @@ def attach_overflow_surface(optimizer: torch.optim.Optimizer | None, source: Ove
         return
     optimizer.overflow = False
     optimizer.skip_step = False
-    optimizer.check_overflow = _CheckOverflow(optimizer, source)
+    optimizer.check_overflow = CheckOverflow(optimizer, source)
     publish_scale(optimizer, source)
 
 

@@ -1,10 +1,13 @@
 """One rank of tests/distributed/test_dschat_step3_zero.py: DeepSpeed-Chat's step 3 at ZeRO 2 or 3.
 
-``python dschat_step3_worker.py STAGE COPY OUT_DIR``: the literal drop-in, ``deepspeed.initialize =
+``python dschat_step3_worker.py STAGE COPY OUT_DIR [ALIGN]``: the literal drop-in, ``deepspeed.initialize =
 hybrid_engine.initialize``, then the actor (ZeRO ``STAGE``, bf16, hybrid engine and graphs on; ``COPY`` 1:
 ``zero3_gathered_inference_copy``) and the reference are built through ``deepspeed.initialize``; critic and reward
 are plain models. Two PPO iterations with DeepSpeed-Chat's calls (``synced_gpus`` true at ZeRO-3), with prompts
-of different widths per rank, so the ranks' generations finish at different steps. Records the graph counters,
+of different widths per rank, so the ranks' generations finish at different steps. ``ALIGN`` 1: three, with
+``--align_overflow``: in the first the critic reports an overflow (so the actor's step is skipped through
+``skip_step``), in the second the actor's loss is NaN on rank 1 only (both ranks' ``check_overflow`` see it, so
+the critic's step is skipped on both), the third trains both. Records the graph counters,
 the steps, greedy tokens of ``actor.module.generate`` and the trained weights (gathered, bf16), on which the test
 runs transformers' own generate in one process, to ``OUT_DIR/rank<R>.pt``.
 """
@@ -38,8 +41,25 @@ from tests.integrations.dschat_step3 import (  # noqa: E402
 MAX_ANSWER = 8
 
 
+def align_overflow_iterations(trainer: Step3Trainer) -> list[dict]:
+    """Three ``--align_overflow`` iterations (see the module docstring); the actor's and critic's counters after each."""
+    actor, critic, log = trainer.actor, trainer.critic, []
+    for it in range(3):
+        # Test double: a plain fp32 critic never overflows; this stands for an fp16 critic's overflow.
+        critic.optimizer.check_overflow = lambda external=False, overflow=it == 0: overflow
+        if it == 1 and rank() == 1:  # a NaN in this rank's actor gradients only
+            actor.backward = lambda loss: type(actor).backward(actor, loss * float("nan"))
+        trainer.iteration(*prompts(2, 4 + rank(), seed=10 * it + rank()))
+        actor.__dict__.pop("backward", None)
+        log.append({"actor_skipped": actor.skipped_steps, "actor_applied": actor.was_step_applied(),
+                    "actor_skip_flag": actor.optimizer.skip_step, "critic_skipped": critic.skipped,
+                    "critic_steps": critic.steps})
+    return log
+
+
 def main() -> None:
     stage, copy, out_dir = int(sys.argv[1]), sys.argv[2] == "1", Path(sys.argv[3])
+    align = len(sys.argv) > 4 and sys.argv[4] == "1"
     deepspeed.initialize = hybrid_engine.initialize  # the literal drop-in (issue 42)
     torch.manual_seed(0)
     extra = {"zero3_gathered_inference_copy": True} if copy else {}
@@ -47,14 +67,19 @@ def main() -> None:
     ref, *_ = deepspeed.initialize(model=actor_model(), config={"bf16": {"enabled": True},
                                                                "train_micro_batch_size_per_gpu": 2})
     trainer = Step3Trainer(actor, ref, PlainTrainer(ValueModel(seed=2)), ValueModel(seed=3), max_answer=MAX_ANSWER,
-                           zero3=stage == 3, precision="bf16")
-    for it in range(2):
-        trainer.iteration(*prompts(2, 4 + rank(), seed=10 * it + rank()))
+                           zero3=stage == 3, precision="bf16", align_overflow=align)
+    if align:
+        align_log = align_overflow_iterations(trainer)
+    else:
+        for it in range(2):
+            trainer.iteration(*prompts(2, 4 + rank(), seed=10 * it + rank()))
     stats = actor.graph_stats
     result = {"captures": stats.captures, "replays": stats.replays, "invalidations": stats.invalidations,
               "refusal": stats.last_refusal_reason, "eager_steps": stats.eager_steps,
               "fast_path_calls": bool(actor.last_stats), "global_steps": actor.global_steps,
               "zero_stage": actor.zero_stage, "num_params_set": hasattr(actor.module, "_num_params")}
+    if align:
+        result["align_log"] = align_log
     ids, mask = prompts(2, 5, seed=99)
     kw = dict(attention_mask=mask, max_length=5 + MAX_ANSWER, pad_token_id=PAD_ID, do_sample=False)
     result["kw"] = {k: v for k, v in kw.items() if k != "attention_mask"}
