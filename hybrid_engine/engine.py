@@ -161,7 +161,8 @@ class HybridEngine(DeepSpeedHybridEngineAPI, DeepSpeedEngineInterface, nn.Module
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped for non-finite gradients (fp16 overflow, bf16 ``check_grad_overflow``)."""
+        """Optimizer steps skipped: for non-finite gradients (fp16 overflow, bf16 ``check_grad_overflow``), or on
+        request (``optimizer.skip_step = True``: DeepSpeed-Chat's ``--align_overflow``)."""
         return self.training_backend.skipped_steps
 
     @property
