@@ -352,7 +352,7 @@ def run_compile(args: argparse.Namespace) -> dict[str, Any]:
     text = (f"\nbench kernels --compile-for {args.compile_for}: every Triton kernel of the decode ops, compiled "
             f"ahead of time (Qwen2.5-0.5B widths; nothing runs)\n{C.environment_lines(env)}\n\n{table}\n\n"
             f"{'every kernel compiled and fits' if ok else 'SOME KERNELS DO NOT COMPILE OR DO NOT FIT'}"
-            f"{f'; {spills} spill registers' if spills else ''}")
+            f"{f'; {spills} launch(es) spill registers' if spills else ''}")
     payload = {"benchmark": "kernels", "compile_for": [f"sm_{t}" for t in targets], "environment": env, "ok": ok,
                "settings": {"dtypes": [C.dtype_name(d) for d in dtypes]}, "rows": rows}
     C.finish(args, payload, text, None, "kernels")
