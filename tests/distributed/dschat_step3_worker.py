@@ -1,15 +1,20 @@
 """One rank of tests/distributed/test_dschat_step3_zero.py: DeepSpeed-Chat's step 3 at ZeRO 2 or 3.
 
-``python dschat_step3_worker.py STAGE COPY OUT_DIR [ALIGN]``: the literal drop-in, ``deepspeed.initialize =
-hybrid_engine.initialize``, then the actor (ZeRO ``STAGE``, bf16, hybrid engine and graphs on; ``COPY`` 1:
+``python dschat_step3_worker.py STAGE COPY OUT_DIR [ALIGN] [PRECISION]``: the literal drop-in, ``deepspeed.initialize =
+hybrid_engine.initialize``, then the actor (ZeRO ``STAGE``, ``PRECISION`` bf16 (the default) or fp16, hybrid engine
+and graphs on; ``COPY`` 1:
 ``zero3_gathered_inference_copy``) and the reference are built through ``deepspeed.initialize``; critic and reward
 are plain models. Two PPO iterations with DeepSpeed-Chat's calls (``synced_gpus`` true at ZeRO-3), with prompts
 of different widths per rank, so the ranks' generations finish at different steps. ``ALIGN`` 1: three, with
 ``--align_overflow``: in the first the critic reports an overflow (so the actor's step is skipped through
 ``skip_step``), in the second the actor's loss is NaN on rank 1 only (both ranks' ``check_overflow`` see it, so
 the critic's step is skipped on both), the third trains both. Records the graph counters,
-the steps, greedy tokens of ``actor.module.generate`` and the trained weights (gathered, bf16), on which the test
-runs transformers' own generate in one process, to ``OUT_DIR/rank<R>.pt``.
+the steps, greedy tokens of ``actor.module.generate`` and the trained weights (gathered, in ``PRECISION``), on which
+the test runs transformers' own generate in one process, to ``OUT_DIR/rank<R>.pt``.
+
+fp16 runs DeepSpeed's own fp16 ZeRO optimizer under the CPU accelerator's fp16 test double (``cpu_fp16.py``), with
+the dynamic loss scale from 2**8 (DeepSpeed's default 2**16 could make the tiny model's fp16 gradients overflow on
+their own; here only the steps the test makes overflow do).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from hybrid_engine.distributed.zero3 import gathered_for_inference
 from hybrid_engine.tiny_models import PAD_ID
 
 deepspeed = import_deepspeed()
+from cpu_fp16 import report_fp16_on_cpu  # noqa: E402  (this folder: the test double for fp16 on CPU)
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: the trainer is in tests/
 
 import hybrid_engine  # noqa: E402
@@ -53,21 +60,25 @@ def align_overflow_iterations(trainer: Step3Trainer) -> list[dict]:
         actor.__dict__.pop("backward", None)
         log.append({"actor_skipped": actor.skipped_steps, "actor_applied": actor.was_step_applied(),
                     "actor_skip_flag": actor.optimizer.skip_step, "critic_skipped": critic.skipped,
-                    "critic_steps": critic.steps})
+                    "critic_steps": critic.steps, "actor_scale": float(actor.optimizer.cur_scale)})
     return log
 
 
 def main() -> None:
     stage, copy, out_dir = int(sys.argv[1]), sys.argv[2] == "1", Path(sys.argv[3])
     align = len(sys.argv) > 4 and sys.argv[4] == "1"
+    precision = sys.argv[5] if len(sys.argv) > 5 else "bf16"
+    config = actor_config(precision, stage, **({"zero3_gathered_inference_copy": True} if copy else {}))
+    if precision == "fp16":
+        report_fp16_on_cpu()
+        config["fp16"]["initial_scale_power"] = 8
     deepspeed.initialize = hybrid_engine.initialize  # the literal drop-in (issue 42)
     torch.manual_seed(0)
-    extra = {"zero3_gathered_inference_copy": True} if copy else {}
-    actor, *_ = deepspeed.initialize(model=actor_model(), config=actor_config("bf16", stage, **extra))
-    ref, *_ = deepspeed.initialize(model=actor_model(), config={"bf16": {"enabled": True},
+    actor, *_ = deepspeed.initialize(model=actor_model(), config=config)
+    ref, *_ = deepspeed.initialize(model=actor_model(), config={precision: {"enabled": True},
                                                                "train_micro_batch_size_per_gpu": 2})
     trainer = Step3Trainer(actor, ref, PlainTrainer(ValueModel(seed=2)), ValueModel(seed=3), max_answer=MAX_ANSWER,
-                           zero3=stage == 3, precision="bf16", align_overflow=align)
+                           zero3=stage == 3, precision=precision, align_overflow=align)
     if align:
         align_log = align_overflow_iterations(trainer)
     else:
@@ -79,7 +90,7 @@ def main() -> None:
               "fast_path_calls": bool(actor.last_stats), "global_steps": actor.global_steps,
               "zero_stage": actor.zero_stage, "num_params_set": hasattr(actor.module, "_num_params")}
     if align:
-        result["align_log"] = align_log
+        result["align_log"], result["overflow_log"] = align_log, trainer.overflow_log
     ids, mask = prompts(2, 5, seed=99)
     kw = dict(attention_mask=mask, max_length=5 + MAX_ANSWER, pad_token_id=PAD_ID, do_sample=False)
     result["kw"] = {k: v for k, v in kw.items() if k != "attention_mask"}
