@@ -39,7 +39,8 @@ def run_worker(tmp_path: Path, stage: int, copy: bool, align: bool = False, prec
 
 @pytest.mark.parametrize("stage,copy,align,precision", [
     (2, False, False, "bf16"), (3, False, False, "bf16"), (3, True, False, "bf16"), (2, False, True, "bf16"),
-    (3, False, True, "bf16"), (2, False, True, "fp16"), (3, True, True, "fp16")])
+    (3, False, True, "bf16"), (2, False, False, "fp16"), (3, False, False, "fp16"), (2, False, True, "fp16"),
+    (3, True, True, "fp16")])
 def test_step3_drop_in_trains_at_zero_2_and_3(tmp_path, stage, copy, align, precision):
     for d in run_worker(tmp_path, stage, copy, align, precision):
         # deepspeed.initialize = hybrid_engine.initialize did not recurse, and built ZeRO engines.
