@@ -101,6 +101,10 @@ def main() -> None:
     results = {}
     for case in sys.argv[1:]:  # stage:precision, or stage:precision:exact / :episode
         stage, precision, *mode = case.split(":")
+        if precision == "fp16":  # the same on every CPU, with or without oneDNN's fp16 kernels
+            from cpu_fp16 import report_fp16_on_cpu  # noqa: PLC0415 -- tests/distributed, this script's folder
+
+            report_fp16_on_cpu()
         run = {"exact": exact, "episode": episode}.get(mode[0] if mode else "", train)
         results[case] = run(int(stage), precision)
     import torch.distributed as dist
