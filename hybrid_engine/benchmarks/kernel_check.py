@@ -6,6 +6,9 @@ heads of 64, hidden 896, intermediate 4,864, vocabulary 151,936, 64 rows, rows u
 pages) and compares it with the op's reference implementation on the same inputs. A mismatch beyond the op's tolerance fails the command
 (exit 1), so ``bench/gpu_check.sh`` reports it. On a machine where every op runs its reference, the comparison is
 trivially exact, and the table says so (``implementation: reference``).
+
+The op calls alone, one per kernel variant, are :data:`LAUNCHES`: what ``bench kernels --compile-for``
+(:mod:`~hybrid_engine.benchmarks.triton_aot`) compiles for a GPU on a machine without one.
 """
 
 from __future__ import annotations
