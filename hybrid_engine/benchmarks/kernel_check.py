@@ -5,7 +5,10 @@ implementation the probe chose on ``--device``) at a decode step's real widths (
 heads of 64, hidden 896, intermediate 4,864, vocabulary 151,936, 64 rows, rows up to 2k tokens on 16-token
 pages) and compares it with the op's reference implementation on the same inputs. A mismatch beyond the op's tolerance fails the command
 (exit 1), so ``bench/gpu_check.sh`` reports it. On a machine where every op runs its reference, the comparison is
-trivially exact, and the table says so (``implementation: reference``).
+trivially exact, and the table says so (``implementation: reference``). On a CUDA device with Triton that would
+hide a kernel the probe refused (it swallows the kernel's error and falls back), so there an op running its
+reference fails, and its kernel is run forced next to it: the rows show the error that stopped it or how far it
+is from the reference. A device run spends no second run finding out why.
 
 The op calls alone, one per kernel variant, are :data:`LAUNCHES`: what ``bench kernels --compile-for``
 (:mod:`~hybrid_engine.benchmarks.triton_aot`) compiles for a GPU on a machine without one.
@@ -13,7 +16,9 @@ The op calls alone, one per kernel variant, are :data:`LAUNCHES`: what ``bench k
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -170,28 +175,71 @@ CHECKS: list[tuple[str, Callable[..., tuple[str, list]]]] = [
 ]
 
 
-def check_kernels(device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
-    """One row per op output: the implementation chosen on ``device``, the max abs error against the reference,
-    the tolerance, and whether it holds. A check that raises is a failed row, not a crash."""
-    rows: list[dict[str, Any]] = []
+#: The ops modules whose implementation :func:`forced_triton` forces (each chooses by its probe otherwise).
+_OP_MODULES = ("paged_attention", "layer_ops", "bookkeeping", "sampler")
+
+
+@contextlib.contextmanager
+def forced_triton() -> Iterator[None]:
+    """Every decode op's ``implementation`` answers ``"triton"`` (as on a GPU where its probe passed). A probe
+    that runs meanwhile (one a helper calls directly) may see odd results, so the probes' cached answers are
+    dropped on the way out."""
+    modules = [importlib.import_module(f"hybrid_engine.decode.ops.{name}") for name in _OP_MODULES]
+    saved = [m.implementation for m in modules]
+    try:
+        for m in modules:
+            m.implementation = lambda device: "triton"
+        yield
+    finally:
+        for m, impl in zip(modules, saved):
+            m.implementation = impl
+            m._probe.cache_clear()
+
+
+def _rows(group: str, impl: str, pairs: list, tol: float, suffix: str = "") -> list[dict[str, Any]]:
+    rows = []
+    for op, got, want in pairs:
+        if op.startswith("advance_rows"):  # state: exactly the reference's
+            err = float((got != want).sum())
+            ok = err == 0
+        elif got.dtype.is_floating_point:
+            err = float((got.float() - want.float()).abs().max())
+            ok = err <= tol and bool(torch.isfinite(got).all())
+        else:
+            err = float((got != want).sum())
+            ok = err == 0
+        rows.append({"group": group, "op": op + suffix, "implementation": impl, "max_abs_err": err, "tolerance": tol,
+                     "ok": ok, "error": None})
+    return rows
+
+
+def _run_check(group: str, check: Callable[..., tuple[str, list]], device: torch.device, dtype: torch.dtype,
+               suffix: str = "") -> list[dict[str, Any]]:
+    """The group's rows; a check that raises is one failed row (its exception), not a crash."""
     tol = TOLERANCE[dtype]
+    try:
+        impl, pairs = check(device, dtype, torch.Generator().manual_seed(0))
+    except Exception as exc:  # noqa: BLE001 -- reported as a failed row
+        return [{"group": group, "op": group + suffix, "implementation": "triton" if suffix else "?",
+                 "max_abs_err": None, "tolerance": tol, "ok": False, "error": f"{type(exc).__name__}: {exc}"}]
+    return _rows(group, impl, pairs, tol, suffix)
+
+
+def check_kernels(device: torch.device, dtype: torch.dtype, expect_kernels: bool = False) -> list[dict[str, Any]]:
+    """One row per op output: the implementation chosen on ``device``, the max abs error against the reference,
+    the tolerance, and whether it holds. A check that raises is a failed row, not a crash.
+
+    ``expect_kernels`` (a CUDA device with Triton: ``bench kernels --check`` sets it there): an op whose probe fell
+    back to its reference fails (it would compare the reference with itself), and its kernel is then run forced,
+    in rows marked ``(kernel forced)``: the exception that stopped it, or how far it is from the reference, which
+    says why the probe refused it."""
+    rows: list[dict[str, Any]] = []
     for group, check in CHECKS:
-        try:
-            impl, pairs = check(device, dtype, torch.Generator().manual_seed(0))
-        except Exception as exc:  # noqa: BLE001 -- reported as a failed row
-            rows.append({"group": group, "op": group, "implementation": "?", "max_abs_err": None, "tolerance": tol,
-                         "ok": False, "error": f"{type(exc).__name__}: {exc}"})
-            continue
-        for op, got, want in pairs:
-            if op.startswith("advance_rows"):  # state: exactly the reference's
-                err = float((got != want).sum())
-                ok = err == 0
-            elif got.dtype.is_floating_point:
-                err = float((got.float() - want.float()).abs().max())
-                ok = err <= tol and bool(torch.isfinite(got).all())
-            else:
-                err = float((got != want).sum())
-                ok = err == 0
-            rows.append({"group": group, "op": op, "implementation": impl, "max_abs_err": err, "tolerance": tol,
-                         "ok": ok, "error": None})
+        got = _run_check(group, check, device, dtype)
+        if expect_kernels and any(r["implementation"] == "reference" for r in got):
+            for r in got:
+                r["ok"], r["error"] = False, "the probe fell back to the reference here: see the forced rows"
+            with forced_triton():
+                got += _run_check(group, check, device, dtype, suffix=" (kernel forced)")
+        rows += got
     return rows

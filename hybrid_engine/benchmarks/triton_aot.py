@@ -33,8 +33,6 @@ __all__ = ["SHARED_MEMORY_LIMIT", "compile_kernels", "parse_targets"]
 
 #: Shared memory one block may use (bytes, opt-in maximum), by compute capability.
 SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
-#: The ops whose implementation is forced to Triton while compiling (their modules choose by probe otherwise).
-_OP_MODULES = ("paged_attention", "layer_ops", "bookkeeping", "sampler")
 
 
 def parse_targets(text: str) -> list[int]:
@@ -49,25 +47,6 @@ def parse_targets(text: str) -> list[int]:
     if not targets:
         raise ValueError("--compile-for needs at least one target, e.g. sm_90")
     return targets
-
-
-@contextlib.contextmanager
-def _triton_forced() -> Iterator[None]:
-    """Every decode op's ``implementation`` answers ``"triton"`` (as on a GPU where its probe passed). A probe
-    that runs meanwhile (one that a helper calls directly) sees intercepted launches, so its cached answers are
-    dropped on the way out."""
-    import importlib
-
-    modules = [importlib.import_module(f"hybrid_engine.decode.ops.{name}") for name in _OP_MODULES]
-    saved = [m.implementation for m in modules]
-    try:
-        for m in modules:
-            m.implementation = lambda device: "triton"
-        yield
-    finally:
-        for m, impl in zip(modules, saved):
-            m.implementation = impl
-            m._probe.cache_clear()
 
 
 @contextlib.contextmanager
@@ -144,7 +123,7 @@ def compile_kernels(capabilities: list[int], dtypes: list[torch.dtype]) -> list[
         raise RuntimeError("--compile-for compiles kernels: unset TRITON_INTERPRET (the interpreter compiles nothing)")
     import triton  # noqa: F401 -- fail here, with ImportError, where Triton is missing
 
-    from hybrid_engine.benchmarks.kernel_check import LAUNCHES
+    from hybrid_engine.benchmarks.kernel_check import LAUNCHES, forced_triton
 
     rows: list[dict[str, Any]] = []
     cpu = torch.device("cpu")
@@ -153,7 +132,7 @@ def compile_kernels(capabilities: list[int], dtypes: list[torch.dtype]) -> list[
             for name, launch in LAUNCHES:
                 label = [name]
                 before = len(rows)
-                with _triton_forced(), _launches_compiled(capability, rows, label):
+                with forced_triton(), _launches_compiled(capability, rows, label):
                     try:
                         launch(cpu, dtype, torch.Generator().manual_seed(0))
                     except Exception as exc:  # noqa: BLE001 -- the op refused before launching: a failed row

@@ -5,6 +5,7 @@ ideal of reading each live token once."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -76,3 +77,24 @@ def test_kernel_check_fails_loudly_on_a_wrong_kernel(monkeypatch, capsys):
     assert exc.value.code == 1
     printed = capsys.readouterr().out
     assert "SOME OPS DISAGREE" in printed and "wrong_op" in printed and " NO |" in printed
+
+
+def test_an_op_that_fell_back_to_its_reference_fails_where_kernels_are_expected_and_says_why():
+    """On a CUDA device with Triton (``expect_kernels``), an op whose probe chose its reference would only compare
+    the reference with itself: it fails, and its kernel is run forced to show why. Here (a CPU without the
+    interpreter) the forced kernels cannot launch, and the rows carry Triton's own error."""
+    import torch
+
+    pytest.importorskip("triton")
+    from hybrid_engine.benchmarks import kernel_check
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("the interpreter runs the kernels on this CPU")
+    rows = kernel_check.check_kernels(torch.device("cpu"), torch.float32, expect_kernels=True)
+    chosen = [r for r in rows if not r["op"].endswith("(kernel forced)")]
+    forced = [r for r in rows if r["op"].endswith("(kernel forced)")]
+    assert chosen and all(r["implementation"] == "reference" and not r["ok"] for r in chosen)
+    assert all("fell back to the reference" in r["error"] for r in chosen)
+    assert {r["group"] for r in forced} == {group for group, _ in kernel_check.CHECKS}
+    assert all(r["implementation"] == "triton" and not r["ok"] and r["error"] for r in forced)
+    # (Without the expectation, on any other device, the reference rows stand: the test above.)
