@@ -27,7 +27,7 @@ import functools
 import torch
 
 from hybrid_engine.decode.ops.define import define_op
-from hybrid_engine.decode.ops.probe import probe_device, refuse_while_capturing
+from hybrid_engine.decode.ops.probe import failure, probe_device, refuse_while_capturing, warn_fallback
 
 __all__ = ["advance_rows", "implementation", "reference_advance_rows", "stop_match"]
 
@@ -168,9 +168,11 @@ def _probe(device: torch.device) -> str:
             _triton_advance(*got)
             reference_advance_rows(*want)
             if not all(torch.equal(a, b) for a, b in zip(got[:8], want[:8])):
+                warn_fallback("bookkeeping", device, "triton", "its state differs from the reference's")
                 return "reference"
         return "triton"
-    except Exception:  # noqa: BLE001 -- any failure to compile or run means: not on this device
+    except Exception as exc:  # noqa: BLE001 -- any failure to compile or run means: not on this device
+        warn_fallback("bookkeeping", device, "triton", failure(exc))
         return "reference"
 
 

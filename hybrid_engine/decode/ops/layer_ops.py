@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from hybrid_engine.decode.ops.define import define_op
-from hybrid_engine.decode.ops.probe import probe_device, refuse_while_capturing
+from hybrid_engine.decode.ops.probe import failure, probe_device, refuse_while_capturing, warn_fallback
 
 __all__ = ["add_rms_norm", "implementation", "reference_add_rms_norm", "reference_rms_norm", "reference_rotary_qk",
            "reference_silu_mul", "rms_norm", "rotary_qk", "silu_mul"]
@@ -165,18 +165,19 @@ def _probe_cases(device: torch.device) -> list[tuple[str, tuple]]:
             ("silu_mul", (x, res))]
 
 
-def _agrees(impl: _Impl, device: torch.device) -> bool:
-    """Whether every op of ``impl`` runs on ``device`` and agrees with the reference on the probe inputs."""
+def _disagreement(impl: _Impl, device: torch.device) -> str | None:
+    """Why ``impl`` does not serve ``device`` (``None``: every op runs there and agrees with the reference on the
+    probe inputs)."""
     try:
         for name, args in _probe_cases(device):
             got, want = getattr(impl, name)(*args), getattr(_REFERENCE, name)(*args)
             got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
             if not all(a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
                        for a, b in zip(got, want, strict=True)):
-                return False
-        return True
-    except Exception:  # noqa: BLE001 -- any failure to compile or run means: not on this device
-        return False
+                return f"{name} differs from the reference"
+        return None
+    except Exception as exc:  # noqa: BLE001 -- any failure to compile or run means: not on this device
+        return failure(exc)
 
 
 @functools.lru_cache(maxsize=16)
@@ -184,8 +185,12 @@ def _probe(device: torch.device) -> str:
     refuse_while_capturing("layer_ops", device)
     for name, build in _CANDIDATES.items():
         impl = build()
-        if impl is not None and _agrees(impl, device):
+        if impl is None:
+            continue
+        reason = _disagreement(impl, device)
+        if reason is None:
             return name
+        warn_fallback("layer_ops", device, name, reason)
     return "reference"
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_engine.decode.ops.define import define_op
-from hybrid_engine.decode.ops.probe import probe_device, refuse_while_capturing
+from hybrid_engine.decode.ops.probe import failure, probe_device, refuse_while_capturing, warn_fallback
 
 __all__ = ["PAGED_ATTENTION", "PagedRead", "implementation", "paged_attention_forward", "paged_decode_attention",
            "reference_attention"]
@@ -101,9 +101,9 @@ _CANDIDATES = {"npu": _npu_attention, "triton": _triton_candidate}
 _PROBES = {"npu": (torch.float16, 16, 1e-2), "triton": (torch.float32, 4, 1e-4)}
 
 
-def _agrees(run, device: torch.device, dtype: torch.dtype, page: int, tol: float) -> bool:
-    """Whether ``run`` runs on ``device`` and agrees with the reference on a small input (two rows over scattered
-    pages, one ending mid-page, GQA)."""
+def _disagreement(run, device: torch.device, dtype: torch.dtype, page: int, tol: float) -> str | None:
+    """Why ``run`` does not serve ``device`` (``None``: it runs there and agrees with the reference on a small
+    input: two rows over scattered pages, one ending mid-page, GQA)."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 1, 16, generator=g).to(device, dtype)
     kp, vp = (torch.randn(5 * page, 2, 16, generator=g).to(device, dtype) for _ in range(2))
@@ -112,10 +112,12 @@ def _agrees(run, device: torch.device, dtype: torch.dtype, page: int, tol: float
     try:
         got = run(q, kp, vp, table, lengths, 0.25, page)
         want = reference_attention(q, kp, vp, table, lengths, 0.25, page)
-        return got.shape == want.shape and got.dtype == want.dtype and torch.allclose(got.float(), want.float(),
-                                                                                       atol=tol, rtol=tol)
-    except Exception:  # noqa: BLE001 -- any failure to compile or run means: not on this device
-        return False
+        if got.shape == want.shape and got.dtype == want.dtype and torch.allclose(got.float(), want.float(),
+                                                                                   atol=tol, rtol=tol):
+            return None
+        return "its output differs from the reference's"
+    except Exception as exc:  # noqa: BLE001 -- any failure to compile or run means: not on this device
+        return failure(exc)
 
 
 @functools.lru_cache(maxsize=16)
@@ -124,8 +126,12 @@ def _probe(device: torch.device) -> str:
     refuse_while_capturing("paged_attention", device)
     for name, build in _CANDIDATES.items():
         run = build()
-        if run is not None and _agrees(run, device, *_PROBES[name]):
+        if run is None:
+            continue
+        reason = _disagreement(run, device, *_PROBES[name])
+        if reason is None:
             return name
+        warn_fallback("paged_attention", device, name, reason)
     return "reference"
 
 

@@ -1,20 +1,32 @@
-"""What the decode ops' capability probes share: the device a probe result is cached under, and the rule that
-a probe never runs inside a capture.
+"""What the decode ops' capability probes share: the device a probe result is cached under, the rule that a
+probe never runs inside a capture, and the one warning when a kernel meant for the device fails there.
 
 Why: each op module chooses its implementation per device by running its kernels there once (never by device
 name) and caches the answer. ``"cuda"`` and ``"cuda:0"`` must share one answer (and one probe run), and the CPU
 has no index, so a probe is keyed by :func:`probe_device`. A probe compares results on the host: inside a capture
 that read fails, the failure would read as "no kernel here" and be cached for the process, so a probe asked for
 first while capturing refuses (:func:`refuse_while_capturing`).
+
+A probe that refuses a kernel falls back to the op's reference: the same results, slower. On a device the
+kernel is built for (Triton's GPUs, torch_npu's NPUs) that is a fault worth one warning, with the reason
+(:func:`warn_fallback`); elsewhere (a CPU without Triton's interpreter, an NPU asked to run Triton) it is the
+expected answer and says nothing.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from hybrid_engine.accelerator import is_capturing
+from hybrid_engine.user_warnings import user_stacklevel
 
-__all__ = ["probe_device", "refuse_while_capturing"]
+__all__ = ["KERNEL_DEVICES", "failure", "probe_device", "refuse_while_capturing", "warn_fallback"]
+
+#: The device types each kind of kernel is built for: a probe refusing one there warns.
+KERNEL_DEVICES = {"triton": frozenset({"cuda", "xpu"}), "npu": frozenset({"npu"})}
+_WARNED: set[tuple[str, torch.device]] = set()
 
 
 def probe_device(device: torch.device | str) -> torch.device:
@@ -32,3 +44,20 @@ def refuse_while_capturing(module: str, device: torch.device) -> None:
         raise RuntimeError(f"{module}: the implementation for {device} was first asked for while a graph was "
                            f"capturing; call hybrid_engine.decode.ops.{module}.implementation(device) (or run the "
                            "ops once) before capturing")
+
+
+def warn_fallback(module: str, device: torch.device, candidate: str, reason: str) -> None:
+    """Warn once per op module and device that ``candidate``'s kernel failed its probe on ``device`` (``reason``)
+    and the reference runs there, where ``device`` is one the kernel is built for (:data:`KERNEL_DEVICES`)."""
+    if device.type not in KERNEL_DEVICES.get(candidate, ()) or (module, device) in _WARNED:
+        return
+    _WARNED.add((module, device))
+    warnings.warn(f"hybrid_engine.decode.ops.{module}: the {candidate} kernel failed its probe on {device} ({reason});"
+                  f" the reference implementation runs there instead (the same results, slower). `hybrid-engine bench "
+                  f"kernels --check --device {device.type}` shows each op's error", RuntimeWarning,
+                  stacklevel=user_stacklevel())
+
+
+def failure(exc: BaseException) -> str:
+    """A probe's reason for an exception: its type and first line."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]

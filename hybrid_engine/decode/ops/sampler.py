@@ -31,7 +31,7 @@ import numbers
 import torch
 
 from hybrid_engine.decode.ops.define import define_op
-from hybrid_engine.decode.ops.probe import probe_device, refuse_while_capturing
+from hybrid_engine.decode.ops.probe import failure, probe_device, refuse_while_capturing, warn_fallback
 
 __all__ = ["SAMPLING_DRAW", "as_counter", "counter_uniform", "describe", "filtered_logprobs", "implementation",
            "inverse_cdf", "reference_sample_rows", "sample_rows", "seed_lane"]
@@ -287,11 +287,14 @@ def _probe(device: torch.device) -> str:
             want = torch.where(full & (top_k_on or top_p_on), ref_full.gather(-1, tokens[:, None])[:, 0],
                                ref_lp.gather(-1, tokens[:, None])[:, 0])
             if top_k_on and int(tokens[0]) != int(want_tokens[0]):
+                warn_fallback("sampler", device, "triton", "its top-1 row drew another token than the reference")
                 return "reference"
             if not (torch.isfinite(lp).all() and torch.allclose(lp, want, atol=1e-4, rtol=1e-4)):
+                warn_fallback("sampler", device, "triton", "its logprobs differ from the reference's")
                 return "reference"
         return "triton"
-    except Exception:  # noqa: BLE001 -- any failure to compile or run means: not on this device
+    except Exception as exc:  # noqa: BLE001 -- any failure to compile or run means: not on this device
+        warn_fallback("sampler", device, "triton", failure(exc))
         return "reference"
 
 
