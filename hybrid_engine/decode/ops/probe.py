@@ -24,7 +24,8 @@ from hybrid_engine.user_warnings import user_stacklevel
 
 __all__ = ["KERNEL_DEVICES", "failure", "probe_device", "refuse_while_capturing", "warn_fallback"]
 
-#: The device types each kind of kernel is built for: a probe refusing one there warns.
+#: The device types each kind of kernel is built for. Only whether a refusal is news (a warning) reads it; which
+#: implementation runs is always the probe's answer.
 KERNEL_DEVICES = {"triton": frozenset({"cuda", "xpu"}), "npu": frozenset({"npu"})}
 _WARNED: set[tuple[str, torch.device]] = set()
 
