@@ -34,6 +34,7 @@ off together with the gradient check.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import warnings
@@ -517,9 +518,27 @@ class LocalTraining:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wake_optimizer()
         if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+            _optimizer_zero_grad(self.optimizer, set_to_none)
         self.module.zero_grad(set_to_none=set_to_none)
 
     @property
     def loss_scale(self) -> float:
         return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
+
+
+def _optimizer_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+    """``optimizer.zero_grad(set_to_none=...)`` where it takes the argument (torch's optimizers). DeepSpeed's own
+    (``FusedAdam``, ``FusedLion``: DeepSpeed-Chat's default) take none, as DeepSpeed's engine calls them: called
+    bare, with the gradients then dropped here when ``set_to_none`` asks for it."""
+    try:
+        takes = "set_to_none" in inspect.signature(optimizer.zero_grad).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: torch's convention
+        takes = True
+    if takes:
+        optimizer.zero_grad(set_to_none=set_to_none)
+        return
+    optimizer.zero_grad()
+    if set_to_none:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None

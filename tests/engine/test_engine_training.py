@@ -669,3 +669,33 @@ def test_a_schedule_that_fails_or_leaves_the_sane_range_is_refused_at_initialize
     with pytest.raises(ValueError, match=match):
         initialize(model=model, optimizer=opt, config={"scheduler": scheduler})
     assert opt.param_groups[0]["lr"] == 0.1 and "initial_lr" not in opt.param_groups[0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_optimizer_whose_zero_grad_takes_no_argument_steps_as_deepspeed_calls_it(precision):
+    """DeepSpeed's FusedAdam and FusedLion (DeepSpeed-Chat's default optimizer) define ``zero_grad(self)``, and
+    DeepSpeed's engine calls it bare; found running DeepSpeed-Chat's own step 3, where every stage-0 step raised
+    TypeError after the update. This optimizer has that signature (no DeepSpeed op built)."""
+
+    class BareZeroGrad(torch.optim.AdamW):
+        def zero_grad(self):  # the signature of deepspeed.ops.adam.FusedAdam.zero_grad
+            self.bare_calls = getattr(self, "bare_calls", 0) + 1
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+
+    model = build_model("tiny-opt", seed=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = BareZeroGrad(model.parameters(), lr=1e-3)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}}
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    engine, optimizer, *_ = initialize(model=model, optimizer=opt if precision == "fp32" else
+                                       (lambda params: BareZeroGrad(params, lr=1e-3)), config=config)
+    ids = torch.randint(4, 300, (1, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        engine.backward(engine(ids, labels=ids).loss)
+        engine.step()
+    assert engine.global_steps == 2 and optimizer.bare_calls >= 2
+    assert all(p.grad is None for p in engine.module.parameters())
+    assert any(not torch.equal(a, b.detach().to(a.dtype)) for a, b in zip(before, engine.module.parameters()))
