@@ -60,6 +60,7 @@ from hybrid_engine.training.deepspeed_interface import DeepSpeedEngineInterface
 from hybrid_engine.training.hybrid_engine_api import DeepSpeedHybridEngineAPI
 from hybrid_engine.training.local import LocalTraining, build_optimizer, build_scheduler, check_lr_kwargs
 from hybrid_engine.training.precision import MasterWeights
+from hybrid_engine.user_warnings import user_stacklevel
 
 __all__ = ["HybridEngine", "initialize"]
 
@@ -78,8 +79,7 @@ class HybridEngine(DeepSpeedHybridEngineAPI, DeepSpeedEngineInterface, nn.Module
         self.module = model
         self.config = config
         self.training_backend = training
-        self._inference_copy = (InferenceCopy(decode_model(model)) if config.zero_optimization.stage == 3
-                                and config.hybrid_engine.zero3_gathered_inference_copy else None)
+        self._inference_copy = _inference_copy(model, config)
         self._front_end = GenerateFrontEnd(self.inference_module, config)
         if config.hybrid_engine.exact_logprobs:
             check_exact_support(self.inference_module)
@@ -133,7 +133,7 @@ class HybridEngine(DeepSpeedHybridEngineAPI, DeepSpeedEngineInterface, nn.Module
             own = {**own, **{k: v for k, v in given.items() if k == "hybrid_engine" or k not in own}}
         cfg = load_config(own)
         if cfg.zero_optimization.stage != training.zero_stage:
-            data = cfg.model_dump()
+            data = cfg.dump_for_reload()
             data["zero_optimization"]["stage"] = training.zero_stage
             cfg = load_config(data)
         return cls(module, cfg, training)
@@ -523,6 +523,29 @@ remember_initialize()  # DeepSpeed's own, if it is imported (and still its own)
 
 #: No instance attribute was there before the engine routed ``generate``.
 _NOT_SET = object()
+
+
+def _inference_copy(model: nn.Module, config: EngineConfig) -> InferenceCopy | None:
+    """The ZeRO-3 gathered inference copy ``config`` asks for, or ``None``.
+
+    Implied by graph capture (the key not given) where this model has no copy (layers its config does not build,
+    say DeepSpeed-Chat's own LoRA), the engine goes on without it: one warning, then generation gathers the
+    parameters and decodes eagerly. Asked for explicitly, that is an error.
+    """
+    he = config.hybrid_engine
+    if config.zero_optimization.stage != 3 or not he.zero3_gathered_inference_copy:
+        return None
+    try:
+        return InferenceCopy(decode_model(model))
+    except ValueError as exc:
+        if "zero3_gathered_inference_copy" in he.model_fields_set:
+            raise
+        he.__dict__["zero3_gathered_inference_copy"] = False  # implied, so taken back: graphs are then refused
+        warnings.warn(f"graph capture at ZeRO stage 3 generates on a gathered inference copy, which cannot be built "
+                      f"here ({exc}); generation gathers the parameters and decodes eagerly instead. Set "
+                      "hybrid_engine.zero3_gathered_inference_copy to false to say so and silence this warning",
+                      UserWarning, stacklevel=user_stacklevel())
+        return None
 
 
 def _data_parallel_ranks(mpu: Any) -> int:

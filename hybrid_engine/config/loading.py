@@ -220,7 +220,7 @@ def load_config(source: ConfigSource, world_size: int | None = None) -> EngineCo
     """
     where = ""
     if isinstance(source, EngineConfig):
-        data: Any = source.model_dump()
+        data: Any = source.dump_for_reload()
     elif isinstance(source, Mapping):
         _refuse_deep(source, "the config")
         data = dict(source)

@@ -460,6 +460,7 @@ class HybridEngineConfig(BaseModel):
     tp_gather_partition_size: StrictInt = Field(default=8, gt=0)
     enable_graph_capture: StrictBool = False
     #: Under ZeRO-3, keep an unpartitioned copy for generation, refreshed in place after each step (graphs allowed).
+    #: Left unset, it follows ``enable_graph_capture`` at ZeRO-3 (see ``EngineConfig._zero3_graphs_imply_the_copy``).
     zero3_gathered_inference_copy: StrictBool = False
     #: Tokens per page of generate's K/V pool, and the pool's budget in tokens or bytes (unset: what the call's
     #: rows could hold at once, never more than max_out_tokens rows would take).
@@ -558,6 +559,10 @@ class HybridEngineConfig(BaseModel):
         return self.enable_graph_capture
 
 
+#: ``hybrid_engine`` keys a validator may imply from others when they are not given.
+_IMPLIED_HYBRID_ENGINE_KEYS = ("enabled", "zero3_gathered_inference_copy")
+
+
 class EngineConfig(BaseModel):
     """The whole engine config. Unused DeepSpeed keys are kept as extras."""
 
@@ -628,7 +633,18 @@ class EngineConfig(BaseModel):
                 "the ranks that share one inference copy, so use at most the number of ranks launched"
             )
         self._derive_batch_sizes(world)
+        self._zero3_graphs_imply_the_copy()
         return self
+
+    def _zero3_graphs_imply_the_copy(self) -> None:
+        """At ZeRO-3, asking for graphs implies ``zero3_gathered_inference_copy`` unless it is given: partitioned
+        weights can never be replayed, and DeepSpeed's own hybrid engine generates on gathered weights, so the graph
+        flag alone gives graphs there (DeepSpeed-Chat's config has no copy key). Not marked as set, so the engine
+        can fall back to eager decode where no copy can be built (``HybridEngine.__init__``)."""
+        he = self.hybrid_engine
+        if (self.zero_optimization.stage == 3 and he.enable_graph_capture
+                and "zero3_gathered_inference_copy" not in he.model_fields_set):
+            he.__dict__["zero3_gathered_inference_copy"] = True
 
     def _derive_batch_sizes(self, world: int) -> None:
         """DeepSpeed's rules (``_set_batch_related_parameters`` then ``_batch_assertion``), on every branch:
@@ -670,6 +686,16 @@ class EngineConfig(BaseModel):
                 )
             self.train_micro_batch_size_per_gpu = total // world
         # Neither size given: both stay None and the trainer chooses.
+
+    def dump_for_reload(self) -> dict[str, Any]:
+        """Every field, as ``model_dump`` gives them, less the values a validator implied rather than the user
+        gave (``hybrid_engine.enabled``, ``hybrid_engine.zero3_gathered_inference_copy``), so that validating the
+        dump again (after a mutation, say) implies them again from what it says, and still tells them apart."""
+        data = self.model_dump()
+        for key in _IMPLIED_HYBRID_ENGINE_KEYS:
+            if key not in self.hybrid_engine.model_fields_set:
+                data["hybrid_engine"].pop(key, None)
+        return data
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-compatible dict of the config (unset optional fields omitted)."""

@@ -611,6 +611,29 @@ def test_refuses_zero_stage_3():
     assert "ZeRO" in reason and "3" in reason
 
 
+def test_graphs_at_zero_3_imply_the_gathered_inference_copy_unless_it_is_given():
+    def copy(stage: int, **he) -> bool:
+        return load_config({"zero_optimization": {"stage": stage}, "hybrid_engine": he}).hybrid_engine \
+            .zero3_gathered_inference_copy
+
+    assert copy(3, enable_graph_capture=True)  # DeepSpeed-Chat's config: the graph flag alone
+    assert validate_graph_capture_support(
+        {"zero_optimization": {"stage": 3}, "hybrid_engine": {"enable_graph_capture": True}}, CPUAccelerator()) is None
+    assert not copy(3, enable_graph_capture=True, zero3_gathered_inference_copy=False)  # given: kept
+    assert not copy(3)  # no graphs asked for: no copy
+    with pytest.warns(UserWarning, match="enabled is false"):  # DeepSpeed's switch off: no graphs, no copy
+        assert not copy(3, enabled=False, enable_graph_capture=True)
+    assert not copy(2, enable_graph_capture=True)  # whole parameters below ZeRO-3
+    # Implied, not given: a reload (load_config of the object, the engine's own path) implies it again, and
+    # neither it nor the implied ``enabled`` (which would route the model's generate) becomes "given".
+    cfg = load_config({"zero_optimization": {"stage": 3}, "hybrid_engine": {"enable_graph_capture": True}})
+    again = load_config(cfg)
+    assert again.hybrid_engine.zero3_gathered_inference_copy and again.hybrid_engine.enabled
+    assert {"zero3_gathered_inference_copy", "enabled"}.isdisjoint(again.hybrid_engine.model_fields_set)
+    cfg.zero_optimization.stage = 2  # mutated after loading: checked again, nothing implied below ZeRO-3
+    assert not load_config(cfg).hybrid_engine.zero3_gathered_inference_copy
+
+
 def test_refuses_release_inference_cache_only_where_the_pool_cannot_sleep_at_fixed_addresses(monkeypatch):
     cfg = {"hybrid_engine": {"release_inference_cache": True}}
     assert validate_graph_capture_support(cfg, CPUAccelerator()) is None  # the CPU: the hand-off, graphs kept

@@ -2,8 +2,8 @@
 
 ``python dschat_step3_worker.py STAGE COPY OUT_DIR [ALIGN] [PRECISION]``: the literal drop-in, ``deepspeed.initialize =
 hybrid_engine.initialize``, then the actor (ZeRO ``STAGE``, ``PRECISION`` bf16 (the default) or fp16, hybrid engine
-and graphs on; ``COPY`` 1:
-``zero3_gathered_inference_copy``) and the reference are built through ``deepspeed.initialize``; critic and reward
+and graphs on; ``COPY`` ``default``: DeepSpeed-Chat's config as it is, no copy key (graphs imply the gathered
+inference copy at ZeRO-3), ``off``: ``zero3_gathered_inference_copy`` false) and the reference are built through ``deepspeed.initialize``; critic and reward
 are plain models. Two PPO iterations with DeepSpeed-Chat's calls (``synced_gpus`` true at ZeRO-3), with prompts
 of different widths per rank, so the ranks' generations finish at different steps. ``ALIGN`` 1: three, with
 ``--align_overflow``: in the first the critic reports an overflow (so the actor's step is skipped through
@@ -65,10 +65,10 @@ def align_overflow_iterations(trainer: Step3Trainer) -> list[dict]:
 
 
 def main() -> None:
-    stage, copy, out_dir = int(sys.argv[1]), sys.argv[2] == "1", Path(sys.argv[3])
+    stage, copy, out_dir = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     align = len(sys.argv) > 4 and sys.argv[4] == "1"
     precision = sys.argv[5] if len(sys.argv) > 5 else "bf16"
-    config = actor_config(precision, stage, **({"zero3_gathered_inference_copy": True} if copy else {}))
+    config = actor_config(precision, stage, **({"zero3_gathered_inference_copy": False} if copy == "off" else {}))
     if precision == "fp16":
         report_fp16_on_cpu()
         config["fp16"]["initial_scale_power"] = 8

@@ -8,21 +8,30 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 import torch
 
 from hybrid_engine import initialize
+from hybrid_engine.model_access import decode_model
 from hybrid_engine.tiny_models import build_model
 
 STEPS = 3
 
 
-def train(stage: int, precision: str) -> dict:
+def train(stage: int, precision: str, injected: bool = False) -> dict:
+    """``injected``: a layer added by hand (as DeepSpeed-Chat's own LoRA adds its layers), which no gathered
+    inference copy can mirror."""
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": stage}, "hybrid_engine": {"enable_graph_capture": True}}
     if precision != "fp32":
         config[precision] = {"enabled": True}
-    engine, *_ = initialize(model=build_model("tiny-gpt2", seed=3), config=config)
+    model = build_model("tiny-gpt2", seed=3)
+    if injected:
+        model.transformer.h[0].extra = torch.nn.Linear(4, 4)  # never called: the forward is unchanged
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, *_ = initialize(model=model, config=config)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 100, (2, 12), generator=gen)
     losses = []
@@ -33,7 +42,10 @@ def train(stage: int, precision: str) -> dict:
         losses.append(float(loss))
     tokens = engine.generate(ids[:, :4], max_new_tokens=6, do_sample=False).tolist()
     out = {"losses": losses, "tokens": tokens, "global_steps": int(engine.global_steps),
-           "zero_stage": int(engine.zero_optimization_stage())}
+           "zero_stage": int(engine.zero_optimization_stage()), "captures": engine.graph_stats.captures,
+           "replays": engine.graph_stats.replays, "refusal": engine.graph_stats.last_refusal_reason,
+           "inference_copy": engine.inference_module is not decode_model(engine.module),
+           "init_warnings": [str(w.message) for w in caught if "inference copy" in str(w.message)]}
     engine.destroy()
     return out
 
@@ -99,12 +111,15 @@ def main() -> None:
     assert not leaked, f"launcher variables set: {leaked}"
     torch.set_num_threads(1)
     results = {}
-    for case in sys.argv[1:]:  # stage:precision, or stage:precision:exact / :episode
+    for case in sys.argv[1:]:  # stage:precision, or stage:precision:exact / :episode / :injected
         stage, precision, *mode = case.split(":")
         if precision == "fp16":  # the same on every CPU, with or without oneDNN's fp16 kernels
             from cpu_fp16 import report_fp16_on_cpu  # noqa: PLC0415 -- tests/distributed, this script's folder
 
             report_fp16_on_cpu()
+        if mode == ["injected"]:
+            results[case] = train(int(stage), precision, injected=True)
+            continue
         run = {"exact": exact, "episode": episode}.get(mode[0] if mode else "", train)
         results[case] = run(int(stage), precision)
     import torch.distributed as dist

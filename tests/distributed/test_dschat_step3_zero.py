@@ -2,7 +2,9 @@
 ``hybrid_engine.initialize`` (issue 42; the trainer: tests/integrations/dschat_step3.py), with and without
 ``--align_overflow``.
 
-bf16, and fp16 with ``--align_overflow`` at ZeRO 2 and 3 (the gathered inference copy: graphs), the latter on
+DeepSpeed-Chat's actor config as it is, with the graph flag added (at ZeRO-3 that implies the gathered inference
+copy: graphs), and at ZeRO-3 with the copy turned off (eager decode on gathered weights, bf16). bf16 and fp16, each
+with and without ``--align_overflow``, fp16 on
 DeepSpeed's own fp16 ZeRO optimizers under a test double at a hardware-capability boundary (``cpu_fp16.py``:
 DeepSpeed's CPU accelerator reports no fp16; torch computes fp16 on CPU). Each case runs ``dschat_step3_worker.py``
 under :func:`hybrid_engine.distributed.launch.run_ranks` with a hard timeout that kills the ranks' group.
@@ -30,17 +32,17 @@ LOGIT_ATOL = {"fp16": 0.5, "bf16": 1.0}
 DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def run_worker(tmp_path: Path, stage: int, copy: bool, align: bool = False, precision: str = "bf16") -> list[dict]:
-    args = [str(WORKER), str(stage), "1" if copy else "0", str(tmp_path), "1" if align else "0", precision]
+def run_worker(tmp_path: Path, stage: int, copy: str, align: bool = False, precision: str = "bf16") -> list[dict]:
+    args = [str(WORKER), str(stage), copy, str(tmp_path), "1" if align else "0", precision]
     proc = run_ranks(args, nproc=2, timeout_s=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 @pytest.mark.parametrize("stage,copy,align,precision", [
-    (2, False, False, "bf16"), (3, False, False, "bf16"), (3, True, False, "bf16"), (2, False, True, "bf16"),
-    (3, False, True, "bf16"), (2, False, False, "fp16"), (3, False, False, "fp16"), (2, False, True, "fp16"),
-    (3, True, True, "fp16")])
+    (2, "default", False, "bf16"), (3, "default", False, "bf16"), (3, "off", False, "bf16"),
+    (2, "default", True, "bf16"), (3, "default", True, "bf16"), (2, "default", False, "fp16"),
+    (3, "default", False, "fp16"), (2, "default", True, "fp16"), (3, "default", True, "fp16")])
 def test_step3_drop_in_trains_at_zero_2_and_3(tmp_path, stage, copy, align, precision):
     for d in run_worker(tmp_path, stage, copy, align, precision):
         # deepspeed.initialize = hybrid_engine.initialize did not recurse, and built ZeRO engines.
@@ -65,7 +67,7 @@ def test_step3_drop_in_trains_at_zero_2_and_3(tmp_path, stage, copy, align, prec
                 assert [it["actor_scale"] for it in d["align_log"]] == [1.0, 1.0, 1.0]
         # module.generate(synced_gpus=<ZeRO-3>) ran on the fast path (never delegated to transformers).
         assert d["fast_path_calls"] and d["invalidations"] == 0
-        if stage == 3 and not copy:  # graphs refused on partitioned weights: eager steps on gathered ones
+        if stage == 3 and copy == "off":  # graphs refused on partitioned weights: eager steps on gathered ones
             assert d["captures"] == 0 and d["eager_steps"] > 0 and "delegated" not in (d["refusal"] or "")
         else:
             assert d["captures"] > 0 and d["replays"] > 0 and d["refusal"] is None

@@ -44,17 +44,26 @@ def results(out: str) -> dict:
 
 
 def test_zero_1_2_3_train_in_one_process_without_a_launcher_as_stage_0_does():
-    code, out = run_worker("0:fp32", "1:fp32", "2:fp32", "3:fp32", "2:bf16")
+    code, out = run_worker("0:fp32", "1:fp32", "2:fp32", "3:fp32", "2:bf16", "3:fp32:injected")
     assert code == 0, out[-6000:]
     r = results(out)
     assert r["world"] == 1
     reference = r["0:fp32"]
-    for stage in (1, 2, 3):
-        got = r[f"{stage}:fp32"]
-        assert got["zero_stage"] == stage and got["global_steps"] == 3
+    for case in ("1:fp32", "2:fp32", "3:fp32", "3:fp32:injected"):
+        got = r[case]
+        assert got["zero_stage"] == int(case[0]) and got["global_steps"] == 3
         # The same AdamW steps on the same batch as plain PyTorch at stage 0.
-        assert got["losses"] == pytest.approx(reference["losses"], abs=1e-4), stage
-        assert got["tokens"] == reference["tokens"], stage
+        assert got["losses"] == pytest.approx(reference["losses"], abs=1e-4), case
+        assert got["tokens"] == reference["tokens"], case
+    # The graph flag alone at ZeRO-3: generation on the gathered inference copy it implies, captured and replayed.
+    zero3 = r["3:fp32"]
+    assert zero3["inference_copy"] and zero3["captures"] > 0 and zero3["replays"] > 0 and zero3["refusal"] is None
+    assert not zero3["init_warnings"]
+    # A layer no copy can mirror: one warning naming it and the way to silence it, then eager on gathered weights.
+    injected = r["3:fp32:injected"]
+    assert not injected["inference_copy"] and injected["captures"] == 0 and "ZeRO stage 3" in injected["refusal"]
+    (warning,) = injected["init_warnings"]
+    assert "transformer.h.0.extra.weight" in warning and "zero3_gathered_inference_copy to false" in warning
     bf16 = r["2:bf16"]
     assert bf16["global_steps"] == 3 and bf16["losses"][-1] < bf16["losses"][0]
 

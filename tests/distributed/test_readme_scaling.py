@@ -39,10 +39,8 @@ def check_printed(stdout: str, ranks: int, stage: int) -> None:
     assert len(printed) == ranks, stdout[-6000:]  # one line per rank: global steps, captures, refusal reason
     for steps, captures, reason in printed:
         assert steps == "3"
-        if stage == 2:
-            assert int(captures) > 0 and reason == "None"
-        else:
-            assert captures == "0" and "ZeRO stage 3" in reason
+        # At ZeRO-3 the graph flag implies the gathered inference copy, on which graphs replay.
+        assert int(captures) > 0 and reason == "None", stage
 
 
 @pytest.mark.parametrize("stage", [2, 3])

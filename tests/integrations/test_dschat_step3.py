@@ -50,7 +50,7 @@ def eager_copy(actor, precision: str):
     return engine
 
 
-@pytest.mark.parametrize("precision,align", [("fp16", False), ("fp16", True), ("bf16", False)])
+@pytest.mark.parametrize("precision,align", [("fp16", False), ("fp16", True), ("bf16", False), ("bf16", True)])
 def test_step3_trains_with_the_actors_generations_captured_and_replayed(precision, align):
     trainer = build_trainer(precision, align)
     actor = trainer.actor
