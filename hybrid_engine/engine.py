@@ -540,7 +540,7 @@ def _inference_copy(model: nn.Module, config: EngineConfig) -> InferenceCopy | N
     except ValueError as exc:
         if "zero3_gathered_inference_copy" in he.model_fields_set:
             raise
-        he.__dict__["zero3_gathered_inference_copy"] = False  # implied, so taken back: graphs are then refused
+        he.zero3_gathered_inference_copy = False  # as if given: a reload must not imply it again; graphs refused
         warnings.warn(f"graph capture at ZeRO stage 3 generates on a gathered inference copy, which cannot be built "
                       f"here ({exc}); generation gathers the parameters and decodes eagerly instead. Set "
                       "hybrid_engine.zero3_gathered_inference_copy to false to say so and silence this warning",

@@ -13,6 +13,7 @@ import warnings
 import torch
 
 from hybrid_engine import initialize
+from hybrid_engine.graphs.policy import validate_graph_capture_support
 from hybrid_engine.model_access import decode_model
 from hybrid_engine.tiny_models import build_model
 
@@ -45,6 +46,7 @@ def train(stage: int, precision: str, injected: bool = False) -> dict:
            "zero_stage": int(engine.zero_optimization_stage()), "captures": engine.graph_stats.captures,
            "replays": engine.graph_stats.replays, "refusal": engine.graph_stats.last_refusal_reason,
            "inference_copy": engine.inference_module is not decode_model(engine.module),
+           "config_refusal": validate_graph_capture_support(engine.config),
            "init_warnings": [str(w.message) for w in caught if "inference copy" in str(w.message)]}
     engine.destroy()
     return out

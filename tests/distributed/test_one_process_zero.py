@@ -58,10 +58,11 @@ def test_zero_1_2_3_train_in_one_process_without_a_launcher_as_stage_0_does():
     # The graph flag alone at ZeRO-3: generation on the gathered inference copy it implies, captured and replayed.
     zero3 = r["3:fp32"]
     assert zero3["inference_copy"] and zero3["captures"] > 0 and zero3["replays"] > 0 and zero3["refusal"] is None
-    assert not zero3["init_warnings"]
+    assert not zero3["init_warnings"] and zero3["config_refusal"] is None
     # A layer no copy can mirror: one warning naming it and the way to silence it, then eager on gathered weights.
     injected = r["3:fp32:injected"]
     assert not injected["inference_copy"] and injected["captures"] == 0 and "ZeRO stage 3" in injected["refusal"]
+    assert "ZeRO stage 3" in injected["config_refusal"]  # the copy taken back stays off when the config is reloaded
     (warning,) = injected["init_warnings"]
     assert "transformer.h.0.extra.weight" in warning and "zero3_gathered_inference_copy to false" in warning
     bf16 = r["2:bf16"]
