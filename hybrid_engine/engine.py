@@ -528,9 +528,9 @@ _NOT_SET = object()
 def _inference_copy(model: nn.Module, config: EngineConfig) -> InferenceCopy | None:
     """The ZeRO-3 gathered inference copy ``config`` asks for, or ``None``.
 
-    Implied by graph capture (the key not given) where this model has no copy (layers its config does not build,
-    say DeepSpeed-Chat's own LoRA), the engine goes on without it: one warning, then generation gathers the
-    parameters and decodes eagerly. Asked for explicitly, that is an error.
+    Implied by graph capture (the key not given) where no copy of this model can be built (a module tree that
+    cannot be deep-copied), the engine goes on without it: one warning, then generation gathers the parameters
+    and decodes eagerly. Asked for explicitly, that is an error.
     """
     he = config.hybrid_engine
     if config.zero_optimization.stage != 3 or not he.zero3_gathered_inference_copy:

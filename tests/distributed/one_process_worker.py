@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import warnings
 
 import torch
+from hand_lora import inject_hand_lora  # tests/distributed, this script's folder
 
 from hybrid_engine import initialize
 from hybrid_engine.graphs.policy import validate_graph_capture_support
@@ -20,16 +22,18 @@ from hybrid_engine.tiny_models import build_model
 STEPS = 3
 
 
-def train(stage: int, precision: str, injected: bool = False) -> dict:
-    """``injected``: a layer added by hand (as DeepSpeed-Chat's own LoRA adds its layers), which no gathered
-    inference copy can mirror."""
+def train(stage: int, precision: str, layers: str = "") -> dict:
+    """``layers``: ``"lora"``, a tiny Llama with LoRA layers injected by hand (as DeepSpeed-Chat's own LoRA does),
+    which the gathered inference copy copies structurally; ``"uncopyable"``, a layer added by hand that holds a
+    lock, so no copy can mirror it."""
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": stage}, "hybrid_engine": {"enable_graph_capture": True}}
     if precision != "fp32":
         config[precision] = {"enabled": True}
-    model = build_model("tiny-gpt2", seed=3)
-    if injected:
+    model = inject_hand_lora(build_model("tiny-llama", seed=3)) if layers == "lora" else build_model("tiny-gpt2", seed=3)
+    if layers == "uncopyable":
         model.transformer.h[0].extra = torch.nn.Linear(4, 4)  # never called: the forward is unchanged
+        model.transformer.h[0].extra.lock = threading.Lock()  # nothing deep-copies a lock
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine, *_ = initialize(model=model, config=config)
@@ -113,14 +117,14 @@ def main() -> None:
     assert not leaked, f"launcher variables set: {leaked}"
     torch.set_num_threads(1)
     results = {}
-    for case in sys.argv[1:]:  # stage:precision, or stage:precision:exact / :episode / :injected
+    for case in sys.argv[1:]:  # stage:precision, or stage:precision:exact / :episode / :lora / :uncopyable
         stage, precision, *mode = case.split(":")
         if precision == "fp16":  # the same on every CPU, with or without oneDNN's fp16 kernels
             from cpu_fp16 import report_fp16_on_cpu  # noqa: PLC0415 -- tests/distributed, this script's folder
 
             report_fp16_on_cpu()
-        if mode == ["injected"]:
-            results[case] = train(int(stage), precision, injected=True)
+        if mode and mode[0] in ("lora", "uncopyable"):
+            results[case] = train(int(stage), precision, layers=mode[0])
             continue
         run = {"exact": exact, "episode": episode}.get(mode[0] if mode else "", train)
         results[case] = run(int(stage), precision)

@@ -12,6 +12,7 @@ from hybrid_engine import HybridEngineRollout, RolloutConfig, RolloutRequest, Sa
 from hybrid_engine.distributed.inference_copy import InferenceCopy
 from hybrid_engine.graphs.fingerprint import graph_fingerprint
 from hybrid_engine.tiny_models import build_model
+from tests.distributed.hand_lora import HandLoRA, inject_hand_lora
 
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-qwen3"])
@@ -138,8 +139,36 @@ def test_peft_modules_to_save_are_mirrored_too():
         assert torch.equal(_logits(copy.module, ids), _logits(source, ids))
 
 
-def test_parameters_no_copy_can_build_are_refused_by_name_with_the_way_out():
+def test_layers_no_config_builds_get_a_structural_copy_with_their_flags_mirrored():
+    source = inject_hand_lora(build_model("tiny-llama", seed=0)).eval()
+    source.model.layers[0].register_forward_pre_hook(lambda m, args: None)  # as ZeRO-3's fetch hooks are
+    copy = InferenceCopy(source)
+    model = copy.module
+    assert copy.structural and type(model.model.layers[0].self_attn.q_proj) is HandLoRA and not model.training
+    assert not {p.data_ptr() for p in model.parameters()} & {p.data_ptr() for p in source.parameters()}
+    assert not model.model.layers[0]._forward_pre_hooks and source.model.layers[0]._forward_pre_hooks
+    ids = torch.randint(4, 384, (2, 7), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_logits(model, ids), _logits(source, ids))
+    addresses = [p.data_ptr() for p in model.parameters()]
+    before = graph_fingerprint(model)
+    with torch.no_grad():
+        for layer in source.model.layers:
+            layer.self_attn.q_proj.lora_left_weight.mul_(2.0)
+            layer.self_attn.v_proj.fuse_lora_weight()  # the weight changed in place, the branch off
+    assert not torch.equal(_logits(model, ids), _logits(source, ids))
+    copy.refresh()
+    assert [p.data_ptr() for p in model.parameters()] == addresses  # in place: graphs stay valid
+    assert model.model.layers[1].self_attn.v_proj.fuse_lora  # the flag mirrored, so the branch is not added twice
+    assert graph_fingerprint(model) != before  # and a captured graph of the unfused branch is dropped
+    assert torch.equal(_logits(model, ids), _logits(source, ids))
+
+
+def test_a_module_tree_no_copy_can_mirror_is_refused_by_name_with_the_way_out():
+    import threading
+
     source = build_model("tiny-llama", seed=0)
     source.model.layers[0].extra = torch.nn.Linear(4, 4)  # injected by hand: no config describes it
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.extra\.weight.*injected.*turn the copy off"):
+    source.model.layers[0].extra.lock = threading.Lock()  # and nothing deep-copies it
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.extra\.weight.*injected.*cannot be copied.*lock"
+                                         r".*turn the copy off"):
         InferenceCopy(source)

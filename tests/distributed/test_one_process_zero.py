@@ -44,23 +44,25 @@ def results(out: str) -> dict:
 
 
 def test_zero_1_2_3_train_in_one_process_without_a_launcher_as_stage_0_does():
-    code, out = run_worker("0:fp32", "1:fp32", "2:fp32", "3:fp32", "2:bf16", "3:fp32:injected")
+    code, out = run_worker("0:fp32", "1:fp32", "2:fp32", "3:fp32", "2:bf16", "3:fp32:uncopyable", "0:fp32:lora",
+                           "3:fp32:lora")
     assert code == 0, out[-6000:]
     r = results(out)
     assert r["world"] == 1
-    reference = r["0:fp32"]
-    for case in ("1:fp32", "2:fp32", "3:fp32", "3:fp32:injected"):
-        got = r[case]
+    for case in ("1:fp32", "2:fp32", "3:fp32", "3:fp32:uncopyable", "3:fp32:lora"):
+        got, reference = r[case], r["0:fp32:lora" if case.endswith("lora") else "0:fp32"]
         assert got["zero_stage"] == int(case[0]) and got["global_steps"] == 3
         # The same AdamW steps on the same batch as plain PyTorch at stage 0.
         assert got["losses"] == pytest.approx(reference["losses"], abs=1e-4), case
         assert got["tokens"] == reference["tokens"], case
-    # The graph flag alone at ZeRO-3: generation on the gathered inference copy it implies, captured and replayed.
-    zero3 = r["3:fp32"]
-    assert zero3["inference_copy"] and zero3["captures"] > 0 and zero3["replays"] > 0 and zero3["refusal"] is None
-    assert not zero3["init_warnings"] and zero3["config_refusal"] is None
+    # The graph flag alone at ZeRO-3: generation on the gathered inference copy it implies, captured and replayed;
+    # with LoRA layers injected by hand, on a structural copy.
+    for case in ("3:fp32", "3:fp32:lora"):
+        zero3 = r[case]
+        assert zero3["inference_copy"] and zero3["captures"] > 0 and zero3["replays"] > 0, case
+        assert zero3["refusal"] is None and not zero3["init_warnings"] and zero3["config_refusal"] is None, case
     # A layer no copy can mirror: one warning naming it and the way to silence it, then eager on gathered weights.
-    injected = r["3:fp32:injected"]
+    injected = r["3:fp32:uncopyable"]
     assert not injected["inference_copy"] and injected["captures"] == 0 and "ZeRO stage 3" in injected["refusal"]
     assert "ZeRO stage 3" in injected["config_refusal"]  # the copy taken back stays off when the config is reloaded
     (warning,) = injected["init_warnings"]
