@@ -68,8 +68,9 @@ def _twin(source: nn.Module) -> nn.Module:
 _HOOK_TABLES = tuple(k for k in nn.Module().__dict__ if "hook" in k)
 #: What every module keeps in its ``__dict__`` (tables, the training flag): never mirrored.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
-#: What DeepSpeed's ZeRO-3 sets on each module (ids, registries, the original parameter table): left behind.
-_ZERO3_PREFIXES = ("ds_", "_original_parameters")
+#: What DeepSpeed's ZeRO-3 sets on each module (ids, registries, the original parameter table, its backward
+#: counters and functions): left behind, and never mirrored (a counter changing every step would recapture).
+_ZERO3_PREFIXES = ("ds_", "_original_parameters", "applied_pre_backward_ref_cnt", "pre_bwd_fn", "post_bwd_fn")
 
 
 def _structural_twin(source: nn.Module) -> nn.Module:
@@ -101,6 +102,9 @@ def _structural_twin(source: nn.Module) -> nn.Module:
         for key in [k for k in m.__dict__ if k.startswith(_ZERO3_PREFIXES)]:
             del m.__dict__[key]
     return module
+
+
+_ABSENT = object()
 
 
 def _plain_attrs(m: nn.Module) -> dict[str, object]:
@@ -189,5 +193,5 @@ class InferenceCopy:
         _mirror_adapter_state(self._adapter_layers)
         for twin, src in self._module_pairs:
             for key, value in _plain_attrs(src).items():
-                if twin.__dict__.get(key, _plain_attrs) != value:
+                if twin.__dict__.get(key, _ABSENT) != value:
                     setattr(twin, key, value)
