@@ -21,7 +21,9 @@ from hybrid_engine.benchmarks.common import precision_config
 
 
 def engine_config(*, graphs: bool, max_out_tokens: int, batch_size: int, dtype: torch.dtype,
-                  lr: float = 1e-5, zero_stage: int = 0, inference_copy: bool = False) -> dict[str, Any]:
+                  lr: float = 1e-5, zero_stage: int = 0, inference_copy: bool | None = None) -> dict[str, Any]:
+    """``inference_copy`` ``None``: the key left out, so at ZeRO-3 graphs imply the gathered inference copy."""
+    copy = {} if inference_copy is None else {"zero3_gathered_inference_copy": inference_copy}
     return {
         "train_micro_batch_size_per_gpu": batch_size,
         "zero_optimization": {"stage": zero_stage, "stage3_param_persistence_threshold": 0},
@@ -29,13 +31,12 @@ def engine_config(*, graphs: bool, max_out_tokens: int, batch_size: int, dtype: 
         **precision_config(dtype),
         # ``enabled`` is left to follow the graphs: given explicitly it is DeepSpeed's switch, which also routes the
         # model's own generate and prints DeepSpeed's per-iteration latency line at every eval().
-        "hybrid_engine": {"max_out_tokens": max_out_tokens, "enable_graph_capture": graphs,
-                          "zero3_gathered_inference_copy": inference_copy},
+        "hybrid_engine": {"max_out_tokens": max_out_tokens, "enable_graph_capture": graphs, **copy},
     }
 
 
 def make_engine(model: torch.nn.Module, *, graphs: bool, max_out_tokens: int, batch_size: int,
-                dtype: torch.dtype, lr: float = 1e-5, zero_stage: int = 0, inference_copy: bool = False):
+                dtype: torch.dtype, lr: float = 1e-5, zero_stage: int = 0, inference_copy: bool | None = None):
     engine, *_ = initialize(
         model=model, optimizer=None,
         config=engine_config(graphs=graphs, max_out_tokens=max_out_tokens, batch_size=batch_size, dtype=dtype, lr=lr,

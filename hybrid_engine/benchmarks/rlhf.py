@@ -18,10 +18,11 @@ ranks (default 2; ``--zero-stage 0 --world-size N`` is DeepSpeed's plain data
 parallelism) that the bench starts on this machine over loopback, as
 torchrun would (:mod:`hybrid_engine.distributed.launch`); every rank runs the iteration on
 its own prompts (``--batch-size`` per rank) and rank 0 reports, with the token
-agreement summed over all ranks. Under ZeRO-3 graphs are refused (every
-parameter is partitioned here: ``stage3_param_persistence_threshold`` 0), so the
-"graph" column then measures the eager fallback, unless ``--zero3-inference-copy``
-generates on a gathered copy refreshed after each step (graphs allowed).
+agreement summed over all ranks. Under ZeRO-3 (every parameter partitioned here:
+``stage3_param_persistence_threshold`` 0) the graph side generates on the gathered
+inference copy its graph flag implies, refreshed after each step;
+``--no-zero3-inference-copy`` turns it off, and the "graph" column then measures
+the eager fallback on parameters gathered per call (graphs refused).
 
 Captures per iteration: ``engine.graph_stats.captures`` and
 ``capture_seconds`` are read just before and just after every generate, and
@@ -62,9 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "1-3: DeepSpeed ZeRO on --world-size ranks")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks started on this machine (default: 2 for --zero-stage 1-3, one process for 0)")
-    p.add_argument("--zero3-inference-copy", action="store_true",
+    p.add_argument("--zero3-inference-copy", action=argparse.BooleanOptionalAction, default=None,
                    help="with --zero-stage 3: generate on a gathered inference copy (graphs allowed; one full "
-                        "copy of the weights per rank)")
+                        "copy of the weights per rank). Default: what the config implies, the copy on the graph "
+                        "side; --no-zero3-inference-copy: none, eager decode on gathered parameters")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds before the ranks of --zero-stage 1-3 are killed (default 3600)")
 
@@ -160,13 +162,18 @@ def _summed_over_ranks(device: torch.device, *values: int) -> list[int]:
     return [int(v) for v in t]
 
 
+def _graph_side_copy(args: argparse.Namespace) -> bool:
+    """Whether the graph side generates on a gathered inference copy (ZeRO-3: implied unless turned off)."""
+    return args.zero_stage == 3 and args.zero3_inference_copy is not False
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.iterations < 1 or args.warmup < 1:
         raise UsageError("--warmup and --iterations must be >= 1 (the first warm-up call captures)")
     if args.world_size is not None and args.world_size < 1:
         raise UsageError("--world-size must be >= 1")
-    if args.zero3_inference_copy and args.zero_stage != 3:
-        raise UsageError("--zero3-inference-copy needs --zero-stage 3")
+    if args.zero3_inference_copy is not None and args.zero_stage != 3:
+        raise UsageError("--zero3-inference-copy / --no-zero3-inference-copy need --zero-stage 3")
     if not 0 < args.timeout < float("inf"):
         raise UsageError(f"--timeout must be a number of seconds > 0, got {args.timeout}")
     ranks = args.zero_stage > 0 or args.world_size is not None  # the bench starts ranks
@@ -213,7 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {"model": C.model_label(args), "dtype": C.dtype_name(dtype), "batch_size": args.batch_size,
                      "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "warmup": args.warmup,
                      "iterations": args.iterations, "lr": args.lr, "zero_stage": args.zero_stage,
-                     "zero3_inference_copy": args.zero3_inference_copy,
+                     "zero3_inference_copy": _graph_side_copy(args),
                      "world_size": world},
         "phases": {name: {"eager_ms": e, "graph_ms": g, "speedup": C.speedup(e, g)} for name, e, g in phases},
         "eager": eager, "graph": graph,
@@ -226,8 +233,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "eager_captures_per_iteration": eager["captures_per_iteration"]},
         "token_agreement": {"identical": same0, "total": total0},
         "token_agreement_all_iterations": {"identical": same_all, "total": total_all},
-        # ZeRO-3 without the inference copy refuses graphs by design (reported as such below).
-        "graph_side_problems": [] if args.zero_stage == 3 and not args.zero3_inference_copy else
+        # ZeRO-3 with the inference copy turned off refuses graphs by design (reported as such below).
+        "graph_side_problems": [] if args.zero_stage == 3 and args.zero3_inference_copy is False else
         [p for p in [C.graph_side_problem("graph mode", graph["graph"])] if p],
     }
     table = C.format_table(["phase", "eager", "graph", "speedup"], [
@@ -246,7 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            else "n/a (this backend reports no allocator statistics)")
     cap_s = graph["graph"].get("capture_seconds")
     refusal = graph["graph"].get("refusal")
-    copy = " with a gathered inference copy" if args.zero3_inference_copy else ""
+    copy = " with a gathered inference copy" if _graph_side_copy(args) else ""
     scale = (f"ZeRO stage {args.zero_stage}{copy} (DeepSpeed) on {world} ranks, batch {args.batch_size} per rank; "
              if ranks else "")
     text = (

@@ -362,3 +362,10 @@ def test_bench_handoff(tmp_path, capsys):
     assert [r["wakes"] for r in slept["iterations"]] == [0, 1] and slept["handoff"]["optimizer_wakes"] == 2
     # RssAnon during training: the 64 MiB pool is asleep in the phase mode, held in the plain run.
     assert d["training_memory_saved_mib"] >= 0.9 * 64
+
+
+@pytest.mark.parametrize("flag", ["--zero3-inference-copy", "--no-zero3-inference-copy"])
+def test_bench_rlhf_refuses_the_inference_copy_switch_below_zero_3(flag, capsys):
+    assert main(["bench", "rlhf", "--model", "tiny", flag]) == 2
+    err = capsys.readouterr().err
+    assert "need --zero-stage 3" in err and "Traceback" not in err

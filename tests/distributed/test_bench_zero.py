@@ -33,14 +33,16 @@ def run_bench(tmp_path, stage: int, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("stage,extra", [(0, ("--world-size", "2")), (2, ()), (3, ()), (3, ("--zero3-inference-copy",))])
+@pytest.mark.parametrize("stage,extra", [(0, ("--world-size", "2")), (2, ()), (3, ()), (3, ("--no-zero3-inference-copy",))])
 def test_bench_rlhf_zero_stage_runs_on_two_ranks(tmp_path, stage, extra):
     payload = run_bench(tmp_path, stage, *extra)
     assert payload["settings"]["zero_stage"] == stage and payload["settings"]["world_size"] == 2
     agreement = payload["token_agreement_all_iterations"]
     assert agreement["total"] == 2 * 2 * 6 * 2 and agreement["identical"] == agreement["total"]  # both ranks
     captures = payload["capture"]["captures"]
-    if stage == 3 and not extra:
+    # ZeRO-3: the graph flag implies the gathered inference copy, unless --no-zero3-inference-copy.
+    assert payload["settings"]["zero3_inference_copy"] == (stage == 3 and not extra)
+    if stage == 3 and extra:
         assert captures == 0 and "ZeRO stage 3" in payload["graph"]["graph"]["refusal"]
     else:
         assert captures >= 1 and payload["capture"]["captures_per_iteration"][1:] == [0]
