@@ -39,8 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybrid_engine.accelerator.memory import free_memory
 from hybrid_engine.config.loading import ConfigSource, load_config
-from hybrid_engine.config.schema import EngineConfig
+from hybrid_engine.config.schema import EngineConfig, HybridEngineConfig
 from hybrid_engine.distributed.deepspeed_import import REPLACES_DEEPSPEED_INITIALIZE, remember_initialize
 from hybrid_engine.distributed.inference_copy import InferenceCopy
 from hybrid_engine.distributed.world import rank, world_size
@@ -525,27 +526,53 @@ remember_initialize()  # DeepSpeed's own, if it is imported (and still its own)
 _NOT_SET = object()
 
 
+#: The most of the device's free memory a ZeRO-3 inference copy the config only implies may take: the rest is
+#: left to the K/V pool, activations and the training step. A copy asked for explicitly is built whatever it takes.
+IMPLIED_COPY_MAX_FREE_FRACTION = 0.5
+
+
 def _inference_copy(model: nn.Module, config: EngineConfig) -> InferenceCopy | None:
     """The ZeRO-3 gathered inference copy ``config`` asks for, or ``None``.
 
-    Implied by graph capture (the key not given) where no copy of this model can be built (a module tree that
-    cannot be deep-copied), the engine goes on without it: one warning, then generation gathers the parameters
-    and decodes eagerly. Asked for explicitly, that is an error.
+    Implied by graph capture (the key not given), the copy is built only where it takes at most
+    :data:`IMPLIED_COPY_MAX_FREE_FRACTION` of the device's free memory and where a copy of this model can be
+    built at all (a module tree that can be deep-copied). Otherwise the engine goes on without it: one warning,
+    then generation gathers the parameters and decodes eagerly. Asked for explicitly, it is built (or the
+    reason it cannot be is an error).
     """
     he = config.hybrid_engine
     if config.zero_optimization.stage != 3 or not he.zero3_gathered_inference_copy:
         return None
+    source = decode_model(model)
+    implied = "zero3_gathered_inference_copy" not in he.model_fields_set
+    if implied:
+        too_big = _copy_too_big(source)
+        if too_big is not None:
+            return _without_copy(he, too_big, "to true to build it anyway, or to false to silence this warning")
     try:
-        return InferenceCopy(decode_model(model))
+        return InferenceCopy(source)
     except ValueError as exc:
-        if "zero3_gathered_inference_copy" in he.model_fields_set:
+        if not implied:
             raise
-        he.zero3_gathered_inference_copy = False  # as if given: a reload must not imply it again; graphs refused
-        warnings.warn(f"graph capture at ZeRO stage 3 generates on a gathered inference copy, which cannot be built "
-                      f"here ({exc}); generation gathers the parameters and decodes eagerly instead. Set "
-                      "hybrid_engine.zero3_gathered_inference_copy to false to say so and silence this warning",
-                      UserWarning, stacklevel=user_stacklevel())
+        return _without_copy(he, str(exc), "to false to say so and silence this warning")
+
+
+def _copy_too_big(source: nn.Module) -> str | None:
+    """Why an implied copy of ``source`` would take too much of its device's free memory, or ``None``."""
+    tensors = [*source.parameters(), *source.buffers()]
+    need = sum(int(getattr(t, "ds_numel", t.numel())) * t.element_size() for t in tensors)
+    free = free_memory(tensors[0].device) if tensors else None
+    if free is None or need <= IMPLIED_COPY_MAX_FREE_FRACTION * free:
         return None
+    return (f"it would take {need / 2**30:.3g} GiB, more than {IMPLIED_COPY_MAX_FREE_FRACTION:.0%} of the "
+            f"{free / 2**30:.3g} GiB free on {tensors[0].device}")
+
+
+def _without_copy(he: HybridEngineConfig, reason: str, fix: str) -> None:
+    he.zero3_gathered_inference_copy = False  # as if given: a reload must not imply it again; graphs refused
+    warnings.warn(f"graph capture at ZeRO stage 3 generates on a gathered inference copy, which is not built here "
+                  f"({reason}); generation gathers the parameters and decodes eagerly instead. Set "
+                  f"hybrid_engine.zero3_gathered_inference_copy {fix}", UserWarning, stacklevel=user_stacklevel())
 
 
 def _data_parallel_ranks(mpu: Any) -> int:

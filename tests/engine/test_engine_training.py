@@ -379,6 +379,42 @@ def test_the_zero3_inference_copy_key_below_stage_3_warns_and_changes_nothing():
     assert engine.inference_module is model
 
 
+@pytest.mark.parametrize("given", [None, True])
+def test_an_implied_zero3_copy_is_built_only_where_it_fits_half_the_free_memory(monkeypatch, given):
+    """The copy decision itself, on an unpartitioned model (a copy of one is the same mechanism: ZeRO-3 proper in
+    tests/distributed/test_one_process_zero.py). Free memory is hardware state: the probe is replaced."""
+    import hybrid_engine.engine as engine_module
+    from hybrid_engine.config.loading import load_config
+    from hybrid_engine.distributed.inference_copy import InferenceCopy
+    from hybrid_engine.graphs.policy import validate_graph_capture_support
+
+    model = build_model("tiny-gpt2")
+    need = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    copy_key = {} if given is None else {"zero3_gathered_inference_copy": given}
+
+    def decide(free):
+        monkeypatch.setattr(engine_module, "free_memory", lambda device: free)  # test double: free device memory
+        config = load_config({"zero_optimization": {"stage": 3},
+                              "hybrid_engine": {"enable_graph_capture": True, **copy_key}})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            built = engine_module._inference_copy(model, config)
+        return built, config, [str(w.message) for w in caught]
+
+    for free in (2 * need, None):  # fits in half of it; unknown free memory: built
+        built, config, caught = decide(free)
+        assert isinstance(built, InferenceCopy) and config.hybrid_engine.zero3_gathered_inference_copy and not caught
+    built, config, caught = decide(2 * need - 1)  # just over half of it
+    if given:  # asked for: built whatever it takes
+        assert isinstance(built, InferenceCopy) and not caught
+        return
+    assert built is None and len(caught) == 1
+    assert "more than 50% of the" in caught[0] and "GiB free on cpu" in caught[0] and "to true" in caught[0]
+    # Taken back as if given: a reload keeps graphs refused, so generation decodes eagerly on gathered weights.
+    assert not config.hybrid_engine.zero3_gathered_inference_copy
+    assert "ZeRO stage 3" in validate_graph_capture_support(config)
+
+
 def test_destroy_releases_the_graphs_and_a_stage_0_engine_still_works():
     engine, *_ = initialize(model=build_model("tiny-gpt2"), config={"hybrid_engine": {"enable_graph_capture": True}})
     ids = batch()["input_ids"]
