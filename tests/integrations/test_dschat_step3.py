@@ -104,10 +104,15 @@ def test_generate_is_routed_only_while_the_engine_lives_and_delegation_reaches_t
     assert model.generate.__func__ is type(model).generate
 
 
-def test_graphs_without_the_hybrid_engine_switch_leave_the_models_generate_alone():
-    """Only ``hybrid_engine.enabled: true`` given explicitly (DeepSpeed's switch) routes the model's generate."""
+@pytest.mark.parametrize("as_object", [False, True])
+def test_graphs_without_the_hybrid_engine_switch_leave_the_models_generate_alone(as_object):
+    """Only ``hybrid_engine.enabled: true`` given explicitly (DeepSpeed's switch) routes the model's generate, also
+    when the config comes as an ``EngineConfig`` object (re-validated: ``enabled`` stays implied, not given)."""
+    from hybrid_engine.config.loading import load_config
+
     model = build_model("tiny-opt", seed=1)
-    engine, *_ = hybrid_engine.initialize(model=model, config={"hybrid_engine": {"enable_graph_capture": True}})
+    config = {"hybrid_engine": {"enable_graph_capture": True}}
+    engine, *_ = hybrid_engine.initialize(model=model, config=load_config(config) if as_object else config)
     assert "generate" not in model.__dict__ and engine.config.hybrid_engine.enabled
 
 
