@@ -28,13 +28,13 @@ Graph-safety invariants:
 from __future__ import annotations
 
 import collections
-import os
 import threading
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
 
+from hybrid_engine.accelerator.memory import device_memory
 from hybrid_engine.decode import kv_storage
 
 __all__ = ["DEFAULT_PAGE_SIZE", "MAX_PAGE_SIZE", "NULL_PAGE", "HeldPages", "KVBudget", "KVPool", "LayerSpec",
@@ -414,24 +414,6 @@ class KVBudget(NamedTuple):
 
 #: Host bytes the page ledger keeps per page (a free-list entry, its int and a reference count).
 LEDGER_BYTES_PER_PAGE = 48
-
-
-def device_memory(device: torch.device | str) -> int | None:
-    """Bytes of memory ``device`` has in all, or ``None`` where unknown: the host's physical memory for the CPU,
-    the total ``torch.<type>.mem_get_info`` reports for an accelerator (CUDA, XPU, NPU...)."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        try:
-            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (AttributeError, OSError, ValueError):  # no sysconf (Windows) or no such name
-            return None
-    info = getattr(getattr(torch, device.type, None), "mem_get_info", None)
-    if not callable(info):
-        return None
-    try:
-        return int(info(device)[1])
-    except (RuntimeError, TypeError, ValueError, AssertionError):  # no such device here, or a stub without one
-        return None
 
 
 def _size(nbytes: int) -> str:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from hybrid_engine.accelerator.memory import free_memory
-from hybrid_engine.decode.kv_pool import device_memory
+from hybrid_engine.accelerator.memory import device_memory, free_memory
 
 
 def test_the_host_reports_what_it_can_allocate_within_what_it_has():
