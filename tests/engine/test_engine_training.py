@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 import sys
 import warnings
 
@@ -483,6 +484,12 @@ def test_fp16_at_zero_is_refused_by_name_where_deepspeeds_accelerator_lacks_it(m
     from deepspeed.accelerator import get_accelerator
 
     monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: False)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        # Recorded as they are (set, then put back), so the one-rank launcher variables initialize fills in go at
+        # teardown: a later test's subprocess must not inherit them.
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+        if name not in os.environ or not os.environ[name]:
+            monkeypatch.delenv(name)
     fp16 = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True}, "optimizer": {"type": "AdamW"},
             "zero_optimization": {"stage": 1}}
     with pytest.raises(ValueError, match="fp16.enabled: DeepSpeed's cpu accelerator does not support fp16.*bf16"):
