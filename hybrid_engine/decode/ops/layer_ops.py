@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from hybrid_engine.decode.ops.define import define_op
-from hybrid_engine.decode.ops.probe import failure, probe_device, refuse_while_capturing, warn_fallback
+from hybrid_engine.decode.ops.probe import failure, first_serving, probe_device, refuse_while_capturing
 
 __all__ = ["add_rms_norm", "implementation", "reference_add_rms_norm", "reference_rms_norm", "reference_rotary_qk",
            "reference_silu_mul", "rms_norm", "rotary_qk", "silu_mul"]
@@ -183,15 +183,7 @@ def _disagreement(impl: _Impl, device: torch.device) -> str | None:
 @functools.lru_cache(maxsize=16)
 def _probe(device: torch.device) -> str:
     refuse_while_capturing("layer_ops", device)
-    for name, build in _CANDIDATES.items():
-        impl = build()
-        if impl is None:
-            continue
-        reason = _disagreement(impl, device)
-        if reason is None:
-            return name
-        warn_fallback("layer_ops", device, name, reason)
-    return "reference"
+    return first_serving("layer_ops", device, _CANDIDATES, lambda name, impl: _disagreement(impl, device))
 
 
 def implementation(device: torch.device | str) -> str:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_engine.decode.ops.define import define_op
-from hybrid_engine.decode.ops.probe import failure, probe_device, refuse_while_capturing, warn_fallback
+from hybrid_engine.decode.ops.probe import failure, first_serving, probe_device, refuse_while_capturing
 
 __all__ = ["PAGED_ATTENTION", "PagedRead", "implementation", "paged_attention_forward", "paged_decode_attention",
            "reference_attention"]
@@ -124,15 +124,8 @@ def _disagreement(run, device: torch.device, dtype: torch.dtype, page: int, tol:
 def _probe(device: torch.device) -> str:
     """The first candidate whose kernel runs on ``device`` and agrees with the reference, else ``"reference"``."""
     refuse_while_capturing("paged_attention", device)
-    for name, build in _CANDIDATES.items():
-        run = build()
-        if run is None:
-            continue
-        reason = _disagreement(run, device, *_PROBES[name])
-        if reason is None:
-            return name
-        warn_fallback("paged_attention", device, name, reason)
-    return "reference"
+    return first_serving("paged_attention", device, _CANDIDATES,
+                         lambda name, run: _disagreement(run, device, *_PROBES[name]))
 
 
 def implementation(device: torch.device | str) -> str:

@@ -16,13 +16,15 @@ expected answer and says nothing.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from hybrid_engine.accelerator import is_capturing
 from hybrid_engine.user_warnings import user_stacklevel
 
-__all__ = ["KERNEL_DEVICES", "failure", "probe_device", "refuse_while_capturing", "warn_fallback"]
+__all__ = ["KERNEL_DEVICES", "failure", "first_serving", "probe_device", "refuse_while_capturing", "warn_fallback"]
 
 #: The device types each kind of kernel is built for. Only whether a refusal is news (a warning) reads it; which
 #: implementation runs is always the probe's answer.
@@ -62,3 +64,18 @@ def warn_fallback(module: str, device: torch.device, candidate: str, reason: str
 def failure(exc: BaseException) -> str:
     """A probe's reason for an exception: its type and first line."""
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
+def first_serving(module: str, device: torch.device, candidates: Mapping[str, Callable[[], Any]],
+                  disagreement: Callable[[str, Any], str | None]) -> str:
+    """The name of the first candidate whose build is not ``None`` and whose ``disagreement(name, built)`` is
+    ``None`` on ``device``, else ``"reference"``; each one refused is passed to :func:`warn_fallback`."""
+    for name, build in candidates.items():
+        built = build()
+        if built is None:
+            continue
+        reason = disagreement(name, built)
+        if reason is None:
+            return name
+        warn_fallback(module, device, name, reason)
+    return "reference"
